@@ -1,0 +1,85 @@
+"""Every exception kvevents raises.
+
+::
+
+    KVEventsError
+    ├── LayoutError (also ValueError)     an endpoint or rank layout breaks a rule (.endpoint, .rank, .rule)
+    ├── DecodeError (also ValueError)     a message cannot be read at all (.seq, .path)
+    ├── PublisherError
+    │   ├── BindError                     a socket could not bind (.endpoint, .rank, .role)
+    │   └── PublisherClosed               publish() after shutdown(): you closed it
+    └── SubscriberError
+        └── SubscriberClosed              the subscriber was closed: you closed it
+
+Invalid configuration raises ``pydantic.ValidationError`` (a ``ValueError``) naming the field.
+Losses (dropped batches, skipped events, gaps) are never exceptions: they are counted in the
+``stats()`` records.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BindError",
+    "DecodeError",
+    "KVEventsError",
+    "LayoutError",
+    "PublisherClosed",
+    "PublisherError",
+    "SubscriberClosed",
+    "SubscriberError",
+]
+
+
+class KVEventsError(Exception):
+    """Base class of every kvevents exception."""
+
+
+class LayoutError(KVEventsError, ValueError):
+    """An endpoint, or the layout of endpoints over ranks, breaks a rule."""
+
+    def __init__(self, message: str, *, endpoint: str, rank: int | None, rule: str) -> None:
+        super().__init__(message)
+        self.endpoint = endpoint
+        self.rank = rank
+        self.rule = rule
+
+
+class DecodeError(KVEventsError, ValueError):
+    """A message (not just one event of it) cannot be decoded.
+
+    ``seq`` is the sequence number of the message when known; ``path`` says where in the
+    message the problem is, e.g. ``"$[1]"`` for the events array of a batch.
+    """
+
+    def __init__(self, message: str, *, seq: int | None = None, path: str = "$") -> None:
+        where = f"at {path}" if seq is None else f"at {path} of seq {seq}"
+        super().__init__(f"{message} ({where})")
+        self.reason = message
+        self.seq = seq
+        self.path = path
+
+
+class PublisherError(KVEventsError):
+    """A publisher failed."""
+
+
+class BindError(PublisherError):
+    """A publisher socket could not bind its endpoint."""
+
+    def __init__(self, message: str, *, endpoint: str, rank: int, role: str) -> None:
+        super().__init__(message)
+        self.endpoint = endpoint
+        self.rank = rank
+        self.role = role
+
+
+class PublisherClosed(PublisherError):
+    """The publisher was shut down by its owner and accepts no more batches."""
+
+
+class SubscriberError(KVEventsError):
+    """A subscriber failed."""
+
+
+class SubscriberClosed(SubscriberError):
+    """The subscriber was closed by its owner."""

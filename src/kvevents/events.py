@@ -1,0 +1,79 @@
+"""The wire schema: one home for the event and batch structs (WIRE.md section 2).
+
+Consumers import these; nobody copies them. Tags are explicit strings, so renaming a class
+never changes bytes. New fields go at the end with defaults.
+
+Encoding rules pinned by golden-bytes tests:
+
+- events are msgpack maps whose ``"type"`` key holds the tag, keys in declaration order;
+- the always-present keys (``parent_block_hash``, ``lora_id``, ``medium``, ``lora_name``) are
+  written even when nil, because vLLM-typed decoders reject a map without them;
+- optional keys (``extra_keys``, ``group_idx``, ``kv_cache_spec_*``) default to ``UNSET`` and
+  are omitted until set;
+- a batch is a 3-element array ``[ts, events, data_parallel_rank]``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeAlias
+
+import msgspec
+from msgspec import UNSET, UnsetType
+
+__all__ = [
+    "UNSET",
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
+    "Event",
+    "KVEventBatch",
+    "UnsetType",
+]
+
+
+class BlockStored(msgspec.Struct, tag="BlockStored", tag_field="type", kw_only=True, frozen=True):
+    """New full blocks entered the cache.
+
+    ``block_hashes`` are the engine's hashes in token order; ``parent_block_hash`` is the hash
+    of the block before ``block_hashes[0]`` (None when the run starts at token 0);
+    ``token_ids`` holds ``block_size * len(block_hashes)`` ids.
+    """
+
+    block_hashes: list[int]
+    parent_block_hash: int | None = None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list[Any] | UnsetType | None = UNSET
+    group_idx: int | UnsetType = UNSET
+    kv_cache_spec_kind: str | UnsetType = UNSET
+    kv_cache_spec_sliding_window: int | UnsetType = UNSET
+
+
+class BlockRemoved(msgspec.Struct, tag="BlockRemoved", tag_field="type", kw_only=True, frozen=True):
+    """Blocks left the cache (``medium``: the tier they left, None for the default tier)."""
+
+    block_hashes: list[int]
+    medium: str | None = None
+    group_idx: int | UnsetType = UNSET
+
+
+class AllBlocksCleared(msgspec.Struct, tag="AllBlocksCleared", tag_field="type", frozen=True):
+    """The whole cache was reset."""
+
+
+Event: TypeAlias = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class KVEventBatch(msgspec.Struct, array_like=True, frozen=True):
+    """One engine step's events on one rank: ``[ts, events, data_parallel_rank]`` on the wire.
+
+    ``ts`` is seconds since the epoch when the step built the batch. An empty ``events`` list
+    is a heartbeat.
+    """
+
+    ts: float
+    events: list[Event]
+    data_parallel_rank: int | None = None

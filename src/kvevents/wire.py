@@ -1,0 +1,326 @@
+"""Frames and the tolerant decoder (WIRE.md sections 2 and 3). Pure functions, no sockets.
+
+Live message: ``[topic, seq (8 bytes, big-endian), payload]``.
+Replay request (as a DEALER sends it): ``[b"", start_seq]``.
+Replay reply (as a DEALER receives it): ``[b"", topic, seq, payload]`` per batch, or the
+3-frame ``[b"", seq, payload]`` of older servers, then the end marker
+``[b"", b"", 0xFF * 8, b""]``.
+
+:func:`decode_batch` reads every variant peers emit: map and array events in one stream,
+missing and unknown keys, unknown tags, signed/unsigned/bytes hashes, 2- to n-element batches.
+A malformed event costs only itself (it is skipped and reported); a malformed message raises
+:class:`~kvevents.errors.DecodeError` saying what and where.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from .errors import DecodeError
+from .events import AllBlocksCleared, BlockRemoved, BlockStored, Event, KVEventBatch
+
+__all__ = [
+    "END_SEQ",
+    "DecodedBatch",
+    "LiveMessage",
+    "ReplayMessage",
+    "SkippedEvent",
+    "decode_batch",
+    "encode_batch",
+    "live_frames",
+    "pack_seq",
+    "parse_live",
+    "parse_replay_reply",
+    "parse_replay_request",
+    "replay_end_frames",
+    "replay_reply_frames",
+    "replay_request_frames",
+    "unpack_seq",
+]
+
+#: Sequence number reserved for the end-of-replay marker; no live batch carries it.
+END_SEQ = 0xFFFFFFFFFFFFFFFF
+_END_SEQ_BYTES = b"\xff" * 8
+_MIN_HASH = -(2**63)
+_MAX_HASH = 2**64 - 1
+
+_encoder = msgspec.msgpack.Encoder()
+_batch_decoder = msgspec.msgpack.Decoder(KVEventBatch)
+_any_decoder = msgspec.msgpack.Decoder()
+
+
+# --------------------------------------------------------------------------- frames
+
+
+def pack_seq(seq: int) -> bytes:
+    """A sequence number as its 8-byte big-endian frame."""
+    return seq.to_bytes(8, "big")
+
+
+def unpack_seq(frame: bytes, *, path: str = "seq") -> int:
+    """Read an 8-byte big-endian sequence frame; :class:`DecodeError` for any other length."""
+    if len(frame) != 8:
+        raise DecodeError(f"sequence frame has {len(frame)} bytes, expected 8", path=path)
+    return int.from_bytes(frame, "big")
+
+
+def encode_batch(batch: KVEventBatch) -> bytes:
+    """The msgpack payload of a batch, exactly as the wire contract pins it."""
+    return _encoder.encode(batch)
+
+
+def live_frames(topic: bytes, seq: int, payload: bytes) -> list[bytes]:
+    """The three frames of one live message."""
+    return [topic, pack_seq(seq), payload]
+
+
+@dataclass(frozen=True)
+class LiveMessage:
+    """One live message: the topic frame, its sequence number and the raw payload."""
+
+    topic: bytes
+    seq: int
+    payload: bytes
+
+
+def parse_live(frames: Sequence[bytes]) -> LiveMessage:
+    """Split a live message; exactly three frames with an 8-byte sequence."""
+    if len(frames) != 3:
+        raise DecodeError(f"live message has {len(frames)} frames, expected 3", path="frames")
+    seq = unpack_seq(frames[1], path="frames[1]")
+    return LiveMessage(topic=bytes(frames[0]), seq=seq, payload=bytes(frames[2]))
+
+
+def replay_request_frames(start_seq: int) -> list[bytes]:
+    """What a DEALER sends to ask for every buffered batch with ``seq >= start_seq``."""
+    return [b"", pack_seq(start_seq)]
+
+
+def parse_replay_request(frames: Sequence[bytes]) -> int:
+    """The start sequence of a request, given the frames after the ROUTER identity."""
+    if len(frames) == 2 and frames[0] == b"":
+        return unpack_seq(frames[1], path="request[1]")
+    if len(frames) == 1:  # a client that skipped the empty delimiter
+        return unpack_seq(frames[0], path="request[0]")
+    raise DecodeError(
+        f"replay request has {len(frames)} frames, expected [b'', seq]", path="request"
+    )
+
+
+def replay_reply_frames(topic: bytes, seq: int, payload: bytes) -> list[bytes]:
+    """One replayed batch as the DEALER receives it (the server prepends the identity)."""
+    return [b"", topic, pack_seq(seq), payload]
+
+
+def replay_end_frames() -> list[bytes]:
+    """The end-of-replay marker as the DEALER receives it."""
+    return [b"", b"", _END_SEQ_BYTES, b""]
+
+
+@dataclass(frozen=True)
+class ReplayMessage:
+    """One reply message; ``topic`` is None for 3-frame servers, ``is_end`` for the marker."""
+
+    seq: int
+    payload: bytes
+    topic: bytes | None
+
+    @property
+    def is_end(self) -> bool:
+        """True for the end-of-replay marker."""
+        return self.seq == END_SEQ
+
+
+def parse_replay_reply(frames: Sequence[bytes]) -> ReplayMessage:
+    """Read a 4-frame or a legacy 3-frame reply: seq second-to-last, payload last."""
+    if len(frames) not in (3, 4) or frames[0] != b"":
+        raise DecodeError(
+            f"replay reply has {len(frames)} frames, expected [b'', topic?, seq, payload]",
+            path="reply",
+        )
+    seq = unpack_seq(frames[-2], path=f"reply[{len(frames) - 2}]")
+    topic = bytes(frames[1]) if len(frames) == 4 else None
+    return ReplayMessage(seq=seq, payload=bytes(frames[-1]), topic=topic)
+
+
+# --------------------------------------------------------------------------- decoding
+
+
+@dataclass(frozen=True)
+class SkippedEvent:
+    """An event the decoder could not read: where it was and why."""
+
+    index: int
+    path: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class DecodedBatch:
+    """A decoded batch plus the events that had to be skipped to read it."""
+
+    batch: KVEventBatch
+    skipped: tuple[SkippedEvent, ...] = ()
+
+
+class _Skip(Exception):
+    def __init__(self, path: str, reason: str) -> None:
+        super().__init__(reason)
+        self.path = path
+        self.reason = reason
+
+
+def decode_batch(payload: bytes, *, seq: int | None = None) -> DecodedBatch:
+    """Decode one batch payload of any known variant.
+
+    Well-formed map-form batches take a single typed msgspec pass; anything else falls back to
+    a generic decode and reads each event on its own, skipping the ones it cannot read.
+    """
+    try:
+        return DecodedBatch(_batch_decoder.decode(payload))
+    except msgspec.DecodeError:
+        pass
+    try:
+        obj = _any_decoder.decode(payload)
+    except msgspec.DecodeError as exc:
+        raise DecodeError(f"payload is not msgpack: {exc}", seq=seq) from None
+    return _decode_generic(obj, seq)
+
+
+def _decode_generic(obj: Any, seq: int | None) -> DecodedBatch:
+    if not isinstance(obj, list) or len(obj) < 2:
+        raise DecodeError("batch is not an array [ts, events, rank?]", seq=seq)
+    ts, raw_events = obj[0], obj[1]
+    if isinstance(ts, bool) or not isinstance(ts, (int, float)):
+        raise DecodeError(f"ts is {type(ts).__name__}, expected a number", seq=seq, path="$[0]")
+    if not isinstance(raw_events, list):
+        raise DecodeError(
+            f"events is {type(raw_events).__name__}, expected an array", seq=seq, path="$[1]"
+        )
+    rank = obj[2] if len(obj) > 2 else None
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)):
+        raise DecodeError(
+            f"data_parallel_rank is {type(rank).__name__}, expected int or nil",
+            seq=seq,
+            path="$[2]",
+        )
+    events: list[Event] = []
+    skipped: list[SkippedEvent] = []
+    for index, raw in enumerate(raw_events):
+        path = f"$[1][{index}]"
+        try:
+            events.append(_event(raw, path))
+        except _Skip as skip:
+            skipped.append(SkippedEvent(index=index, path=skip.path, reason=skip.reason))
+    batch = KVEventBatch(ts=float(ts), events=events, data_parallel_rank=rank)
+    return DecodedBatch(batch, tuple(skipped))
+
+
+# Positional field names of array-form events, by tag (the longest era; older ones are
+# prefixes). SGLang puts a metadata map where vLLM has lora_name: decided by type below.
+_STORED_FIELDS = (
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "medium",
+    "lora_name",
+    "extra_keys",
+    "group_idx",
+    "kv_cache_spec_kind",
+    "kv_cache_spec_sliding_window",
+)
+_REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
+_FIELDS = {"BlockStored": _STORED_FIELDS, "BlockRemoved": _REMOVED_FIELDS, "AllBlocksCleared": ()}
+
+
+def _event(raw: Any, path: str) -> Event:
+    if isinstance(raw, dict):
+        tag = raw.get("type")
+        fields = raw
+    elif isinstance(raw, list) and raw:
+        tag = raw[0]
+        names = _FIELDS.get(tag) if isinstance(tag, str) else None
+        fields = dict(zip(names or (), raw[1:], strict=False))
+    else:
+        raise _Skip(path, f"event is {type(raw).__name__}, expected a map or a tagged array")
+    if tag == "BlockStored":
+        return _stored(fields, path)
+    if tag == "BlockRemoved":
+        return BlockRemoved(
+            block_hashes=_hashes(fields, path),
+            medium=_opt_str(fields.get("medium")),
+            group_idx=_opt_int(fields, "group_idx", path),
+        )
+    if tag == "AllBlocksCleared":
+        return AllBlocksCleared()
+    raise _Skip(path, f"unknown event tag {tag!r}")
+
+
+def _stored(fields: dict[str, Any], path: str) -> BlockStored:
+    token_ids = fields.get("token_ids")
+    if not isinstance(token_ids, list) or not all(_is_int(t) for t in token_ids):
+        raise _Skip(f"{path}.token_ids", "token_ids must be a list of ints")
+    block_size: Any = fields.get("block_size")
+    if not _is_int(block_size) or block_size <= 0:
+        raise _Skip(f"{path}.block_size", f"block_size must be a positive int, got {block_size!r}")
+    parent = fields.get("parent_block_hash")
+    lora_id = fields.get("lora_id")
+    extra: Any = fields.get("extra_keys", msgspec.UNSET)
+    kind = fields.get("kv_cache_spec_kind")
+    window = _opt_int(fields, "kv_cache_spec_sliding_window", path)
+    return BlockStored(
+        block_hashes=_hashes(fields, path),
+        parent_block_hash=None if parent is None else _hash(parent, f"{path}.parent_block_hash"),
+        token_ids=token_ids,
+        block_size=block_size,
+        lora_id=lora_id if _is_int(lora_id) else None,
+        medium=_opt_str(fields.get("medium")),
+        # SGLang's salted array stores carry a metadata map here instead of a name.
+        lora_name=_opt_str(fields.get("lora_name")),
+        extra_keys=extra if extra is msgspec.UNSET or isinstance(extra, list) else None,
+        group_idx=_opt_int(fields, "group_idx", path),
+        kv_cache_spec_kind=kind if isinstance(kind, str) else msgspec.UNSET,
+        kv_cache_spec_sliding_window=window,
+    )
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _opt_str(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def _opt_int(fields: dict[str, Any], key: str, path: str) -> Any:
+    value = fields.get(key)
+    if value is None:
+        return msgspec.UNSET
+    if not _is_int(value):
+        raise _Skip(f"{path}.{key}", f"{key} must be an int, got {type(value).__name__}")
+    return value
+
+
+def _hashes(fields: dict[str, Any], path: str) -> list[int]:
+    raw = fields.get("block_hashes")
+    if not isinstance(raw, list):
+        raise _Skip(f"{path}.block_hashes", "block_hashes must be a list")
+    return [_hash(h, f"{path}.block_hashes[{i}]") for i, h in enumerate(raw)]
+
+
+def _hash(value: Any, path: str) -> int:
+    if _is_int(value):
+        if _MIN_HASH <= value <= _MAX_HASH:
+            return int(value)
+        raise _Skip(path, "hash outside the signed/unsigned 64-bit range")
+    if isinstance(value, (bytes, bytearray)) and value:
+        # A digest (vLLM with int hashes off sends 32 bytes). Its last 8 bytes, big-endian,
+        # are exactly the integer vLLM sends for the same block in int mode.
+        return int.from_bytes(bytes(value[-8:]), "big")
+    raise _Skip(path, f"hash is {type(value).__name__}, expected int or bytes")

@@ -1,0 +1,1 @@
+"""Shared fixtures: see kvevents.testing for the public ones."""
