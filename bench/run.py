@@ -1,0 +1,85 @@
+"""Run every bench/bench_*.py module, print the figures and record them in bench/RESULTS.md.
+
+Each module defines ``run() -> list[Row]``. ``python bench/run.py [name ...]`` runs a subset.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import os
+import platform
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from harness import Row  # noqa: E402
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import msgspec
+    import zmq
+
+    return (
+        f"{cpu}, {os.cpu_count()} cores, {platform.system()} {platform.release()}, "
+        f"Python {platform.python_version()}, pyzmq {zmq.__version__} (libzmq {zmq.zmq_version()}), "
+        f"msgspec {msgspec.__version__}"
+    )
+
+
+def fmt(value: float | None) -> str:
+    if value is None:
+        return ""
+    if value >= 100:
+        return f"{value:,.0f}"
+    if value >= 1:
+        return f"{value:.2f}"
+    return f"{value:.3g}"
+
+
+def render(rows: list[Row], header: str) -> str:
+    out = [header, ""]
+    section = None
+    for row in rows:
+        if row.section != section:
+            section = row.section
+            out += ["", f"### {section}", ""]
+            out.append("| case | metric | value | baseline | ratio | target |")
+            out.append("|---|---|---|---|---|---|")
+        base = f"{fmt(row.baseline)} ({row.baseline_name})" if row.baseline is not None else ""
+        ratio = f"{row.ratio:.2f}x" if row.ratio is not None else ""
+        out.append(
+            f"| {row.case} | {row.metric} | {fmt(row.value)} {row.unit} | {base} | {ratio} | {row.target} |"
+        )
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str]) -> int:
+    names = argv or sorted(p.stem[len("bench_") :] for p in HERE.glob("bench_*.py"))
+    rows: list[Row] = []
+    for name in names:
+        print(f"== bench_{name}", flush=True)
+        module = importlib.import_module(f"bench_{name}")
+        got = module.run()
+        rows += got
+        print(render(got, ""), flush=True)
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    header = f"# Benchmark results\n\nRecorded {stamp} by `make bench` on: {machine()}."
+    if not argv:
+        (HERE / "RESULTS.md").write_text(render(rows, header))
+        print(f"recorded in {HERE / 'RESULTS.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
