@@ -45,12 +45,45 @@ __all__ = [
 #: Sequence number reserved for the end-of-replay marker; no live batch carries it.
 END_SEQ = 0xFFFFFFFFFFFFFFFF
 _END_SEQ_BYTES = b"\xff" * 8
-_MIN_HASH = -(2**63)
-_MAX_HASH = 2**64 - 1
 
 _encoder = msgspec.msgpack.Encoder()
 _batch_decoder = msgspec.msgpack.Decoder(KVEventBatch)
 _any_decoder = msgspec.msgpack.Decoder()
+
+
+# Typed shapes of the array-form events (vLLM up to 0.23, SGLang before its map change).
+# Older eras are prefixes of the newest, so every trailing field has a default.
+class _ArrayStored(msgspec.Struct, tag="BlockStored", array_like=True):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+
+
+class _ArrayRemoved(msgspec.Struct, tag="BlockRemoved", array_like=True):
+    block_hashes: list[int]
+    medium: str | None = None
+    group_idx: int | None = None
+
+
+class _ArrayCleared(msgspec.Struct, tag="AllBlocksCleared", array_like=True):
+    pass
+
+
+class _ArrayBatch(msgspec.Struct, array_like=True):
+    ts: float
+    events: list[_ArrayStored | _ArrayRemoved | _ArrayCleared]
+    data_parallel_rank: int | None = None
+
+
+_array_decoder = msgspec.msgpack.Decoder(_ArrayBatch)
 
 
 # --------------------------------------------------------------------------- frames
@@ -185,10 +218,47 @@ def decode_batch(payload: bytes, *, seq: int | None = None) -> DecodedBatch:
     except msgspec.DecodeError:
         pass
     try:
+        return DecodedBatch(_from_array_batch(_array_decoder.decode(payload)))
+    except msgspec.DecodeError:
+        pass
+    try:
         obj = _any_decoder.decode(payload)
     except msgspec.DecodeError as exc:
         raise DecodeError(f"payload is not msgpack: {exc}", seq=seq) from None
     return _decode_generic(obj, seq)
+
+
+def _unset_if_none(value: Any) -> Any:
+    return msgspec.UNSET if value is None else value
+
+
+def _from_array_event(event: _ArrayStored | _ArrayRemoved | _ArrayCleared) -> Event:
+    if isinstance(event, _ArrayStored):
+        return BlockStored(
+            block_hashes=event.block_hashes,
+            parent_block_hash=event.parent_block_hash,
+            token_ids=event.token_ids,
+            block_size=event.block_size,
+            lora_id=event.lora_id,
+            medium=event.medium,
+            lora_name=event.lora_name,
+            extra_keys=_unset_if_none(event.extra_keys),
+            group_idx=_unset_if_none(event.group_idx),
+            kv_cache_spec_kind=_unset_if_none(event.kv_cache_spec_kind),
+            kv_cache_spec_sliding_window=_unset_if_none(event.kv_cache_spec_sliding_window),
+        )
+    if isinstance(event, _ArrayRemoved):
+        return BlockRemoved(
+            block_hashes=event.block_hashes,
+            medium=event.medium,
+            group_idx=_unset_if_none(event.group_idx),
+        )
+    return AllBlocksCleared()
+
+
+def _from_array_batch(raw: _ArrayBatch) -> KVEventBatch:
+    events = [_from_array_event(event) for event in raw.events]
+    return KVEventBatch(ts=raw.ts, events=events, data_parallel_rank=raw.data_parallel_rank)
 
 
 def _decode_generic(obj: Any, seq: int | None) -> DecodedBatch:
@@ -263,15 +333,16 @@ def _event(raw: Any, path: str) -> Event:
 
 
 def _stored(fields: dict[str, Any], path: str) -> BlockStored:
-    token_ids = fields.get("token_ids")
-    if not isinstance(token_ids, list) or not all(_is_int(t) for t in token_ids):
-        raise _Skip(f"{path}.token_ids", "token_ids must be a list of ints")
+    try:
+        token_ids = msgspec.convert(fields.get("token_ids"), list[int], strict=True)
+    except msgspec.ValidationError:
+        raise _Skip(f"{path}.token_ids", "token_ids must be a list of ints") from None
     block_size: Any = fields.get("block_size")
     if not _is_int(block_size) or block_size <= 0:
         raise _Skip(f"{path}.block_size", f"block_size must be a positive int, got {block_size!r}")
     parent = fields.get("parent_block_hash")
     lora_id = fields.get("lora_id")
-    extra: Any = fields.get("extra_keys", msgspec.UNSET)
+    extra: Any = _unset_if_none(fields.get("extra_keys"))
     kind = fields.get("kv_cache_spec_kind")
     window = _opt_int(fields, "kv_cache_spec_sliding_window", path)
     return BlockStored(
@@ -311,14 +382,16 @@ def _hashes(fields: dict[str, Any], path: str) -> list[int]:
     raw = fields.get("block_hashes")
     if not isinstance(raw, list):
         raise _Skip(f"{path}.block_hashes", "block_hashes must be a list")
+    try:  # the common case, at C speed; bytes hashes take the loop below
+        return msgspec.convert(raw, list[int], strict=True)
+    except msgspec.ValidationError:
+        pass
     return [_hash(h, f"{path}.block_hashes[{i}]") for i, h in enumerate(raw)]
 
 
 def _hash(value: Any, path: str) -> int:
-    if _is_int(value):
-        if _MIN_HASH <= value <= _MAX_HASH:
-            return int(value)
-        raise _Skip(path, "hash outside the signed/unsigned 64-bit range")
+    if _is_int(value):  # msgpack cannot carry ints outside the int64/uint64 range
+        return int(value)
     if isinstance(value, (bytes, bytearray)) and value:
         # A digest (vLLM with int hashes off sends 32 bytes). Its last 8 bytes, big-endian,
         # are exactly the integer vLLM sends for the same block in int mode.
