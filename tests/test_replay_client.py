@@ -97,7 +97,7 @@ def test_reply_of_either_shape_is_read_to_the_end_marker(ctx: zmq.Context[zmq.So
     events = pump(client, poller, ended)
     assert seqs(events) == [5, 6, 7, 8]
     assert [e.payload for e in events if isinstance(e, ReplayBatch)][0] == b"p5"
-    assert events[-1] == ReplayEnd(KEY, True)
+    assert events[-1] == ReplayEnd(KEY, True, ticket=1)
     assert not client.active(KEY)
 
 
@@ -148,7 +148,7 @@ def test_idle_timeout_resumes_then_gives_up_after_max_attempts(ctx: zmq.Context[
     _, start = server.request()
     assert start == 4
     clock.now += 1.0
-    assert client.tick() == [ReplayEnd(KEY, False, "idle timeout")]
+    assert client.tick() == [ReplayEnd(KEY, False, "idle timeout", ticket=1)]
     assert client.counters.timeouts == 2 and client.counters.failed == 1
     assert not client.active(KEY) and client.timeout() is None
 
@@ -163,7 +163,7 @@ def test_total_timeout_ends_a_replay_that_never_finishes(ctx: zmq.Context[zmq.So
     clock.now += 4.0
     assert client.tick() == []
     clock.now += 4.0
-    assert client.tick() == [ReplayEnd(KEY, False, "total timeout")]
+    assert client.tick() == [ReplayEnd(KEY, False, "total timeout", ticket=1)]
 
 
 def test_concurrent_replays_are_bounded(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:

@@ -69,11 +69,12 @@ class ReplayOptions:
 
 @dataclass(frozen=True, slots=True)
 class ReplayBatch:
-    """One replayed batch for the stream ``key``."""
+    """One replayed batch for the stream ``key``, from the request numbered ``ticket``."""
 
     key: Hashable
     seq: int
     payload: bytes
+    ticket: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +84,7 @@ class ReplayEnd:
     key: Hashable
     ok: bool
     reason: str = "end marker"
+    ticket: int = 0
 
 
 ReplayEvent: TypeAlias = ReplayBatch | ReplayEnd
@@ -107,6 +109,7 @@ class _Replay:
     endpoint: str
     next_seq: int
     created: float
+    ticket: int
     attempts: int = 0
     socket: zmq.Socket[bytes] | None = None
     first: bool = True
@@ -134,15 +137,22 @@ class ReplayClient:
         self._waiting: deque[Hashable] = deque()
         self._by_socket: dict[zmq.Socket[bytes], _Replay] = {}
         self.counters = ReplayCounters()
+        self._tickets = 0
 
     # ------------------------------------------------------------------ commands
 
-    def request(self, key: Hashable, endpoint: str, start: int) -> None:
-        """Replay ``seq >= start`` for ``key``, replacing any replay it already has."""
+    def request(self, key: Hashable, endpoint: str, start: int) -> int:
+        """Replay ``seq >= start`` for ``key``, replacing any replay it already has.
+
+        Returns the request's ticket; every event of this replay carries it, so events of a
+        replaced replay still in the caller's hands can be told apart.
+        """
         self.cancel(key)
-        self._replays[key] = _Replay(key, endpoint, start, created=self._clock())
+        self._tickets += 1
+        self._replays[key] = _Replay(key, endpoint, start, self._clock(), self._tickets)
         self._waiting.append(key)
         self._admit()
+        return self._tickets
 
     def cancel(self, key: Hashable) -> None:
         """Stop the replay for ``key`` (if any) and close its socket."""
@@ -281,7 +291,7 @@ class ReplayClient:
                 return
         replay.first = False
         replay.next_seq = msg.seq + 1
-        events.append(ReplayBatch(replay.key, msg.seq, msg.payload))
+        events.append(ReplayBatch(replay.key, msg.seq, msg.payload, replay.ticket))
 
     def _resume(self, replay: _Replay, reason: str, events: list[ReplayEvent]) -> None:
         self._close_socket(replay)
@@ -308,5 +318,5 @@ class ReplayClient:
             log.warning(
                 "replay from %s failed at seq %d: %s", replay.endpoint, replay.next_seq, reason
             )
-        events.append(ReplayEnd(replay.key, ok, reason))
+        events.append(ReplayEnd(replay.key, ok, reason, replay.ticket))
         self.cancel(replay.key)

@@ -16,14 +16,17 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import zmq
 
 from ..events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from ..streams import Delivery, StreamReset, StreamStatus
 from ..wire import (
+    decode_batch,
     encode_batch,
     live_frames,
     pack_seq,
@@ -31,7 +34,11 @@ from ..wire import (
     replay_end_frames,
 )
 
+if TYPE_CHECKING:
+    from ..subscriber import Subscriber
+
 __all__ = [
+    "Collector",
     "ReplayBehaviour",
     "RawPublisher",
     "WireFixture",
@@ -120,6 +127,7 @@ class RawPublisher:
         self.replay_endpoint: str | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._stopper: zmq.Socket[bytes] | None = None
         if replay:
             self._start_replay(host)
 
@@ -163,8 +171,10 @@ class RawPublisher:
     def close(self) -> None:
         """Stop the replay thread and close both sockets."""
         self._stop.set()
-        if self._thread is not None:
+        if self._thread is not None and self._stopper is not None:
+            self._stopper.send(b"")
             self._thread.join(timeout=5)
+            self._stopper.close(linger=0)
         self._pub.close(linger=0)
 
     def __enter__(self) -> RawPublisher:
@@ -178,28 +188,39 @@ class RawPublisher:
     def _start_replay(self, host: str) -> None:
         ready: list[str] = []
         started = threading.Event()
+        control = f"inproc://raw-replay-stop-{id(self)}"
+        self._stopper = self._ctx.socket(zmq.PAIR)
+        self._stopper.setsockopt(zmq.LINGER, 0)
+        self._stopper.bind(control)
         self._thread = threading.Thread(
-            target=self._serve, args=(host, ready, started), name="raw-replay", daemon=True
+            target=self._serve, args=(host, control, ready, started), name="raw-replay", daemon=True
         )
         self._thread.start()
         if not started.wait(10) or not ready:
             raise RuntimeError("raw replay server did not start")
         self.replay_endpoint = ready[0]
 
-    def _serve(self, host: str, ready: list[str], started: threading.Event) -> None:
+    def _serve(self, host: str, control: str, ready: list[str], started: threading.Event) -> None:
         router = self._ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 0)
         router.setsockopt(zmq.SNDHWM, 0)  # a whole reply must fit (WIRE.md section 3)
         router.bind(f"tcp://{host}:0")
+        stop = self._ctx.socket(zmq.PAIR)
+        stop.setsockopt(zmq.LINGER, 0)
+        stop.connect(control)
         ready.append(router.getsockopt_string(zmq.LAST_ENDPOINT))
         started.set()
+        poller = zmq.Poller()
+        poller.register(router, zmq.POLLIN)
+        poller.register(stop, zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                if router.poll(20):
+                if router in dict(poller.poll()):
                     identity, *rest = router.recv_multipart()
                     self._answer(router, identity, rest)
         finally:
             router.close(linger=0)
+            stop.close(linger=0)
 
     def _answer(self, router: zmq.Socket[bytes], identity: bytes, rest: list[bytes]) -> None:
         start = parse_replay_request(rest)
@@ -431,3 +452,73 @@ def wire_fixtures() -> list[WireFixture]:
         sglang_array_fixture(),
         tensorrt_llm_fixture(),
     ]
+
+
+# ---------------------------------------------------------------------- consuming side
+
+
+class Collector:
+    """Drains a subscriber the way a consumer would, for assertions after quiescence.
+
+    Per stream it keeps ``(seq, batch)`` in delivery order and drops them on a
+    :class:`~kvevents.subscriber.StreamReset`, exactly as an index must; ``resets`` and
+    ``statuses`` keep what was reported.
+    """
+
+    def __init__(self, subscriber: Subscriber) -> None:
+        self.subscriber = subscriber
+        self.delivered: dict[tuple[str, int], list[tuple[int, KVEventBatch]]] = {}
+        self.resets: list[StreamReset] = []
+        self.statuses: list[StreamStatus] = []
+
+    def pump(self, timeout: float = 0.01) -> int:
+        """Take every waiting item (waiting up to ``timeout`` for the first); how many."""
+        count = 0
+        item = self.subscriber.get(timeout)
+        while item is not None:
+            count += 1
+            self._take(item)
+            item = self.subscriber.get_nowait()
+        return count
+
+    def _take(self, item: Delivery | StreamReset | StreamStatus) -> None:
+        if isinstance(item, Delivery):
+            self.delivered.setdefault(item.stream.key, []).append((item.seq, item.batch))
+        elif isinstance(item, StreamReset):
+            self.resets.append(item)
+            self.delivered.pop(item.stream.key, None)
+        else:
+            self.statuses.append(item)
+
+    def seqs(self, key: tuple[str, int]) -> list[int]:
+        """Delivered sequence numbers of one stream since its last reset."""
+        return [seq for seq, _ in self.delivered.get(key, [])]
+
+    def wait(
+        self, predicate: Callable[[Collector], object], timeout: float = 10.0, what: str = ""
+    ) -> None:
+        """Pump until ``predicate(self)`` holds; TimeoutError naming ``what`` otherwise."""
+        deadline = time.monotonic() + timeout
+        while not predicate(self):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"timed out after {timeout}s waiting for {what or predicate}")
+            self.pump()
+
+    def handshake(self, publisher: RawPublisher, key: tuple[str, int], timeout: float = 10.0) -> None:
+        """Publish heartbeats until ``key`` delivered one: the SUB is connected (slow joiner)."""
+        deadline = time.monotonic() + timeout
+        while not self.delivered.get(key):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no delivery from {key} after {timeout}s of probes")
+            publisher.publish(heartbeat())
+            self.pump(0.02)
+
+    def caught_up(self, publisher: RawPublisher, key: tuple[str, int]) -> bool:
+        """True when ``key`` delivered up to the publisher's last sequence."""
+        return self.seqs(key)[-1:] == [publisher.next_seq - 1]
+
+    def matches(self, publisher: RawPublisher, key: tuple[str, int]) -> bool:
+        """True when the stream delivered exactly what ``publisher`` published, in order."""
+        got = self.delivered.get(key, [])
+        want = [(seq, decode_batch(payload).batch) for seq, payload in publisher.published]
+        return got == want
