@@ -57,7 +57,9 @@ def ctx() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
     context.destroy(linger=0)
 
 
-def make(ctx: zmq.Context[zmq.Socket[bytes]], **opts: float) -> tuple[ReplayClient, zmq.Poller, Clock]:
+def make(
+    ctx: zmq.Context[zmq.Socket[bytes]], **opts: float
+) -> tuple[ReplayClient, zmq.Poller, Clock]:
     clock = Clock()
     poller = zmq.Poller()
     options = ReplayOptions(**opts)  # type: ignore[arg-type]
@@ -85,7 +87,9 @@ def seqs(events: list[ReplayEvent]) -> list[int]:
 
 
 @pytest.mark.parametrize("frames", [4, 3])
-def test_reply_of_either_shape_is_read_to_the_end_marker(ctx: zmq.Context[zmq.Socket[bytes]], frames: int) -> None:
+def test_reply_of_either_shape_is_read_to_the_end_marker(
+    ctx: zmq.Context[zmq.Socket[bytes]], frames: int
+) -> None:
     """4-frame and legacy 3-frame replies both yield every batch, then a clean end."""
     server = Server(ctx)
     client, poller, _ = make(ctx)
@@ -96,12 +100,14 @@ def test_reply_of_either_shape_is_read_to_the_end_marker(ctx: zmq.Context[zmq.So
     server.end(identity)
     events = pump(client, poller, ended)
     assert seqs(events) == [5, 6, 7, 8]
-    assert [e.payload for e in events if isinstance(e, ReplayBatch)][0] == b"p5"
+    assert next(e.payload for e in events if isinstance(e, ReplayBatch)) == b"p5"
     assert events[-1] == ReplayEnd(KEY, True, ticket=1)
     assert not client.active(KEY)
 
 
-def test_first_sequence_later_than_asked_is_counted_and_passed_on(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+def test_first_sequence_later_than_asked_is_counted_and_passed_on(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
     """A trimmed ring (first seq > asked) is counted; its batches still come through."""
     server = Server(ctx)
     client, poller, _ = make(ctx)
@@ -113,7 +119,9 @@ def test_first_sequence_later_than_asked_is_counted_and_passed_on(ctx: zmq.Conte
     assert client.counters.trimmed == 1
 
 
-def test_discontinuity_inside_a_reply_resumes_from_the_missing_sequence(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+def test_discontinuity_inside_a_reply_resumes_from_the_missing_sequence(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
     """A reply that skips (ROUTER dropped messages) is asked again from the missing seq."""
     server = Server(ctx)
     client, poller, clock = make(ctx, backoff_initial=0.5)
@@ -133,7 +141,9 @@ def test_discontinuity_inside_a_reply_resumes_from_the_missing_sequence(ctx: zmq
     assert client.counters.resumes == 1
 
 
-def test_idle_timeout_resumes_then_gives_up_after_max_attempts(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+def test_idle_timeout_resumes_then_gives_up_after_max_attempts(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
     """A server that stops answering is retried from the next seq, then reported failed."""
     server = Server(ctx)
     client, poller, clock = make(ctx, idle_timeout=1.0, max_attempts=2, backoff_initial=0.1)
@@ -153,7 +163,9 @@ def test_idle_timeout_resumes_then_gives_up_after_max_attempts(ctx: zmq.Context[
     assert not client.active(KEY) and client.timeout() is None
 
 
-def test_total_timeout_ends_a_replay_that_never_finishes(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+def test_total_timeout_ends_a_replay_that_never_finishes(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
     """A slow trickle that never ends is cut at total_timeout."""
     server = Server(ctx)
     client, _, clock = make(ctx, idle_timeout=5.0, total_timeout=8.0)
@@ -180,7 +192,9 @@ def test_concurrent_replays_are_bounded(ctx: zmq.Context[zmq.Socket[bytes]]) -> 
     assert start == 10
 
 
-def test_cancel_closes_the_socket_and_drops_late_answers(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+def test_cancel_closes_the_socket_and_drops_late_answers(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
     """After cancel, nothing of that replay is reported."""
     server = Server(ctx)
     client, poller, _ = make(ctx)

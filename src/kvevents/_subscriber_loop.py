@@ -23,7 +23,7 @@ import zmq
 from .cursor import Action, Cursor, Deliver, Duplicate, Gap, ReplayDone, Restart, Unrecoverable
 from .errors import DecodeError
 from .events import AllBlocksCleared
-from .replay_client import ReplayBatch, ReplayClient, ReplayEnd, ReplayEvent
+from .replay_client import ReplayBatch, ReplayClient, ReplayEvent
 from .streams import (
     Delivery,
     Item,
@@ -290,7 +290,7 @@ class Loop:
 
     def _on_replay_events(self, events: list[ReplayEvent]) -> None:
         for event in events:
-            stream = self.streams.get(event.key)  # type: ignore[arg-type]
+            stream = self.streams.get(event.key)  # type: ignore[call-overload]
             if stream is None or event.ticket != stream.ticket:
                 continue  # a removed stream, or a replay that was replaced
             if isinstance(event, ReplayBatch):
@@ -413,9 +413,7 @@ class Loop:
             return
         spec = stream.spec
         extra = f" ({stream.suppressed} similar warnings suppressed)" if stream.suppressed else ""
-        log.warning(
-            "worker %s rank %d: " + fmt + "%s", spec.worker_id, spec.rank, a, b, extra
-        )
+        log.warning("worker %s rank %d: " + fmt + "%s", spec.worker_id, spec.rank, a, b, extra)
         stream.last_warning = now
         stream.suppressed = 0
 

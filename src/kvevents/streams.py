@@ -106,7 +106,9 @@ def worker_streams(
             worker_id=worker_id,
             rank=rank,
             endpoint=rank_endpoint(endpoint, rank),
-            replay_endpoint=None if replay_endpoint is None else rank_endpoint(replay_endpoint, rank),
+            replay_endpoint=None
+            if replay_endpoint is None
+            else rank_endpoint(replay_endpoint, rank),
             topic=topic,
         )
         for rank in numbers

@@ -20,6 +20,7 @@ with ``async for`` over an :class:`AsyncSubscriber`, or with ``SubscriberOptions
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections.abc import AsyncIterator, Iterable, Iterator
 from types import TracebackType
@@ -116,7 +117,10 @@ class Subscriber:
         return self
 
     def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
     ) -> None:
         self.close()
 
@@ -292,10 +296,9 @@ class AsyncSubscriber:
             event = asyncio.Event()
 
             def wake() -> None:
-                try:
+                # A closed event loop raises RuntimeError: nobody is waiting any more.
+                with contextlib.suppress(RuntimeError):
                     loop.call_soon_threadsafe(event.set)
-                except RuntimeError:  # the event loop is closed: nobody is waiting any more
-                    pass
 
             self._ready = event
             self.sync._outbox.listener = wake

@@ -33,6 +33,7 @@ from ..wire import (
     parse_replay_request,
     replay_end_frames,
 )
+from .sockets import unique_inproc
 
 if TYPE_CHECKING:
     from ..subscriber import Subscriber
@@ -188,7 +189,7 @@ class RawPublisher:
     def _start_replay(self, host: str) -> None:
         ready: list[str] = []
         started = threading.Event()
-        control = f"inproc://raw-replay-stop-{id(self)}"
+        control = unique_inproc("raw-replay-stop")
         self._stopper = self._ctx.socket(zmq.PAIR)
         self._stopper.setsockopt(zmq.LINGER, 0)
         self._stopper.bind(control)
@@ -504,7 +505,9 @@ class Collector:
                 raise TimeoutError(f"timed out after {timeout}s waiting for {what or predicate}")
             self.pump()
 
-    def handshake(self, publisher: RawPublisher, key: tuple[str, int], timeout: float = 10.0) -> None:
+    def handshake(
+        self, publisher: RawPublisher, key: tuple[str, int], timeout: float = 10.0
+    ) -> None:
         """Publish heartbeats until ``key`` delivered one: the SUB is connected (slow joiner)."""
         deadline = time.monotonic() + timeout
         while not self.delivered.get(key):
