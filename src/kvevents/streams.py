@@ -1,0 +1,243 @@
+"""The subscriber's data: which streams to read, what it hands out, what it counts.
+
+Pure records, no sockets. :class:`StreamSpec` names one (worker, rank) stream;
+:func:`worker_streams` expands a worker's base endpoints into all its ranks (WIRE.md section
+5). :class:`Delivery`, :class:`StreamReset` and :class:`StreamStatus` are the items a
+subscriber hands out; :class:`StreamStats` and :class:`SubscriberStats` are frozen counters.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import TypeAlias
+
+from .endpoints import parse_endpoint, rank_endpoint
+from .errors import LayoutError
+from .events import KVEventBatch
+from .replay_client import ReplayOptions
+
+__all__ = [
+    "Delivery",
+    "Item",
+    "StreamKey",
+    "StreamReset",
+    "StreamSpec",
+    "StreamStats",
+    "StreamStatus",
+    "SubscriberOptions",
+    "SubscriberStats",
+    "worker_streams",
+]
+
+StreamKey: TypeAlias = tuple[str, int]
+
+
+def _check_connectable(endpoint: str, rank: int) -> None:
+    parsed = parse_endpoint(endpoint)
+    if parsed.scheme != "tcp":
+        return
+    if parsed.host == "*":
+        raise LayoutError(
+            f"endpoint {endpoint!r} for rank {rank}: a subscriber connects, so it needs the "
+            "publisher's host, not '*'",
+            endpoint=endpoint,
+            rank=rank,
+            rule="host",
+        )
+    if parsed.port == 0:
+        raise LayoutError(
+            f"endpoint {endpoint!r} for rank {rank}: port 0 cannot be connected to; use the "
+            "port the publisher bound",
+            endpoint=endpoint,
+            rank=rank,
+            rule="port",
+        )
+
+
+@dataclass(frozen=True)
+class StreamSpec:
+    """One stream: the rank ``rank`` of worker ``worker_id``.
+
+    ``endpoint`` is the rank's PUB endpoint and ``replay_endpoint`` its ROUTER (None: no
+    replay, every gap is unrecoverable). ``topic`` filters by byte prefix, like ZeroMQ does.
+    """
+
+    worker_id: str
+    rank: int
+    endpoint: str
+    replay_endpoint: str | None = None
+    topic: str = ""
+
+    def __post_init__(self) -> None:
+        if self.rank < 0:
+            raise LayoutError(
+                f"rank must be >= 0, got {self.rank}",
+                endpoint=self.endpoint,
+                rank=self.rank,
+                rule="rank",
+            )
+        _check_connectable(self.endpoint, self.rank)
+        if self.replay_endpoint is not None:
+            _check_connectable(self.replay_endpoint, self.rank)
+
+    @property
+    def key(self) -> StreamKey:
+        """``(worker_id, rank)``: what identifies the stream inside a subscriber."""
+        return (self.worker_id, self.rank)
+
+
+def worker_streams(
+    worker_id: str,
+    endpoint: str,
+    replay_endpoint: str | None = None,
+    *,
+    ranks: int | Iterable[int] = 1,
+    topic: str = "",
+) -> list[StreamSpec]:
+    """Every rank's stream of one worker, from its base endpoints (rank r: port + r).
+
+    ``ranks`` is a count (ranks 0..n-1) or the explicit ranks to read.
+    """
+    numbers = range(ranks) if isinstance(ranks, int) else list(ranks)
+    return [
+        StreamSpec(
+            worker_id=worker_id,
+            rank=rank,
+            endpoint=rank_endpoint(endpoint, rank),
+            replay_endpoint=None
+            if replay_endpoint is None
+            else rank_endpoint(replay_endpoint, rank),
+            topic=topic,
+        )
+        for rank in numbers
+    ]
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    """Batch ``seq`` of ``stream``: apply it. Per stream, deliveries come in sequence order."""
+
+    stream: StreamSpec
+    seq: int
+    batch: KVEventBatch
+
+
+@dataclass(frozen=True, slots=True)
+class StreamReset:
+    """Drop everything held for ``stream``; the deliveries that follow rebuild it.
+
+    ``reason``: ``"restart"`` (the publisher restarted; it is rebuilt by a replay from 0)
+    or ``"removed"`` (the stream was removed from the subscriber; nothing follows).
+    """
+
+    stream: StreamSpec
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class StreamStatus:
+    """The stream's state changed: ``"live"``, ``"replaying"`` or ``"incomplete"``.
+
+    ``missing`` is the sequence range ``[start, end)`` lost for good when the state is
+    ``"incomplete"`` because of it.
+    """
+
+    stream: StreamSpec
+    state: str
+    missing: tuple[int, int] | None = None
+
+
+Item: TypeAlias = Delivery | StreamReset | StreamStatus
+
+
+@dataclass(frozen=True)
+class StreamStats:
+    """Counters of one stream since it was added.
+
+    ``received``: live messages read. ``delivered``: batches handed out (live or replayed).
+    ``duplicates``: repeated batches ignored. ``gaps``: holes found, a late join included.
+    ``replays``: replay requests started. ``replayed``: batches delivered from a replay.
+    ``unrecoverable``: holes that could not be filled; ``missing``: batches in them.
+    ``restarts``: publisher restarts seen. ``decode_errors``: messages that could not be
+    read at all. ``skipped_events``: events skipped inside otherwise good batches.
+    ``lag``: seconds from the ``ts`` of the last delivered batch to now (None before one).
+    ``state``: ``"new"``, ``"live"``, ``"replaying"`` or ``"incomplete"``.
+    """
+
+    worker_id: str
+    rank: int
+    state: str
+    received: int
+    delivered: int
+    duplicates: int
+    gaps: int
+    replays: int
+    replayed: int
+    unrecoverable: int
+    missing: int
+    restarts: int
+    decode_errors: int
+    skipped_events: int
+    events: int
+    last_seq: int | None
+    lag: float | None
+
+
+@dataclass(frozen=True)
+class SubscriberStats:
+    """Totals over every stream, plus what belongs to the subscriber itself.
+
+    ``streams``: streams read now; ``incomplete``: how many are incomplete; ``queued``: items
+    waiting for the consumer; ``callback_errors``: exceptions raised by callbacks; ``max_lag``:
+    the largest stream lag. The other fields sum :class:`StreamStats` over current streams.
+    """
+
+    streams: int
+    incomplete: int
+    received: int
+    delivered: int
+    duplicates: int
+    gaps: int
+    replays: int
+    replayed: int
+    unrecoverable: int
+    missing: int
+    restarts: int
+    decode_errors: int
+    skipped_events: int
+    events: int
+    queued: int
+    callback_errors: int
+    max_lag: float | None
+
+
+@dataclass(frozen=True)
+class SubscriberOptions:
+    """Tuning knobs of a subscriber.
+
+    ``queue_size``: items waiting for the consumer; when full the I/O thread waits, ZeroMQ
+    buffers up to ``rcvhwm`` messages per stream and then drops, which shows up as gaps that
+    are replayed. ``callback``: called on the I/O thread with every item instead of queueing
+    it (keep it quick). ``on_status``: called on the I/O thread with every
+    :class:`StreamStatus`; ``status_items`` also queues them. ``max_buffered``: live messages
+    held per stream during a replay. ``duplicate_window``: delivered batches remembered per
+    stream to tell a duplicate from a restart. ``gap_log_interval``: at most one gap warning
+    per stream per that many seconds. ``wall_clock``: the clock ``lag`` is measured with.
+    """
+
+    queue_size: int = 10_000
+    rcvhwm: int = 100_000
+    replay: ReplayOptions = field(default_factory=ReplayOptions)
+    max_buffered: int = 100_000
+    duplicate_window: int = 1024
+    callback: Callable[[Delivery | StreamReset], None] | None = None
+    on_status: Callable[[StreamStatus], None] | None = None
+    status_items: bool = False
+    gap_log_interval: float = 5.0
+    wall_clock: Callable[[], float] = time.time
+
+    def __post_init__(self) -> None:
+        if self.queue_size < 1 or self.rcvhwm < 0:
+            raise ValueError("queue_size must be >= 1 and rcvhwm >= 0")
