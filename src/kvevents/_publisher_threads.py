@@ -28,6 +28,10 @@ __all__ = ["Forwarder", "Ready", "Service", "bind"]
 # A replay client blocked on a full pipe is retried after this long (ROUTER's POLLOUT fires
 # for any writable peer, so it cannot tell us when *this* client has room).
 _BLOCKED_RETRY_MS = 1
+# Messages queued per replay client. Resumable non-blocking sends (ROUTER_MANDATORY) do the
+# flow control, so the pipe need not hold a whole reply; each queued message is a copy of a
+# buffered payload, so a deep pipe per slow client would multiply the ring's memory.
+_REPLAY_SNDHWM = 1000
 # Capture messages drained per turn, so a burst never delays a replay request for long.
 _DRAIN_LIMIT = 4096
 
@@ -238,8 +242,7 @@ class Service(threading.Thread):
             return capture, wake, None
         router = self._socket(sockets, zmq.ROUTER)
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        # Resumable non-blocking sends do the flow control; a deep pipe just means fewer retries.
-        router.setsockopt(zmq.SNDHWM, 2 * (self.ring.max_batches + 1))
+        router.setsockopt(zmq.SNDHWM, _REPLAY_SNDHWM)
         bind(router, self._replay_endpoint, rank=self._rank, role="replay")
         max_active, max_waiting = self._limits
         self.server = ReplayServer(

@@ -258,6 +258,7 @@ class ZmqPublisher(Publisher):
         self._state_lock = threading.Lock()
         self._control_lock = threading.Lock()
         self._state = "new"
+        self._accepting = True
         self._report: ShutdownReport | None = None
         self._counts = dict.fromkeys(
             ("enqueued", "dropped_queue_full", "dropped_encode_error", "dropped_send_error"), 0
@@ -368,17 +369,19 @@ class ZmqPublisher(Publisher):
             return self._report
 
     def _close(self, began: float, budget: float) -> ShutdownReport:
+        assert self._service is not None
+        with self._lock:
+            self._accepting = False
+            accepted = self._counts["enqueued"]
+        self._service.wait_published(accepted, budget)
         with self._lock:
             if self._carry and self._push is not None:
                 # Removals carried from dropped batches must not die with the publisher.
-                self._publish_locked(
-                    self._push,
-                    KVEventBatch(ts=time.time(), events=[], data_parallel_rank=self.rank),
-                )
+                heartbeat = KVEventBatch(ts=time.time(), events=[], data_parallel_rank=self.rank)
+                self._publish_locked(self._push, heartbeat)
             accepted = self._counts["enqueued"]
             push, self._push = self._push, None
-        assert self._service is not None
-        self._service.wait_published(accepted, budget)
+        self._service.wait_published(accepted, max(0.0, began + budget - time.monotonic()))
         linger_ms = max(0, int((began + budget - time.monotonic()) * 1000))
         published = self._service.published
         flush_started = time.monotonic()
@@ -443,7 +446,7 @@ class ZmqPublisher(Publisher):
             batch = msgspec.structs.replace(batch, data_parallel_rank=self.rank)
         with self._lock:
             push = self._push
-            if push is None:
+            if push is None or not self._accepting:
                 raise self._not_accepting()
             return self._publish_locked(push, batch)
 
