@@ -68,7 +68,8 @@ def bind(socket: zmq.Socket[Any], endpoint: str, *, rank: int, role: str) -> str
     try:
         socket.bind(endpoint)
     except zmq.ZMQError as exc:
-        reason = exc.strerror[:1].lower() + exc.strerror[1:]
+        text = zmq.strerror(exc.errno)
+        reason = text[:1].lower() + text[1:]
         raise BindError(
             f"cannot bind {endpoint} for rank {rank} ({role}): {reason}",
             endpoint=endpoint,

@@ -14,6 +14,7 @@ replay ring and the counters; that thread also serves replays and sends heartbea
 from __future__ import annotations
 
 import abc
+import contextlib
 import itertools
 import logging
 import os
@@ -413,7 +414,8 @@ class ZmqPublisher(Publisher):
             self._send_control(b"TERMINATE")
             forwarder.join(_JOIN_TIMEOUT)
         if service is not None and service.is_alive() and self._wake is not None:
-            self._wake.send(b"stop")
+            with contextlib.suppress(zmq.Again):
+                self._wake.send(b"stop", zmq.NOBLOCK)
             service.join(_JOIN_TIMEOUT)
         for socket in (self._push, self._control, self._wake):
             if socket is not None:
@@ -430,7 +432,9 @@ class ZmqPublisher(Publisher):
                 return
             while control.poll(0):
                 control.recv()  # libzmq 4.3 answers each command; nobody needs the answers
-            control.send(command)
+            with contextlib.suppress(zmq.Again):
+                # Non-blocking: a PAIR whose peer has already closed would block forever.
+                control.send(command, zmq.NOBLOCK)
 
     # ------------------------------------------------------------------ publishing
 
