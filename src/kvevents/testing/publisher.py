@@ -35,6 +35,7 @@ __all__ = [
     "local_config",
     "paused_forwarding",
     "probe_until",
+    "read_replay",
     "request_replay",
     "spawn_subscriber",
     "started_publisher",
@@ -163,12 +164,16 @@ def request_replay(
     dealer.connect(connectable(endpoint))
     try:
         dealer.send_multipart(request if request is not None else replay_request_frames(start_seq))
-        return _read_reply(dealer, Deadline(timeout), pause)
+        return read_replay(dealer, timeout=timeout, pause=pause)
     finally:
         dealer.close(0)
 
 
-def _read_reply(dealer: zmq.Socket[Any], deadline: Deadline, pause: float) -> list[ReplayMessage]:
+def read_replay(
+    dealer: zmq.Socket[Any], *, timeout: float = 10.0, pause: float = 0.0
+) -> list[ReplayMessage]:
+    """Read one whole reply from a DEALER that sent a request: every message, end marker last."""
+    deadline = Deadline(timeout)
     replies: list[ReplayMessage] = []
     while True:
         if not dealer.poll(int(deadline.remaining() * 1000) + 1):
