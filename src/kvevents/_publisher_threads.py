@@ -68,7 +68,7 @@ def bind(socket: zmq.Socket[Any], endpoint: str, *, rank: int, role: str) -> str
     try:
         socket.bind(endpoint)
     except zmq.ZMQError as exc:
-        text = zmq.strerror(exc.errno)
+        text = zmq.strerror(exc.errno) if exc.errno is not None else str(exc)
         reason = text[:1].lower() + text[1:]
         raise BindError(
             f"cannot bind {endpoint} for rank {rank} ({role}): {reason}",
