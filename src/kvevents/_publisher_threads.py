@@ -32,6 +32,9 @@ _BLOCKED_RETRY_MS = 1
 # flow control, so the pipe need not hold a whole reply; each queued message is a copy of a
 # buffered payload, so a deep pipe per slow client would multiply the ring's memory.
 _REPLAY_SNDHWM = 1000
+# How often the capture pipe is drained into the ring and the counters when nothing else
+# wakes the thread (a replay request drains it first anyway).
+_DRAIN_INTERVAL_MS = 10
 # Capture messages drained per turn, so a burst never delays a replay request for long.
 _DRAIN_LIMIT = 4096
 
@@ -264,15 +267,15 @@ class Service(threading.Thread):
 
     def _loop(self, capture: Any, wake: Any, router: Any) -> None:
         poller = zmq.Poller()
-        poller.register(capture, zmq.POLLIN)
+        # The capture pipe is drained on a timer, not per message: each wake-up would make this
+        # thread compete with the engine's thread for the GIL, a thousand times a second.
         poller.register(wake, zmq.POLLIN)
         if router is not None:
             poller.register(router, zmq.POLLIN)
         progressed = False
         while True:
             ready = dict(poller.poll(self._timeout_ms(progressed)))
-            if capture in ready:
-                self._drain()
+            self._drain()
             if wake in ready and wake.recv() == b"stop":
                 return
             if self.server is not None:
@@ -281,13 +284,13 @@ class Service(threading.Thread):
                 progressed = self.server.pump() if self.server.busy else False
             self._maybe_heartbeat()
 
-    def _timeout_ms(self, progressed: bool) -> int | None:
+    def _timeout_ms(self, progressed: bool) -> int:
         if self.server is not None and self.server.busy:
             return 0 if progressed else _BLOCKED_RETRY_MS
         if self._heartbeat_interval is None:
-            return None
+            return _DRAIN_INTERVAL_MS
         due = self._last_activity() + self._heartbeat_interval - time.monotonic()
-        return max(0, int(due * 1000) + 1)
+        return min(_DRAIN_INTERVAL_MS, max(0, int(due * 1000) + 1))
 
     def _maybe_heartbeat(self) -> None:
         interval = self._heartbeat_interval
