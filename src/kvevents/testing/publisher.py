@@ -1,0 +1,275 @@
+"""Publisher fixtures: a started publisher on ephemeral ports, readiness handshakes, replay.
+
+Everything here is deterministic: endpoints are bound at port 0 and read back, and a
+subscriber is known to be connected only once it has received a probe (an empty batch), never
+after a sleep. ``python -m kvevents.testing.publisher ENDPOINT COUNT`` runs an out-of-process
+subscriber (see :func:`main`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import json
+import select
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from typing import IO, Any
+
+import msgspec
+import zmq
+
+from ..config import KVEventsConfig
+from ..events import KVEventBatch
+from ..publisher import PublisherOptions, ZmqPublisher
+from ..wire import ReplayMessage, parse_live, parse_replay_reply, replay_request_frames
+from .sockets import Deadline
+
+__all__ = [
+    "connect_subscriber",
+    "connectable",
+    "local_config",
+    "paused_forwarding",
+    "probe_until",
+    "read_replay",
+    "request_replay",
+    "spawn_subscriber",
+    "started_publisher",
+    "wait_subscribed",
+]
+
+
+def local_config(**overrides: Any) -> KVEventsConfig:
+    """An enabled config bound on ephemeral loopback ports, replay on; fields overridable."""
+    fields: dict[str, Any] = {
+        "enable_kv_cache_events": True,
+        "endpoint": "tcp://127.0.0.1:0",
+        "replay_endpoint": "tcp://127.0.0.1:0",
+    }
+    fields.update(overrides)
+    return KVEventsConfig(**fields)
+
+
+@contextlib.contextmanager
+def started_publisher(
+    config: KVEventsConfig | None = None,
+    rank: int = 0,
+    *,
+    world_size: int = 1,
+    options: PublisherOptions | None = None,
+) -> Iterator[ZmqPublisher]:
+    """A started :class:`ZmqPublisher` (default: :func:`local_config`), shut down afterwards."""
+    publisher = ZmqPublisher(config or local_config(), rank, world_size=world_size, options=options)
+    publisher.start()
+    try:
+        yield publisher
+    finally:
+        publisher.shutdown(timeout=1.0)
+
+
+def connectable(endpoint: str) -> str:
+    """The endpoint a client connects to for a bound one (wildcard hosts become loopback)."""
+    for wildcard, loopback in (
+        ("tcp://0.0.0.0:", "tcp://127.0.0.1:"),
+        ("tcp://[::]:", "tcp://[::1]:"),
+    ):
+        if endpoint.startswith(wildcard):
+            return loopback + endpoint[len(wildcard) :]
+    return endpoint
+
+
+def connect_subscriber(
+    context: zmq.Context[Any], endpoint: str, topic: bytes = b"", *, rcvhwm: int | None = None
+) -> zmq.Socket[Any]:
+    """A SUB socket (linger 0) connected to ``endpoint`` and subscribed to ``topic``."""
+    socket: zmq.Socket[Any] = context.socket(zmq.SUB)
+    socket.setsockopt(zmq.LINGER, 0)
+    if rcvhwm is not None:
+        socket.setsockopt(zmq.RCVHWM, rcvhwm)
+    if connectable(endpoint).startswith("tcp://["):
+        socket.setsockopt(zmq.IPV6, 1)
+    socket.setsockopt(zmq.SUBSCRIBE, topic)
+    socket.connect(connectable(endpoint))
+    return socket
+
+
+def _probe(publisher: ZmqPublisher) -> int:
+    return publisher.publish(KVEventBatch(ts=time.time(), events=[]))
+
+
+def wait_subscribed(publisher: ZmqPublisher, socket: zmq.Socket[Any], timeout: float = 10.0) -> int:
+    """Publish probes (empty batches) until ``socket`` receives one; return the last probe's seq.
+
+    Every probe in flight is drained from ``socket``, so the next message it receives is the
+    next batch published, with seq ``returned + 1``.
+    """
+    deadline = Deadline(timeout)
+    last = _probe(publisher)
+    while not socket.poll(5):
+        if deadline.expired:
+            raise TimeoutError(f"no probe reached the subscriber within {timeout}s")
+        last = _probe(publisher)
+    while True:
+        if not socket.poll(int(deadline.remaining() * 1000) + 1):
+            raise TimeoutError(f"probe seq {last} did not reach the subscriber")
+        if parse_live(socket.recv_multipart()).seq >= last:
+            return last
+
+
+def probe_until(publisher: ZmqPublisher, stream: IO[str], timeout: float = 20.0) -> str:
+    """Publish probes until ``stream`` (a child's stdout) yields a line; return that line."""
+    deadline = Deadline(timeout)
+    while not deadline.expired:
+        _probe(publisher)
+        ready, _, _ = select.select([stream], [], [], 0.005)
+        if ready:
+            return stream.readline().strip()
+    raise TimeoutError(f"the subscriber did not report ready within {timeout}s")
+
+
+@contextlib.contextmanager
+def paused_forwarding(publisher: ZmqPublisher) -> Iterator[None]:
+    """Hold every accepted batch in the queue (so it fills) until the block exits."""
+    publisher._pause_forwarding()
+    try:
+        yield
+    finally:
+        publisher._resume_forwarding()
+
+
+def request_replay(
+    context: zmq.Context[Any],
+    endpoint: str,
+    start_seq: int,
+    *,
+    timeout: float = 10.0,
+    rcvhwm: int | None = None,
+    pause: float = 0.0,
+    request: list[bytes] | None = None,
+) -> list[ReplayMessage]:
+    """Ask a replay server for ``start_seq`` onwards; every reply message, end marker last.
+
+    ``pause`` sleeps between receives (a slow client); ``request`` overrides the frames sent.
+    """
+    dealer = context.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    if rcvhwm is not None:
+        dealer.setsockopt(zmq.RCVHWM, rcvhwm)
+    if connectable(endpoint).startswith("tcp://["):
+        dealer.setsockopt(zmq.IPV6, 1)
+    dealer.connect(connectable(endpoint))
+    try:
+        dealer.send_multipart(request if request is not None else replay_request_frames(start_seq))
+        return read_replay(dealer, timeout=timeout, pause=pause)
+    finally:
+        dealer.close(0)
+
+
+def read_replay(
+    dealer: zmq.Socket[Any], *, timeout: float = 10.0, pause: float = 0.0
+) -> list[ReplayMessage]:
+    """Read one whole reply from a DEALER that sent a request: every message, end marker last."""
+    deadline = Deadline(timeout)
+    replies: list[ReplayMessage] = []
+    while True:
+        if not dealer.poll(int(deadline.remaining() * 1000) + 1):
+            raise TimeoutError(f"replay reply incomplete after {len(replies)} messages")
+        replies.append(parse_replay_reply(dealer.recv_multipart()))
+        if replies[-1].is_end:
+            return replies
+        if pause:
+            time.sleep(pause)
+
+
+def spawn_subscriber(
+    endpoint: str, count: int, *, idle_timeout: float = 10.0, fast: bool = False
+) -> subprocess.Popen[str]:
+    """Start ``python -m kvevents.testing.publisher`` reading ``count`` non-empty batches."""
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvevents.testing.publisher",
+            connectable(endpoint),
+            str(count),
+            "--idle-timeout",
+            str(idle_timeout),
+            *(["--fast"] if fast else []),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+
+_decoder = msgspec.msgpack.Decoder(KVEventBatch)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Out-of-process subscriber: print ``ready`` at the first message, then a JSON summary.
+
+    Empty batches (probes, heartbeats) are ignored; for the ``COUNT`` non-empty batches it
+    reports how many arrived, whether their sequence numbers were dense, and the latency from
+    each batch's ``ts`` to its arrival (microseconds, p50 and p99).
+    """
+    parser = argparse.ArgumentParser(prog="python -m kvevents.testing.publisher")
+    parser.add_argument("endpoint")
+    parser.add_argument("count", type=int)
+    parser.add_argument("--idle-timeout", type=float, default=10.0)
+    parser.add_argument(
+        "--fast",
+        action="store_true",
+        help="skip decoding: payloads over 20 bytes count, no latency",
+    )
+    args = parser.parse_args(argv)
+    context: zmq.Context[Any] = zmq.Context()
+    socket = connect_subscriber(context, args.endpoint, rcvhwm=0)
+    summary = _collect(socket, args.count, args.idle_timeout, args.fast)
+    print(json.dumps(summary), flush=True)
+    socket.close(0)
+    context.term()
+    return 0
+
+
+def _collect(
+    socket: zmq.Socket[Any], count: int, idle_timeout: float, fast: bool = False
+) -> dict[str, Any]:
+    seqs: list[int] = []
+    latencies: list[float] = []
+    announced = False
+    first_at = last_at = 0.0
+    while len(seqs) < count and socket.poll(int(idle_timeout * 1000)):
+        _topic, seq_frame, payload = socket.recv_multipart()
+        now = time.time()
+        if not announced:
+            print("ready", flush=True)
+            announced = True
+        if fast:
+            if len(payload) <= 20:  # an empty batch (probe or heartbeat) is about 12 bytes
+                continue
+        else:
+            batch = _decoder.decode(payload)
+            if not batch.events:
+                continue
+            latencies.append((now - batch.ts) * 1e6)
+        first_at = first_at or now
+        last_at = now
+        seqs.append(int.from_bytes(seq_frame, "big"))
+    dense = all(b == a + 1 for a, b in itertools.pairwise(seqs))
+    ordered = sorted(latencies)
+    return {
+        "received": len(seqs),
+        "elapsed_s": last_at - first_at,
+        "dense": dense,
+        "first": seqs[0] if seqs else None,
+        "last": seqs[-1] if seqs else None,
+        "latency_p50_us": statistics.median(ordered) if ordered else None,
+        "latency_p99_us": ordered[int(0.99 * (len(ordered) - 1))] if ordered else None,
+    }
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,141 @@
+"""Pure parts of the publisher: drop-carry policy, replay ring, warnings, options, factory."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from kvevents import KVEventsConfig
+from kvevents._publisher_carry import RemovalCarry
+from kvevents._publisher_log import RateLimitedWarning
+from kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvevents.publisher import (
+    NullPublisher,
+    PublisherOptions,
+    PublisherStats,
+    ZmqPublisher,
+    create_publisher,
+)
+from kvevents.replay_server import ReplayRing
+from kvevents.wire import pack_seq
+
+
+def _stored(h: int) -> BlockStored:
+    return BlockStored(block_hashes=[h], token_ids=[1, 2], block_size=2)
+
+
+def test_carry_keeps_removals_and_clears_in_order() -> None:
+    """A dropped batch's removals and clears are kept, stores are not, order is preserved."""
+    carry = RemovalCarry()
+    carry.absorb([_stored(1), BlockRemoved(block_hashes=[1, 2]), BlockRemoved(block_hashes=[3])])
+    assert carry.take() == [BlockRemoved(block_hashes=[1, 2]), BlockRemoved(block_hashes=[3])]
+    assert not carry
+
+
+def test_carry_deduplicates_removals_per_medium() -> None:
+    """A hash already carried is not removed twice; another medium is a different block."""
+    carry = RemovalCarry()
+    carry.absorb([BlockRemoved(block_hashes=[1, 2])])
+    carry.absorb([BlockRemoved(block_hashes=[2, 3]), BlockRemoved(block_hashes=[1])])
+    carry.absorb([BlockRemoved(block_hashes=[1], medium="CPU")])
+    assert carry.take() == [
+        BlockRemoved(block_hashes=[1, 2]),
+        BlockRemoved(block_hashes=[3]),
+        BlockRemoved(block_hashes=[1], medium="CPU"),
+    ]
+
+
+def test_carry_clear_supersedes_earlier_removals() -> None:
+    """AllBlocksCleared replaces every removal carried before it, later ones follow it."""
+    carry = RemovalCarry()
+    carry.absorb(
+        [BlockRemoved(block_hashes=[1]), AllBlocksCleared(), BlockRemoved(block_hashes=[1])]
+    )
+    assert carry.take() == [AllBlocksCleared(), BlockRemoved(block_hashes=[1])]
+    assert carry.take() == []
+
+
+def test_ring_keeps_last_steps() -> None:
+    """The ring holds at most max_batches, the newest ones."""
+    ring = ReplayRing(max_batches=3, max_bytes=10**6)
+    for seq in range(5):
+        ring.append(seq, pack_seq(seq), b"x")
+    assert [e.seq for e in ring.tail(0)] == [2, 3, 4]
+    assert ring.oldest_seq == 2 and len(ring) == 3
+
+
+def test_ring_byte_budget_bounds_memory() -> None:
+    """The byte budget evicts the oldest batches; a batch larger than it is not kept."""
+    ring = ReplayRing(max_batches=100, max_bytes=250)
+    for seq in range(5):
+        ring.append(seq, pack_seq(seq), b"x" * 100)
+    assert [e.seq for e in ring.tail(0)] == [3, 4] and ring.nbytes == 200
+    ring.append(5, pack_seq(5), b"y" * 300)
+    assert len(ring) == 0 and ring.nbytes == 0
+
+
+def test_ring_tail_with_gaps_and_compaction() -> None:
+    """tail() finds the first seq >= start across gaps, before and after compaction."""
+    ring = ReplayRing(max_batches=2000, max_bytes=10**9)
+    for seq in range(0, 10_000, 2):
+        ring.append(seq, pack_seq(seq), b"p")
+    assert [e.seq for e in ring.tail(9_995)] == [9_996, 9_998]
+    assert ring.tail(0)[0].seq == 6_000 and ring.tail(10**6) == []
+    with pytest.raises(ValueError, match="does not follow"):
+        ring.append(5, pack_seq(5), b"p")
+
+
+def test_rate_limited_warning_holds_back_repeats(caplog: pytest.LogCaptureFixture) -> None:
+    """Repeated warnings within the interval are held back and then counted."""
+    now = [0.0]
+    warn = RateLimitedWarning(logging.getLogger("kvevents.publisher"), 10.0, clock=lambda: now[0])
+    with caplog.at_level(logging.WARNING, logger="kvevents.publisher"):
+        for _ in range(5):
+            warn("full", "dropped %d", 7)
+        now[0] = 11.0
+        warn("full", "dropped %d", 8)
+    assert [r.getMessage() for r in caplog.records] == [
+        "dropped 7",
+        "dropped 8 (4 similar warnings held back)",
+    ]
+
+
+def test_options_reject_nonsense() -> None:
+    """Options fail loudly on values that would disable a bound."""
+    with pytest.raises(ValueError, match="heartbeat_interval"):
+        PublisherOptions(heartbeat_interval=0)
+    with pytest.raises(ValueError, match="replay_buffer_bytes"):
+        PublisherOptions(replay_buffer_bytes=0)
+
+
+def test_factory_returns_null_when_events_are_off() -> None:
+    """Events off (or publisher "null") gives a NullPublisher that discards and reports zeros."""
+    for config in (
+        KVEventsConfig(),
+        KVEventsConfig(enable_kv_cache_events=True, publisher="null"),
+    ):
+        publisher = create_publisher(config, rank=2, world_size=4)
+        assert isinstance(publisher, NullPublisher) and publisher.rank == 2
+        with publisher:
+            assert publisher.publish(None) is None  # type: ignore[arg-type]
+        assert publisher.stats() == PublisherStats()
+
+
+def test_factory_checks_layout_without_side_effects() -> None:
+    """Construction validates the whole rank layout but binds nothing."""
+    config = KVEventsConfig(enable_kv_cache_events=True, endpoint="tcp://*:65535")
+    with pytest.raises(ValueError, match="exceed 65535"):
+        create_publisher(config, rank=0, world_size=2)
+    with pytest.raises(ValueError, match="outside world size"):
+        create_publisher(KVEventsConfig(enable_kv_cache_events=True), rank=3, world_size=2)
+    publisher = create_publisher(KVEventsConfig(enable_kv_cache_events=True), rank=1, world_size=2)
+    assert isinstance(publisher, ZmqPublisher)
+    assert publisher.endpoint is None and publisher.endpoints.publish == "tcp://*:5558"
+
+
+def test_stats_fields_documented() -> None:
+    """Every stats counter is exposed by name for metrics."""
+    stats = PublisherStats(dropped_queue_full=2, dropped_send_error=1)
+    assert stats.dropped == 3
+    assert set(stats.as_dict()) >= {"enqueued", "published", "queue_depth", "bytes_sent"}
