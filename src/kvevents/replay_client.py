@@ -32,6 +32,7 @@ from typing import TypeAlias
 import zmq
 
 from .errors import DecodeError
+from .streams import ReplayOptions
 from .wire import parse_replay_reply, replay_request_frames
 
 __all__ = [
@@ -47,24 +48,6 @@ log = logging.getLogger("kvevents.subscriber")
 
 # Messages read from one socket per handle() call, so one long replay cannot starve others.
 _READ_BURST = 512
-
-
-@dataclass(frozen=True)
-class ReplayOptions:
-    """Timeouts and limits of the replay client (seconds)."""
-
-    idle_timeout: float = 2.0
-    total_timeout: float = 60.0
-    max_attempts: int = 4
-    max_concurrent: int = 4
-    backoff_initial: float = 0.05
-    backoff_max: float = 2.0
-
-    def __post_init__(self) -> None:
-        if self.max_attempts < 1 or self.max_concurrent < 1:
-            raise ValueError("max_attempts and max_concurrent must be >= 1")
-        if min(self.idle_timeout, self.total_timeout) <= 0:
-            raise ValueError("idle_timeout and total_timeout must be > 0")
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,9 +16,9 @@ from typing import TypeAlias
 from .endpoints import parse_endpoint, rank_endpoint
 from .errors import LayoutError
 from .events import KVEventBatch
-from .replay_client import ReplayOptions
 
 __all__ = [
+    "ReplayOptions",
     "Delivery",
     "Item",
     "StreamKey",
@@ -32,6 +32,24 @@ __all__ = [
 ]
 
 StreamKey: TypeAlias = tuple[str, int]
+
+
+@dataclass(frozen=True)
+class ReplayOptions:
+    """Timeouts and limits of the replay client (seconds)."""
+
+    idle_timeout: float = 2.0
+    total_timeout: float = 60.0
+    max_attempts: int = 4
+    max_concurrent: int = 4
+    backoff_initial: float = 0.05
+    backoff_max: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1 or self.max_concurrent < 1:
+            raise ValueError("max_attempts and max_concurrent must be >= 1")
+        if min(self.idle_timeout, self.total_timeout) <= 0:
+            raise ValueError("idle_timeout and total_timeout must be > 0")
 
 
 def _check_connectable(endpoint: str, rank: int) -> None:

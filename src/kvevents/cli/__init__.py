@@ -1,0 +1,67 @@
+"""The ``kvevents`` command: one module per subcommand, a shared parser with one-line errors.
+
+Each subcommand module defines ``add_parser(subparsers)`` and ``run(args) -> int``. The
+library never prints; only this package writes to the terminal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Sequence
+from typing import NoReturn
+
+__all__ = ["main"]
+
+# Subcommand modules, in the order --help lists them.
+COMMANDS = ("listen", "replay", "simulate", "serve", "bench", "demo")
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one clear line and exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def build_parser() -> Parser:
+    """The full parser with every available subcommand."""
+    parser = Parser(
+        prog="kvevents",
+        description="Stream, watch, replay, simulate and index KV cache events.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Run 'kvevents COMMAND --help' for examples.",
+    )
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="log more (-vv: debug)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
+    sub.required = True
+    for name in COMMANDS:
+        try:
+            module = importlib.import_module(f"kvevents.cli.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"kvevents.cli.{name}":
+                raise
+            continue
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``kvevents`` console script."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    level = logging.WARNING - 10 * min(args.verbose, 2)
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.run(args))
+    except KeyboardInterrupt:
+        return 130
+    except (ValueError, OSError, RuntimeError) as exc:
+        print(f"kvevents {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,5 @@
+"""``python -m kvevents.cli``."""
+
+from kvevents.cli import main
+
+raise SystemExit(main())
