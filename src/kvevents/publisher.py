@@ -30,6 +30,7 @@ import zmq
 from ._publisher_carry import RemovalCarry
 from ._publisher_log import RateLimitedWarning
 from ._publisher_threads import Forwarder, Service
+from ._zmq_direct import Send3, sender_for
 from .config import KVEventsConfig
 from .endpoints import RankEndpoints, check_layout, rank_endpoints
 from .errors import LayoutError, PublisherClosed, PublisherError
@@ -272,6 +273,7 @@ class ZmqPublisher(Publisher):
         self._warn = RateLimitedWarning(logger)
         self._context: zmq.Context[Any] | None = None
         self._push: zmq.Socket[Any] | None = None
+        self._send3: Send3 | None = None
         self._control: zmq.Socket[Any] | None = None
         self._wake: zmq.Socket[Any] | None = None
         self._forwarder: Forwarder | None = None
@@ -324,6 +326,7 @@ class ZmqPublisher(Publisher):
         push.setsockopt(zmq.SNDHWM, max(1, self.config.max_queue_size - 1))
         push.connect(names["frontend"])
         self._push = push
+        self._send3 = sender_for(push)
 
     def _caller_socket(self, kind: int, connect: str | None) -> zmq.Socket[Any]:
         assert self._context is not None
@@ -376,12 +379,12 @@ class ZmqPublisher(Publisher):
             accepted = self._counts["enqueued"]
         self._service.wait_published(accepted, budget)
         with self._lock:
-            if self._carry and self._push is not None:
+            if self._carry and self._send3 is not None:
                 # Removals carried from dropped batches must not die with the publisher.
                 heartbeat = KVEventBatch(ts=time.time(), events=[], data_parallel_rank=self.rank)
-                self._publish_locked(self._push, heartbeat)
+                self._publish_locked(self._send3, heartbeat)
             accepted = self._counts["enqueued"]
-            push, self._push = self._push, None
+            push, self._push, self._send3 = self._push, None, None
         self._service.wait_published(accepted, max(0.0, began + budget - time.monotonic()))
         linger_ms = max(0, int((began + budget - time.monotonic()) * 1000))
         published = self._service.published
@@ -449,12 +452,12 @@ class ZmqPublisher(Publisher):
         if batch.data_parallel_rank is None:
             batch = msgspec.structs.replace(batch, data_parallel_rank=self.rank)
         with self._lock:
-            push = self._push
-            if push is None or not self._accepting:
+            send3 = self._send3
+            if send3 is None or not self._accepting:
                 raise self._not_accepting()
-            return self._publish_locked(push, batch)
+            return self._publish_locked(send3, batch)
 
-    def _publish_locked(self, push: zmq.Socket[Any], batch: KVEventBatch) -> int:
+    def _publish_locked(self, send3: Send3, batch: KVEventBatch) -> int:
         seq = self._next_seq
         self._next_seq = seq + 1
         self._last_activity = time.monotonic()
@@ -467,9 +470,7 @@ class ZmqPublisher(Publisher):
             self._drop("dropped_encode_error", seq, carried or (), str(exc))
             return seq
         try:
-            push.send(self._topic, zmq.SNDMORE | zmq.NOBLOCK)
-            push.send(pack_seq(seq), zmq.SNDMORE)
-            push.send(payload)
+            send3(self._topic, pack_seq(seq), payload)
         except zmq.Again:
             self._drop("dropped_queue_full", seq, batch.events, "queue full")
             return seq
