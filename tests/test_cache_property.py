@@ -70,7 +70,9 @@ class Workload:
 
 
 def run(seed: int, capacity: int, cpu: int, ops: int, ops_per_step: int) -> Workload:
-    w = Workload(PrefixCache(capacity, BS, ranks=RANKS, cpu_capacity_blocks=cpu), random.Random(seed))
+    w = Workload(
+        PrefixCache(capacity, BS, ranks=RANKS, cpu_capacity_blocks=cpu), random.Random(seed)
+    )
     for i in range(ops):
         w.op()
         if i % ops_per_step == 0:
@@ -106,6 +108,12 @@ def test_workload_exercises_every_mutation() -> None:
         for rank in range(RANKS):
             for name, value in vars(w.cache[rank].stats()).items():
                 totals[name] = totals.get(name, 0) + value
-    for name in ("gpu_hit_blocks", "cpu_hit_blocks", "evicted_blocks", "offloaded_blocks",
-                 "cpu_dropped_blocks", "resets"):
+    for name in (
+        "gpu_hit_blocks",
+        "cpu_hit_blocks",
+        "evicted_blocks",
+        "offloaded_blocks",
+        "cpu_dropped_blocks",
+        "resets",
+    ):
         assert totals[name] > 0, name

@@ -76,12 +76,24 @@ class PrefixHit:
 
 
 class _Block:
-    __slots__ = ("parent", "refs", "tokens")
+    __slots__ = ("lora_id", "lora_name", "parent", "refs", "tokens")
 
-    def __init__(self, parent: int | None, tokens: Sequence[int], refs: int) -> None:
+    def __init__(
+        self,
+        parent: int | None,
+        tokens: Sequence[int],
+        refs: int,
+        lora_id: int | None = None,
+        lora_name: str | None = None,
+    ) -> None:
         self.parent = parent
         self.tokens = tokens
         self.refs = refs
+        self.lora_id = lora_id
+        self.lora_name = lora_name
+
+    def copy(self, refs: int) -> _Block:
+        return _Block(self.parent, self.tokens, refs, self.lora_id, self.lora_name)
 
 
 class RankCache:
@@ -156,6 +168,13 @@ class RankCache:
             n += 1
         return n
 
+    def can_admit(self, block_hashes: Sequence[int], total_blocks: int) -> bool:
+        """Whether a request of ``total_blocks`` whose full blocks hash to ``block_hashes``
+        fits now: its GPU-cached prefix is shared, every other block must be allocatable."""
+        n = self.match(block_hashes)
+        pinned = sum(1 for h in block_hashes[:n] if self._gpu[h].refs == 0)
+        return self.available_blocks - pinned >= total_blocks - n
+
     def stats(self) -> CacheStats:
         return CacheStats(**self._counts)
 
@@ -191,7 +210,15 @@ class RankCache:
         self._private += count
         return True
 
-    def commit(self, block_hash: int, parent: int | None, token_ids: Sequence[int]) -> None:
+    def commit(
+        self,
+        block_hash: int,
+        parent: int | None,
+        token_ids: Sequence[int],
+        *,
+        lora_id: int | None = None,
+        lora_name: str | None = None,
+    ) -> None:
         """A private block became full: cache it (or share the cached copy) and reference it."""
         if self._private <= 0:
             raise ValueError(f"rank {self.rank}: commit of {block_hash} without a private block")
@@ -201,9 +228,9 @@ class RankCache:
             self._ref(block_hash, block)
             self._counts["shared_blocks"] += 1
             return
-        self._gpu[block_hash] = _Block(parent, token_ids, 1)
+        block = self._gpu[block_hash] = _Block(parent, token_ids, 1, lora_id, lora_name)
         self._counts["stored_blocks"] += 1
-        self.recorder.record_stored(block_hash, parent, token_ids, medium=GPU)
+        self._announce(block_hash, block, GPU)
 
     def release(self, block_hashes: Sequence[int], private: int = 0) -> None:
         """Give back references (tail first, so tails are evicted first) and private blocks."""
@@ -213,8 +240,9 @@ class RankCache:
             if block.refs == 0:
                 self._lru[h] = None
         if private > self._private:
-            raise ValueError(f"rank {self.rank}: release of {private} private blocks, "
-                             f"only {self._private} held")
+            raise ValueError(
+                f"rank {self.rank}: release of {private} private blocks, only {self._private} held"
+            )
         self._private -= private
 
     def reset(self) -> bool:
@@ -242,9 +270,19 @@ class RankCache:
             return False
         if block_hash in self._cpu:  # the eviction just made may have dropped it from CPU
             self._cpu.move_to_end(block_hash)
-        self._gpu[block_hash] = _Block(block.parent, block.tokens, 1)
-        self.recorder.record_stored(block_hash, block.parent, block.tokens, medium=GPU)
+        self._gpu[block_hash] = block.copy(refs=1)
+        self._announce(block_hash, block, GPU)
         return True
+
+    def _announce(self, block_hash: int, block: _Block, medium: str) -> None:
+        self.recorder.record_stored(
+            block_hash,
+            block.parent,
+            block.tokens,
+            medium=medium,
+            lora_id=block.lora_id,
+            lora_name=block.lora_name,
+        )
 
     def _reserve(self, count: int) -> bool:
         shortfall = count - self.free_blocks
@@ -266,7 +304,9 @@ class RankCache:
 
     def _offload(self, victims: list[int], blocks: list[_Block]) -> None:
         fresh: list[tuple[int, _Block]] = []
-        for h, block in zip(reversed(victims), reversed(blocks)):  # most recently used first
+        for h, block in zip(
+            reversed(victims), reversed(blocks), strict=True
+        ):  # most recently used first
             if h in self._cpu:
                 self._cpu.move_to_end(h)
             else:
@@ -275,8 +315,8 @@ class RankCache:
         self._drop_from_cpu(len(self._cpu) + len(fresh) - self.cpu_capacity_blocks)
         self._counts["offloaded_blocks"] += len(fresh)
         for h, block in fresh:
-            self._cpu[h] = _Block(block.parent, block.tokens, 0)
-            self.recorder.record_stored(h, block.parent, block.tokens, medium=CPU)
+            self._cpu[h] = block.copy(refs=0)
+            self._announce(h, block, CPU)
 
     def _drop_from_cpu(self, count: int) -> None:
         for _ in range(max(0, count)):

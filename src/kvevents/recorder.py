@@ -131,9 +131,9 @@ class EventRecorder:
         parent_hash: int | None,
         token_ids: Sequence[int],
         *,
-        medium: str | None | _Default = DEFAULT,
-        lora_id: int | None | _Default = DEFAULT,
-        lora_name: str | None | _Default = DEFAULT,
+        medium: str | _Default | None = DEFAULT,
+        lora_id: int | _Default | None = DEFAULT,
+        lora_name: str | _Default | None = DEFAULT,
     ) -> bool:
         """A full block entered the cache. Returns whether it will be announced."""
         tier = self.medium if isinstance(medium, _Default) else medium
@@ -153,7 +153,7 @@ class EventRecorder:
         self._append_store(block_hash, parent_hash, token_ids, tier, lid, lname)
         return True
 
-    def record_removed(self, block_hash: int, *, medium: str | None | _Default = DEFAULT) -> bool:
+    def record_removed(self, block_hash: int, *, medium: str | _Default | None = DEFAULT) -> bool:
         """A block left the cache (tier ``medium``). Returns whether it will be announced."""
         tier = self.medium if isinstance(medium, _Default) else medium
         held = self._held.get(tier)
@@ -187,12 +187,12 @@ class EventRecorder:
         self._counts["batches"] += 1
         return KVEventBatch(self._clock() if ts is None else ts, events, self.rank)
 
-    def is_announced(self, block_hash: int, medium: str | None | _Default = DEFAULT) -> bool:
+    def is_announced(self, block_hash: int, medium: str | _Default | None = DEFAULT) -> bool:
         """Whether ``block_hash`` is announced and not removed in ``medium``."""
         tier = self.medium if isinstance(medium, _Default) else medium
         return block_hash in self._held.get(tier, ())
 
-    def announced(self, medium: str | None | _Default = DEFAULT) -> frozenset[int]:
+    def announced(self, medium: str | _Default | None = DEFAULT) -> frozenset[int]:
         """The hashes announced and not removed in ``medium`` (what a consumer holds)."""
         tier = self.medium if isinstance(medium, _Default) else medium
         return frozenset(self._held.get(tier, ()))
