@@ -244,6 +244,10 @@ class SimulatedEngine:
         self._waiting[rank].append(seq)
         return rank
 
+    def advance_to(self, seconds: float) -> None:
+        """Move virtual time forward to ``seconds`` (an idle engine waiting for arrivals)."""
+        self.now = max(self.now, seconds)
+
     def has_work(self) -> bool:
         """Whether any rank has waiting or running requests."""
         return any(self._waiting) or any(self._running)
