@@ -18,7 +18,7 @@ import sys
 import time
 from array import array
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -110,12 +110,13 @@ def load_trace(
     path: str | Path, *, limit: int | None = None, block_size: int = TRACE_BLOCK_SIZE
 ) -> list[TraceRow]:
     """The first ``limit`` rows (all when None) of the trace at ``path``."""
-    rows: Iterable[TraceRow] = iter_trace(path, block_size=block_size)
     out: list[TraceRow] = []
-    for row in rows:
-        if limit is not None and len(out) >= limit:
-            break
+    if limit is not None and limit <= 0:
+        return out
+    for row in iter_trace(path, block_size=block_size):
         out.append(row)
+        if len(out) == limit:
+            break
     return out
 
 
