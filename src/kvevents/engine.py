@@ -143,7 +143,7 @@ class StepResult:
     batches: list[KVEventBatch]
 
 
-@dataclass
+@dataclass(eq=False)  # identity: running-list membership must not compare token lists
 class _Seq:
     request: Request
     rank: int

@@ -121,6 +121,8 @@ class EventRecorder:
         self._held: dict[str | None, set[int]] = {}
         self._ever: set[int] = set()
         self._pending: list[_Pending] = []
+        # the last pending event when it is a store, so chain merging is one identity check
+        self._open_store: _PendingStore | None = None
         self._counts = dict.fromkeys((f.name for f in fields(RecorderStats)), 0)
 
     # ------------------------------------------------------------------ mutations
@@ -136,11 +138,13 @@ class EventRecorder:
         lora_name: str | _Default | None = DEFAULT,
     ) -> bool:
         """A full block entered the cache. Returns whether it will be announced."""
-        tier = self.medium if isinstance(medium, _Default) else medium
+        tier = self.medium if medium is DEFAULT else medium
         if len(token_ids) != self.block_size:
             return self._suppress_partial(block_hash, token_ids)
-        held = self._held.setdefault(tier, set())
-        if block_hash in held:
+        held = self._held.get(tier)
+        if held is None:
+            held = self._held[tier] = set()
+        elif block_hash in held:
             self._counts["duplicate_stores"] += 1
             return False
         if parent_hash is not None and parent_hash not in self._ever:
@@ -148,19 +152,33 @@ class EventRecorder:
             return False
         held.add(block_hash)
         self._ever.add(block_hash)
-        lid = self.lora_id if isinstance(lora_id, _Default) else lora_id
-        lname = self.lora_name if isinstance(lora_name, _Default) else lora_name
-        self._append_store(block_hash, parent_hash, token_ids, tier, lid, lname)
+        lid = self.lora_id if lora_id is DEFAULT else lora_id
+        lname = self.lora_name if lora_name is DEFAULT else lora_name
+        last = self._open_store
+        if (
+            last is not None
+            and last.hashes[-1] == parent_hash
+            and last.medium == tier
+            and last.lora_id == lid
+            and last.lora_name == lname
+        ):
+            last.hashes.append(block_hash)
+            last.token_ids.extend(token_ids)
+        else:
+            self._open_store = _PendingStore(tier, lid, lname, parent_hash, [block_hash])
+            self._open_store.token_ids.extend(token_ids)
+            self._pending.append(self._open_store)
         return True
 
     def record_removed(self, block_hash: int, *, medium: str | _Default | None = DEFAULT) -> bool:
         """A block left the cache (tier ``medium``). Returns whether it will be announced."""
-        tier = self.medium if isinstance(medium, _Default) else medium
+        tier = self.medium if medium is DEFAULT else medium
         held = self._held.get(tier)
         if held is None or block_hash not in held:
             self._counts["unknown_removals"] += 1
             return False
         held.discard(block_hash)
+        self._open_store = None
         last = self._pending[-1] if self._pending else None
         if isinstance(last, _PendingRemove) and last.medium == tier:
             last.hashes.append(block_hash)
@@ -172,6 +190,7 @@ class EventRecorder:
         """The whole cache (every medium) was reset."""
         self._counts["superseded_events"] += len(self._pending)
         self._pending = [AllBlocksCleared()]
+        self._open_store = None
         self._held.clear()
         self._ever.clear()
 
@@ -184,17 +203,18 @@ class EventRecorder:
             return None
         events = [self._finish(item) for item in self._pending]
         self._pending = []
+        self._open_store = None
         self._counts["batches"] += 1
         return KVEventBatch(self._clock() if ts is None else ts, events, self.rank)
 
     def is_announced(self, block_hash: int, medium: str | _Default | None = DEFAULT) -> bool:
         """Whether ``block_hash`` is announced and not removed in ``medium``."""
-        tier = self.medium if isinstance(medium, _Default) else medium
+        tier = self.medium if medium is DEFAULT else medium
         return block_hash in self._held.get(tier, ())
 
     def announced(self, medium: str | _Default | None = DEFAULT) -> frozenset[int]:
         """The hashes announced and not removed in ``medium`` (what a consumer holds)."""
-        tier = self.medium if isinstance(medium, _Default) else medium
+        tier = self.medium if medium is DEFAULT else medium
         return frozenset(self._held.get(tier, ()))
 
     def stats(self) -> RecorderStats:
@@ -211,30 +231,6 @@ class EventRecorder:
             )
         self._counts["partial_blocks"] += 1
         return False
-
-    def _append_store(
-        self,
-        block_hash: int,
-        parent_hash: int | None,
-        token_ids: Sequence[int],
-        medium: str | None,
-        lora_id: int | None,
-        lora_name: str | None,
-    ) -> None:
-        last = self._pending[-1] if self._pending else None
-        if (
-            isinstance(last, _PendingStore)
-            and last.hashes[-1] == parent_hash
-            and last.medium == medium
-            and last.lora_id == lora_id
-            and last.lora_name == lora_name
-        ):
-            last.hashes.append(block_hash)
-            last.token_ids.extend(token_ids)
-            return
-        pending = _PendingStore(medium, lora_id, lora_name, parent_hash, [block_hash])
-        pending.token_ids.extend(token_ids)
-        self._pending.append(pending)
 
     def _finish(self, item: _Pending) -> Event:
         if isinstance(item, _PendingStore):
