@@ -205,3 +205,17 @@ def test_publishers_must_match_ranks() -> None:
     """A wrong number of publishers is a configuration error naming both counts."""
     with pytest.raises(ValueError, match="1 publishers for 2 ranks"):
         SimulatedEngine(EngineConfig(ranks=2), publishers=[RecordingSink()])
+
+
+def test_request_records_carry_virtual_times_and_hits() -> None:
+    """Finished requests record rank, cached tokens and step-end times for TTFT."""
+    eng, _ = engine(max_num_batched_tokens=8, step_base_s=1.0, step_token_s=0.0)
+    eng.submit(Request("a", list(range(20)), max_output_tokens=3))
+    drain(eng)
+    eng.submit(Request("b", list(range(20)), max_output_tokens=1), rank=0)
+    drain(eng)
+    a, b = eng.finished_requests
+    assert (a.request_id, a.rank, a.cached_tokens, a.output_tokens) == ("a", 0, 0, 3)
+    assert (a.submitted_at, a.first_token_at, a.finished_at) == (0.0, 3.0, 5.0)
+    assert a.time_to_first_token == 3.0
+    assert b.cached_tokens == 19 and b.time_to_first_token == 1.0  # all but the last token

@@ -40,6 +40,7 @@ __all__ = [
     "EngineMetrics",
     "RankLoad",
     "Request",
+    "RequestRecord",
     "SimulatedEngine",
     "StepResult",
     "zmq_publisher_factory",
@@ -134,6 +135,26 @@ class EngineMetrics:
 
 
 @dataclass(frozen=True)
+class RequestRecord:
+    """One finished request, for routing evaluations. Times are engine seconds (virtual time,
+    or the clock's time when one is given): submitted, first token, finished."""
+
+    request_id: str
+    rank: int
+    prompt_tokens: int
+    cached_tokens: int
+    """Prompt tokens served from cache (either tier) at first admission."""
+    output_tokens: int
+    submitted_at: float
+    first_token_at: float
+    finished_at: float
+
+    @property
+    def time_to_first_token(self) -> float:
+        return self.first_token_at - self.submitted_at
+
+
+@dataclass(frozen=True)
 class StepResult:
     """What one step did: its batch ts, tokens computed, requests finished, batches sent."""
 
@@ -156,6 +177,9 @@ class _Seq:
     computed: int = 0
     generated: int = 0
     admitted_once: bool = False
+    submitted_at: float = 0.0
+    first_token_at: float | None = None
+    cached_tokens: int = 0
 
 
 class SimulatedEngine:
@@ -198,6 +222,10 @@ class SimulatedEngine:
         self._waiting: list[deque[_Seq]] = [deque() for _ in range(cfg.ranks)]
         self._running: list[list[_Seq]] = [[] for _ in range(cfg.ranks)]
         self._counts: dict[str, Any] = {k: 0 for k in EngineMetrics.__dataclass_fields__}
+        #: A record per finished request, in finishing order (clear it freely).
+        self.finished_requests: list[RequestRecord] = []
+        self._first_tokens: list[_Seq] = []
+        self._done: list[_Seq] = []
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -241,8 +269,12 @@ class SimulatedEngine:
             raise ValueError(f"rank {rank} out of range for an engine of {cfg.ranks} ranks")
         salt = request.lora_name.encode() if request.lora_name else b""
         seq = _Seq(request, rank, list(request.token_ids), len(request.token_ids), salt)
+        seq.submitted_at = self._time()
         self._waiting[rank].append(seq)
         return rank
+
+    def _time(self) -> float:
+        return self.now if self._clock is None else self._clock()
 
     def advance_to(self, seconds: float) -> None:
         """Move virtual time forward to ``seconds`` (an idle engine waiting for arrivals)."""
@@ -263,6 +295,7 @@ class SimulatedEngine:
         if self._clock is None:
             self.now += self.config.step_base_s + self.config.step_token_s * busiest
         ts = self.config.start_time + self.now if self._clock is None else self._clock()
+        self._stamp(self._time())
         batches = self._publish(ts)
         self._counts["steps"] += 1
         return StepResult(ts, total, finished, batches)
@@ -363,6 +396,7 @@ class SimulatedEngine:
             self._counts["input_tokens"] += seq.prompt_len
             self._counts["cached_tokens"] += gpu_tokens
             self._counts["cpu_cached_tokens"] += seq.computed - gpu_tokens
+            seq.cached_tokens = seq.computed
 
     def _advance(self, seq: _Seq, budget: int, finished: list[str]) -> int:
         """Compute up to ``budget`` tokens of ``seq``; returns the tokens computed."""
@@ -429,6 +463,8 @@ class SimulatedEngine:
 
     def _generate(self, seq: _Seq, finished: list[str]) -> None:
         seq.generated += 1
+        if seq.first_token_at is None:
+            self._first_tokens.append(seq)
         if seq.generated >= max(1, seq.request.max_output_tokens):
             self._finish(seq)
             finished.append(seq.request.request_id)
@@ -443,6 +479,27 @@ class SimulatedEngine:
     def _finish(self, seq: _Seq) -> None:
         self._release(seq)
         self._counts["finished"] += 1
+        self._done.append(seq)
+
+    def _stamp(self, end: float) -> None:
+        """Tokens come out when the step ends, known only once every rank is scheduled."""
+        for seq in self._first_tokens:
+            seq.first_token_at = end
+        for seq in self._done:
+            self.finished_requests.append(
+                RequestRecord(
+                    request_id=seq.request.request_id,
+                    rank=seq.rank,
+                    prompt_tokens=seq.prompt_len,
+                    cached_tokens=seq.cached_tokens,
+                    output_tokens=seq.generated,
+                    submitted_at=seq.submitted_at,
+                    first_token_at=end if seq.first_token_at is None else seq.first_token_at,
+                    finished_at=end,
+                )
+            )
+        self._first_tokens.clear()
+        self._done.clear()
 
     def _preempt(self, seq: _Seq) -> None:
         self._release(seq)
