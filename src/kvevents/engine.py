@@ -199,14 +199,8 @@ class SimulatedEngine:
         clock: Callable[[], float] | None = None,
     ) -> None:
         self.config = cfg = config or EngineConfig()
-        if publishers is not None and publisher_factory is not None:
-            raise ValueError("pass publishers or publisher_factory, not both")
-        if publishers is not None and len(publishers) != cfg.ranks:
-            raise ValueError(f"{len(publishers)} publishers for {cfg.ranks} ranks")
         self._owned = publisher_factory is not None
-        if publisher_factory is not None:
-            publishers = [publisher_factory(r, cfg.ranks) for r in range(cfg.ranks)]
-        self.publishers: list[BatchSink] | None = None if publishers is None else list(publishers)
+        self.publishers = _sinks(cfg.ranks, publishers, publisher_factory)
         self._clock = clock
         self.now = 0.0
         self.caches = [
@@ -528,6 +522,18 @@ class SimulatedEngine:
 
     def _load_blocks(self, rank: int) -> int:
         return self._queued_blocks(rank) + self.caches[rank].used_blocks
+
+
+def _sinks(
+    ranks: int, publishers: Sequence[BatchSink] | None, factory: PublisherFactory | None
+) -> list[BatchSink] | None:
+    if publishers is not None and factory is not None:
+        raise ValueError("pass publishers or publisher_factory, not both")
+    if factory is not None:
+        return [factory(r, ranks) for r in range(ranks)]
+    if publishers is not None and len(publishers) != ranks:
+        raise ValueError(f"{len(publishers)} publishers for {ranks} ranks")
+    return None if publishers is None else list(publishers)
 
 
 def zmq_publisher_factory(kv_config: Any, options: Any = None) -> PublisherFactory:

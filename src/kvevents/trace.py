@@ -158,28 +158,67 @@ def run_trace(
     """
     if speedup <= 0:
         raise ValueError(f"speedup must be positive, got {speedup}")
-    pending = deque(sorted(enumerate(rows), key=lambda item: item[1].timestamp))
-    start = time.monotonic()
+    feeder = _Feeder(engine, rows, router, speedup if realtime else None)
     steps = 0
-    cfg = engine.config
-    while (pending or engine.has_work()) and (max_steps is None or steps < max_steps):
-        now = (time.monotonic() - start) * speedup if realtime else engine.now
-        if not engine.has_work() and pending and pending[0][1].arrival > now:
-            if realtime:
-                time.sleep((pending[0][1].arrival - now) / speedup)
-            else:
-                engine.advance_to(pending[0][1].arrival)
+    while (feeder.pending or engine.has_work()) and (max_steps is None or steps < max_steps):
+        if feeder.wait_for_arrival():
             continue
-        while pending and pending[0][1].arrival <= now:
-            index, row = pending.popleft()
-            request = trace_request(row, index)
-            engine.submit(request, None if router is None else router(request, engine))
+        feeder.submit_arrived()
         began = time.monotonic()
         result = engine.step()
         steps += 1
         if on_step is not None:
             on_step(result)
-        if realtime:
-            modeled = (cfg.step_base_s + cfg.step_token_s * result.tokens) / speedup
-            time.sleep(max(0.0, modeled - (time.monotonic() - began)))
-    return TraceRun(len(rows), steps, time.monotonic() - start, engine.metrics())
+        feeder.pace(result, began)
+    return TraceRun(len(rows), steps, time.monotonic() - feeder.start, engine.metrics())
+
+
+class _Feeder:
+    """Submits trace rows as their arrival time comes, in virtual or (scaled) wall time."""
+
+    def __init__(
+        self,
+        engine: SimulatedEngine,
+        rows: Sequence[TraceRow],
+        router: Router | None,
+        speedup: float | None,
+    ) -> None:
+        self.engine = engine
+        self.router = router
+        self.speedup = speedup
+        self.pending = deque(sorted(enumerate(rows), key=lambda item: item[1].timestamp))
+        self.start = time.monotonic()
+
+    def now(self) -> float:
+        if self.speedup is None:
+            return self.engine.now
+        return (time.monotonic() - self.start) * self.speedup
+
+    def wait_for_arrival(self) -> bool:
+        """When the engine is idle before the next arrival, skip (or sleep) to it."""
+        if self.engine.has_work() or not self.pending:
+            return False
+        gap = self.pending[0][1].arrival - self.now()
+        if gap <= 0:
+            return False
+        if self.speedup is None:
+            self.engine.advance_to(self.pending[0][1].arrival)
+        else:
+            time.sleep(gap / self.speedup)
+        return True
+
+    def submit_arrived(self) -> None:
+        now = self.now()
+        while self.pending and self.pending[0][1].arrival <= now:
+            index, row = self.pending.popleft()
+            request = trace_request(row, index)
+            rank = None if self.router is None else self.router(request, self.engine)
+            self.engine.submit(request, rank)
+
+    def pace(self, result: StepResult, began: float) -> None:
+        """In real time, a step lasts its modeled duration divided by the speedup."""
+        if self.speedup is None:
+            return
+        cfg = self.engine.config
+        modeled = (cfg.step_base_s + cfg.step_token_s * result.tokens) / self.speedup
+        time.sleep(max(0.0, modeled - (time.monotonic() - began)))
