@@ -81,7 +81,7 @@ def run(seed: int, capacity: int, cpu: int, ops: int, ops_per_step: int) -> Work
     return w
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(
     st.integers(0, 2**32),
     st.integers(4, 16),

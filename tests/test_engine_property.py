@@ -19,7 +19,7 @@ def prompt(rng: random.Random) -> list[int]:
     return base + [rng.randrange(3) for _ in range(rng.randrange(1, 14))]
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(
     seed=st.integers(0, 2**32),
     capacity=st.integers(8, 20),

@@ -10,13 +10,15 @@ import pytest
 from kvevents.engine import EngineConfig, SimulatedEngine, StepResult
 from kvevents.testing.engine import BlockSets, RecordingSink
 from kvevents.trace import load_trace, run_trace
+from kvevents.wire import decode_batch, encode_batch
 
 TRACE = Path(os.environ.get("KVEVENTS_TRACE", "/work/shared/data/mooncake_synthetic_trace.jsonl"))
 pytestmark = pytest.mark.skipif(not TRACE.exists(), reason=f"trace not found at {TRACE}")
 
 
 def test_trace_slice_events_match_ground_truth_every_step() -> None:
-    """120 trace rows on 2 ranks with a CPU tier: events rebuild both tiers after every step."""
+    """120 trace rows, 2 ranks, CPU tier, signed hashes: encoded then decoded events rebuild
+    both tiers after every step."""
     rows = load_trace(TRACE, limit=120)
     cfg = EngineConfig(
         block_size=64,
@@ -24,6 +26,7 @@ def test_trace_slice_events_match_ground_truth_every_step() -> None:
         cpu_capacity_blocks=600,
         ranks=2,
         max_num_batched_tokens=16384,
+        hash_style="signed",
     )
     sinks = [RecordingSink(r) for r in range(2)]
     engine = SimulatedEngine(cfg, publishers=sinks)
@@ -32,7 +35,7 @@ def test_trace_slice_events_match_ground_truth_every_step() -> None:
 
     def check(result: StepResult) -> None:
         for batch in result.batches:
-            sets.apply(batch)
+            sets.apply(decode_batch(encode_batch(batch)).batch)
         for rank in range(2):
             for medium in ("GPU", "CPU"):
                 if sets.blocks(rank, medium) != engine.cached_blocks(rank, medium):
@@ -45,6 +48,7 @@ def test_trace_slice_events_match_ground_truth_every_step() -> None:
     assert m.cached_tokens > 0 and m.batches == sum(len(s.batches) for s in sinks)
     assert sum(engine.cache_stats(r).offloaded_blocks for r in range(2)) > 0
     assert m.virtual_time >= rows[-1].arrival
+    assert any(h < 0 for h in engine.cached_blocks(0))
 
 
 def test_router_hook_picks_ranks() -> None:

@@ -100,11 +100,19 @@ def test_orphan_fails_closed_and_its_children_too() -> None:
     assert r.stats().orphan_stores == 2
 
 
-def test_child_of_removed_parent_is_still_placeable() -> None:
-    """A parent announced earlier (then removed) still lets a child through."""
+def test_child_of_removed_parent_fails_closed() -> None:
+    """A parent removed earlier no longer lets a child through (consumers dropped it too)."""
     r = rec()
     r.record_stored(1, None, toks(1))
     r.record_removed(1)
+    assert not r.record_stored(2, 1, toks(2), medium="CPU")
+    assert r.stats().orphan_stores == 1
+
+
+def test_parent_held_in_another_medium_places_the_child() -> None:
+    """A CPU store whose parent is held on GPU is announced: the parent rule spans media."""
+    r = rec()
+    r.record_stored(1, None, toks(1))
     assert r.record_stored(2, 1, toks(2), medium="CPU")
 
 

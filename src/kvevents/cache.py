@@ -7,9 +7,11 @@ private (counted against capacity, never cached, never announced).
 
 Eviction is LRU over unreferenced cached blocks, like vLLM's free-block queue. Requests release
 their blocks tail first, so within one request the tail is evicted before its prefix; across
-requests a parent may still leave before a child (a child can outlive its parent when the
-parent's last use is older), which is allowed: consumers keep placing children by their
-parent hash, and the recorder's parent rule is "announced once since the last clear".
+requests too: whoever holds a child holds its parent and releases it later, so a parent is
+never older in the LRU than its child. The GPU tier is therefore prefix-closed (a cached
+block's parent is cached), every stored block has a held parent, and the recorder's fail-closed
+parent rule never fires. (vLLM can evict a parent first; the recorder then suppresses a later
+store of the child elsewhere, see :mod:`kvevents.recorder`.)
 
 Optional second tier: with ``cpu_capacity_blocks > 0`` an evicted GPU block moves to a CPU tier
 with its own LRU. The events of one eviction round are, in order:
@@ -303,15 +305,21 @@ class RankCache:
             self.recorder.record_removed(h, medium=GPU)
 
     def _offload(self, victims: list[int], blocks: list[_Block]) -> None:
+        # Victims come oldest first, and a parent is never older than its child (tails are
+        # released first), so reversed they are parent first: stored that way, chains merge
+        # and every stored block's parent is already held on GPU or CPU.
         fresh: list[tuple[int, _Block]] = []
-        for h, block in zip(
-            reversed(victims), reversed(blocks), strict=True
-        ):  # most recently used first
+        touched = 0
+        for h, block in zip(reversed(victims), reversed(blocks), strict=True):
             if h in self._cpu:
                 self._cpu.move_to_end(h)
+                touched += 1
             else:
                 fresh.append((h, block))
-        fresh = fresh[: self.cpu_capacity_blocks]
+        # Make room only from blocks that are not victims (they sit before the touched ones),
+        # so no victim's parent leaves CPU while its child is being stored there.
+        room = self.cpu_capacity_blocks - touched
+        fresh = fresh[: max(0, room)]
         self._drop_from_cpu(len(self._cpu) + len(fresh) - self.cpu_capacity_blocks)
         self._counts["offloaded_blocks"] += len(fresh)
         for h, block in fresh:

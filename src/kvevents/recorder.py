@@ -8,8 +8,8 @@ the engine announced:
 - only full blocks (``len(token_ids) == block_size``); a partial block is never announced;
 - a block is announced once per medium while it is held; a repeated store is suppressed;
 - a removal is sent only for a block announced in that medium;
-- fail closed: a store whose parent was never announced (since the last clear) is suppressed,
-  so a consumer never receives a child it cannot place; its own children then follow it;
+- fail closed: a store whose parent is not announced and held right now (in any medium) is
+  suppressed, so a consumer never receives a child it cannot place; its children follow it;
 - stores that continue a chain within a step merge into one ``BlockStored``, consecutive
   removals of one medium into one ``BlockRemoved``; the order of stores and removals is kept;
 - a clear supersedes the step's earlier events and emits ``AllBlocksCleared``;
@@ -66,7 +66,7 @@ class RecorderStats:
     duplicate_stores: int = 0
     """Stores suppressed because the block was already announced in that medium."""
     orphan_stores: int = 0
-    """Stores suppressed because their parent was never announced (fail closed)."""
+    """Stores suppressed because their parent is not announced in any medium (fail closed)."""
     unknown_removals: int = 0
     """Removals suppressed because the block was not announced in that medium."""
     superseded_events: int = 0
@@ -119,7 +119,6 @@ class EventRecorder:
         self.lora_name = lora_name
         self._clock = clock
         self._held: dict[str | None, set[int]] = {}
-        self._ever: set[int] = set()
         self._pending: list[_Pending] = []
         # the last pending event when it is a store, so chain merging is one identity check
         self._open_store: _PendingStore | None = None
@@ -147,11 +146,10 @@ class EventRecorder:
         elif block_hash in held:
             self._counts["duplicate_stores"] += 1
             return False
-        if parent_hash is not None and parent_hash not in self._ever:
+        if parent_hash is not None and not self._holds(parent_hash):
             self._counts["orphan_stores"] += 1
             return False
         held.add(block_hash)
-        self._ever.add(block_hash)
         lid = self.lora_id if lora_id is DEFAULT else lora_id
         lname = self.lora_name if lora_name is DEFAULT else lora_name
         last = self._open_store
@@ -192,7 +190,6 @@ class EventRecorder:
         self._pending = [AllBlocksCleared()]
         self._open_store = None
         self._held.clear()
-        self._ever.clear()
 
     # ------------------------------------------------------------------ step boundary
 
@@ -222,6 +219,9 @@ class EventRecorder:
         return RecorderStats(**self._counts)
 
     # ------------------------------------------------------------------ internals
+
+    def _holds(self, block_hash: int) -> bool:
+        return any(block_hash in held for held in self._held.values())
 
     def _suppress_partial(self, block_hash: int, token_ids: Sequence[int]) -> bool:
         if len(token_ids) > self.block_size:

@@ -36,8 +36,9 @@ class RecordingSink:
 class BlockSets:
     """A consumer's view: block hashes per ``(rank, medium)`` rebuilt from events alone.
 
-    Stores of a hash already held and removals of a hash not held are counted as violations
-    instead of raising, so a test can assert that a producer never sends them.
+    Stores of a hash already held, stores whose parent is not held (in any medium of the
+    rank), token counts that do not match, and removals of a hash not held are recorded as
+    violations instead of raising, so a test can assert that a producer never sends them.
     """
 
     def __init__(self) -> None:
@@ -66,6 +67,11 @@ class BlockSets:
         held = self.sets.setdefault((rank, event.medium), set())
         if len(event.token_ids) != event.block_size * len(event.block_hashes):
             self.violations.append(f"rank {rank}: token count of {event.block_hashes}")
+        parent = event.parent_block_hash
+        if parent is not None and not any(
+            parent in held for key, held in self.sets.items() if key[0] == rank
+        ):
+            self.violations.append(f"rank {rank}: parent {parent} of {event.block_hashes} unheld")
         for h in event.block_hashes:
             if h in held:
                 self.violations.append(f"rank {rank}: {h} stored twice in {event.medium}")
