@@ -146,7 +146,7 @@ class EventRecorder:
         elif block_hash in held:
             self._counts["duplicate_stores"] += 1
             return False
-        if parent_hash is not None and not self._holds(parent_hash):
+        if parent_hash is not None and parent_hash not in held and not self._holds(parent_hash):
             self._counts["orphan_stores"] += 1
             return False
         held.add(block_hash)
