@@ -8,8 +8,9 @@
     ├── PublisherError
     │   ├── BindError                     a socket could not bind (.endpoint, .rank, .role)
     │   └── PublisherClosed               publish() after shutdown(): you closed it
-    └── SubscriberError
-        └── SubscriberClosed              the subscriber was closed: you closed it
+    ├── SubscriberError
+    │   └── SubscriberClosed              the subscriber was closed: you closed it
+    └── TraceError (also ValueError)      a workload trace row cannot be read (.path, .line)
 
 Invalid configuration raises ``pydantic.ValidationError`` (a ``ValueError``) naming the field.
 Losses (dropped batches, skipped events, gaps) are never exceptions: they are counted in the
@@ -27,6 +28,7 @@ __all__ = [
     "PublisherError",
     "SubscriberClosed",
     "SubscriberError",
+    "TraceError",
 ]
 
 
@@ -83,3 +85,12 @@ class SubscriberError(KVEventsError):
 
 class SubscriberClosed(SubscriberError):
     """The subscriber was closed by its owner."""
+
+
+class TraceError(KVEventsError, ValueError):
+    """A row of a workload trace is malformed; ``line`` is 1-based."""
+
+    def __init__(self, message: str, *, path: str, line: int) -> None:
+        super().__init__(f"{path}:{line}: {message}")
+        self.path = path
+        self.line = line
