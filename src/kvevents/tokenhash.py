@@ -14,8 +14,9 @@ The scheme, exactly:
   so a hash names the whole prefix up to and including its block. Sixty bits, because a
   CPython int up to 2**60 takes 32 bytes and a larger one 40: the index holds one per block.
 - ``root`` is :data:`ROOT_SEED` for the base model. With a LoRA adapter it is
-  ``xxh3_64(b"lora:" + key, seed=ROOT_SEED)``, where ``key`` is the adapter name in UTF-8, or
-  the decimal adapter id when there is no name.
+  ``xxh3_64(b"lora:" + name, seed=ROOT_SEED) & MASK`` for an adapter name (UTF-8), or
+  ``xxh3_64(b"lora-id:" + decimal id, seed=ROOT_SEED) & MASK`` for an adapter id. The index
+  uses the event's ``lora_name`` when set, else its ``lora_id``.
 - Only full blocks are hashed; trailing tokens that do not fill a block are ignored.
 
 Hashes are non-negative Python ints below 2**60. A token id outside ``0 .. 2**32 - 1`` raises
@@ -47,8 +48,8 @@ def root_seed(lora: str | int | None = None) -> int:
     """The seed of a prefix's first block: :data:`ROOT_SEED`, or one derived from a LoRA key."""
     if lora is None:
         return ROOT_SEED
-    key = lora.encode() if isinstance(lora, str) else str(int(lora)).encode()
-    return _xxh3(b"lora:" + key, ROOT_SEED) & MASK
+    key = b"lora:" + lora.encode() if isinstance(lora, str) else b"lora-id:%d" % lora
+    return _xxh3(key, ROOT_SEED) & MASK
 
 
 def pack_tokens(token_ids: Sequence[int]) -> bytes:
