@@ -529,7 +529,9 @@ class Server:
 
     def __init__(self, app: Starlette, host: str = "127.0.0.1", port: int = 0) -> None:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._sock = socket.socket(family, socket.SOCK_STREAM)
+        # proto must say TCP: asyncio sets TCP_NODELAY on accepted sockets only then, and
+        # without it Nagle's algorithm and delayed ACKs add 40 ms to every response.
+        self._sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             self._sock.bind((host, port))

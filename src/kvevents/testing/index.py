@@ -109,27 +109,33 @@ def random_worker_batches(
     blocks_per_event: int = 16,
     block_size: int = 16,
     vocab: int = 32000,
+    token_pool: int = 64,
     seed: int = 0,
 ) -> dict[str, list[KVEventBatch]]:
-    """Store batches of random distinct prefixes per worker (``worker-0`` ...), fast to build.
+    """Store batches for load and memory measurements, fast to build and light to hold.
 
-    Engine hashes are random 64-bit ints, not derived from the tokens: enough for load and
-    memory measurements, where only distinctness matters.
+    Each worker (``worker-0`` ...) stores one long chain: every event's parent is the last
+    block of the event before, so every block is distinct although token lists are drawn
+    from a small shared pool. Engine hashes are random 64-bit ints.
     """
     rng = random.Random(seed)
     tokens = blocks_per_event * block_size
+    pool = [[rng.randrange(vocab) for _ in range(tokens)] for _ in range(token_pool)]
     out: dict[str, list[KVEventBatch]] = {}
     for w in range(workers):
-        out[f"worker-{w}"] = [
-            batch(
-                BlockStored(
-                    block_hashes=[rng.getrandbits(64) for _ in range(blocks_per_event)],
-                    parent_block_hash=None,
-                    token_ids=[rng.randrange(vocab) for _ in range(tokens)],
-                    block_size=block_size,
-                ),
-                ts=float(i),
+        parent: int | None = None
+        batches = []
+        for i in range(batches_per_worker):
+            # The first event of each worker differs, so workers do not share blocks.
+            ids = [w, *pool[0][1:]] if i == 0 else pool[rng.randrange(token_pool)]
+            hashes = [rng.getrandbits(64) for _ in range(blocks_per_event)]
+            event = BlockStored(
+                block_hashes=hashes,
+                parent_block_hash=parent,
+                token_ids=ids,
+                block_size=block_size,
             )
-            for i in range(batches_per_worker)
-        ]
+            batches.append(batch(event, ts=float(i)))
+            parent = hashes[-1]
+        out[f"worker-{w}"] = batches
     return out
