@@ -392,3 +392,18 @@ def test_bytes_per_block_is_measured_and_the_estimate_is_honest() -> None:
     per_block = measured / stats.entries
     assert 0.75 * stats.bytes_per_block <= per_block <= 1.1 * stats.bytes_per_block
     assert per_block < 200
+
+
+def test_batches_survive_the_wire() -> None:
+    """Batches encoded and decoded by kvevents.wire index exactly like the originals."""
+    from kvevents.wire import decode_batch, encode_batch
+
+    index = make_index()
+    for style, worker in [("vllm", "a"), ("sglang", "b")]:
+        for item in [
+            batch(store_event(PROMPT, BS, end_block=3, style=style)),  # type: ignore[arg-type]
+            batch(store_event(PROMPT, BS, start_block=3, style=style)),  # type: ignore[arg-type]
+            batch(remove_event(PROMPT, BS, start_block=5, style=style)),  # type: ignore[arg-type]
+        ]:
+            index.apply(worker, 0, decode_batch(encode_batch(item)).batch)
+    assert index.match(PROMPT).holders == {gpu("a"): 5, gpu("b"): 5}

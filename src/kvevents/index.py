@@ -540,8 +540,7 @@ class PrefixIndex:
                 del blocks[oh]
         self._c.removed += len(hashes) - (self._c.unknown - unknown_before)
         if len(tombs) > self._tombstones:
-            stream.tombs_old = tombs
-            stream.tombs = {}
+            stream.tombs_old, stream.tombs = tombs, {}
 
     @staticmethod
     def _unref(counts: dict[int, int], key: int) -> bool:

@@ -385,27 +385,32 @@ def _registration(body: _Register) -> WorkerRegistration:
     )
 
 
-def create_app(service: IndexService) -> Starlette:
-    """The ASGI app. Its lifespan starts the service and closes it at shutdown."""
+class _Api:
+    """The HTTP handlers over one service."""
 
-    async def register(request: Request) -> Response:
+    def __init__(self, service: IndexService) -> None:
+        self.service = service
+        self.registry = CollectorRegistry()
+        self.registry.register(_Collector(service))
+
+    async def register(self, request: Request) -> Response:
         reg = _registration(await _body(request, _Register))
-        specs = service.register(reg)
+        specs = self.service.register(reg)
         return _json({"worker_id": reg.worker_id, "ranks": list(reg.ranks), "streams": len(specs)})
 
-    async def unregister(request: Request) -> Response:
+    async def unregister(self, request: Request) -> Response:
         body = await _body(request, _Unregister)
         worker = _worker_id(body)
         rank = body.rank if body.rank is not None else body.dp_rank
-        if not service.unregister(worker, rank):
+        if not self.service.unregister(worker, rank):
             return _json({"error": f"unknown worker {worker!r} (rank {rank})"}, 404)
         return _json({"worker_id": worker, "removed": True})
 
-    async def query(request: Request) -> Response:
+    async def query(self, request: Request) -> Response:
         body = await _body(request, _Query)
         lora = body.lora_name if body.lora_name is not None else body.lora_id
         try:
-            result = service.query(
+            result = self.service.query(
                 body.token_ids,
                 block_hashes=body.block_hashes,
                 block_size=body.block_size,
@@ -416,43 +421,45 @@ def create_app(service: IndexService) -> Starlette:
             raise _BadRequest(f"/query: {exc}") from exc
         return _json(result)
 
-    async def dump(request: Request) -> Response:
-        return _json(service.dump())
+    async def dump(self, request: Request) -> Response:
+        return _json(self.service.dump())
 
-    async def workers(request: Request) -> Response:
-        return _json({"workers": service.workers_view()})
+    async def workers(self, request: Request) -> Response:
+        return _json({"workers": self.service.workers_view()})
 
-    async def health(request: Request) -> Response:
-        return _json({"status": "ok", "workers": len(service.workers())})
+    async def health(self, request: Request) -> Response:
+        return _json({"status": "ok", "workers": len(self.service.workers())})
 
-    registry = CollectorRegistry()
-    registry.register(_Collector(service))
+    async def metrics(self, request: Request) -> Response:
+        return Response(generate_latest(self.registry), media_type="text/plain; version=0.0.4")
 
-    async def metrics(request: Request) -> Response:
-        return Response(generate_latest(registry), media_type="text/plain; version=0.0.4")
-
+    @staticmethod
     async def bad_request(request: Request, exc: Exception) -> Response:
         return _json({"error": str(exc)}, 400)
 
     @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        service.start()
+    async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        self.service.start()
         try:
             yield
         finally:
-            service.close()
+            self.service.close()
 
+
+def create_app(service: IndexService) -> Starlette:
+    """The ASGI app. Its lifespan starts the service and closes it at shutdown."""
+    api = _Api(service)
     routes = [
-        Route("/register", register, methods=["POST"]),
-        Route("/unregister", unregister, methods=["POST"]),
-        Route("/query", query, methods=["POST"]),
-        Route("/dump", dump, methods=["GET"]),
-        Route("/workers", workers, methods=["GET"]),
-        Route("/metrics", metrics, methods=["GET"]),
-        Route("/health", health, methods=["GET"]),
+        Route("/register", api.register, methods=["POST"]),
+        Route("/unregister", api.unregister, methods=["POST"]),
+        Route("/query", api.query, methods=["POST"]),
+        Route("/dump", api.dump, methods=["GET"]),
+        Route("/workers", api.workers, methods=["GET"]),
+        Route("/metrics", api.metrics, methods=["GET"]),
+        Route("/health", api.health, methods=["GET"]),
     ]
     return Starlette(
-        routes=routes, exception_handlers={_BadRequest: bad_request}, lifespan=lifespan
+        routes=routes, exception_handlers={_BadRequest: api.bad_request}, lifespan=api.lifespan
     )
 
 
