@@ -168,6 +168,18 @@ def test_unregister_stops_the_stream_and_drops_the_blocks(feed: FakeFeed) -> Non
         assert service.unregister("a") is False
 
 
+def test_items_of_unregistered_workers_are_ignored(feed: FakeFeed) -> None:
+    """A delivery still queued after unregister does not bring the worker back."""
+    with make_service(feed) as service:
+        service.register(WorkerRegistration("a", "tcp://h:5557", BS))
+        spec = feed.spec("a", 0)
+        service.unregister("a")
+        feed.items.put(Delivery(spec, 0, batch(store_event(PROMPT, BS))))
+        feed.items.put(StreamReset(spec, "removed"))
+        wait_for(lambda: service.stats().ignored == 2, 10.0, what="two ignored items")
+        assert service.index.targets() == [] and service.index_stats().entries == 0
+
+
 def test_server_binds_port_zero_and_reports_it(server: tuple[Server, IndexService]) -> None:
     """serve() on port 0 returns a started server whose real port is known."""
     running, _ = server

@@ -431,21 +431,21 @@ class PrefixIndex:
         if len(event.token_ids) != size * len(hashes):
             self._bad(stream, event, "token_ids length is not block_size * len(block_hashes)")
             return
+        holder = stream.by_medium.get(event.medium) or self._holder(stream, event.medium)
         parent = event.parent_block_hash
         if parent is None:
-            seed = self._root(event)
-        else:
-            resolved = stream.resolve(parent)
-            if resolved is None:
+            seed: int | None = self._root(event)
+        else:  # the parent is most often on the same tier: look there first
+            seed = holder.engine.get(parent) or stream.resolve(parent)
+            if seed is None:
                 self._hold_orphan(stream, event)
                 return
-            seed = resolved
         try:
             packed = pack_tokens(event.token_ids)
         except (OverflowError, TypeError):
             self._bad(stream, event, "token id outside 0..2**32-1")
             return
-        self._add(self._holder(stream, event.medium), hashes, chain_hashes(packed, size, seed))
+        self._add(holder, hashes, chain_hashes(packed, size, seed))  # type: ignore[arg-type]
         if stream.waiting:
             self._place_waiting(stream, hashes)
 

@@ -84,6 +84,7 @@ class ServiceStats:
 
     deliveries: int  #: batches applied
     resets: int  #: stream resets applied
+    ignored: int  #: items of workers (or ranks) no longer registered
     apply_errors: int  #: items that raised while applied (logged; the thread goes on)
     queries: int
 
@@ -131,7 +132,13 @@ class IndexService:
         self._workers: dict[str, WorkerRegistration] = {}
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
-        self._counts = {"deliveries": 0, "resets": 0, "apply_errors": 0, "queries": 0}
+        self._counts = {
+            "deliveries": 0,
+            "resets": 0,
+            "ignored": 0,
+            "apply_errors": 0,
+            "queries": 0,
+        }
 
     @property
     def feed(self) -> Feed:
@@ -182,7 +189,12 @@ class IndexService:
         stream = item.stream
         try:
             with self.lock:
-                if hasattr(item, "batch"):
+                reg = self._workers.get(stream.worker_id)
+                if reg is None or stream.rank not in reg.ranks:
+                    # Queued before the worker was unregistered: applying it would bring
+                    # the worker back as a ghost.
+                    self._counts["ignored"] += 1
+                elif hasattr(item, "batch"):
                     self.index.apply(stream.worker_id, stream.rank, item.batch)
                     self._counts["deliveries"] += 1
                 else:
@@ -483,7 +495,7 @@ class _Collector:
             stats.bytes_per_block,
         )
         service = self._service.stats()
-        for name in ("deliveries", "resets", "apply_errors", "queries"):
+        for name in ("deliveries", "resets", "ignored", "apply_errors", "queries"):
             yield CounterMetricFamily(
                 f"kvevents_service_{name}",
                 f"Feed items and queries: {name}",
