@@ -61,6 +61,18 @@ def test_match_hashes_equals_match() -> None:
     assert by_tokens.holders == by_hashes.holders == {gpu("a"): 3}
 
 
+def test_no_cap_on_holders_per_block() -> None:
+    """Hundreds of holders of one block are all indexed and all matched."""
+    index = PrefixIndex(BS)
+    workers = [f"w{i}" for i in range(300)]
+    for worker in workers:
+        index.apply(worker, 0, batch(store_event(PROMPT, BS, end_block=1 + len(worker) % 5)))
+    result = index.match(PROMPT)
+    assert len(result.holders) == 300
+    assert result.streams[("w7", 0)] == 1 + len("w7") % 5
+    assert len(index.holders_of(block_hashes(PROMPT, BS)[0])) == 300
+
+
 def test_engine_hash_schemes_agree() -> None:
     """A vLLM-style and an SGLang-style engine holding the same tokens share our block keys."""
     index = make_index()
