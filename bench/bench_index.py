@@ -44,7 +44,7 @@ BATCHES = 5000  # x 16 blocks x 16 workers = 1.28M blocks, Dynamo's run
 QUERY_WORKERS = 64
 QUERY_TOKENS = 8192
 QUERIES = 1000
-HTTP_QUERIES = 400
+HTTP_QUERIES = 1000
 
 
 class PlainIndex:
