@@ -16,10 +16,10 @@ def test_public_names_resolve() -> None:
 
 
 def test_pure_modules_do_not_import_zmq() -> None:
-    """The codec, config, cursor and layout are usable without loading ZeroMQ."""
+    """The package, codec, cursor, engine side and index are usable without loading ZeroMQ."""
     code = (
-        "import sys; import kvevents.wire, kvevents.config, kvevents.cursor, kvevents.endpoints; "
-        "print('zmq' in sys.modules)"
+        "import sys; import kvevents, kvevents.wire, kvevents.cursor, kvevents.engine, "
+        "kvevents.index, kvevents.router; print('zmq' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

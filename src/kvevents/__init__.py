@@ -3,8 +3,10 @@
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from .cache import PrefixCache, RankCache
 from .config import KVEventsConfig
 from .endpoints import RankEndpoints, check_layout, rank_endpoint, rank_endpoints
+from .engine import EngineConfig, SimulatedEngine
 from .errors import (
     BindError,
     DecodeError,
@@ -14,8 +16,10 @@ from .errors import (
     PublisherError,
     SubscriberClosed,
     SubscriberError,
+    TraceError,
 )
 from .events import AllBlocksCleared, BlockRemoved, BlockStored, Event, KVEventBatch
+from .recorder import EventRecorder, RecorderStats
 from .streams import (
     Delivery,
     ReplayOptions,
@@ -27,8 +31,10 @@ from .streams import (
     SubscriberStats,
     worker_streams,
 )
+from .trace import TraceRow, load_trace
 
 if TYPE_CHECKING:
+    from .index import IndexStats, MatchResult, PrefixIndex
     from .publisher import (
         NullPublisher,
         Publisher,
@@ -38,11 +44,18 @@ if TYPE_CHECKING:
         ZmqPublisher,
         create_publisher,
     )
+    from .router import Decision, LoadBook, Router
     from .subscriber import AsyncSubscriber, Subscriber
 
 # Socket-owning modules load on first use, so `import kvevents.wire` (or the config, cursor,
-# index) never loads ZeroMQ.
+# engine side) never loads ZeroMQ; the index needs the optional xxhash (`kvevents[index]`).
 _LAZY = {
+    "IndexStats": "index",
+    "MatchResult": "index",
+    "PrefixIndex": "index",
+    "Decision": "router",
+    "LoadBook": "router",
+    "Router": "router",
     "NullPublisher": "publisher",
     "Publisher": "publisher",
     "PublisherOptions": "publisher",
@@ -72,22 +85,34 @@ __all__ = [
     "BindError",
     "BlockRemoved",
     "BlockStored",
+    "Decision",
     "DecodeError",
     "Delivery",
+    "EngineConfig",
     "Event",
+    "EventRecorder",
+    "IndexStats",
     "KVEventBatch",
     "KVEventsConfig",
     "KVEventsError",
     "LayoutError",
+    "LoadBook",
+    "MatchResult",
     "NullPublisher",
+    "PrefixCache",
+    "PrefixIndex",
     "Publisher",
     "PublisherClosed",
     "PublisherError",
     "PublisherOptions",
     "PublisherStats",
+    "RankCache",
     "RankEndpoints",
+    "RecorderStats",
     "ReplayOptions",
+    "Router",
     "ShutdownReport",
+    "SimulatedEngine",
     "StreamReset",
     "StreamSpec",
     "StreamStats",
@@ -97,10 +122,13 @@ __all__ = [
     "SubscriberError",
     "SubscriberOptions",
     "SubscriberStats",
+    "TraceError",
+    "TraceRow",
     "ZmqPublisher",
     "__version__",
     "check_layout",
     "create_publisher",
+    "load_trace",
     "rank_endpoint",
     "rank_endpoints",
     "worker_streams",

@@ -1,0 +1,130 @@
+"""Routing policies and explainable decisions (kvevents.router)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvevents.index import PrefixIndex
+from kvevents.router import Load, LoadBook, Router, make_policy
+from kvevents.testing.index import batch, store_event
+from kvevents.tokenhash import block_hashes
+
+BS = 4
+PROMPT = list(range(100, 132))  # 8 blocks
+
+
+def make_router(policy: str = "prefix_load", **kwargs: object) -> Router:
+    index = PrefixIndex(BS)
+    for worker in ["a", "b", "c"]:
+        index.register_worker(worker, block_size=BS)
+    index.apply("a", 0, batch(store_event(PROMPT, BS, end_block=2)))
+    index.apply("b", 0, batch(store_event(PROMPT, BS, end_block=6)))
+    return Router(index, policy, **kwargs)  # type: ignore[arg-type]
+
+
+def test_longest_prefix_picks_the_most_matched_blocks() -> None:
+    """The worker with the longest cached prefix wins, and the decision says why."""
+    decision = make_router("longest_prefix").route(PROMPT)
+    assert decision.winner == ("b", 0)
+    assert decision.matched == {("a", 0): 2, ("b", 0): 6, ("c", 0): 0}
+    assert [s.score for s in decision.scores] == [2.0, 6.0, 0.0]
+    assert decision.policy == "longest_prefix"
+
+
+def test_longest_prefix_breaks_ties_by_load() -> None:
+    """With equal matches the less loaded target wins."""
+    router = make_router("longest_prefix")
+    router.loads.set("a", queued_blocks=5)
+    router.loads.set("b", active_blocks=1)
+    assert router.route([9] * 8).winner == ("c", 0)
+
+
+def test_prefix_load_trades_cache_hits_against_load() -> None:
+    """A busy worker with the best prefix loses to an idle one once load outweighs reuse."""
+    router = make_router("prefix_load")
+    assert router.route(PROMPT).winner == ("b", 0)
+    router.loads.set("b", queued_blocks=3)
+    decision = router.route(PROMPT)
+    # a: 6 new blocks; b: 2 new + 3 queued = 5; c: 8 new.
+    assert decision.winner == ("b", 0)
+    router.loads.set("b", queued_blocks=5)
+    decision = router.route(PROMPT)
+    assert decision.winner == ("a", 0)
+    terms = {(s.worker_id, s.rank): s.terms for s in decision.scores}
+    assert terms[("b", 0)] == {"new_blocks": 2, "prefill_cost": 7.0, "decode_cost": 0, "cost": 7.0}
+    assert terms[("a", 0)]["cost"] == 6.0
+
+
+def test_prefix_load_counts_active_blocks() -> None:
+    """Decode load (active blocks) adds to the cost one for one."""
+    router = make_router("prefix_load", prefill_weight=2.0)
+    router.loads.set("b", active_blocks=9)
+    decision = router.route(PROMPT)
+    costs = {(s.worker_id, s.rank): -s.score for s in decision.scores}
+    assert costs == {("a", 0): 12.0, ("b", 0): 13.0, ("c", 0): 16.0}
+    assert decision.winner == ("a", 0)
+
+
+def test_round_robin_cycles_through_targets() -> None:
+    """Round-robin ignores the cache and takes targets in turn."""
+    router = make_router("round_robin")
+    winners = [router.route(PROMPT).winner for _ in range(4)]
+    assert winners == [("a", 0), ("b", 0), ("c", 0), ("a", 0)]
+
+
+def test_random_is_reproducible_with_a_seed() -> None:
+    """Two routers with the same seed make the same choices, spread over the targets."""
+    one, two = make_router("random", seed=7), make_router("random", seed=7)
+    first = [one.route(PROMPT).winner for _ in range(30)]
+    assert first == [two.route(PROMPT).winner for _ in range(30)]
+    assert set(first) == {("a", 0), ("b", 0), ("c", 0)}
+
+
+def test_route_with_precomputed_hashes_equals_tokens() -> None:
+    """Routing on block hashes gives the decision routing on tokens gives."""
+    router = make_router("longest_prefix")
+    by_hashes = router.route(block_hashes=block_hashes(PROMPT, BS))
+    assert by_hashes.matched == router.route(PROMPT).matched
+    with pytest.raises(ValueError, match="exactly one"):
+        router.route()
+
+
+def test_targets_can_be_restricted_and_empty() -> None:
+    """Only the given targets compete; no target means no winner."""
+    router = make_router("longest_prefix")
+    assert router.route(PROMPT, targets=[("a", 0), ("c", 0)]).winner == ("a", 0)
+    assert router.route(PROMPT, targets=[]).winner is None
+
+
+def test_policy_can_be_chosen_per_call() -> None:
+    """A per-call policy overrides the router's default without replacing it."""
+    router = make_router("round_robin")
+    assert router.route(PROMPT, policy="longest_prefix").winner == ("b", 0)
+    assert router.policy.name == "round_robin"
+    with pytest.raises(ValueError, match="unknown routing policy 'best'; known: "):
+        make_policy("best")
+
+
+def test_decision_explains_itself() -> None:
+    """explain() and to_dict() name the winner, matches and load terms of every target."""
+    router = make_router("prefix_load")
+    router.loads.set("a", queued_blocks=1, active_blocks=2)
+    decision = router.route(PROMPT)
+    text = decision.explain()
+    assert text.splitlines()[0] == "policy prefix_load: winner b/rank0"
+    assert "a/rank0: matched 2/8 blocks, queued 1, active 2" in text
+    assert "<- winner" in text.splitlines()[2]
+    data = decision.to_dict()
+    assert data["winner"] == {"worker_id": "b", "rank": 0}
+    assert data["scores"][0]["queued_blocks"] == 1  # type: ignore[index]
+    assert decision.winner_score is not None and decision.winner_score.matched_blocks == 6
+
+
+def test_load_book_never_goes_negative() -> None:
+    """Loads add up, never drop below zero, and are forgotten with the worker."""
+    loads = LoadBook()
+    loads.add("a", queued_blocks=3)
+    loads.add("a", queued_blocks=-5, active_blocks=2)
+    assert loads.get("a") == Load(0, 2)
+    loads.remove("a")
+    assert loads.snapshot() == {}

@@ -1,0 +1,280 @@
+"""The index service: feed consumption, and the HTTP API against a real server on port 0."""
+
+from __future__ import annotations
+
+import queue
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import pytest
+
+from kvevents.events import KVEventBatch
+from kvevents.index import PrefixIndex
+from kvevents.service import IndexService, Server, WorkerRegistration, serve
+from kvevents.testing.index import batch, engine_hashes, store_event
+from kvevents.testing.sockets import wait_for
+from kvevents.tokenhash import block_hashes
+
+BS = 4
+PROMPT = list(range(100, 124))  # 6 blocks
+
+
+@dataclass(frozen=True)
+class Spec:
+    worker_id: str
+    rank: int
+    endpoint: str
+    replay_endpoint: str | None = None
+    topic: str = ""
+
+
+@dataclass(frozen=True)
+class Delivery:
+    stream: Spec
+    seq: int
+    batch: KVEventBatch
+
+
+@dataclass(frozen=True)
+class StreamReset:
+    stream: Spec
+    reason: str
+
+
+@dataclass(frozen=True)
+class FeedStats:
+    streams: int
+
+
+@dataclass(frozen=True)
+class StreamStats:
+    state: str
+    gaps: int = 0
+
+
+@dataclass
+class FakeFeed:
+    """An in-process feed with the Subscriber's methods; tests push items into it."""
+
+    items: queue.Queue[Any] = field(default_factory=queue.Queue)
+    specs: list[Spec] = field(default_factory=list)
+    removed: list[tuple[str, int | None]] = field(default_factory=list)
+    started: bool = False
+    closed: bool = False
+
+    def add_stream(self, spec: Spec) -> None:
+        self.specs.append(spec)
+
+    def remove_stream(self, worker_id: str, rank: int | None = None) -> None:
+        self.removed.append((worker_id, rank))
+        self.specs = [
+            s for s in self.specs if not (s.worker_id == worker_id and rank in (None, s.rank))
+        ]
+
+    def start(self) -> None:
+        self.started = True
+
+    def close(self) -> None:
+        self.closed = True
+
+    def get(self, timeout: float | None = None) -> Any:
+        try:
+            return self.items.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def stats(self) -> FeedStats:
+        return FeedStats(len(self.specs))
+
+    def stream_stats(self) -> dict[tuple[str, int], StreamStats]:
+        return {(s.worker_id, s.rank): StreamStats("live") for s in self.specs}
+
+    def deliver(self, worker_id: str, rank: int, item: KVEventBatch, seq: int = 0) -> None:
+        self.items.put(Delivery(self.spec(worker_id, rank), seq, item))
+
+    def spec(self, worker_id: str, rank: int) -> Spec:
+        return next(s for s in self.specs if (s.worker_id, s.rank) == (worker_id, rank))
+
+
+def fake_specs(reg: WorkerRegistration) -> list[Spec]:
+    return [Spec(reg.worker_id, r, f"{reg.endpoint}+{r}", reg.replay_endpoint) for r in reg.ranks]
+
+
+def make_service(feed: FakeFeed) -> IndexService:
+    return IndexService(PrefixIndex(), feed=feed, stream_specs=fake_specs, poll_interval=0.01)
+
+
+def applied(service: IndexService, deliveries: int) -> None:
+    wait_for(
+        lambda: service.stats().deliveries >= deliveries, 10.0, what=f"{deliveries} deliveries"
+    )
+
+
+@pytest.fixture
+def feed() -> FakeFeed:
+    return FakeFeed()
+
+
+@pytest.fixture
+def server(feed: FakeFeed) -> Iterator[tuple[Server, IndexService]]:
+    service = make_service(feed)
+    with serve("127.0.0.1", 0, service=service) as running:
+        yield running, service
+
+
+@pytest.fixture
+def client(server: tuple[Server, IndexService]) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server[0].url, timeout=10.0) as http:
+        yield http
+
+
+def test_service_applies_deliveries_and_resets(feed: FakeFeed) -> None:
+    """Deliveries are applied in order by the consumer thread; a StreamReset empties a stream."""
+    with make_service(feed) as service:
+        service.register(WorkerRegistration("a", "tcp://h:5557", BS, ranks=(0, 1)))
+        assert [(s.worker_id, s.rank) for s in feed.specs] == [("a", 0), ("a", 1)]
+        feed.deliver("a", 1, batch(store_event(PROMPT, BS, end_block=2)))
+        feed.deliver("a", 1, batch(store_event(PROMPT, BS, start_block=2)), seq=1)
+        applied(service, 2)
+        assert service.query(PROMPT)["scores"] == {"a": {"1": 6}}
+        feed.items.put(StreamReset(feed.spec("a", 1), "restart"))
+        wait_for(lambda: service.stats().resets == 1, 10.0, what="the reset")
+        assert service.query(PROMPT)["scores"] == {}
+    assert feed.started and feed.closed
+
+
+def test_consumer_survives_a_bad_item(feed: FakeFeed) -> None:
+    """An item that cannot be applied is counted and logged; the next one still applies."""
+    with make_service(feed) as service:
+        service.register(WorkerRegistration("a", "tcp://h:5557", BS))
+        feed.items.put(Delivery(feed.spec("a", 0), 0, None))  # type: ignore[arg-type]
+        feed.deliver("a", 0, batch(store_event(PROMPT, BS)), seq=1)
+        applied(service, 1)
+        assert service.stats().apply_errors == 1
+        assert service.query(PROMPT)["scores"] == {"a": {"0": 6}}
+
+
+def test_unregister_stops_the_stream_and_drops_the_blocks(feed: FakeFeed) -> None:
+    """Unregistering removes the feed stream and every block of the worker."""
+    with make_service(feed) as service:
+        service.register(WorkerRegistration("a", "tcp://h:5557", BS))
+        feed.deliver("a", 0, batch(store_event(PROMPT, BS)))
+        applied(service, 1)
+        assert service.unregister("a") is True
+        assert feed.removed == [("a", None)] and feed.specs == []
+        assert service.index_stats().entries == 0 and service.workers() == []
+        assert service.unregister("a") is False
+
+
+def test_items_of_unregistered_workers_are_ignored(feed: FakeFeed) -> None:
+    """A delivery still queued after unregister does not bring the worker back."""
+    with make_service(feed) as service:
+        service.register(WorkerRegistration("a", "tcp://h:5557", BS))
+        spec = feed.spec("a", 0)
+        service.unregister("a")
+        feed.items.put(Delivery(spec, 0, batch(store_event(PROMPT, BS))))
+        feed.items.put(StreamReset(spec, "removed"))
+        wait_for(lambda: service.stats().ignored == 2, 10.0, what="two ignored items")
+        assert service.index.targets() == [] and service.index_stats().entries == 0
+
+
+def test_server_binds_port_zero_and_reports_it(server: tuple[Server, IndexService]) -> None:
+    """serve() on port 0 returns a started server whose real port is known."""
+    running, _ = server
+    assert running.port > 0
+    assert httpx.get(f"{running.url}/health", timeout=10.0).json() == {"status": "ok", "workers": 0}
+
+
+def test_closing_the_server_closes_the_service(feed: FakeFeed) -> None:
+    """Stopping the HTTP server runs the app's shutdown, which closes the feed."""
+    running = serve("127.0.0.1", 0, service=make_service(feed))
+    running.close()
+    assert feed.closed
+    with pytest.raises(httpx.TransportError):
+        httpx.get(f"{running.url}/health", timeout=2.0)
+
+
+def test_register_query_and_unregister_over_http(
+    client: httpx.Client, server: tuple[Server, IndexService], feed: FakeFeed
+) -> None:
+    """The Dynamo/Mooncake-shaped API: register, query by tokens or hashes, unregister."""
+    _, service = server
+    reply = client.post(
+        "/register",
+        json={"instance_id": 7, "endpoint": "tcp://h:5557", "block_size": BS, "dp_size": 2},
+    )
+    assert reply.status_code == 200, reply.text
+    assert reply.json() == {"worker_id": "7", "ranks": [0, 1], "streams": 2}
+    client.post("/register", json={"worker_id": "b", "endpoint": "tcp://h:6000", "block_size": BS})
+    feed.deliver("7", 1, batch(store_event(PROMPT, BS)))
+    feed.deliver("b", 0, batch(store_event(PROMPT, BS, end_block=2)))
+    applied(service, 2)
+    body = client.post("/query", json={"token_ids": PROMPT, "policy": "longest_prefix"}).json()
+    assert body["scores"] == {"7": {"1": 6}, "b": {"0": 2}}
+    assert {"worker_id": "7", "rank": 1, "tier": "GPU", "matched_blocks": 6} in body["matches"]
+    assert body["decision"]["winner"] == {"worker_id": "7", "rank": 1}
+    assert body["decision"]["policy"] == "longest_prefix"
+    assert len(body["decision"]["scores"]) == 3
+    by_hashes = client.post("/query", json={"block_hashes": block_hashes(PROMPT, BS)}).json()
+    assert by_hashes["scores"] == body["scores"]
+    assert by_hashes["decision"]["policy"] == "prefix_load"
+    assert client.post("/unregister", json={"instance_id": 7, "dp_rank": 1}).status_code == 200
+    assert client.post("/query", json={"token_ids": PROMPT}).json()["scores"] == {"b": {"0": 2}}
+    missing = client.post("/unregister", json={"worker_id": "nobody"})
+    assert missing.status_code == 404 and "unknown worker 'nobody'" in missing.json()["error"]
+
+
+def test_bad_requests_say_what_is_wrong(client: httpx.Client) -> None:
+    """Malformed bodies get a 400 naming the field or the rule."""
+    wrong_type = client.post(
+        "/register", json={"worker_id": "a", "endpoint": "e", "block_size": "x"}
+    )
+    assert wrong_type.status_code == 400
+    assert "$.block_size" in wrong_type.json()["error"]
+    zero = client.post("/register", json={"worker_id": "a", "endpoint": "e", "block_size": 0})
+    assert zero.json() == {"error": "block_size must be positive, got 0"}
+    nameless = client.post("/register", json={"endpoint": "e", "block_size": 4})
+    assert nameless.json()["error"] == "worker_id (or instance_id) is required"
+    policy = client.post("/query", json={"token_ids": [1], "policy": "best"})
+    assert policy.status_code == 400 and "unknown routing policy 'best'" in policy.json()["error"]
+    empty = client.post("/query", json={})
+    assert empty.json()["error"] == "/query: query needs token_ids or block_hashes"
+    assert client.post("/query", content=b"{").status_code == 400
+
+
+def test_workers_dump_and_metrics(
+    client: httpx.Client, server: tuple[Server, IndexService], feed: FakeFeed
+) -> None:
+    """/workers shows per-rank index state and stream health; /dump and /metrics the index."""
+    _, service = server
+    client.post("/register", json={"worker_id": "a", "endpoint": "tcp://h:1", "block_size": BS})
+    feed.deliver("a", 0, batch(store_event(PROMPT, BS, medium="CPU"), ts=1.0))
+    applied(service, 1)
+    (worker,) = client.get("/workers").json()["workers"]
+    assert worker["worker_id"] == "a" and worker["block_size"] == BS
+    (rank,) = worker["ranks"]
+    assert rank["tiers"] == {"CPU": 6} and rank["stream"] == {"state": "live", "gaps": 0}
+    assert rank["batches"] == 1 and rank["lag_seconds"] > 0
+    dump = client.get("/dump").json()
+    (holder,) = dump["holders"]
+    assert [pair[0] for pair in holder["blocks"]] == engine_hashes(PROMPT, BS)  # uint64 intact
+    assert dump["stats"]["entries"] == 6
+    text = client.get("/metrics").text
+    assert "kvevents_index_blocks 6.0" in text
+    assert "kvevents_index_stored_blocks_total 6.0" in text
+    assert 'kvevents_index_worker_blocks{rank="0",tier="CPU",worker_id="a"} 6.0' in text
+    assert "kvevents_service_deliveries_total 1.0" in text
+
+
+def test_startup_failure_is_reported_and_frees_the_port() -> None:
+    """A feed that cannot start makes serve() raise its own error in the caller."""
+
+    class Broken(FakeFeed):
+        def start(self) -> None:
+            raise RuntimeError("no feed")
+
+    service = IndexService(feed=Broken(), stream_specs=fake_specs)
+    with pytest.raises(RuntimeError, match="no feed"):
+        serve("127.0.0.1", 0, service=service)
