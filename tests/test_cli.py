@@ -316,3 +316,31 @@ def test_bad_arguments_give_one_line(args: list[str], status: int, message: str)
         proc.rest()
     err = "".join(proc.err).strip()
     assert "\n" not in err and message in err and err.startswith("kvevents")
+
+
+# ---------------------------------------------------------------------- serve
+
+
+def test_serve_indexes_a_published_worker_and_serves_metrics() -> None:
+    """serve indexes what publish sends and /metrics has index and per-stream subscriber metrics."""
+    import httpx
+
+    with cli("publish", "--endpoint", "tcp://127.0.0.1:0", "--replay-endpoint",
+             "tcp://127.0.0.1:0", "--rate", "200", "--json") as pub:  # fmt: skip
+        rank = json.loads(pub.line() or "{}")["ranks"][0]
+        worker = f"sim={rank['endpoint']},{rank['replay_endpoint']}"
+        with cli("serve", "--port", "0", "--worker", worker) as serve:
+            url = (serve.line() or "").removeprefix("serving on ")
+            assert url.startswith("http://127.0.0.1:")
+            deadline = Deadline(TIMEOUT)
+            while not (blocks := httpx.get(f"{url}/dump").json()["holders"]):
+                assert not deadline.expired, "nothing indexed in time"
+                time.sleep(0.02)
+            text = httpx.get(f"{url}/metrics").text
+            serve.popen.send_signal(signal.SIGTERM)
+            assert serve.wait() == 0
+    delivered = 'kvevents_subscriber_stream_delivered_total{rank="0",worker="sim"} '
+    assert float(text.split(delivered)[1].split()[0]) >= 1
+    assert "kvevents_index_blocks " in text
+    assert "kvevents_subscriber_streams 1.0" in text
+    assert blocks and blocks[0]["worker_id"] == "sim"
