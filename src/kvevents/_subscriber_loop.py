@@ -108,8 +108,8 @@ class _Stream:
     sub: zmq.Socket[bytes]
     ticket: int = 0
     state: str = "new"
-    last_warning: float = -math.inf
-    suppressed: int = 0
+    # Per kind of warning ("gap", "restart", ...): when it was last logged, how many held back.
+    warned: dict[str, tuple[float, int]] = field(default_factory=dict)
     counts: dict[str, int] = field(default_factory=dict)
     last_seq: int | None = None
     last_ts: float | None = None
@@ -344,16 +344,16 @@ class Loop:
         stream.add("replays")
         assert spec.replay_endpoint is not None  # the cursor only asks when it can replay
         stream.ticket = self.replays.request(spec.key, spec.replay_endpoint, gap.start)
-        self._warn(stream, "missing seq %d..%d, replaying", gap.start, gap.end - 1)
+        self._warn(stream, "gap", "missing seq %d..%d, replaying", gap.start, gap.end - 1)
 
     def _restart(self, stream: _Stream, restart: Restart) -> None:
         self.replays.cancel(stream.spec.key)
         stream.ticket = 0
         stream.add("restarts")
-        log.warning(
-            "worker %s rank %d restarted (seq %d after %s); rebuilding",
-            stream.spec.worker_id,
-            stream.spec.rank,
+        self._warn(
+            stream,
+            "restart",
+            "restarted (seq %d after %s); rebuilding",
             restart.seq,
             stream.last_seq,
         )
@@ -363,10 +363,10 @@ class Loop:
         stream.add("unrecoverable")
         stream.add("missing", lost.end - lost.start)
         spec = stream.spec
-        log.warning(
-            "worker %s rank %d: seq %d..%d cannot be recovered (%s); stream incomplete",
-            spec.worker_id,
-            spec.rank,
+        self._warn(
+            stream,
+            "unrecoverable",
+            "seq %d..%d cannot be recovered (%s); stream incomplete",
             lost.start,
             lost.end - 1,
             "replay did not have them" if spec.replay_endpoint else "no replay endpoint",
@@ -381,7 +381,7 @@ class Loop:
 
     def _decode_failed(self, stream: _Stream, exc: DecodeError) -> None:
         stream.add("decode_errors")
-        self._warn(stream, "undecodable message skipped: %s%s", exc, "")
+        self._warn(stream, "decode", "undecodable message skipped: %s", exc)
 
     # ------------------------------------------------------------------ output
 
@@ -406,16 +406,18 @@ class Loop:
         if self.options.status_items:
             self.outbox.put(status)
 
-    def _warn(self, stream: _Stream, fmt: str, a: object, b: object) -> None:
+    def _warn(self, stream: _Stream, kind: str, fmt: str, *args: object) -> None:
+        """At most one warning per stream and kind per ``gap_log_interval`` seconds: a lossy
+        link or a flapping publisher must not flood the log."""
         now = self.options.wall_clock()
-        if now - stream.last_warning < self.options.gap_log_interval:
-            stream.suppressed += 1
+        last, held = stream.warned.get(kind, (-math.inf, 0))
+        if now - last < self.options.gap_log_interval:
+            stream.warned[kind] = (last, held + 1)
             return
         spec = stream.spec
-        extra = f" ({stream.suppressed} similar warnings suppressed)" if stream.suppressed else ""
-        log.warning("worker %s rank %d: " + fmt + "%s", spec.worker_id, spec.rank, a, b, extra)
-        stream.last_warning = now
-        stream.suppressed = 0
+        extra = f" ({held} similar warnings suppressed)" if held else ""
+        log.warning("worker %s rank %d: " + fmt + "%s", spec.worker_id, spec.rank, *args, extra)
+        stream.warned[kind] = (now, 0)
 
     # ------------------------------------------------------------------ stats
 

@@ -8,7 +8,12 @@ up as a metric on its own:
 - numeric fields (int, float, bool) become one sample each, named ``<prefix>_<field>``;
 - a field is a gauge when its dataclass metadata says ``{"metric": "gauge"}`` or its name says
   it is a level (depth, lag, size, current counts); every other field is a counter;
-- non-numeric fields (strings, nested records) are skipped.
+- non-numeric fields (strings, nested records, None) are skipped, and so is a field that is
+  also a label (``rank`` of a per-stream record is a label, not a sample).
+
+:func:`publisher_collector` and :func:`subscriber_collector` build the collectors for our own
+components; :func:`start_exporter` serves any collectors over HTTP for processes (engines)
+that have no HTTP server of their own.
 
 ``prometheus-client`` is an optional dependency (``pip install kvevents[metrics]``); it is
 imported only when a collector or exporter is built.
@@ -20,7 +25,15 @@ import dataclasses
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
-__all__ = ["StatsCollector", "metric_kind", "start_exporter", "stats_samples"]
+__all__ = [
+    "CollectorGroup",
+    "StatsCollector",
+    "metric_kind",
+    "publisher_collector",
+    "start_exporter",
+    "stats_samples",
+    "subscriber_collector",
+]
 
 # Substrings that mark a field as a level rather than a running total.
 _GAUGE_HINTS = (
@@ -40,6 +53,7 @@ _GAUGE_HINTS = (
     "incomplete",
     "state",
     "age",
+    "_seq",
 )
 # Fields whose names contain a hint above but that only ever grow.
 _COUNTER_OVERRIDES = (
@@ -94,6 +108,8 @@ class StatsCollector:
         families: dict[str, Any] = {}
         for labels, record in self.source():
             for name, kind, value, doc in stats_samples(record):
+                if name in labels:
+                    continue
                 family = families.get(name)
                 if family is None:
                     cls = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
@@ -103,8 +119,56 @@ class StatsCollector:
         yield from families.values()
 
 
+class CollectorGroup:
+    """Several collectors registered as one (e.g. a subscriber's totals and its streams)."""
+
+    def __init__(self, collectors: Iterable[StatsCollector]) -> None:
+        self.collectors = list(collectors)
+
+    def collect(self) -> Iterator[Any]:
+        """Every family of every member collector."""
+        for collector in self.collectors:
+            yield from collector.collect()
+
+
+def publisher_collector(publishers: Any, prefix: str = "kvevents_publisher") -> StatsCollector:
+    """Metrics of one publisher or a sequence of them (one per rank), labelled ``rank``.
+
+    ``publishers`` is anything with ``stats()`` and ``rank`` (``create_publisher`` results),
+    or an iterable of such; it is read at every scrape, so counters are always current.
+    """
+    members = [publishers] if hasattr(publishers, "stats") else list(publishers)
+    if not members:
+        raise ValueError("publisher_collector needs at least one publisher")
+
+    def source() -> Iterator[tuple[Labels, Any]]:
+        for publisher in members:
+            yield {"rank": str(publisher.rank)}, publisher.stats()
+
+    return StatsCollector(prefix, source)
+
+
+def subscriber_collector(subscriber: Any, prefix: str = "kvevents_subscriber") -> CollectorGroup:
+    """Metrics of a subscriber: totals as ``<prefix>_*`` and per stream as
+    ``<prefix>_stream_*`` labelled ``worker`` and ``rank``.
+
+    Streams added or removed later appear or vanish at the next scrape.
+    """
+
+    def totals() -> Iterator[tuple[Labels, Any]]:
+        yield {}, subscriber.stats()
+
+    def streams() -> Iterator[tuple[Labels, Any]]:
+        for (worker, rank), stats in sorted(subscriber.stream_stats().items()):
+            yield {"worker": worker, "rank": str(rank)}, stats
+
+    return CollectorGroup(
+        [StatsCollector(prefix, totals), StatsCollector(f"{prefix}_stream", streams)]
+    )
+
+
 def start_exporter(
-    collectors: Iterable[StatsCollector], port: int = 0, addr: str = "127.0.0.1"
+    collectors: Iterable[StatsCollector | CollectorGroup], port: int = 0, addr: str = "127.0.0.1"
 ) -> tuple[Any, int]:
     """Serve ``/metrics`` for ``collectors`` on a background thread; returns (server, port).
 

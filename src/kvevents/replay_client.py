@@ -31,6 +31,7 @@ from typing import TypeAlias
 
 import zmq
 
+from ._publisher_log import RateLimitedWarning
 from .errors import DecodeError
 from .streams import ReplayOptions
 from .wire import parse_replay_reply, replay_request_frames
@@ -121,6 +122,8 @@ class ReplayClient:
         self._by_socket: dict[zmq.Socket[bytes], _Replay] = {}
         self.counters = ReplayCounters()
         self._tickets = 0
+        # Keyed by kind and endpoint: a misbehaving server must not flood the log.
+        self._warn = RateLimitedWarning(log, interval=10.0, clock=clock)
 
     # ------------------------------------------------------------------ commands
 
@@ -252,7 +255,7 @@ class ReplayClient:
             msg = parse_replay_reply(frames)
         except DecodeError as exc:
             self.counters.malformed += 1
-            log.warning("replay from %s: %s", replay.endpoint, exc)
+            self._warn(f"malformed {replay.endpoint}", "replay from %s: %s", replay.endpoint, exc)
             return
         if msg.is_end:
             self._finish(replay, True, "end marker", events)
@@ -263,7 +266,8 @@ class ReplayClient:
         if msg.seq > expected:
             if replay.first:
                 self.counters.trimmed += 1
-                log.warning(
+                self._warn(
+                    f"trimmed {replay.endpoint}",
                     "replay from %s started at seq %d, asked %d: the ring moved on",
                     replay.endpoint,
                     msg.seq,
@@ -298,8 +302,12 @@ class ReplayClient:
             self.counters.completed += 1
         else:
             self.counters.failed += 1
-            log.warning(
-                "replay from %s failed at seq %d: %s", replay.endpoint, replay.next_seq, reason
+            self._warn(
+                f"failed {replay.endpoint}",
+                "replay from %s failed at seq %d: %s",
+                replay.endpoint,
+                replay.next_seq,
+                reason,
             )
         events.append(ReplayEnd(replay.key, ok, reason, replay.ticket))
         self.cancel(replay.key)

@@ -400,10 +400,12 @@ def _registration(body: _Register) -> WorkerRegistration:
 class _Api:
     """The HTTP handlers over one service."""
 
-    def __init__(self, service: IndexService) -> None:
+    def __init__(self, service: IndexService, collectors: Sequence[Any] = ()) -> None:
         self.service = service
         self.registry = CollectorRegistry()
         self.registry.register(_Collector(service))
+        for collector in collectors:
+            self.registry.register(collector)
 
     async def register(self, request: Request) -> Response:
         reg = _registration(await _body(request, _Register))
@@ -458,9 +460,13 @@ class _Api:
             self.service.close()
 
 
-def create_app(service: IndexService) -> Starlette:
-    """The ASGI app. Its lifespan starts the service and closes it at shutdown."""
-    api = _Api(service)
+def create_app(service: IndexService, *, collectors: Sequence[Any] = ()) -> Starlette:
+    """The ASGI app. Its lifespan starts the service and closes it at shutdown.
+
+    ``collectors`` (prometheus-client collectors, e.g. ``kvevents.metrics.subscriber_collector``)
+    are served by ``GET /metrics`` next to the index's own metrics.
+    """
+    api = _Api(service, collectors)
     routes = [
         Route("/register", api.register, methods=["POST"]),
         Route("/unregister", api.unregister, methods=["POST"]),
@@ -617,6 +623,7 @@ def serve(
     port: int = 0,
     *,
     service: IndexService | None = None,
+    collectors: Sequence[Any] = (),
     **service_options: Any,
 ) -> Server:
     """Start the index service over HTTP in the background; returns the started server.
@@ -625,7 +632,7 @@ def serve(
     ``server.wait()`` to block (the CLI does), ``server.close()`` to stop.
     """
     service = service if service is not None else IndexService(**service_options)
-    server = Server(create_app(service), host, port)
+    server = Server(create_app(service, collectors=collectors), host, port)
     try:
         service.start()  # here, so that a feed that cannot start raises in the caller
     except BaseException:

@@ -9,14 +9,18 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
+from ..errors import KVEventsError
+from .common import UsageError
+
 __all__ = ["main"]
 
 # Subcommand modules, in the order --help lists them.
-COMMANDS = ("listen", "replay", "simulate", "serve", "bench", "demo")
+COMMANDS = ("listen", "replay", "publish", "simulate", "serve", "bench", "demo")
 
 
 class Parser(argparse.ArgumentParser):
@@ -58,7 +62,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.run(args))
     except KeyboardInterrupt:
         return 130
-    except (ValueError, OSError, RuntimeError) as exc:
+    except UsageError as exc:
+        print(f"kvevents {args.command}: error: {exc} (see --help)", file=sys.stderr)
+        return 2
+    except BrokenPipeError:
+        # The reader went away (e.g. `| head`): not an error; keep Python from complaining.
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115
+        return 0
+    except (KVEventsError, ValueError, OSError, RuntimeError) as exc:
         print(f"kvevents {args.command}: error: {exc}", file=sys.stderr)
         return 1
 

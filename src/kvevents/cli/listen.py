@@ -1,0 +1,99 @@
+"""``kvevents listen``: tail KV event streams, with gaps, replays and restarts called out."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+from ..streams import ReplayOptions, SubscriberOptions
+from .common import positive_float, positive_int, stop_on_sigterm
+from .output import JsonOutput, LiveOutput, Output, TextOutput
+from .render import ListenView, stats_record
+from .specs import stream_specs
+
+EXAMPLES = """examples:
+  kvevents listen tcp://10.0.0.5:5557
+      one engine, rank 0, no replay (every gap is reported lost)
+  kvevents listen tcp://10.0.0.5:5557 --replay tcp://10.0.0.5:5600 --ranks 4
+      four ranks (ports 5557-5560, replay 5600-5603); gaps are replayed
+  kvevents listen --worker a=tcp://h1:5557,tcp://h1:5600 --worker b=tcp://h2:5557 --json
+      two named workers as JSON lines (one object per batch, plus call-outs)
+  kvevents listen --worker sim:1=tcp://127.0.0.1:40123 --count 10 --full --json
+      rank 1 of worker "sim" at its own endpoint; stop after 10 batches; full events
+
+output:
+  a live table on a terminal; one line per batch otherwise (--plain forces it); --json
+  gives objects with "type": batch | gap | replayed | unrecoverable | complete | restart |
+  removed | summary. A line "listening to N streams" goes to stderr once subscribed.
+"""
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "listen",
+        help="tail one or more event streams",
+        description="Subscribe to engines' KV event streams and show every batch, with gaps, "
+        "replays, unrecoverable ranges and restarts called out, then a summary.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("endpoints", nargs="*", metavar="ENDPOINT", help="base PUB endpoint(s)")
+    p.add_argument("--replay", action="append", default=[], metavar="ENDPOINT",
+                   help="base replay endpoint, one per positional ENDPOINT, in order")  # fmt: skip
+    p.add_argument("--worker", action="append", default=[], metavar="ID[:RANK]=EP[,REPLAY]",
+                   help="a named worker (with :RANK, that rank's own endpoints)")  # fmt: skip
+    p.add_argument("--ranks", type=positive_int, default=1, help="ranks per worker (default 1)")
+    p.add_argument("--topic", default="", help="topic prefix to subscribe to (default: all)")
+    p.add_argument("--json", action="store_true", help="JSON lines on stdout")
+    p.add_argument("--plain", action="store_true", help="plain lines even on a terminal")
+    p.add_argument("--full", action="store_true", help="include every event, not only counts")
+    p.add_argument("--count", type=positive_int, help="stop after N batches")
+    p.add_argument("--duration", type=positive_float, help="stop after S seconds")
+    p.add_argument("--replay-timeout", type=positive_float, default=2.0,
+                   help="seconds of replay silence before a retry (default 2)")  # fmt: skip
+    p.set_defaults(run=run)
+
+
+def _output(args: argparse.Namespace, stats: Any) -> Output:
+    if args.json:
+        return JsonOutput()
+    if args.plain or not sys.stdout.isatty():
+        return TextOutput()
+    return LiveOutput(stats)
+
+
+def _done(args: argparse.Namespace, view: ListenView, deadline: float | None) -> bool:
+    if args.count is not None and view.batches >= args.count:
+        return True
+    return deadline is not None and time.monotonic() >= deadline
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..subscriber import Subscriber
+
+    specs = stream_specs(args.endpoints, args.worker, args.replay, ranks=args.ranks,
+                         topic=args.topic)  # fmt: skip
+    options = SubscriberOptions(
+        status_items=True, replay=ReplayOptions(idle_timeout=args.replay_timeout)
+    )
+    view = ListenView(full=args.full)
+    began = time.monotonic()
+    deadline = None if args.duration is None else began + args.duration
+    with stop_on_sigterm(), Subscriber(specs, options=options) as sub:
+        out = _output(args, sub.stream_stats)
+        print(f"listening to {len(specs)} streams", file=sys.stderr, flush=True)
+        try:
+            while not _done(args, view, deadline):
+                item = sub.get(timeout=0.25)
+                if item is None:
+                    out.refresh()
+                    continue
+                for record in view.records(item):
+                    out.emit(record)
+        except KeyboardInterrupt:
+            pass
+        out.emit(stats_record(sub.stream_stats(), view.batches, time.monotonic() - began))
+        out.close()
+    return 0

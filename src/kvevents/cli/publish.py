@@ -1,0 +1,198 @@
+"""``kvevents publish``: one simulated engine publishing real KV events, to have something to read."""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import random
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from .common import UsageError, non_negative_int, positive_float, positive_int, stop_on_sigterm
+from .output import JsonOutput
+
+EXAMPLES = """examples:
+  kvevents publish
+      rank 0 on tcp://*:5557 with replay on tcp://*:5600, synthetic chat-like requests
+  kvevents publish --ranks 2 --rate 50 --duration 60
+      two ranks (ports 5557-5558, replay 5600-5601), 50 engine steps/s, for a minute
+  kvevents publish --trace mooncake_trace.jsonl --endpoint tcp://127.0.0.1:0 --json
+      requests from a Mooncake trace on an ephemeral port; the bound endpoints are in the
+      first JSON line ("type": "ready")
+
+then, in another terminal:  kvevents listen tcp://127.0.0.1:5557 --replay tcp://127.0.0.1:5600
+"""
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "publish",
+        help="publish events from a simulated engine",
+        description="Run one simulated engine (kvevents.engine) with a real ZeroMQ publisher "
+        "per rank, fed with synthetic requests or a Mooncake trace, paced in real time.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--endpoint", default="tcp://*:5557", help="base PUB endpoint to bind")
+    p.add_argument("--replay-endpoint", default="tcp://*:5600",
+                   help="base replay endpoint to bind ('none': no replay)")  # fmt: skip
+    p.add_argument("--ranks", type=positive_int, default=1, help="attention-DP ranks")
+    p.add_argument("--topic", default="", help="topic frame of every message")
+    p.add_argument("--rate", type=positive_float, default=20.0,
+                   help="engine steps per second; each publishes <= 1 batch per rank")  # fmt: skip
+    p.add_argument("--trace", help="Mooncake JSON-lines trace to take requests from")
+    p.add_argument("--concurrency", type=positive_int, default=4,
+                   help="requests kept in flight (default 4)")  # fmt: skip
+    p.add_argument("--block-size", type=positive_int, default=16, help="tokens per block")
+    p.add_argument("--heartbeat", type=positive_float, default=1.0,
+                   help="seconds of silence before an empty batch (default 1)")  # fmt: skip
+    p.add_argument("--seed", type=non_negative_int, default=0, help="synthetic workload seed")
+    p.add_argument("--count", type=positive_int, help="stop after N batches")
+    p.add_argument("--duration", type=positive_float, help="stop after S seconds")
+    p.add_argument("--metrics-port", type=non_negative_int,
+                   help="serve Prometheus /metrics of the publishers on this port")  # fmt: skip
+    p.add_argument("--json", action="store_true", help="JSON lines on stdout")
+    p.set_defaults(run=run)
+
+
+def synthetic_requests(seed: int, block_size: int) -> Iterator[Any]:
+    """Endless chat-like requests: a few shared system prompts, then a private question."""
+    from ..engine import Request
+
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(50_000) for _ in range(block_size * rng.randint(4, 16))]
+               for _ in range(4)]  # fmt: skip
+    for i in itertools.count():
+        question = [rng.randrange(50_000) for _ in range(rng.randint(8, block_size * 8))]
+        yield Request(f"req-{i}", rng.choice(prompts) + question, rng.randint(4, 48))
+
+
+def trace_requests(path: str) -> Iterator[Any]:
+    """The requests of a Mooncake trace, in file order (arrival times are replaced by --rate)."""
+    from ..trace import load_trace, trace_request
+
+    rows = load_trace(path)  # read and checked now, before anything binds
+    return (trace_request(row, i) for i, row in enumerate(rows))
+
+
+def _config(args: argparse.Namespace) -> Any:
+    import pydantic
+
+    from ..config import KVEventsConfig
+
+    replay = None if args.replay_endpoint.lower() == "none" else args.replay_endpoint
+    try:
+        return KVEventsConfig(enable_kv_cache_events=True, endpoint=args.endpoint,
+                              replay_endpoint=replay, topic=args.topic)  # fmt: skip
+    except pydantic.ValidationError as exc:
+        first = exc.errors()[0]
+        raise UsageError(f"{'.'.join(map(str, first['loc']))}: {first['msg']}") from None
+
+
+def _in_flight(engine: Any) -> int:
+    loads = [engine.load(r) for r in range(engine.config.ranks)]
+    return sum(load.waiting_requests + load.running_requests for load in loads)
+
+
+class _Run:
+    """The paced loop: keep requests in flight, step, sleep to the next tick."""
+
+    def __init__(self, engine: Any, source: Iterator[Any], args: argparse.Namespace) -> None:
+        self.engine, self.source, self.args = engine, source, args
+        self.exhausted = False
+        self.began = time.monotonic()
+
+    def top_up(self) -> None:
+        while not self.exhausted and _in_flight(self.engine) < self.args.concurrency:
+            request = next(self.source, None)
+            if request is None:
+                self.exhausted = True
+            else:
+                self.engine.submit(request)
+
+    def done(self) -> bool:
+        args, now = self.args, time.monotonic()
+        if args.count is not None and self.engine.metrics().batches >= args.count:
+            return True
+        if args.duration is not None and now - self.began >= args.duration:
+            return True
+        return self.exhausted and not self.engine.has_work()
+
+    def loop(self) -> None:
+        interval, tick = 1.0 / self.args.rate, time.monotonic()
+        while True:
+            self.top_up()
+            if self.done():
+                return
+            if self.engine.has_work():
+                self.engine.step()
+            tick += interval
+            time.sleep(max(0.0, tick - time.monotonic()))
+
+
+def _emit(args: argparse.Namespace, record: dict[str, Any]) -> None:
+    if args.json:
+        JsonOutput().emit(record)
+    elif record["type"] == "ready":
+        for r in record["ranks"]:
+            replay = f" (replay {r['replay_endpoint']})" if r["replay_endpoint"] else ""
+            print(f"rank {r['rank']}: publishing on {r['endpoint']}{replay}", flush=True)
+    else:
+        print(f"published {record['batches']} batches from {record['requests']} requests "
+              f"in {record['seconds']:.1f}s", flush=True)  # fmt: skip
+        for r in record["ranks"]:
+            print(f"  rank {r['rank']}: {r['enqueued']} sent, {r['dropped']} dropped, "
+                  f"{r['heartbeats']} heartbeats, {r['replay_requests']} replay requests",
+                  flush=True)  # fmt: skip
+
+
+def _ready(engine: Any, metrics_port: int | None) -> dict[str, Any]:
+    ranks = [{"rank": p.rank, "endpoint": p.endpoint, "replay_endpoint": p.replay_endpoint}
+             for p in engine.publishers]  # fmt: skip
+    return {"type": "ready", "ranks": ranks, "metrics_port": metrics_port}
+
+
+def _summary(engine: Any, began: float) -> dict[str, Any]:
+    ranks = []
+    for p in engine.publishers:
+        stats = p.stats()
+        ranks.append({"rank": p.rank, **stats.as_dict(), "dropped": stats.dropped})
+    metrics = engine.metrics()
+    return {"type": "summary", "batches": metrics.batches, "requests": metrics.submitted,
+            "seconds": round(time.monotonic() - began, 3), "ranks": ranks}  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..engine import EngineConfig, SimulatedEngine, zmq_publisher_factory
+    from ..publisher import PublisherOptions
+
+    config = _config(args)
+    source = (
+        trace_requests(args.trace) if args.trace else synthetic_requests(args.seed, args.block_size)
+    )
+    options = PublisherOptions(heartbeat_interval=args.heartbeat)
+    engine_config = EngineConfig(block_size=args.block_size, ranks=args.ranks)
+    engine = SimulatedEngine(engine_config, clock=time.time,
+                             publisher_factory=zmq_publisher_factory(config, options))  # fmt: skip
+    with stop_on_sigterm(), engine:
+        exporter = _start_metrics(engine, args.metrics_port)
+        runner = _Run(engine, source, args)
+        _emit(args, _ready(engine, None if exporter is None else exporter[1]))
+        try:
+            runner.loop()
+        except KeyboardInterrupt:
+            pass
+        finally:
+            if exporter is not None:
+                exporter[0].shutdown()
+    _emit(args, _summary(engine, runner.began))
+    return 0
+
+
+def _start_metrics(engine: Any, port: int | None) -> tuple[Any, int] | None:
+    if port is None:
+        return None
+    from ..metrics import publisher_collector, start_exporter
+
+    return start_exporter([publisher_collector(engine.publishers)], port=port, addr="0.0.0.0")
