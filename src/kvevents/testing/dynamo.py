@@ -1,0 +1,411 @@
+"""NVIDIA Dynamo's standalone KV indexer as a test peer: start it, register streams, query it.
+
+Dynamo ships the indexer in the ``ai-dynamo-runtime`` wheel (``python -m dynamo.indexer``). It
+subscribes to our PUB sockets, asks our ROUTER for replays, and answers HTTP queries, so it is a
+consumer nobody here wrote. Its dependencies clash with nothing of ours, but the wheel is large,
+so it usually lives in a venv of its own: :func:`find_dynamo_python` looks for it in
+``$KVEVENTS_DYNAMO_PYTHON``, then ``.venv-dynamo/bin/python`` in the working directory and its
+parents, then the running interpreter.
+
+Facts about the peer (ai-dynamo-runtime 1.6.1) that the helpers below rely on:
+
+- it runs with no etcd or NATS: HTTP on ``0.0.0.0:PORT``, ZMQ SUB/DEALER sockets that connect;
+- ``/query`` answers in matched *tokens* per instance and dp rank (blocks x block size);
+- it keys blocks by its own hash of each block's tokens, XXH3-64 with seed 1337 over the token
+  ids as little-endian u32, not chained (the tree gives the prefix); see
+  :func:`dynamo_block_hashes`. Engine hashes are kept per worker for parents and removals.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from .sockets import Deadline
+
+__all__ = [
+    "DYNAMO_PYTHON_ENV",
+    "DynamoIndexer",
+    "DynamoIndexerError",
+    "dump_block_hashes",
+    "dynamo_block_hashes",
+    "dynamo_unavailable_reason",
+    "find_dynamo_python",
+]
+
+#: Environment variable naming the interpreter that has ``ai-dynamo-runtime`` installed.
+DYNAMO_PYTHON_ENV = "KVEVENTS_DYNAMO_PYTHON"
+_VENV_PYTHON = Path(".venv-dynamo") / "bin" / "python"
+_HASH_SEED = 1337
+_PROBE = "import dynamo.indexer.main, dynamo.llm; print('ok')"
+
+
+class DynamoIndexerError(RuntimeError):
+    """The indexer could not start, died, or answered an HTTP call with an error status."""
+
+
+def _candidates() -> Iterable[str]:
+    env = os.environ.get(DYNAMO_PYTHON_ENV)
+    if env:
+        yield env
+    here = Path.cwd().resolve()
+    for directory in (here, *here.parents):
+        path = directory / _VENV_PYTHON
+        if path.exists():
+            yield str(path)
+    yield sys.executable
+
+
+def _probe(python: str) -> str | None:
+    """None when ``python`` can import the indexer, else why not."""
+    if not (Path(python).exists() or shutil.which(python)):
+        return f"{python} does not exist"
+    try:
+        done = subprocess.run(
+            [python, "-c", _PROBE], capture_output=True, text=True, timeout=60, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"{python} cannot run: {exc}"
+    if done.returncode != 0 or "ok" not in done.stdout:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        return f"{python} cannot import dynamo.indexer: {last}"
+    return None
+
+
+def _search() -> tuple[str | None, list[str]]:
+    """The first interpreter that can import the indexer, and why the others could not."""
+    failures: list[str] = []
+    for python in dict.fromkeys(_candidates()):
+        reason = _probe(python)
+        if reason is None:
+            return python, failures
+        failures.append(reason)
+    return None, failures
+
+
+def find_dynamo_python() -> str | None:
+    """The first interpreter that can import ``dynamo.indexer``, or None."""
+    return _search()[0]
+
+
+def dynamo_unavailable_reason() -> str | None:
+    """None when the indexer can run here, else a sentence saying what is missing."""
+    python, failures = _search()
+    if python is not None:
+        return None
+    return (
+        "NVIDIA Dynamo's indexer is not installed (pip install ai-dynamo-runtime into "
+        f".venv-dynamo, or set ${DYNAMO_PYTHON_ENV}); " + "; ".join(failures)
+    )
+
+
+def dynamo_block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
+    """Dynamo's hash of each full block of ``token_ids`` (what ``/query_by_hash`` takes)."""
+    import xxhash  # the `index` extra; only this helper needs it
+
+    full = len(token_ids) - len(token_ids) % block_size
+    return [
+        xxhash.xxh3_64_intdigest(_u32le(token_ids[i : i + block_size]), seed=_HASH_SEED)
+        for i in range(0, full, block_size)
+    ]
+
+
+def _u32le(tokens: Sequence[int]) -> bytes:
+    return b"".join(int(t).to_bytes(4, "little") for t in tokens)
+
+
+def dump_block_hashes(dump: dict[str, Any], model_name: str) -> dict[tuple[int, int], set[int]]:
+    """Engine block hashes present in a ``/dump``, per (instance id, dp rank)."""
+    held: dict[tuple[int, int], set[int]] = {}
+    for key, tree in dump.items():
+        if key.split(":", 1)[0] != model_name:
+            continue
+        for item in tree.get("events", []):
+            stored = item["event"]["data"].get("stored")
+            if stored is None:
+                continue
+            owner = (int(item["worker_id"]), int(item["event"].get("dp_rank") or 0))
+            held.setdefault(owner, set()).update(b["block_hash"] for b in stored["blocks"])
+    return held
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+class DynamoIndexer:
+    """``python -m dynamo.indexer`` in a subprocess on a free port, with an HTTP client.
+
+    ``start()`` returns once ``/health`` answers (bounded by ``startup_timeout``) and raises
+    :class:`DynamoIndexerError` with the log tail if the process exits first. ``stop()`` sends
+    SIGINT, then SIGKILL after ``stop_timeout``. One instance is used from one thread.
+    """
+
+    def __init__(
+        self,
+        *,
+        python: str | None = None,
+        model_name: str = "kvevents",
+        threads: int | None = None,
+        startup_timeout: float = 30.0,
+        stop_timeout: float = 5.0,
+        http_timeout: float = 10.0,
+    ) -> None:
+        self.python = python
+        self.model_name = model_name
+        self.threads = threads
+        self.startup_timeout = startup_timeout
+        self.stop_timeout = stop_timeout
+        self.http_timeout = http_timeout
+        self.port = 0
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._conn: http.client.HTTPConnection | None = None
+        self._log_dir: tempfile.TemporaryDirectory[str] | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def url(self) -> str:
+        """Base URL of the HTTP API."""
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        """Process id of the running indexer."""
+        if self._proc is None:
+            raise DynamoIndexerError("the indexer is not running")
+        return self._proc.pid
+
+    def start(self) -> DynamoIndexer:
+        """Launch the indexer and wait until its HTTP API answers."""
+        if self._proc is not None:
+            return self
+        python = self.python or find_dynamo_python()
+        if python is None:
+            raise DynamoIndexerError(dynamo_unavailable_reason() or "indexer not found")
+        self._log_dir = tempfile.TemporaryDirectory(prefix="kvevents-dynamo-")
+        deadline = Deadline(self.startup_timeout)
+        # A port picked by bind-and-close can be taken before the indexer binds it: retry.
+        for _attempt in range(3):
+            self._launch(python)
+            if self._wait_ready(deadline):
+                return self
+        raise DynamoIndexerError(f"indexer did not start: {self.log_tail()}")
+
+    def _launch(self, python: str) -> None:
+        self.port = _free_port()
+        args = [python, "-m", "dynamo.indexer", "--port", str(self.port)]
+        if self.threads is not None:
+            args += ["--threads", str(self.threads)]
+        assert self._log_dir is not None
+        log = open(self.log_path, "ab")  # noqa: SIM115 - the child owns it after Popen
+        env = {**os.environ, "NO_COLOR": "1", "RUST_LOG_STYLE": "never"}
+        with log:
+            self._proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+    def _wait_ready(self, deadline: Deadline) -> bool:
+        """True once /health answers; False if the process exited (e.g. port taken)."""
+        assert self._proc is not None
+        while self._proc.poll() is None:
+            with contextlib.suppress(OSError, http.client.HTTPException):
+                if self._request("GET", "/health", timeout=1.0)[0] == 200:
+                    return True
+            if deadline.expired:
+                self.stop()
+                raise DynamoIndexerError(
+                    f"indexer not ready within {self.startup_timeout}s: {self.log_tail()}"
+                )
+            time.sleep(0.02)
+        self._proc = None
+        return False
+
+    def stop(self) -> None:
+        """Stop the process (SIGINT, then SIGKILL); idempotent."""
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+        proc, self._proc = self._proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(self.stop_timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(self.stop_timeout)
+
+    def close(self) -> None:
+        """Stop the process and delete its log."""
+        self.stop()
+        if self._log_dir is not None:
+            self._log_dir.cleanup()
+            self._log_dir = None
+
+    def __enter__(self) -> DynamoIndexer:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    @property
+    def log_path(self) -> Path:
+        """Where the indexer's stdout and stderr go."""
+        assert self._log_dir is not None, "start() first"
+        return Path(self._log_dir.name) / "indexer.log"
+
+    def log_text(self) -> str:
+        """The indexer's log so far."""
+        try:
+            return self.log_path.read_text(errors="replace")
+        except (OSError, AssertionError):
+            return ""
+
+    def log_tail(self, lines: int = 20) -> str:
+        """The last lines of the log, for error messages."""
+        return "\n".join(self.log_text().splitlines()[-lines:]) or "(empty log)"
+
+    def rss_bytes(self) -> int:
+        """Resident memory of the indexer process (Linux /proc)."""
+        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+        raise DynamoIndexerError(f"no VmRSS in /proc/{self.pid}/status")
+
+    # ------------------------------------------------------------------ HTTP
+
+    def _request(
+        self, method: str, path: str, body: Any = None, *, timeout: float | None = None
+    ) -> tuple[int, bytes]:
+        data = None if body is None else json.dumps(body).encode()
+        return self.send(method, path, data, timeout=timeout)
+
+    def send(
+        self, method: str, path: str, data: bytes | None = None, *, timeout: float | None = None
+    ) -> tuple[int, bytes]:
+        """One request with a pre-encoded JSON body on the kept-alive connection: (status, body).
+
+        Benchmarks time this call, so it does no JSON work of its own.
+        """
+        if self._conn is None:
+            self._conn = http.client.HTTPConnection(
+                "127.0.0.1", self.port, timeout=timeout or self.http_timeout
+            )
+        headers = {"Content-Type": "application/json"} if data is not None else {}
+        try:
+            self._conn.request(method, path, body=data, headers=headers)
+            response = self._conn.getresponse()
+            return response.status, response.read()
+        except (OSError, http.client.HTTPException):
+            self._conn.close()
+            self._conn = None
+            raise
+
+    def call(self, method: str, path: str, body: Any = None) -> Any:
+        """One HTTP call; the decoded JSON reply, or :class:`DynamoIndexerError` on >= 400."""
+        status, data = self._request(method, path, body)
+        if status >= 400:
+            text = data.decode(errors="replace")
+            raise DynamoIndexerError(f"{method} {path} -> HTTP {status}: {text}")
+        return json.loads(data) if data else None
+
+    def register(
+        self,
+        instance_id: int,
+        endpoint: str,
+        *,
+        block_size: int,
+        replay_endpoint: str | None = None,
+        dp_rank: int = 0,
+    ) -> None:
+        """Subscribe the indexer to one rank's PUB endpoint (and replay ROUTER)."""
+        body: dict[str, Any] = {
+            "instance_id": instance_id,
+            "endpoint": endpoint,
+            "model_name": self.model_name,
+            "block_size": block_size,
+            "dp_rank": dp_rank,
+        }
+        if replay_endpoint is not None:
+            body["replay_endpoint"] = replay_endpoint
+        self.call("POST", "/register", body)
+
+    def unregister(self, instance_id: int, dp_rank: int | None = None) -> None:
+        """Drop an instance (or one of its ranks) and everything it held."""
+        body: dict[str, Any] = {"instance_id": instance_id, "model_name": self.model_name}
+        if dp_rank is not None:
+            body["dp_rank"] = dp_rank
+        self.call("POST", "/unregister", body)
+
+    def workers(self) -> list[dict[str, Any]]:
+        """``GET /workers``: registrations with their listener status."""
+        result: list[dict[str, Any]] = self.call("GET", "/workers")
+        return result
+
+    def dump(self) -> dict[str, Any]:
+        """``GET /dump``: every indexed block, as store events per model."""
+        result: dict[str, Any] = self.call("GET", "/dump")
+        return result
+
+    def query(self, token_ids: Sequence[int]) -> dict[str, Any]:
+        """``POST /query``: the raw reply (matched tokens per instance and dp rank)."""
+        body = {"token_ids": list(token_ids), "model_name": self.model_name}
+        result: dict[str, Any] = self.call("POST", "/query", body)
+        return result
+
+    def query_by_hash(self, block_hashes: Sequence[int]) -> dict[str, Any]:
+        """``POST /query_by_hash`` with Dynamo's own block hashes (:func:`dynamo_block_hashes`).
+
+        ``/dump`` prints these hashes as u64 but this endpoint only parses i64, so the upper
+        half is sent as its two's-complement value.
+        """
+        signed = [h - 2**64 if h >= 2**63 else h for h in block_hashes]
+        body = {"block_hashes": signed, "model_name": self.model_name}
+        result: dict[str, Any] = self.call("POST", "/query_by_hash", body)
+        return result
+
+    def matched_blocks(
+        self, token_ids: Sequence[int], block_size: int
+    ) -> dict[tuple[int, int], int]:
+        """Matched prefix length in blocks per (instance id, dp rank); absent means 0."""
+        scores = self.query(token_ids).get("scores", {})
+        return {
+            (int(worker), int(rank)): tokens // block_size
+            for worker, ranks in scores.items()
+            for rank, tokens in ranks.items()
+            if tokens
+        }
+
+    def held_blocks(self) -> dict[tuple[int, int], set[int]]:
+        """Engine block hashes the indexer holds per (instance id, dp rank), from ``/dump``."""
+        return dump_block_hashes(self.dump(), self.model_name)
+
+    def wait_active(self, instance_id: int, timeout: float = 10.0) -> None:
+        """Wait until every listener of ``instance_id`` reports ``active``."""
+        deadline = Deadline(timeout)
+        while not deadline.expired:
+            for worker in self.workers():
+                if worker["instance_id"] == instance_id and worker["status"] == "active":
+                    return
+            time.sleep(0.01)
+        raise DynamoIndexerError(f"instance {instance_id} not active after {timeout}s")
