@@ -3,8 +3,13 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# NVIDIA Dynamo's standalone KV indexer, a consumer nobody here wrote, for the interop tests and
+# the baseline benchmark. Its own venv: the wheel pins an older pydantic than ours.
+DYNAMO_VENV ?= .venv-dynamo
+DYNAMO_VERSION ?= 1.6.1
+DYNAMO_STAMP := $(DYNAMO_VENV)/.installed
 
-.PHONY: demo test bench lint venv clean
+.PHONY: demo test bench lint venv dynamo clean
 
 venv: $(STAMP)
 
@@ -14,13 +19,24 @@ $(STAMP): pyproject.toml
 	@$(PY) -m pip install --quiet --disable-pip-version-check -e '.[all,dev]'
 	@touch $(STAMP)
 
+dynamo: $(DYNAMO_STAMP)
+
+$(DYNAMO_STAMP):
+	@test -x $(DYNAMO_VENV)/bin/python || $(PYTHON) -m venv $(DYNAMO_VENV)
+	@$(DYNAMO_VENV)/bin/python -m pip install --quiet --disable-pip-version-check 'ai-dynamo-runtime==$(DYNAMO_VERSION)'
+	@touch $(DYNAMO_STAMP)
+
+# The Dynamo install may fail where its wheel does not exist (it is x86_64 glibc >= 2.28 only):
+# the interop tests then skip with the reason, unless KVEVENTS_REQUIRE_DYNAMO=1 (CI sets it).
 demo: $(STAMP)
 	$(VENV)/bin/kvevents demo
 
 test: $(STAMP)
+	@$(MAKE) --no-print-directory dynamo || echo "warning: ai-dynamo-runtime not installed; interop tests will skip"
 	$(PY) -m pytest -q
 
 bench: $(STAMP)
+	@$(MAKE) --no-print-directory dynamo || echo "warning: ai-dynamo-runtime not installed; its baseline will be skipped"
 	$(PY) bench/run.py
 
 lint: $(STAMP)
@@ -29,4 +45,4 @@ lint: $(STAMP)
 	$(PY) -m mypy
 
 clean:
-	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(DYNAMO_VENV) build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

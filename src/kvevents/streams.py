@@ -38,7 +38,8 @@ StreamKey: TypeAlias = tuple[str, int]
 class ReplayOptions:
     """Timeouts and limits of the replay client (seconds)."""
 
-    idle_timeout: float = 2.0
+    # Generous enough that a replay server stalled by a busy host is retried, not abandoned.
+    idle_timeout: float = 5.0
     total_timeout: float = 60.0
     max_attempts: int = 4
     max_concurrent: int = 4

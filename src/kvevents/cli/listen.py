@@ -51,8 +51,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--full", action="store_true", help="include every event, not only counts")
     p.add_argument("--count", type=positive_int, help="stop after N batches")
     p.add_argument("--duration", type=positive_float, help="stop after S seconds")
-    p.add_argument("--replay-timeout", type=positive_float, default=2.0,
-                   help="seconds of replay silence before a retry (default 2)")  # fmt: skip
+    p.add_argument("--replay-timeout", type=positive_float, default=5.0,
+                   help="seconds of replay silence before a retry (default 5)")  # fmt: skip
     p.set_defaults(run=run)
 
 

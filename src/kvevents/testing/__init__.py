@@ -1,5 +1,14 @@
 """Fixtures and fault injectors that kvevents' own tests use, for testing integrations.
 
-Submodules by area (import them directly): ``kvevents.testing.sockets`` (ports, socket
-cleanup, readiness handshakes) and more as the system grows.
+Submodules by area (import them directly):
+
+- ``kvevents.testing.sockets``: unique endpoints, deadlines, bounded waits;
+- ``kvevents.testing.publisher``: ephemeral publisher configs, readiness probes, replay
+  helpers, a deterministic queue pause, an out-of-process subscriber;
+- ``kvevents.testing.peers``: a scriptable misbehaving publisher (drops, duplicates,
+  restarts, 3-frame or trimmed or silent replays), a collecting consumer, and wire fixtures
+  shaped like vLLM, SGLang and TensorRT-LLM output;
+- ``kvevents.testing.engine``: a recording sink and a ground-truth consumer for producers;
+- ``kvevents.testing.index``: event builders with properly chained engine hashes;
+- ``kvevents.testing.dynamo``: NVIDIA Dynamo's standalone KV indexer as a test peer.
 """
