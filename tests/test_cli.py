@@ -42,7 +42,8 @@ class Proc:
         threading.Thread(
             target=self._pump, args=(self.popen.stdout, self.lines), daemon=True
         ).start()
-        threading.Thread(target=self._collect_err, daemon=True).start()
+        self._err_thread = threading.Thread(target=self._collect_err, daemon=True)
+        self._err_thread.start()
 
     @staticmethod
     def _pump(stream: Any, out: queue.Queue[str | None]) -> None:
@@ -73,7 +74,10 @@ class Proc:
         return out
 
     def wait(self, timeout: float = TIMEOUT) -> int:
-        return self.popen.wait(timeout=timeout)
+        """The exit status, once the child exited and all of its stderr has been read."""
+        status = self.popen.wait(timeout=timeout)
+        self._err_thread.join(timeout)
+        return status
 
     def exited(self) -> bool:
         return self.popen.poll() is not None
