@@ -50,7 +50,7 @@ class ClusterConfig:
     workers: int = 8
     ranks: int = 1
     block_size: int = 64
-    capacity_blocks: int = 4096
+    capacity_blocks: int = 16384
     cpu_capacity_blocks: int = 0
     max_num_batched_tokens: int = 8192
     transport: Literal["zmq", "direct"] = "zmq"
@@ -397,6 +397,10 @@ class Cluster:
             self.index.apply(key[0], key[1], batch)
 
     # ------------------------------------------------------------------ checks and counters
+
+    def stream_stats(self) -> dict[StreamKey, Any]:
+        """The subscriber's per-stream stats (empty for the direct transport)."""
+        return {} if self._subscriber is None else dict(self._subscriber.stream_stats())
 
     def accuracy(self) -> Accuracy:
         """The index's blocks per (worker, rank, tier) against the engines' exact sets."""

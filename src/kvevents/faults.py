@@ -81,7 +81,7 @@ class LossyRelay:
         self.rule = rule
         self.endpoints: dict[StreamKey, str] = {}
         self._upstreams = dict(upstreams)
-        self._context = zmq.Context.instance()
+        self._context: zmq.Context[Any] = zmq.Context.instance()
         self._stop_endpoint = f"inproc://kvevents-relay-stop-{id(self)}"
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()

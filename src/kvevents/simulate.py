@@ -132,11 +132,14 @@ def percentile(values: Sequence[float], q: float) -> float | None:
 class PolicyRun:
     """One policy over one cluster: route, submit, step; see the module docstring."""
 
-    def __init__(self, cluster: Cluster, policy: str, config: SimulationConfig) -> None:
+    def __init__(
+        self, cluster: Cluster, policy: str, config: SimulationConfig, *, live: bool = False
+    ) -> None:
         if policy not in POLICY_NAMES:
             raise ValueError(f"unknown policy {policy!r}; known: {', '.join(POLICY_NAMES)}")
         self.cluster = cluster
         self.policy = policy
+        self.live = live
         self.config = config
         cluster.staleness = config.staleness
         self.router = Router(
@@ -176,7 +179,10 @@ class PolicyRun:
         """Route ``request`` arriving at virtual ``arrival`` and queue it on the winner."""
         self.advance(arrival)
         cutoff = self._start_time + arrival - self.config.staleness
-        self.cluster.sync(cutoff if self.config.staleness else None)
+        if self.live:  # route on whatever has arrived, as a real router would
+            self.cluster.pump(cutoff if self.config.staleness else None)
+        else:
+            self.cluster.sync(cutoff if self.config.staleness else None)
         target = self.route(request)
         if target is None:
             return None
@@ -189,7 +195,7 @@ class PolicyRun:
         self.routed[target] += 1
         self._submitted += 1
         every = self.config.check_every
-        if every and self._submitted % every == 0 and not self.config.staleness:
+        if every and self._submitted % every == 0 and not (self.config.staleness or self.live):
             self.check()
         return target
 
@@ -232,6 +238,15 @@ class PolicyRun:
         return exact
 
     # ------------------------------------------------------------------ report
+
+    def reuse(self) -> tuple[int, int]:
+        """(cached, input) prompt tokens over every engine so far."""
+        cached = total = 0
+        for engine in self.cluster.engines.values():
+            m = engine.metrics()
+            cached += m.cached_tokens + m.cpu_cached_tokens
+            total += m.input_tokens
+        return cached, total
 
     def finish(self, wall_seconds: float) -> PolicyReport:
         """Drain, sync everything, compare with ground truth and summarise."""
