@@ -80,10 +80,7 @@ def run(args: argparse.Namespace) -> int:
         logging.getLogger("kvevents.subscriber").setLevel(logging.ERROR)
     with Demo(rows, config) as demo:
         try:
-            if sys.stdout.isatty():
-                summary = _run_live(demo)
-            else:
-                summary = _run_plain(demo)
+            summary = _run_live(demo) if sys.stdout.isatty() else _run_plain(demo)
         except KeyboardInterrupt:
             summary = demo.finish()
     print(_summary(demo, summary))
