@@ -148,6 +148,10 @@ class RankCache:
         """Blocks referenced by running requests (shared cached ones and private tails)."""
         return len(self._gpu) - len(self._lru) + self._private
 
+    def cached_count(self, medium: str = GPU) -> int:
+        """How many blocks are cached in ``medium`` (without copying the set)."""
+        return len(self._gpu) if medium == GPU else len(self._cpu) if medium == CPU else 0
+
     def cached_blocks(self, medium: str = GPU) -> set[int]:
         """The exact set of block hashes cached in ``medium`` ("GPU" or "CPU")."""
         return set(self._gpu) if medium == GPU else set(self._cpu) if medium == CPU else set()

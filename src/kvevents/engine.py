@@ -343,7 +343,7 @@ class SimulatedEngine:
             queued_blocks=self._queued_blocks(rank),
             active_blocks=cache.used_blocks,
             free_blocks=cache.free_blocks,
-            cached_blocks=len(cache.cached_blocks(GPU)),
+            cached_blocks=cache.cached_count(GPU),
         )
 
     def metrics(self) -> EngineMetrics:

@@ -10,7 +10,8 @@
     │   └── PublisherClosed               publish() after shutdown(): you closed it
     ├── SubscriberError
     │   └── SubscriberClosed              the subscriber was closed: you closed it
-    └── TraceError (also ValueError)      a workload trace row cannot be read (.path, .line)
+    ├── TraceError (also ValueError)      a workload trace row cannot be read (.path, .line)
+    └── SyncTimeout (also TimeoutError)   a simulated cluster's index did not catch up (.lagging)
 
 Invalid configuration raises ``pydantic.ValidationError`` (a ``ValueError``) naming the field.
 Losses (dropped batches, skipped events, gaps) are never exceptions: they are counted in the
@@ -28,6 +29,7 @@ __all__ = [
     "PublisherError",
     "SubscriberClosed",
     "SubscriberError",
+    "SyncTimeout",
     "TraceError",
 ]
 
@@ -94,3 +96,19 @@ class TraceError(KVEventsError, ValueError):
         super().__init__(f"{path}:{line}: {message}")
         self.path = path
         self.line = line
+
+
+class SyncTimeout(KVEventsError, TimeoutError):
+    """A simulated cluster's subscriber did not deliver everything published in time.
+
+    ``lagging`` maps each lagging ``(worker_id, rank)`` to ``(delivered_seq, published_seq)``
+    (``-1``: nothing yet).
+    """
+
+    def __init__(self, timeout: float, lagging: dict[tuple[str, int], tuple[int, int]]) -> None:
+        where = ", ".join(
+            f"{w}/rank{r} delivered {d} of {p}" for (w, r), (d, p) in sorted(lagging.items())
+        )
+        super().__init__(f"index not caught up after {timeout:g}s: {where}")
+        self.timeout = timeout
+        self.lagging = lagging
