@@ -16,6 +16,7 @@ from .errors import (
     PublisherError,
     SubscriberClosed,
     SubscriberError,
+    SyncTimeout,
     TraceError,
 )
 from .events import AllBlocksCleared, BlockRemoved, BlockStored, Event, KVEventBatch
@@ -122,6 +123,7 @@ __all__ = [
     "SubscriberError",
     "SubscriberOptions",
     "SubscriberStats",
+    "SyncTimeout",
     "TraceError",
     "TraceRow",
     "ZmqPublisher",
