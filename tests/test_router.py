@@ -128,3 +128,28 @@ def test_load_book_never_goes_negative() -> None:
     assert loads.get("a") == Load(0, 2)
     loads.remove("a")
     assert loads.snapshot() == {}
+
+
+@pytest.mark.parametrize("policy", ["longest_prefix", "prefix_load"])
+def test_degraded_target_loses_its_prefix_bonus(policy: str) -> None:
+    """An untrusted stream's matched blocks count as zero, and the decision says why."""
+    router = make_router(policy)
+    assert router.route(PROMPT).winner == ("b", 0)
+    router.mark_degraded("b", 0, "unrecoverable loss")
+    decision = router.route(PROMPT)
+    assert decision.winner == ("a", 0)
+    row = {(s.worker_id, s.rank): s for s in decision.scores}[("b", 0)]
+    assert (row.matched_blocks, row.degraded) == (0, "unrecoverable loss")
+    assert "degraded: unrecoverable loss" in decision.explain()
+    assert decision.to_dict()["scores"][1]["degraded"] == "unrecoverable loss"  # type: ignore[index]
+    router.mark_healthy("b")
+    assert router.route(PROMPT).winner == ("b", 0)
+    assert router.degraded == {}
+
+
+def test_degraded_target_stays_routable() -> None:
+    """Degraded is not removed: with no better choice the target can still win."""
+    router = make_router("round_robin")
+    router.mark_degraded("a", 0, "lagging")
+    winners = {router.route(PROMPT).winner for _ in range(3)}
+    assert winners == {("a", 0), ("b", 0), ("c", 0)}

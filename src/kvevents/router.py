@@ -14,6 +14,11 @@ Policies:
   plus the decode load (KV blocks held by running requests).
 - ``round_robin`` and ``random`` (seeded): baselines that ignore the cache.
 
+Degraded targets. A target whose event stream is not trustworthy (the subscriber reported an
+unrecoverable loss, so the index may still list blocks the engine evicted) is marked with
+:meth:`Router.mark_degraded`. It stays routable, but its matched blocks count as zero: a
+phantom prefix hit must not attract traffic. Every decision names degraded targets and why.
+
 Loads are not measured here: the caller (a simulation, or a service fed by engines' load
 reports) keeps them in a :class:`LoadBook`.
 """
@@ -63,6 +68,7 @@ class TargetScore(NamedTuple):
     score: float  #: higher wins
     load: Load
     terms: Mapping[str, float]
+    degraded: str | None = None  #: why its matched blocks were not trusted, if they were not
 
 
 @dataclass(frozen=True)
@@ -105,6 +111,7 @@ class Decision:
                     "queued_blocks": s.load.queued_blocks,
                     "active_blocks": s.load.active_blocks,
                     "terms": dict(s.terms),
+                    "degraded": s.degraded,
                 }
                 for s in self.scores
             ],
@@ -115,6 +122,8 @@ class Decision:
         lines = [f"policy {self.policy}: winner {self._name(self.winner)}"]
         for s in self.scores:
             mark = "  <- winner" if (s.worker_id, s.rank) == self.winner else ""
+            if s.degraded:
+                mark = f" (degraded: {s.degraded}){mark}"
             terms = " ".join(f"{k}={v:g}" for k, v in s.terms.items())
             lines.append(
                 f"  {self._name((s.worker_id, s.rank))}: matched {s.matched_blocks}/"
@@ -182,6 +191,7 @@ class RouteInputs:
     request_blocks: Sequence[int]
     loads: Sequence[Load]
     request_tokens: int
+    degraded: Sequence[str | None] = ()  #: per target, why it is degraded (empty: none is)
 
 
 class Policy(Protocol):
@@ -199,15 +209,17 @@ def _decision(
     terms: Sequence[Mapping[str, float]],
     winner: int | None,
 ) -> Decision:
+    degraded = inputs.degraded or [None] * len(inputs.targets)
     rows = tuple(
-        TargetScore(t[0], t[1], m, r, s, ld, tm)
-        for t, m, r, s, ld, tm in zip(
+        TargetScore(t[0], t[1], m, r, s, ld, tm, d)
+        for t, m, r, s, ld, tm, d in zip(
             inputs.targets,
             inputs.matched,
             inputs.request_blocks,
             scores,
             inputs.loads,
             terms,
+            degraded,
             strict=True,
         )
     )
@@ -338,6 +350,17 @@ class Router:
         self._prefill_weight = prefill_weight
         self._policies: dict[str, Policy] = {}
         self.policy = self._policy(policy)
+        self.degraded: dict[Target, str] = {}
+
+    def mark_degraded(self, worker_id: str, rank: int, reason: str) -> None:
+        """Stop trusting this target's matched blocks (it stays routable) until healthy."""
+        self.degraded[(worker_id, rank)] = reason
+
+    def mark_healthy(self, worker_id: str, rank: int | None = None) -> None:
+        """Trust the target again (every rank of the worker when ``rank`` is None)."""
+        for target in [t for t in self.degraded if t[0] == worker_id]:
+            if rank is None or target[1] == rank:
+                del self.degraded[target]
 
     def _policy(self, policy: str | Policy | None) -> Policy:
         if policy is None:
@@ -383,11 +406,16 @@ class Router:
         targets = self.index.targets() if targets is None else list(targets)
         sizes = self.index.stream_block_size
         request = match.request_blocks
+        degraded = [self.degraded.get(t) for t in targets] if self.degraded else []
         inputs = RouteInputs(
             targets=targets,
-            matched=[match.streams.get(t, 0) for t in targets],
+            matched=[
+                0 if degraded and degraded[i] else match.streams.get(t, 0)
+                for i, t in enumerate(targets)
+            ],
             request_blocks=[request.get(sizes(*t) or 0, 0) for t in targets],
             loads=[self.loads.get(*t) for t in targets],
             request_tokens=match.request_tokens,
+            degraded=degraded,
         )
         return chosen.choose(inputs)
