@@ -17,7 +17,7 @@ from kvevents.cluster import Cluster, ClusterConfig
 from kvevents.engine import Request, SimulatedEngine
 from kvevents.evaluate import DEFAULT_TRACE, default_trace_path
 from kvevents.faults import DropRule
-from kvevents.publisher import create_publisher
+from kvevents.publisher import PublisherOptions, create_publisher
 from kvevents.service import IndexService, Server, create_app
 from kvevents.simulate import PolicyRun, SimulationConfig
 from kvevents.testing.publisher import local_config
@@ -128,7 +128,10 @@ def test_service_with_a_real_subscriber_answers_queries_over_http() -> None:
     worker holding a prefix and /workers shows each stream's health."""
     service = IndexService()
     server = Server(create_app(service))
-    publishers = [create_publisher(local_config()) for _ in range(2)]
+    # Heartbeats: batches published before the subscriber's connection completes are then
+    # noticed as a late join and replayed, instead of waiting for the next real batch.
+    beat = PublisherOptions(heartbeat_interval=0.05)
+    publishers = [create_publisher(local_config(), options=beat) for _ in range(2)]
     try:
         for p in publishers:
             p.start()
