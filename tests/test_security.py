@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import select
 import socket
 import stat
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -296,3 +299,68 @@ def test_secret_keys_stay_out_of_reprs() -> None:
                   CurveClient.for_server(pair.public_key, pair)))  # fmt: skip
     assert pair.secret_key not in shown and pair.public_key in shown
     assert isinstance(pair, KeyPair)
+
+
+# ---------------------------------------------------------------------- command line
+
+
+def kvevents(*args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvevents.cli", *args], capture_output=True,
+                          text=True, timeout=timeout)  # fmt: skip
+
+
+def test_cli_keys_generate_then_publish_listen_and_replay_encrypted(tmp_path: Path) -> None:
+    """keys generate, then publish --curve-secret/--curve-allow feeds listen and replay."""
+    made = kvevents("keys", "generate", str(tmp_path / "server"), "--name", "engine")
+    assert made.returncode == 0, made.stderr
+    assert (
+        kvevents("keys", "generate", str(tmp_path / "clients"), "--name", "router").returncode == 0
+    )
+    assert "engine.key_secret" in made.stdout
+    secret = tmp_path / "server" / "engine.key_secret"
+    assert stat.S_IMODE(os.stat(secret).st_mode) == 0o600
+    client = ["--curve-server-key", str(tmp_path / "server" / "engine.key"),
+              "--curve-secret", str(tmp_path / "clients" / "router.key_secret")]  # fmt: skip
+    publish = subprocess.Popen(
+        [sys.executable, "-m", "kvevents.cli", "publish", "--endpoint", "tcp://127.0.0.1:0",
+         "--replay-endpoint", "tcp://127.0.0.1:0", "--rate", "200", "--json",
+         "--curve-secret", str(secret), "--curve-allow", str(tmp_path / "clients")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert publish.stdout is not None
+        assert select.select([publish.stdout], [], [], 30)[0], "publish printed no ready line"
+        line = publish.stdout.readline()
+        assert line, f"publish failed: {publish.communicate(timeout=30)[1]}"
+        ready = json.loads(line)["ranks"][0]
+        worker = f"sim:0={ready['endpoint']},{ready['replay_endpoint']}"
+        listen = kvevents("listen", "--worker", worker, "--json", "--count", "5", *client)
+        assert listen.returncode == 0, listen.stderr
+        seqs = [
+            r["seq"] for r in map(json.loads, listen.stdout.splitlines()) if r["type"] == "batch"
+        ]
+        assert seqs[:5] == list(range(5))
+        replay = kvevents("replay", ready["replay_endpoint"], "--from", "0", "--to", "1", *client)
+        assert replay.returncode == 0, replay.stderr
+        assert replay.stdout.startswith("seq=0 ") and "end: 2 batches" in replay.stdout
+    finally:
+        publish.terminate()
+        publish.communicate(timeout=30)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["publish", "--curve-allow", "x"], "--curve-allow needs --curve-secret"),
+        (["listen", "tcp://127.0.0.1:1", "--curve-secret", "x"], "needs --curve-server-key"),
+        (
+            ["replay", "tcp://127.0.0.1:1", "--from", "0", "--curve-server-key", "nope.key"],
+            "cannot read key file nope.key",
+        ),
+    ],
+)
+def test_cli_curve_option_mistakes_give_one_line(args: list[str], message: str) -> None:
+    """A missing partner option or key file is a usage error (status 2) naming the problem."""
+    done = kvevents(*args)
+    assert done.returncode == 2 and message in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
