@@ -353,6 +353,7 @@ def test_cli_keys_generate_then_publish_listen_and_replay_encrypted(tmp_path: Pa
     [
         (["publish", "--curve-allow", "x"], "--curve-allow needs --curve-secret"),
         (["listen", "tcp://127.0.0.1:1", "--curve-secret", "x"], "needs --curve-server-key"),
+        (["serve", "--port", "0", "--curve-secret", "x"], "needs --curve-server-key"),
         (
             ["replay", "tcp://127.0.0.1:1", "--from", "0", "--curve-server-key", "nope.key"],
             "cannot read key file nope.key",
