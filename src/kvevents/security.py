@@ -105,7 +105,9 @@ class CurveServer:
                 _check_key(key, "allowed client key")
 
     @classmethod
-    def from_files(cls, secret_file: str | os.PathLike[str], allow_dir: Any = None) -> CurveServer:
+    def from_files(
+        cls, secret_file: str | os.PathLike[str], allow_dir: str | os.PathLike[str] | None = None
+    ) -> CurveServer:
         """The server in ``secret_file``; with ``allow_dir``, only the clients whose ``*.key``
         files are there may connect."""
         pair = load_keypair(secret_file)
@@ -137,7 +139,9 @@ class CurveClient:
 
     @classmethod
     def from_files(
-        cls, server_key_file: str | os.PathLike[str], secret_file: Any = None
+        cls,
+        server_key_file: str | os.PathLike[str],
+        secret_file: str | os.PathLike[str] | None = None,
     ) -> CurveClient:
         """A client of the server whose public key is in ``server_key_file``, with the key
         pair of ``secret_file`` (default: a new random pair)."""
