@@ -22,6 +22,7 @@ import zmq
 from .endpoints import parse_endpoint
 from .errors import BindError, PublisherError
 from .replay_server import ReplayRing, ReplayServer
+from .security import CurveServer, HandshakeWatch, apply_server, monitor
 
 __all__ = ["Forwarder", "Ready", "Service", "bind"]
 
@@ -100,8 +101,10 @@ class Forwarder(threading.Thread):
         rank: int,
         hwm: int,
         queue_size: int,
+        curve: CurveServer | None = None,
     ) -> None:
         super().__init__(name=f"kvevents-forwarder-r{rank}", daemon=True)
+        self._curve = curve
         self._context = context
         self._endpoints = endpoints
         self._endpoint = endpoint
@@ -142,6 +145,9 @@ class Forwarder(threading.Thread):
         frontend.bind(self._endpoints["frontend"])
         pub = self._socket(sockets, zmq.PUB)
         pub.setsockopt(zmq.SNDHWM, self._hwm)
+        if self._curve is not None:
+            apply_server(pub, self._curve)
+            monitor(pub, self._endpoints["monitor-publish"])
         bind(pub, self._endpoint, rank=self._rank, role="publish")
         capture = self._socket(sockets, zmq.PUSH)
         # Unbounded: the proxy blocks on a full capture pipe, and that would stall live delivery.
@@ -194,8 +200,12 @@ class Service(threading.Thread):
         heartbeat_interval: float | None,
         heartbeat: Callable[[], None],
         last_activity: Callable[[], float],
+        curve: CurveServer | None = None,
     ) -> None:
         super().__init__(name=f"kvevents-service-r{rank}", daemon=True)
+        self._curve = curve
+        # Refused handshakes are counted only with CURVE: the plain path stays untouched.
+        self.handshakes = HandshakeWatch(rank) if curve is not None else None
         self._context = context
         self._endpoints = endpoints
         self._replay_endpoint = replay_endpoint
@@ -232,6 +242,8 @@ class Service(threading.Thread):
             self._loop(capture, wake, router)
         finally:
             self._drain(limit=None)
+            if self.handshakes is not None:
+                self.handshakes.close()
             for socket in sockets:
                 socket.close(0)
 
@@ -242,11 +254,17 @@ class Service(threading.Thread):
         self._capture = capture
         wake = self._socket(sockets, zmq.PAIR)
         wake.bind(self._endpoints["wake"])
+        if self.handshakes is not None:
+            self.handshakes.attach(self._context, self._endpoints["monitor-publish"], "publish")
         if self._replay_endpoint is None or self.ring is None:
             return capture, wake, None
         router = self._socket(sockets, zmq.ROUTER)
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         router.setsockopt(zmq.SNDHWM, _REPLAY_SNDHWM)
+        if self.handshakes is not None:
+            apply_server(router, self._curve)
+            monitor(router, self._endpoints["monitor-replay"])
+            self.handshakes.attach(self._context, self._endpoints["monitor-replay"], "replay")
         bind(router, self._replay_endpoint, rank=self._rank, role="replay")
         max_active, max_waiting = self._limits
         self.server = ReplayServer(
@@ -272,17 +290,26 @@ class Service(threading.Thread):
         poller.register(wake, zmq.POLLIN)
         if router is not None:
             poller.register(router, zmq.POLLIN)
+        for sock in self.handshakes.sockets if self.handshakes is not None else ():
+            poller.register(sock, zmq.POLLIN)
         progressed = False
         while True:
             ready = dict(poller.poll(self._timeout_ms(progressed)))
             self._drain()
             if wake in ready and wake.recv() == b"stop":
                 return
+            self._count_handshakes(ready)
             if self.server is not None:
                 if router in ready:
                     self.server.accept_requests()
                 progressed = self.server.pump() if self.server.busy else False
             self._maybe_heartbeat()
+
+    def _count_handshakes(self, ready: dict[Any, int]) -> None:
+        if self.handshakes is not None:
+            for sock in self.handshakes.sockets:
+                if sock in ready:
+                    self.handshakes.handle(sock)
 
     def _timeout_ms(self, progressed: bool) -> int:
         if self.server is not None and self.server.busy:

@@ -24,6 +24,7 @@ from .cursor import Action, Cursor, Deliver, Duplicate, Gap, ReplayDone, Restart
 from .errors import DecodeError
 from .events import AllBlocksCleared
 from .replay_client import ReplayBatch, ReplayClient, ReplayEvent
+from .security import apply_client
 from .streams import (
     Delivery,
     Item,
@@ -239,6 +240,7 @@ class Loop:
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, self.options.rcvhwm)
         sub.setsockopt(zmq.SUBSCRIBE, spec.topic.encode())
+        apply_client(sub, spec.curve or self.options.curve)
         try:
             sub.connect(spec.endpoint)
         except zmq.ZMQError as exc:
@@ -343,7 +345,9 @@ class Loop:
         stream.add("gaps")
         stream.add("replays")
         assert spec.replay_endpoint is not None  # the cursor only asks when it can replay
-        stream.ticket = self.replays.request(spec.key, spec.replay_endpoint, gap.start)
+        stream.ticket = self.replays.request(
+            spec.key, spec.replay_endpoint, gap.start, curve=spec.curve or self.options.curve
+        )
         self._warn(stream, "gap", "missing seq %d..%d, replaying", gap.start, gap.end - 1)
 
     def _restart(self, stream: _Stream, restart: Restart) -> None:

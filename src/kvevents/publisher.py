@@ -36,6 +36,7 @@ from .endpoints import RankEndpoints, check_layout, rank_endpoints
 from .errors import LayoutError, PublisherClosed, PublisherError
 from .events import KVEventBatch
 from .replay_server import ReplayRing
+from .security import CurveServer, start_authenticator
 from .wire import encode_batch, pack_seq
 
 __all__ = [
@@ -74,6 +75,9 @@ class PublisherOptions:
     """Requests that may wait; beyond it a request gets only the end marker (counted)."""
     start_timeout: float = 10.0
     """Seconds ``start()`` waits for the socket threads to bind."""
+    curve: CurveServer | None = None
+    """Encrypt and authenticate the PUB and replay sockets with CurveZMQ (``docs/security.md``);
+    None: the plain wire every engine speaks."""
 
     def __post_init__(self) -> None:
         if self.heartbeat_interval is not None and self.heartbeat_interval <= 0:
@@ -129,6 +133,10 @@ class PublisherStats:
     """Payload bytes held for replay."""
     next_seq: int = 0
     """The sequence number the next batch will get."""
+    auth_rejected: int = 0
+    """CURVE handshakes refused because the client key is not on the allow-list."""
+    handshake_failed: int = 0
+    """CURVE handshakes that failed (a peer without keys or with the wrong server key)."""
 
     @property
     def dropped(self) -> int:
@@ -278,6 +286,7 @@ class ZmqPublisher(Publisher):
         self._wake: zmq.Socket[Any] | None = None
         self._forwarder: Forwarder | None = None
         self._service: Service | None = None
+        self._authenticator: Any = None
 
     def __repr__(self) -> str:
         return f"<ZmqPublisher rank={self.rank} {self.endpoint or self.endpoints.publish} {self._state}>"
@@ -303,7 +312,10 @@ class ZmqPublisher(Publisher):
         context: zmq.Context[Any] = zmq.Context()
         self._context = context
         base = f"inproc://kvevents-pub-{os.getpid()}-{next(_names)}"
-        names = {role: f"{base}-{role}" for role in ("frontend", "capture", "control", "wake")}
+        roles = ("frontend", "capture", "control", "wake", "monitor-publish", "monitor-replay")
+        names = {role: f"{base}-{role}" for role in roles}
+        # The ZAP handler must answer before the first CURVE socket binds.
+        self._authenticator = start_authenticator(context, self.options.curve)
         self._control = self._caller_socket(zmq.PAIR, names["control"])
         self._wake = self._caller_socket(zmq.PAIR, names["wake"])
         self._service = self._new_service(context, names)
@@ -318,6 +330,7 @@ class ZmqPublisher(Publisher):
             rank=self.rank,
             hwm=self.config.hwm,
             queue_size=self.config.max_queue_size,
+            curve=self.options.curve,
         )
         self._forwarder.start()
         self.endpoint = self._forwarder.ready.wait(self.options.start_timeout, "forwarder")
@@ -352,6 +365,7 @@ class ZmqPublisher(Publisher):
             heartbeat_interval=self.options.heartbeat_interval,
             heartbeat=self._send_heartbeat,
             last_activity=lambda: self._last_activity,
+            curve=self.options.curve,
         )
 
     def shutdown(self, timeout: float | None = None) -> ShutdownReport:
@@ -424,6 +438,9 @@ class ZmqPublisher(Publisher):
             if socket is not None:
                 socket.close(0)
         self._push = self._control = self._wake = None
+        if self._authenticator is not None:
+            self._authenticator.stop()  # its sockets would keep term() waiting
+            self._authenticator = None
         if self._context is not None:
             self._context.term()  # waits for the PUB socket's linger: the final flush
             self._context = None
@@ -531,6 +548,7 @@ class ZmqPublisher(Publisher):
             ring_batches=len(ring) if ring is not None else 0,
             ring_bytes=ring.nbytes if ring is not None else 0,
             next_seq=self._next_seq,
+            **_handshake_counts(service),
         )
 
     # ------------------------------------------------------------------ test seams
@@ -548,3 +566,10 @@ class ZmqPublisher(Publisher):
     def _resume_forwarding(self) -> None:
         if self._forwarder is not None:
             self._forwarder.resume("run")
+
+
+def _handshake_counts(service: Service | None) -> dict[str, int]:
+    watch = service.handshakes if service is not None else None
+    if watch is None:
+        return {}
+    return {"auth_rejected": watch.auth_rejected, "handshake_failed": watch.handshake_failed}

@@ -33,6 +33,7 @@ import zmq
 
 from ._publisher_log import RateLimitedWarning
 from .errors import DecodeError
+from .security import CurveClient, apply_client
 from .streams import ReplayOptions
 from .wire import parse_replay_reply, replay_request_frames
 
@@ -99,6 +100,7 @@ class _Replay:
     first: bool = True
     last_activity: float = 0.0
     retry_at: float | None = None
+    curve: CurveClient | None = None
 
 
 class ReplayClient:
@@ -127,15 +129,20 @@ class ReplayClient:
 
     # ------------------------------------------------------------------ commands
 
-    def request(self, key: Hashable, endpoint: str, start: int) -> int:
+    def request(
+        self, key: Hashable, endpoint: str, start: int, *, curve: CurveClient | None = None
+    ) -> int:
         """Replay ``seq >= start`` for ``key``, replacing any replay it already has.
 
         Returns the request's ticket; every event of this replay carries it, so events of a
-        replaced replay still in the caller's hands can be told apart.
+        replaced replay still in the caller's hands can be told apart. ``curve``: the server
+        is a CURVE server (``docs/security.md``).
         """
         self.cancel(key)
         self._tickets += 1
-        self._replays[key] = _Replay(key, endpoint, start, self._clock(), self._tickets)
+        self._replays[key] = _Replay(
+            key, endpoint, start, self._clock(), self._tickets, curve=curve
+        )
         self._waiting.append(key)
         self._admit()
         return self._tickets
@@ -230,6 +237,7 @@ class ReplayClient:
         sock = self._context.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, 0)  # the server sends the whole reply at once
+        apply_client(sock, replay.curve)
         sock.connect(replay.endpoint)
         sock.send_multipart(replay_request_frames(replay.next_seq))
         self.counters.requests += 1

@@ -11,11 +11,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TypeAlias
+from typing import TYPE_CHECKING, TypeAlias
 
 from .endpoints import parse_endpoint, rank_endpoint
 from .errors import LayoutError
 from .events import KVEventBatch
+
+if TYPE_CHECKING:  # records only: importing them here must not load zmq
+    from .security import CurveClient
 
 __all__ = [
     "ReplayOptions",
@@ -81,6 +84,7 @@ class StreamSpec:
 
     ``endpoint`` is the rank's PUB endpoint and ``replay_endpoint`` its ROUTER (None: no
     replay, every gap is unrecoverable). ``topic`` filters by byte prefix, like ZeroMQ does.
+    ``curve``: read a CURVE publisher (both sockets); None: ``SubscriberOptions.curve``.
     """
 
     worker_id: str
@@ -88,6 +92,7 @@ class StreamSpec:
     endpoint: str
     replay_endpoint: str | None = None
     topic: str = ""
+    curve: CurveClient | None = None
 
     def __post_init__(self) -> None:
         if self.rank < 0:
@@ -114,6 +119,7 @@ def worker_streams(
     *,
     ranks: int | Iterable[int] = 1,
     topic: str = "",
+    curve: CurveClient | None = None,
 ) -> list[StreamSpec]:
     """Every rank's stream of one worker, from its base endpoints (rank r: port + r).
 
@@ -129,6 +135,7 @@ def worker_streams(
             if replay_endpoint is None
             else rank_endpoint(replay_endpoint, rank),
             topic=topic,
+            curve=curve,
         )
         for rank in numbers
     ]
@@ -244,6 +251,7 @@ class SubscriberOptions:
     held per stream during a replay. ``duplicate_window``: delivered batches remembered per
     stream to tell a duplicate from a restart. ``gap_log_interval``: at most one gap warning
     per stream per that many seconds. ``wall_clock``: the clock ``lag`` is measured with.
+    ``curve``: the CURVE client of every stream whose spec has none (``docs/security.md``).
     """
 
     queue_size: int = 10_000
@@ -256,6 +264,7 @@ class SubscriberOptions:
     status_items: bool = False
     gap_log_interval: float = 5.0
     wall_clock: Callable[[], float] = time.time
+    curve: CurveClient | None = None
 
     def __post_init__(self) -> None:
         if self.queue_size < 1 or self.rcvhwm < 0:

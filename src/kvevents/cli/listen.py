@@ -11,6 +11,7 @@ from ..streams import ReplayOptions, SubscriberOptions
 from .common import positive_float, positive_int, stop_on_sigterm
 from .output import JsonOutput, LiveOutput, Output, TextOutput
 from .render import ListenView, stats_record
+from .secure import add_client_options, client_curve
 from .specs import stream_specs
 
 EXAMPLES = """examples:
@@ -53,6 +54,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--duration", type=positive_float, help="stop after S seconds")
     p.add_argument("--replay-timeout", type=positive_float, default=5.0,
                    help="seconds of replay silence before a retry (default 5)")  # fmt: skip
+    add_client_options(p)
     p.set_defaults(run=run)
 
 
@@ -76,7 +78,9 @@ def run(args: argparse.Namespace) -> int:
     specs = stream_specs(args.endpoints, args.worker, args.replay, ranks=args.ranks,
                          topic=args.topic)  # fmt: skip
     options = SubscriberOptions(
-        status_items=True, replay=ReplayOptions(idle_timeout=args.replay_timeout)
+        status_items=True,
+        replay=ReplayOptions(idle_timeout=args.replay_timeout),
+        curve=client_curve(args),
     )
     view = ListenView(full=args.full)
     began = time.monotonic()

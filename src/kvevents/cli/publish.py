@@ -11,6 +11,7 @@ from typing import Any
 
 from .common import UsageError, non_negative_int, positive_float, positive_int, stop_on_sigterm
 from .output import JsonOutput
+from .secure import add_server_options, server_curve
 
 EXAMPLES = """examples:
   kvevents publish
@@ -53,6 +54,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--metrics-port", type=non_negative_int,
                    help="serve Prometheus /metrics of the publishers on this port")  # fmt: skip
     p.add_argument("--json", action="store_true", help="JSON lines on stdout")
+    add_server_options(p)
     p.set_defaults(run=run)
 
 
@@ -171,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
     source = (
         trace_requests(args.trace) if args.trace else synthetic_requests(args.seed, args.block_size)
     )
-    options = PublisherOptions(heartbeat_interval=args.heartbeat)
+    options = PublisherOptions(heartbeat_interval=args.heartbeat, curve=server_curve(args))
     engine_config = EngineConfig(block_size=args.block_size, ranks=args.ranks)
     engine = SimulatedEngine(engine_config, clock=time.time,
                              publisher_factory=zmq_publisher_factory(config, options))  # fmt: skip

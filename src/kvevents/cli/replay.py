@@ -14,6 +14,7 @@ from ..wire import ReplayMessage, decode_batch, parse_replay_reply, replay_reque
 from .common import UsageError, non_negative_int, positive_float
 from .output import JsonOutput
 from .render import batch_summary
+from .secure import add_client_options, client_curve
 
 EXAMPLES = """examples:
   kvevents replay tcp://10.0.0.5:5600 --from 0
@@ -47,6 +48,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--full", action="store_true", help="include every event, not only counts")
     p.add_argument("--timeout", type=positive_float, default=5.0,
                    help="seconds to wait for each message (default 5)")  # fmt: skip
+    add_client_options(p)
     p.set_defaults(run=run)
 
 
@@ -61,15 +63,18 @@ def _check(args: argparse.Namespace) -> None:
         raise UsageError(f"{args.endpoint}: give the publisher's host and bound port")
 
 
-def fetch(endpoint: str, start: int, timeout: float) -> Iterator[ReplayMessage]:
+def fetch(endpoint: str, start: int, timeout: float, curve: Any = None) -> Iterator[ReplayMessage]:
     """Replay messages for ``seq >= start`` until the end marker (included)."""
     import zmq
+
+    from ..security import apply_client
 
     context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     dealer = context.socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
     if "[" in endpoint:
         dealer.setsockopt(zmq.IPV6, 1)
+    apply_client(dealer, curve)
     try:
         dealer.connect(endpoint)
         dealer.send_multipart(replay_request_frames(start))
@@ -116,10 +121,11 @@ def _line(record: dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     _check(args)
+    curve = client_curve(args)
     emit = JsonOutput().emit if args.json else (lambda r: print(_line(r), flush=True))
     count, first, trimmed, end_marker = 0, True, False, False
     began = time.monotonic()
-    for message in fetch(args.endpoint, args.start, args.timeout):
+    for message in fetch(args.endpoint, args.start, args.timeout, curve):
         if message.is_end:
             end_marker = True
             break

@@ -7,6 +7,7 @@ import sys
 from typing import Any
 
 from .common import UsageError, non_negative_int, positive_int, stop_on_sigterm
+from .secure import add_client_options, client_curve
 
 EXAMPLES = """examples:
   kvevents serve
@@ -38,6 +39,7 @@ def add_parser(sub: Any) -> None:
                    help="register a worker at start (base endpoints)")  # fmt: skip
     p.add_argument("--ranks", type=positive_int, default=1, help="ranks of each --worker")
     p.add_argument("--block-size", type=positive_int, default=16, help="block size of --worker")
+    add_client_options(p)
     p.set_defaults(run=run)
 
 
@@ -60,12 +62,13 @@ def run(args: argparse.Namespace) -> int:
     from ..metrics import subscriber_collector
     from ..router import POLICIES
     from ..service import IndexService, serve
+    from ..streams import SubscriberOptions
     from ..subscriber import Subscriber
 
     if args.policy not in POLICIES:
         raise UsageError(f"--policy {args.policy!r}: choose one of {', '.join(sorted(POLICIES))}")
     regs = _registrations(args)
-    feed = Subscriber()
+    feed = Subscriber(options=SubscriberOptions(curve=client_curve(args)))
     service = IndexService(feed=feed, policy=args.policy)
     with stop_on_sigterm():
         server = serve(args.host, args.port, service=service,
