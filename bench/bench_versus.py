@@ -50,6 +50,10 @@ MODEL = "bench"
 # Every worker ends with this root block: once a query sees it on all workers, each worker's
 # earlier batches were applied (a listener applies its stream in order).
 SENTINEL_TOKENS = list(range(1, BLOCK_SIZE + 1))
+# Seconds between sentinel queries while ingesting: the polls cost the indexer CPU on the two
+# cores it shares with the stream (a Python HTTP stack much more than a Rust one), so they
+# are sparse; the clock's resolution is this interval (about 1% of a run).
+SENTINEL_POLL = 0.01
 
 
 @dataclass(frozen=True)
@@ -232,7 +236,7 @@ def _wait_indexed(peer: Peer, workers: int) -> None:
     while len(done := _workers_holding(peer, SENTINEL_TOKENS, workers)) < workers:
         if deadline.expired:
             raise RuntimeError(f"only workers {sorted(done)} indexed within {INGEST_TIMEOUT}s")
-        time.sleep(0.002)
+        time.sleep(SENTINEL_POLL)
 
 
 def _ingest(peer: Peer, pubs: _Publishers, work: Workload, *, paused: bool) -> tuple[float, float]:

@@ -60,13 +60,13 @@ def run(args: argparse.Namespace) -> int:
     from ..metrics import subscriber_collector
     from ..router import POLICIES
     from ..service import IndexService, serve
-    from ..subscriber import Subscriber
 
     if args.policy not in POLICIES:
         raise UsageError(f"--policy {args.policy!r}: choose one of {', '.join(sorted(POLICIES))}")
     regs = _registrations(args)
-    feed = Subscriber()
-    service = IndexService(feed=feed, policy=args.policy)
+    # The default feed: a Subscriber applying each batch on its own I/O thread.
+    service = IndexService(policy=args.policy)
+    feed = service.feed
     with stop_on_sigterm():
         server = serve(args.host, args.port, service=service,
                        collectors=[subscriber_collector(feed)])  # fmt: skip

@@ -184,7 +184,9 @@ class ServiceIndexer:
         Benchmarks time this call, so it does no JSON work of its own.
         """
         if self._conn is None:
-            self._conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=self.http_timeout)
+            self._conn = http.client.HTTPConnection(
+                "127.0.0.1", self.port, timeout=self.http_timeout
+            )
         headers = {"Content-Type": "application/json"} if data is not None else {}
         try:
             self._conn.request(method, path, body=data, headers=headers)
