@@ -54,6 +54,8 @@ SENTINEL_TOKENS = list(range(1, BLOCK_SIZE + 1))
 # cores it shares with the stream (a Python HTTP stack much more than a Rust one), so they
 # are sparse; the clock's resolution is this interval (about 1% of a run).
 SENTINEL_POLL = 0.01
+# Seconds between the end of the stream and the resident-memory reading, for both indexers.
+SETTLE = 1.0
 
 
 @dataclass(frozen=True)
@@ -318,6 +320,7 @@ def measure(
             before = peer.rss_bytes()
             sent, ingest = _ingest(peer, pubs, work, paused=paused)
             _verify(peer, work)
+            time.sleep(SETTLE)  # steady state: what stays resident once the stream is over
             after = peer.rss_bytes()
             latencies = _query_latencies(peer, work, queries)
     finally:

@@ -19,6 +19,7 @@ lazily): one background thread takes its items and applies them to the index und
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import importlib
@@ -38,6 +39,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from ._memory import IdleTrim, release_free_memory
 from .index import IndexStats, PrefixIndex
 from .router import Router
 
@@ -52,6 +54,9 @@ __all__ = [
 ]
 
 log = logging.getLogger("kvevents.service")
+
+# Seconds between checks whether a burst of batches is over (then free memory is trimmed).
+_TRIM_TICK = 0.25
 
 
 class Feed(Protocol):
@@ -478,10 +483,21 @@ class _Api:
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
         self.service.start()
+        trimmer = asyncio.create_task(self._trim_when_idle())
         try:
             yield
         finally:
+            trimmer.cancel()
             self.service.close()
+
+    async def _trim_when_idle(self) -> None:
+        """After a burst of batches, hand the memory it passed through back to the OS."""
+        idle = IdleTrim()
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(_TRIM_TICK)
+            if idle.due(self.service.stats().deliveries):
+                await loop.run_in_executor(None, release_free_memory)
 
 
 def create_app(service: IndexService, *, collectors: Sequence[Any] = ()) -> Starlette:
