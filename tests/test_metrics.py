@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import urllib.request
+from typing import ClassVar
 
 import pytest
 
@@ -12,6 +13,8 @@ from kvevents.metrics import StatsCollector, metric_kind, start_exporter, stats_
 
 @dataclasses.dataclass(frozen=True)
 class FakeStats:
+    GAUGES: ClassVar[frozenset[str]] = frozenset({"queue_depth", "lag_seconds"})
+
     published: int = 3
     dropped_queue_full: int = 1
     queue_depth: int = 7
@@ -22,9 +25,9 @@ class FakeStats:
     name: str = "not numeric"
 
 
-def test_kinds_follow_metadata_then_name() -> None:
-    """Totals are counters, levels are gauges, metadata overrides the name."""
-    kinds = {f.name: metric_kind(f) for f in dataclasses.fields(FakeStats)}
+def test_kinds_are_declared_not_guessed() -> None:
+    """Fields in GAUGES and fields with gauge metadata are gauges; everything else counts up."""
+    kinds = {f.name: metric_kind(FakeStats(), f) for f in dataclasses.fields(FakeStats)}
     assert kinds["published"] == "counter"
     assert kinds["dropped_queue_full"] == "counter"
     assert kinds["queue_depth"] == "gauge"
@@ -58,3 +61,14 @@ def test_exporter_serves_labelled_samples() -> None:
     assert 'kvevents_publisher_queue_depth{rank="0"} 7.0' in text
     assert "# TYPE kvevents_publisher_queue_depth gauge" in text
     assert "# HELP kvevents_publisher_explicit an explicit gauge" in text
+
+
+def test_every_stats_record_declares_only_real_fields_as_gauges() -> None:
+    """A GAUGES entry that names no field is a typo that would silently export a counter."""
+    from kvevents.index import IndexStats
+    from kvevents.publisher import PublisherStats
+    from kvevents.streams import StreamStats, SubscriberStats
+
+    for record in (PublisherStats, StreamStats, SubscriberStats, IndexStats):
+        names = {f.name for f in dataclasses.fields(record)}
+        assert names >= record.GAUGES, (record.__name__, record.GAUGES - names)

@@ -311,3 +311,31 @@ def test_a_feed_that_pushes_gets_no_consumer_thread(feed: FakeFeed) -> None:
         assert service._thread is None and feed.items.qsize() == 1  # nobody took it
         service.consume(feed.items.get_nowait())
         assert service.query(PROMPT)["scores"] == {"w": {"0": 6}}
+
+
+@dataclass(frozen=True)
+class StreamStatus:
+    stream: Spec
+    state: str
+    missing: tuple[int, int] | None = None
+
+
+def test_incomplete_stream_is_degraded_until_whole_again(feed: FakeFeed) -> None:
+    """After an unrecoverable loss a worker's matches are not trusted, and routing moves."""
+    with make_service(feed) as service:
+        for worker in ("a", "b"):
+            service.register(WorkerRegistration(worker, f"tcp://{worker}:5557", BS))
+        feed.deliver("a", 0, batch(store_event(PROMPT, BS)), seq=0)
+        applied(service, 1)
+        assert service.query(PROMPT)["decision"]["winner"]["worker_id"] == "a"
+        feed.items.put(StreamStatus(feed.spec("a", 0), "incomplete", (3, 5)))
+        wait_for(lambda: service.router.degraded, 10.0, what="the degraded mark")
+        decision = service.query(PROMPT)["decision"]
+        rows = {row["worker_id"]: row for row in decision["scores"]}
+        assert rows["a"]["degraded"] == "lost seq 3..4"
+        assert rows["a"]["matched_blocks"] == 0
+        ranks = {w["worker_id"]: w["ranks"][0] for w in service.workers_view()}
+        assert ranks["a"]["degraded"] == "lost seq 3..4" and ranks["b"]["degraded"] is None
+        feed.items.put(StreamStatus(feed.spec("a", 0), "live"))
+        wait_for(lambda: not service.router.degraded, 10.0, what="the stream to be trusted")
+        assert service.query(PROMPT)["decision"]["winner"]["worker_id"] == "a"

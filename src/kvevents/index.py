@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
 from operator import sub
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 from .events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from .tokenhash import ROOT_SEED, chain_hashes, pack_tokens, root_seed
@@ -88,6 +88,11 @@ class ApplyResult(NamedTuple):
 @dataclass(frozen=True)
 class IndexStats:
     """Totals since the index was created, and its current size."""
+
+    #: Fields that are levels (Prometheus gauges); every other number only grows.
+    GAUGES: ClassVar[frozenset[str]] = frozenset(
+        {"blocks", "bytes_estimate", "entries", "holders", "orphans_held", "streams"}
+    )
 
     streams: int  #: (worker, rank) streams known
     holders: int  #: (worker, rank, tier) holders with an id

@@ -6,8 +6,9 @@ metric families without copying their fields by hand, so a field added to a stat
 up as a metric on its own:
 
 - numeric fields (int, float, bool) become one sample each, named ``<prefix>_<field>``;
-- a field is a gauge when its dataclass metadata says ``{"metric": "gauge"}`` or its name says
-  it is a level (depth, lag, size, current counts); every other field is a counter;
+- a field is a gauge when its metadata says ``{"metric": "gauge"}`` or the record class lists
+  it in its ``GAUGES`` class attribute (levels: depth, lag, sizes); every other number only
+  grows and is a counter;
 - non-numeric fields (strings, nested records, None) are skipped, and so is a field that is
   also a label (``rank`` of a per-stream record is a label, not a sample).
 
@@ -35,48 +36,20 @@ __all__ = [
     "subscriber_collector",
 ]
 
-# Substrings that mark a field as a level rather than a running total.
-_GAUGE_HINTS = (
-    "depth",
-    "lag",
-    "size",
-    "bytes_per",
-    "ring_",
-    "active",
-    "current",
-    "held",
-    "streams",
-    "workers",
-    "blocks",
-    "holders",
-    "pending",
-    "incomplete",
-    "state",
-    "age",
-    "_seq",
-)
-# Fields whose names contain a hint above but that only ever grow.
-_COUNTER_OVERRIDES = (
-    "_total",
-    "blocks_stored",
-    "blocks_removed",
-    "stored_blocks",
-    "removed_blocks",
-)
-
 Labels = Mapping[str, str]
 Source = Callable[[], Iterable[tuple[Labels, Any]]]
 
 
-def metric_kind(field: dataclasses.Field[Any]) -> str:
-    """``"gauge"`` or ``"counter"`` for one stats field (metadata first, then its name)."""
+def metric_kind(record: Any, field: dataclasses.Field[Any]) -> str:
+    """``"gauge"`` or ``"counter"`` for one field of a stats record.
+
+    Declared, never guessed: the field's metadata (``{"metric": "gauge"}``) first, then the
+    record class's ``GAUGES`` set of level fields; every other number is a counter.
+    """
     declared = field.metadata.get("metric")
     if declared in ("gauge", "counter"):
         return str(declared)
-    name = field.name
-    if any(hint in name for hint in _COUNTER_OVERRIDES):
-        return "counter"
-    return "gauge" if any(hint in name for hint in _GAUGE_HINTS) else "counter"
+    return "gauge" if field.name in getattr(record, "GAUGES", ()) else "counter"
 
 
 def stats_samples(record: Any) -> Iterator[tuple[str, str, float, str]]:
@@ -87,19 +60,21 @@ def stats_samples(record: Any) -> Iterator[tuple[str, str, float, str]]:
         value = getattr(record, field.name)
         if isinstance(value, (bool, int, float)):
             doc = field.metadata.get("doc", "") or field.name.replace("_", " ")
-            yield field.name, metric_kind(field), float(value), str(doc)
+            yield field.name, metric_kind(record, field), float(value), str(doc)
 
 
 class StatsCollector:
     """A prometheus-client collector reading stats records from ``source`` at scrape time.
 
     ``source()`` yields ``(labels, record)`` pairs, e.g. one per stream or per worker; all
-    pairs must use the same label names.
+    pairs must use the same label names. ``docs`` gives HELP texts by field name (default:
+    the field's ``doc`` metadata, else its name).
     """
 
-    def __init__(self, prefix: str, source: Source) -> None:
+    def __init__(self, prefix: str, source: Source, docs: Mapping[str, str] | None = None) -> None:
         self.prefix = prefix
         self.source = source
+        self.docs = docs or {}
 
     def collect(self) -> Iterator[Any]:
         """Build one metric family per field, one sample per labelled record."""
@@ -113,7 +88,8 @@ class StatsCollector:
                 family = families.get(name)
                 if family is None:
                     cls = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
-                    family = cls(f"{self.prefix}_{name}", doc, labels=list(labels))
+                    help_text = self.docs.get(name, doc)
+                    family = cls(f"{self.prefix}_{name}", help_text, labels=list(labels))
                     families[name] = family
                 family.add_metric(list(labels.values()), value)
         yield from families.values()

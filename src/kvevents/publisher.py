@@ -22,7 +22,7 @@ import threading
 import time
 from dataclasses import dataclass, fields
 from types import TracebackType
-from typing import Any
+from typing import Any, ClassVar
 
 import msgspec
 import zmq
@@ -94,6 +94,11 @@ class PublisherOptions:
 @dataclass(frozen=True)
 class PublisherStats:
     """What a publisher did since it started. Every loss has a counter."""
+
+    #: Fields that are levels (Prometheus gauges); every other number only grows.
+    GAUGES: ClassVar[frozenset[str]] = frozenset(
+        {"next_seq", "pending_carry", "queue_depth", "replay_active", "ring_batches", "ring_bytes"}
+    )
 
     enqueued: int = 0
     """Batches accepted into the queue (heartbeats included)."""

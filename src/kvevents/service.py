@@ -33,7 +33,7 @@ from typing import Any, Protocol
 import msgspec
 import uvicorn
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import GaugeMetricFamily
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
@@ -41,6 +41,7 @@ from starlette.routing import Route
 
 from ._memory import IdleTrim, release_free_memory
 from .index import IndexStats, PrefixIndex
+from .metrics import CollectorGroup, StatsCollector
 from .router import Router
 
 __all__ = [
@@ -104,16 +105,22 @@ def default_stream_specs(reg: WorkerRegistration) -> list[Any]:
 
 
 def default_feed(
-    callback: Callable[[Any], None] | None = None, options: Any | None = None
+    callback: Callable[[Any], None] | None = None,
+    options: Any | None = None,
+    on_status: Callable[[Any], None] | None = None,
 ) -> Feed:
     """A ``kvevents.subscriber.Subscriber`` with no streams yet.
 
     ``options`` (a ``SubscriberOptions``) are used as given, except that with ``callback``
-    the subscriber calls it with every item on its I/O thread instead of queueing the item.
+    the subscriber calls it with every item on its I/O thread instead of queueing the item,
+    and ``on_status`` (when given) receives every stream state change.
     """
     subscriber = importlib.import_module("kvevents.subscriber")
     base = options if options is not None else subscriber.SubscriberOptions()
-    feed: Feed = subscriber.Subscriber(options=dataclasses.replace(base, callback=callback))
+    changes: dict[str, Any] = {"callback": callback}
+    if on_status is not None:
+        changes["on_status"] = on_status
+    feed: Feed = subscriber.Subscriber(options=dataclasses.replace(base, **changes))
     return feed
 
 
@@ -167,7 +174,9 @@ class IndexService:
         if self._feed is None:
             if self._feed_factory is None:
                 self._pushes = True
-                self._feed = default_feed(self.consume, self._subscriber_options)
+                self._feed = default_feed(
+                    self.consume, self._subscriber_options, on_status=self.on_status
+                )
             else:
                 self._feed = self._feed_factory()
         return self._feed
@@ -219,8 +228,12 @@ class IndexService:
                 self.consume(item)
 
     def consume(self, item: Any) -> None:
-        """Apply one feed item: a Delivery (``.batch``) or a StreamReset (``.reason``)."""
+        """Apply one feed item: a Delivery (``.batch``), a StreamReset (``.reason``), or a
+        StreamStatus (``.state``, from feeds that queue status items)."""
         stream = item.stream
+        if hasattr(item, "state"):
+            self.on_status(item)
+            return
         try:
             with self.lock:
                 reg = self._workers.get(stream.worker_id)
@@ -237,6 +250,22 @@ class IndexService:
         except Exception:
             self._counts["apply_errors"] += 1
             log.exception("worker %s rank %s: item not applied", stream.worker_id, stream.rank)
+
+    def on_status(self, status: Any) -> None:
+        """A stream's state changed: an incomplete stream's matches stop being trusted.
+
+        An unrecoverable loss may have hidden removals, so the index can list blocks the
+        engine no longer holds; the router keeps the target but ignores its matched blocks
+        until the stream is whole again (a cache reset, or a restart rebuilt from replay).
+        """
+        worker_id, rank = status.stream.worker_id, status.stream.rank
+        with self.lock:
+            if status.state == "incomplete":
+                lost = status.missing
+                why = "events lost" if lost is None else f"lost seq {lost[0]}..{lost[1] - 1}"
+                self.router.mark_degraded(worker_id, rank, why)
+            elif status.state == "live":
+                self.router.mark_healthy(worker_id, rank)
 
     # ----------------------------------------------------------------- workers
 
@@ -261,6 +290,7 @@ class IndexService:
         with self.lock:
             self.index.remove_worker(worker_id, rank)
             self.router.loads.remove(worker_id, rank)
+            self.router.mark_healthy(worker_id, rank)
             if rank is None or reg.ranks == (rank,):
                 del self._workers[worker_id]
             else:
@@ -342,6 +372,7 @@ class IndexService:
                     last = info.last_batch_ts
                     row["lag_seconds"] = None if last is None else max(0.0, now - last)
                 row["stream"] = _builtins(health.get((reg.worker_id, rank)))
+                row["degraded"] = self.router.degraded.get((reg.worker_id, rank))
                 ranks.append(row)
             out.append({**_builtins(reg), "ranks": ranks})
         return out
@@ -531,27 +562,20 @@ class _Collector:
 
     def __init__(self, service: IndexService) -> None:
         self._service = service
+        self._stats = CollectorGroup(
+            [
+                StatsCollector("kvevents_index", lambda: [({}, service.index_stats())], _HELP),
+                StatsCollector("kvevents_service", lambda: [({}, service.stats())], _HELP),
+            ]
+        )
 
     def collect(self) -> Any:
-        stats = self._service.index_stats()
-        for name, help_text in _GAUGES.items():
-            yield GaugeMetricFamily(f"kvevents_index_{name}", help_text, value=getattr(stats, name))
-        for name, help_text in _COUNTERS.items():
-            yield CounterMetricFamily(
-                f"kvevents_index_{name}", help_text, value=getattr(stats, name)
-            )
+        yield from self._stats.collect()
         yield GaugeMetricFamily(
             "kvevents_index_bytes_per_block",
             "Estimated bytes per indexed block",
-            stats.bytes_per_block,
+            self._service.index_stats().bytes_per_block,
         )
-        service = self._service.stats()
-        for name in ("deliveries", "resets", "ignored", "apply_errors", "queries"):
-            yield CounterMetricFamily(
-                f"kvevents_service_{name}",
-                f"Feed items and queries: {name}",
-                value=getattr(service, name),
-            )
         yield self._tier_blocks()
 
     def _tier_blocks(self) -> GaugeMetricFamily:
@@ -568,15 +592,14 @@ class _Collector:
         return family
 
 
-_GAUGES = {
+# HELP texts of the index and service stats fields (the kinds come from the records).
+_HELP = {
     "streams": "Streams (worker, rank) known to the index",
     "holders": "Holders (worker, rank, tier) known to the index",
     "blocks": "Distinct blocks indexed",
     "entries": "(holder, block) pairs indexed",
     "orphans_held": "Blocks held until their parent arrives",
     "bytes_estimate": "Estimated bytes held by the index",
-}
-_COUNTERS = {
     "stored_blocks": "Block store events applied",
     "removed_blocks": "Block removal events applied",
     "duplicate_stores": "Stores of a block its holder already had",
@@ -587,6 +610,11 @@ _COUNTERS = {
     "bad_events": "Store events skipped for a token count that does not match",
     "clears": "AllBlocksCleared events applied",
     "stream_resets": "Stream resets applied",
+    "deliveries": "Batches applied from the feed",
+    "resets": "Stream resets received from the feed",
+    "ignored": "Feed items of workers no longer registered",
+    "apply_errors": "Feed items that raised while applied",
+    "queries": "Queries answered",
 }
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeAlias
+from typing import TYPE_CHECKING, ClassVar, TypeAlias
 
 from .endpoints import parse_endpoint, rank_endpoint
 from .errors import LayoutError
@@ -192,6 +192,9 @@ class StreamStats:
     ``state``: ``"new"``, ``"live"``, ``"replaying"`` or ``"incomplete"``.
     """
 
+    #: Fields that are levels (Prometheus gauges); every other number only grows.
+    GAUGES: ClassVar[frozenset[str]] = frozenset({"lag", "last_seq"})
+
     worker_id: str
     rank: int
     state: str
@@ -219,6 +222,9 @@ class SubscriberStats:
     waiting for the consumer; ``callback_errors``: exceptions raised by callbacks; ``max_lag``:
     the largest stream lag. The other fields sum :class:`StreamStats` over current streams.
     """
+
+    #: Fields that are levels (Prometheus gauges); every other number only grows.
+    GAUGES: ClassVar[frozenset[str]] = frozenset({"incomplete", "max_lag", "queued", "streams"})
 
     streams: int
     incomplete: int
