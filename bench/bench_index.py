@@ -296,7 +296,8 @@ class _IdleFeed:
 
 
 def _http_child(conn: Any) -> None:
-    from kvevents.service import IndexService, serve
+    from kvevents.service import IndexService
+    from kvevents.service_http import serve
 
     index, _, _ = query_setup()
     service = IndexService(index, feed=_IdleFeed(), stream_specs=lambda reg: [])

@@ -12,7 +12,8 @@ import pytest
 
 from kvevents.events import KVEventBatch
 from kvevents.index import PrefixIndex
-from kvevents.service import IndexService, Server, WorkerRegistration, serve
+from kvevents.service import IndexService, WorkerRegistration
+from kvevents.service_http import Server, serve
 from kvevents.testing.index import batch, engine_hashes, store_event
 from kvevents.testing.sockets import wait_for
 from kvevents.tokenhash import block_hashes

@@ -18,7 +18,8 @@ from kvevents.engine import Request, SimulatedEngine
 from kvevents.evaluate import DEFAULT_TRACE, default_trace_path
 from kvevents.faults import DropRule
 from kvevents.publisher import PublisherOptions, create_publisher
-from kvevents.service import IndexService, Server, create_app
+from kvevents.service import IndexService
+from kvevents.service_http import Server, create_app
 from kvevents.simulate import PolicyRun, SimulationConfig
 from kvevents.testing.publisher import local_config
 from kvevents.testing.sockets import wait_for

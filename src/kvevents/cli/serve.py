@@ -61,7 +61,8 @@ def _registrations(args: argparse.Namespace) -> list[Any]:
 def run(args: argparse.Namespace) -> int:
     from ..metrics import subscriber_collector
     from ..router import POLICIES
-    from ..service import IndexService, serve
+    from ..service import IndexService
+    from ..service_http import serve
     from ..streams import SubscriberOptions
 
     if args.policy not in POLICIES:
