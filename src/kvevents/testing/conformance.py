@@ -159,7 +159,7 @@ def _check_prompts(consumer: Consumer, truth: Truth) -> tuple[str, str]:
         for key in sorted(truth.held):
             want, got = truth.expected_match(prompt, key), matched.get(key, 0)
             if want != got:
-                wrong.append(f"{prompt.name} on {key[0]}/{key[1]} matched {got}/{want} blocks")
+                wrong.append(f"{prompt.name} on {key[0]}/{key[1]} matched {got} blocks, not {want}")
     if wrong:
         return "fail", ", ".join(wrong[:2]) + (
             f" (+{len(wrong) - 2} more)" if len(wrong) > 2 else ""
@@ -309,8 +309,10 @@ def format_report(report: Report, *, markdown: bool = False) -> str:
     return "\n".join(out)
 
 
-def _cell(result: ScenarioResult) -> str:
-    return f"{result.outcome}: {result.reason}" if result.reason else result.outcome
+def _cell(result: ScenarioResult, pass_reasons: bool) -> str:
+    if not result.reason or (result.outcome == "PASS" and not pass_reasons):
+        return result.outcome
+    return f"{result.outcome}: {result.reason}"
 
 
 def report_json(report: Report) -> str:
