@@ -293,10 +293,16 @@ def run_conformance(
     )
 
 
-def format_report(report: Report, *, markdown: bool = False) -> str:
-    """A table: one row per scenario, one column per consumer (outcome and reason)."""
+def format_report(report: Report, *, markdown: bool = False, pass_reasons: bool = False) -> str:
+    """A table: one row per scenario, one column per consumer.
+
+    Cells hold the outcome and its reason; a PASS shows its reason only with ``pass_reasons``.
+    """
     header = ["scenario", *report.consumers]
-    rows = [[s, *(_cell(report.result(c, s)) for c in report.consumers)] for s in report.scenarios]
+    rows = [
+        [s, *(_cell(report.result(c, s), pass_reasons) for c in report.consumers)]
+        for s in report.scenarios
+    ]
     if markdown:
         lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         lines += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in rows]
