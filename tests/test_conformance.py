@@ -32,7 +32,11 @@ from kvevents.testing.conformance import (
     run_scenario,
     u64,
 )
-from kvevents.testing.conformance_consumers import DynamoConsumer, KVEventsConsumer
+from kvevents.testing.conformance_consumers import (
+    DynamoConsumer,
+    KVEventsConsumer,
+    ServiceConsumer,
+)
 from kvevents.testing.conformance_scenarios import scenario, scenario_names, scenarios
 from kvevents.testing.dynamo import dynamo_unavailable_reason
 
@@ -52,6 +56,16 @@ def test_every_scenario_passes_for_our_consumer(ours: KVEventsConsumer, name: st
     """Our subscriber + index ends every fault scenario in exactly the true state."""
     result = run_scenario(ours, scenario(name), deadline=DEADLINE)
     assert (result.outcome, result.scenario) == ("PASS", name), result.reason
+
+
+def test_every_scenario_passes_for_our_http_service() -> None:
+    """Through HTTP only, our service passes; ranks on unrelated ports cannot be registered."""
+    report = run_conformance([ServiceConsumer()], deadline=DEADLINE)
+    outcomes = {s: report.result("service", s).outcome for s in report.scenarios}
+    assert outcomes == {s: "PASS" for s in scenario_names() if s != "many-ranks"} | {
+        "many-ranks": "NOT OBSERVABLE"
+    }, format_report(report)
+    assert "base port + r" in report.result("service", "many-ranks").reason
 
 
 def test_catalogue_covers_the_faults_users_ask_for() -> None:

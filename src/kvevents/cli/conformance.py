@@ -16,8 +16,8 @@ EXAMPLES = """examples:
   kvevents conformance --consumer kvevents --consumer dynamo --markdown
       ours and NVIDIA Dynamo's indexer side by side, as a Markdown table
       (Dynamo comes from .venv-dynamo or $KVEVENTS_DYNAMO_PYTHON)
-  kvevents conformance --consumer service=http://127.0.0.1:8090 --scenario drops
-      one scenario against a running 'kvevents serve'
+  kvevents conformance --consumer service --consumer service=http://127.0.0.1:8090
+      our HTTP service started here, and a running 'kvevents serve', over HTTP only
   kvevents conformance --list
       what each scenario injects and what it expects
 
@@ -78,12 +78,7 @@ def _consumer(text: str) -> Any:
             raise RuntimeError(reason)
         return adapters.DynamoConsumer(python=arg or None)
     if name == "service":
-        factory = getattr(adapters, "ServiceConsumer", None)
-        if factory is None:
-            raise UsageError(
-                "the service consumer needs kvevents.testing.service, not in this build"
-            )
-        return factory(url=arg or None)
+        return adapters.ServiceConsumer(url=arg or None)
     raise UsageError(f"--consumer {text!r}: expected kvevents, dynamo[=PYTHON] or service[=URL]")
 
 

@@ -34,6 +34,7 @@ from typing import Any, Literal
 
 from .conformance_stage import (
     Consumer,
+    NotObservable,
     Prompt,
     Scenario,
     Stage,
@@ -46,6 +47,7 @@ from .conformance_stage import (
 
 __all__ = [
     "Consumer",
+    "NotObservable",
     "Outcome",
     "Prompt",
     "Report",
@@ -237,6 +239,8 @@ def run_scenario(
     try:
         consumer.begin(scenario.name)
         outcome, reason = _drive(consumer, scenario, stage, deadline)
+    except NotObservable as exc:
+        outcome, reason = "NOT OBSERVABLE", str(exc)
     except Exception as exc:  # an adapter or peer error is a result, not a crash of the run
         outcome, reason = "FAIL", f"error: {type(exc).__name__}: {exc}"
     finally:

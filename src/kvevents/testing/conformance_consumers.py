@@ -1,9 +1,10 @@
-"""Conformance adapters: our in-process consumer and NVIDIA Dynamo's indexer.
+"""Conformance adapters: our in-process consumer, our HTTP service, NVIDIA Dynamo's indexer.
 
 An adapter turns a consumer into the :class:`~kvevents.testing.conformance.Consumer`
 methods: register streams, read back the blocks held per (worker, rank) stream, the matched
 prefix of a request, and what the consumer reports (losses, rejected block sizes). To add a
-consumer, write a class with those methods; return None from a read-back it cannot observe.
+consumer, write a class with those methods; return None from a read-back it cannot observe,
+or raise :class:`~kvevents.testing.conformance.NotObservable` when it cannot follow a scenario.
 """
 
 from __future__ import annotations
@@ -12,15 +13,19 @@ import contextlib
 import itertools
 import subprocess
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
+import httpx
+
+from ..endpoints import parse_endpoint
 from ..index import PrefixIndex
-from ..service import IndexService, WorkerRegistration
+from ..service import IndexService, Server, WorkerRegistration, serve
 from ..streams import StreamSpec, SubscriberOptions
 from ..subscriber import Subscriber
-from .conformance_stage import StreamKey, StreamRegistration, u64
+from .conformance_stage import NotObservable, StreamKey, StreamRegistration, u64
 from .dynamo import DynamoIndexer, DynamoIndexerError, find_dynamo_python
 
-__all__ = ["DynamoConsumer", "KVEventsConsumer", "dynamo_version"]
+__all__ = ["DynamoConsumer", "KVEventsConsumer", "ServiceConsumer", "dynamo_version"]
 
 
 def _group(streams: Sequence[StreamRegistration]) -> dict[str, list[StreamRegistration]]:
@@ -211,3 +216,121 @@ class DynamoConsumer:
         indexer, self._indexer = self._indexer, None
         if indexer is not None:
             indexer.close()
+
+
+def _base_endpoints(group: Sequence[StreamRegistration]) -> tuple[str, str | None]:
+    """The base endpoints of a worker whose rank r listens on base port + r (WIRE.md 5)."""
+    first = min(group, key=lambda s: s.rank)
+    bases = {_base(s.endpoint, s.rank) for s in group}
+    replays = {_base(s.replay_endpoint, s.rank) if s.replay_endpoint else None for s in group}
+    if len(bases) != 1 or len(replays) != 1:
+        raise NotObservable(
+            f"worker {first.worker_id}: the service takes base endpoints (rank r on base "
+            "port + r) and this scenario's ranks listen on unrelated ports"
+        )
+    return bases.pop(), replays.pop()
+
+
+def _base(endpoint: str, rank: int) -> str:
+    parsed = parse_endpoint(endpoint)
+    if parsed.scheme != "tcp" or rank == 0:
+        return endpoint
+    return f"tcp://{parsed.host}:{parsed.port - rank}"
+
+
+class ServiceConsumer:
+    """Our HTTP index service (``kvevents serve``), seen only through its HTTP API.
+
+    ``url``: a running service; None starts one in this process on a free port. Every
+    scenario registers fresh worker ids (``<n>-<scenario>-<worker>``) and unregisters them
+    at its end. Held blocks come from ``GET /dump``, matches from ``POST /query``, losses and
+    block-size rejections from ``GET /workers``.
+    """
+
+    def __init__(self, name: str = "service", *, url: str | None = None) -> None:
+        self.name = name
+        self.url = url
+        self.version: str | None = None
+        self._server: Server | None = None
+        self._client: httpx.Client | None = None
+        self._runs = itertools.count(1)
+        self._prefix = ""
+        self._workers: dict[str, str] = {}
+
+    def start(self) -> None:
+        if self.url is None:
+            self._server = serve("127.0.0.1", 0)
+            self.url = self._server.url
+        self._client = httpx.Client(base_url=self.url, timeout=10.0)
+
+    def _call(self, method: str, path: str, body: Any = None) -> Any:
+        if self._client is None:
+            raise RuntimeError("start() first")
+        response = self._client.request(method, path, json=body)
+        if response.status_code >= 400:
+            raise RuntimeError(f"{method} {path} -> HTTP {response.status_code}: {response.text}")
+        return response.json()
+
+    def begin(self, scenario: str) -> None:
+        self._prefix = f"{next(self._runs)}-{scenario}"
+        self._workers = {}
+
+    def register(self, streams: Sequence[StreamRegistration]) -> None:
+        for worker, group in _group(streams).items():
+            endpoint, replay = _base_endpoints(group)
+            wid = self._workers[worker] = f"{self._prefix}-{worker}"
+            body = {"worker_id": wid, "endpoint": endpoint, "replay_endpoint": replay,
+                    "block_size": group[0].block_size, "ranks": [s.rank for s in group]}  # fmt: skip
+            self._call("POST", "/register", body)
+
+    def _names(self) -> dict[str, str]:
+        return {w: name for name, w in self._workers.items()}
+
+    def held(self) -> Mapping[StreamKey, frozenset[int]]:
+        names, out = self._names(), dict[StreamKey, frozenset[int]]()
+        for h in self._call("GET", "/dump")["holders"]:
+            if h["worker_id"] in names:
+                key = (names[h["worker_id"]], int(h["rank"]))
+                out[key] = out.get(key, frozenset()) | {u64(e) for e, _ in h["blocks"]}
+        return out
+
+    def matched(self, token_ids: Sequence[int], block_size: int) -> Mapping[StreamKey, int]:
+        names = self._names()
+        scores = self._call("POST", "/query", {"token_ids": list(token_ids)})["scores"]
+        return {
+            (names[w], int(rank)): int(blocks)
+            for w, ranks in scores.items()
+            if w in names
+            for rank, blocks in ranks.items()
+        }
+
+    def _ranks(self) -> list[tuple[StreamKey, dict[str, Any]]]:
+        names = self._names()
+        return [
+            ((names[w["worker_id"]], int(row["rank"])), row)
+            for w in self._call("GET", "/workers")["workers"]
+            if w["worker_id"] in names
+            for row in w["ranks"]
+        ]
+
+    def losses(self) -> Mapping[StreamKey, bool]:
+        return {k: bool((row.get("stream") or {}).get("unrecoverable")) for k, row in self._ranks()}
+
+    def rejections(self) -> Mapping[StreamKey, int]:
+        return {k: int(row.get("block_size_mismatches") or 0) for k, row in self._ranks()}
+
+    def end(self) -> None:
+        workers, self._workers = self._workers, {}
+        for wid in workers.values():
+            with contextlib.suppress(RuntimeError, httpx.HTTPError):
+                self._call("POST", "/unregister", {"worker_id": wid})
+
+    def close(self) -> None:
+        self.end()
+        client, self._client = self._client, None
+        if client is not None:
+            client.close()
+        server, self._server = self._server, None
+        if server is not None:
+            server.close()
+            self.url = None

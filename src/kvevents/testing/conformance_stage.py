@@ -24,6 +24,7 @@ from .sockets import Deadline
 
 __all__ = [
     "Consumer",
+    "NotObservable",
     "Prompt",
     "Scenario",
     "Stage",
@@ -49,6 +50,10 @@ _tokens = itertools.count(1)
 def u64(block_hash: int) -> int:
     """A hash as unsigned 64-bit: signed and unsigned forms of one hash compare equal."""
     return block_hash & _U64
+
+
+class NotObservable(Exception):
+    """Raised by an adapter that cannot follow or read a scenario at all (say why)."""
 
 
 @dataclass(frozen=True)
