@@ -114,11 +114,14 @@ def judge(consumer: Consumer, truth: Truth, settled: str | None) -> tuple[Outcom
     Any failed check fails; otherwise a check the adapter cannot observe makes the result
     ``NOT OBSERVABLE``. ``settled``: why the final sentinel was not shown, if it was not.
     """
-    failed: list[str] = [] if settled is None else [f"not settled: {settled}"]
+    failed: list[str] = [] if settled is None else [settled]
     blind: list[str] = []
     passed: list[str] = []
     for check in (_check_held, _check_prompts, _check_losses, _check_rejections):
         verdict, text = check(consumer, truth)
+        if verdict == "fail" and check is _check_prompts and failed:
+            # Already explained by the blocks: only say how many prompts it cost.
+            text = text.partition(":")[0]
         if text:
             {"fail": failed, "blind": blind, "pass": passed}[verdict].append(text)
     if failed:
@@ -163,9 +166,9 @@ def _check_prompts(consumer: Consumer, truth: Truth) -> tuple[str, str]:
             if want != got:
                 wrong.append(f"{prompt.name} on {key[0]}/{key[1]} matched {got} blocks, not {want}")
     if wrong:
-        return "fail", ", ".join(wrong[:2]) + (
-            f" (+{len(wrong) - 2} more)" if len(wrong) > 2 else ""
-        )
+        more = f" (+{len(wrong) - 2} more)" if len(wrong) > 2 else ""
+        count = f"{len(wrong)} wrong match{'es' if len(wrong) > 1 else ''}"
+        return "fail", f"{count}: {', '.join(wrong[:2])}{more}"
     n = len(truth.prompts)
     return "pass", f"{n} prompt{'s' if n > 1 else ''} matched" if n else ""
 

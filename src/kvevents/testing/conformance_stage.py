@@ -45,6 +45,7 @@ _MAX_PROBE_INTERVAL = 0.5
 _MAX_PROBES = 8
 _POLL = 0.02
 _tokens = itertools.count(1)
+_SYNC_NAMES = {1: "hello", 2: "end"}  # the handshake sentinel and the final one
 
 
 def u64(block_hash: int) -> int:
@@ -287,7 +288,7 @@ class Stage:
         self._sync_count += 1
         sentinels: dict[StreamKey, Prompt] = {}
         for key, spec in self.streams.items():
-            name = f"sync{self._sync_count}-{key[0]}/{key[1]}"
+            name = _SYNC_NAMES.get(self._sync_count, f"sync{self._sync_count}")
             sentinels[key] = self.prompt(name, 1, block_size=spec.block_size, probe=False)
             self.publish(key, sentinels[key].store())
         return _await_sentinels(self, consumer, sentinels, Deadline(seconds), seconds)
@@ -321,7 +322,7 @@ def _await_sentinels(
             return None
         if deadline.expired:
             streams = ", ".join(f"{w}/{r}" for w, r in missing)
-            return f"sentinel on {streams} not shown within {seconds:g} s"
+            return f"{streams} never showed the sentinel (waited {seconds:g} s)"
         if time.monotonic() >= next_probe and probes < _MAX_PROBES:
             for key in missing:
                 stage.heartbeat(key)
