@@ -278,3 +278,36 @@ def test_startup_failure_is_reported_and_frees_the_port() -> None:
     service = IndexService(feed=Broken(), stream_specs=fake_specs)
     with pytest.raises(RuntimeError, match="no feed"):
         serve("127.0.0.1", 0, service=service)
+
+
+def test_default_feed_applies_batches_on_the_subscriber_thread() -> None:
+    """With no feed given, a Subscriber applies each batch through consume(): no hand-off."""
+    from kvevents.testing.peers import RawPublisher
+
+    stored = batch(store_event(PROMPT, BS))
+    with RawPublisher() as publisher, IndexService(PrefixIndex()) as service:
+        assert service.pushes and service._thread is None
+        assert publisher.replay_endpoint is not None
+        service.register(
+            WorkerRegistration("w", publisher.endpoint, BS, (0,), publisher.replay_endpoint)
+        )
+        publisher.publish(stored, drop=True)  # comes back by replay once a live batch arrives
+
+        def indexed() -> bool:
+            publisher.publish(batch())  # an empty batch: a live probe
+            return service.query(PROMPT)["scores"] == {"w": {"0": 6}}
+
+        wait_for(indexed, 10.0, interval=0.01, what="the replayed store to be applied")
+        assert service.stats().deliveries >= 2 and service.stats().apply_errors == 0
+        assert service.feed.stats().queued == 0  # nothing went through the queue
+
+
+def test_a_feed_that_pushes_gets_no_consumer_thread(feed: FakeFeed) -> None:
+    """pushes=True: the service never polls the feed; items arrive through consume()."""
+    service = IndexService(PrefixIndex(), feed=feed, stream_specs=fake_specs, pushes=True)
+    with service:
+        service.register(WorkerRegistration("w", "tcp://h:1", BS))
+        feed.deliver("w", 0, batch(store_event(PROMPT, BS)))
+        assert service._thread is None and feed.items.qsize() == 1  # nobody took it
+        service.consume(feed.items.get_nowait())
+        assert service.query(PROMPT)["scores"] == {"w": {"0": 6}}

@@ -19,6 +19,7 @@ lazily): one background thread takes its items and applies them to the index und
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import importlib
@@ -38,6 +39,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from ._memory import IdleTrim, release_free_memory
 from .index import IndexStats, PrefixIndex
 from .router import Router
 
@@ -52,6 +54,9 @@ __all__ = [
 ]
 
 log = logging.getLogger("kvevents.service")
+
+# Seconds between checks whether a burst of batches is over (then free memory is trimmed).
+_TRIM_TICK = 0.25
 
 
 class Feed(Protocol):
@@ -98,9 +103,17 @@ def default_stream_specs(reg: WorkerRegistration) -> list[Any]:
     return specs
 
 
-def default_feed() -> Feed:
-    """A ``kvevents.subscriber.Subscriber`` with no streams yet."""
-    feed: Feed = importlib.import_module("kvevents.subscriber").Subscriber()
+def default_feed(
+    callback: Callable[[Any], None] | None = None, options: Any | None = None
+) -> Feed:
+    """A ``kvevents.subscriber.Subscriber`` with no streams yet.
+
+    ``options`` (a ``SubscriberOptions``) are used as given, except that with ``callback``
+    the subscriber calls it with every item on its I/O thread instead of queueing the item.
+    """
+    subscriber = importlib.import_module("kvevents.subscriber")
+    base = options if options is not None else subscriber.SubscriberOptions()
+    feed: Feed = subscriber.Subscriber(options=dataclasses.replace(base, callback=callback))
     return feed
 
 
@@ -108,7 +121,11 @@ class IndexService:
     """The index, a router, and the thread that feeds the index from a feed.
 
     The service owns its feed (passed in, or made by ``feed_factory`` on first use) and
-    closes it in :meth:`close`.
+    closes it in :meth:`close`. With neither, the feed is a Subscriber that applies each item
+    on its own I/O thread through :meth:`consume` (no hand-off between threads, the fastest
+    path), and the service starts no consumer thread. A feed that calls :meth:`consume` itself
+    is passed with ``pushes=True``. ``subscriber_options`` (a ``SubscriberOptions``)
+    configure that default subscriber (e.g. CurveZMQ keys).
     """
 
     def __init__(
@@ -117,7 +134,9 @@ class IndexService:
         *,
         router: Router | None = None,
         feed: Feed | None = None,
-        feed_factory: Callable[[], Feed] = default_feed,
+        feed_factory: Callable[[], Feed] | None = None,
+        pushes: bool = False,
+        subscriber_options: Any | None = None,
         stream_specs: Callable[[WorkerRegistration], list[Any]] = default_stream_specs,
         policy: str = "prefix_load",
         poll_interval: float = 0.1,
@@ -127,11 +146,14 @@ class IndexService:
         self.lock = threading.Lock()
         self._feed = feed
         self._feed_factory = feed_factory
+        self._pushes = pushes
+        self._subscriber_options = subscriber_options
         self._stream_specs = stream_specs
         self._poll = poll_interval
         self._workers: dict[str, WorkerRegistration] = {}
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._started = False
         self._counts = {
             "deliveries": 0,
             "resets": 0,
@@ -143,16 +165,28 @@ class IndexService:
     @property
     def feed(self) -> Feed:
         if self._feed is None:
-            self._feed = self._feed_factory()
+            if self._feed_factory is None:
+                self._pushes = True
+                self._feed = default_feed(self.consume, self._subscriber_options)
+            else:
+                self._feed = self._feed_factory()
         return self._feed
+
+    @property
+    def pushes(self) -> bool:
+        """True when the feed applies items itself (through :meth:`consume`)."""
+        return self._pushes
 
     # ----------------------------------------------------------------- lifecycle
 
     def start(self) -> None:
-        """Start the feed and the consumer thread (idempotent)."""
-        if self._thread is not None:
+        """Start the feed and, unless it pushes, the consumer thread (idempotent)."""
+        if self._started:
             return
         self.feed.start()
+        self._started = True
+        if self._pushes:
+            return
         self._thread = threading.Thread(target=self._run, name="kvevents-index", daemon=True)
         self._thread.start()
 
@@ -454,10 +488,21 @@ class _Api:
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
         self.service.start()
+        trimmer = asyncio.create_task(self._trim_when_idle())
         try:
             yield
         finally:
+            trimmer.cancel()
             self.service.close()
+
+    async def _trim_when_idle(self) -> None:
+        """After a burst of batches, hand the memory it passed through back to the OS."""
+        idle = IdleTrim()
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(_TRIM_TICK)
+            if idle.due(self.service.stats().deliveries):
+                await loop.run_in_executor(None, release_free_memory)
 
 
 def create_app(service: IndexService, *, collectors: Sequence[Any] = ()) -> Starlette:
@@ -569,6 +614,10 @@ class Server:
         config = uvicorn.Config(app, log_level="warning", lifespan="on", access_log=False)
         self._server = uvicorn.Server(config)
         self._failure: BaseException | None = None
+        # Set when the server thread ends. Not Thread.is_alive(): on Python 3.11 a Ctrl-C that
+        # interrupts Thread.join() can leave is_alive() False while the thread still runs, and
+        # the service would then never be shut down.
+        self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvevents-http", daemon=True)
 
     def _run(self) -> None:
@@ -576,6 +625,8 @@ class Server:
             self._server.run(sockets=[self._sock])
         except BaseException as exc:  # uvicorn exits with SystemExit when startup fails
             self._failure = exc
+        finally:
+            self._done.set()
 
     @property
     def url(self) -> str:
@@ -587,7 +638,7 @@ class Server:
         self._thread.start()
         deadline = time.monotonic() + timeout
         while not self._server.started:
-            if not self._thread.is_alive():
+            if self._done.is_set():
                 self.close()
                 raise RuntimeError(
                     f"the HTTP server on {self.url} stopped during startup ({self._failure!r})"
@@ -600,14 +651,14 @@ class Server:
 
     def close(self, timeout: float = 10.0) -> None:
         self._server.should_exit = True
-        if self._thread.is_alive():
-            self._thread.join(timeout)
+        if self._thread.ident is not None:
+            self._done.wait(timeout)
         self._sock.close()
 
     def wait(self) -> None:
         try:
-            while self._thread.is_alive():
-                self._thread.join(0.5)
+            while not self._done.wait(0.5):
+                pass
         except KeyboardInterrupt:
             self.close()
 

@@ -63,13 +63,14 @@ def run(args: argparse.Namespace) -> int:
     from ..router import POLICIES
     from ..service import IndexService, serve
     from ..streams import SubscriberOptions
-    from ..subscriber import Subscriber
 
     if args.policy not in POLICIES:
         raise UsageError(f"--policy {args.policy!r}: choose one of {', '.join(sorted(POLICIES))}")
     regs = _registrations(args)
-    feed = Subscriber(options=SubscriberOptions(curve=client_curve(args)))
-    service = IndexService(feed=feed, policy=args.policy)
+    # The default feed: a Subscriber applying each batch on its own I/O thread.
+    options = SubscriberOptions(curve=client_curve(args))
+    service = IndexService(policy=args.policy, subscriber_options=options)
+    feed = service.feed
     with stop_on_sigterm():
         server = serve(args.host, args.port, service=service,
                        collectors=[subscriber_collector(feed)])  # fmt: skip

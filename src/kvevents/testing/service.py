@@ -1,0 +1,280 @@
+"""Our index service (``kvevents serve``) as a test peer in its own process.
+
+:class:`ServiceIndexer` has the methods of :class:`kvevents.testing.dynamo.DynamoIndexer` where
+they mean the same thing, so one benchmark or test drives either: ``start()`` (ready once the
+server says it accepts connections), ``register``, ``matched_blocks``, ``send`` (a pre-encoded
+body on a kept-alive connection), ``rss_bytes``, ``pid``, ``stop``/``close``, ``with``.
+
+The process is ``python -m kvevents.cli serve --host 127.0.0.1 --port 0``: the server binds
+the port itself and prints ``serving on URL`` once it accepts connections, so there is no
+port race and no polling. Its log (stderr) goes to a temporary file, quoted in errors.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Any
+
+from .sockets import Deadline
+
+__all__ = ["ServiceIndexer", "ServiceIndexerError"]
+
+_READY_PREFIX = "serving on "
+
+
+class ServiceIndexerError(RuntimeError):
+    """The service could not start, died, or answered an HTTP call with an error status."""
+
+
+class ServiceIndexer:
+    """``kvevents serve`` in a subprocess on a free port, with an HTTP client.
+
+    ``python``: the interpreter (default: the running one). ``args``: more ``serve`` options
+    (e.g. ``["--policy", "longest_prefix"]``). ``env``: extra environment variables. One
+    instance is used from one thread.
+    """
+
+    def __init__(
+        self,
+        *,
+        python: str | None = None,
+        args: Sequence[str] = (),
+        env: dict[str, str] | None = None,
+        startup_timeout: float = 30.0,
+        stop_timeout: float = 5.0,
+        http_timeout: float = 10.0,
+    ) -> None:
+        self.python = python or sys.executable
+        self.args = list(args)
+        self.env = dict(env or {})
+        self.startup_timeout = startup_timeout
+        self.stop_timeout = stop_timeout
+        self.http_timeout = http_timeout
+        self.port = 0
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._conn: http.client.HTTPConnection | None = None
+        self._log_dir: tempfile.TemporaryDirectory[str] | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def url(self) -> str:
+        """Base URL of the HTTP API."""
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        """Process id of the running service."""
+        if self._proc is None:
+            raise ServiceIndexerError("the service is not running")
+        return self._proc.pid
+
+    def start(self) -> ServiceIndexer:
+        """Launch the service; return once it accepts connections (bounded by startup_timeout)."""
+        if self._proc is not None:
+            return self
+        self._log_dir = tempfile.TemporaryDirectory(prefix="kvevents-service-")
+        command = [self.python, "-m", "kvevents.cli", "serve", "--host", "127.0.0.1"]
+        command += ["--port", "0", *self.args]
+        with open(self.log_path, "ab") as log:
+            self._proc = subprocess.Popen(
+                command,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env},
+            )
+        try:
+            self.port = self._read_port(Deadline(self.startup_timeout))
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _read_port(self, deadline: Deadline) -> int:
+        """The port from the ``serving on URL`` line, waiting no longer than ``deadline``."""
+        assert self._proc is not None and self._proc.stdout is not None
+        line = _read_line(self._proc.stdout, deadline)
+        if not line.startswith(_READY_PREFIX):
+            if self._proc.poll() is None and deadline.expired:
+                raise ServiceIndexerError(
+                    f"service not ready within {self.startup_timeout}s: {self.log_tail()}"
+                )
+            self._proc.wait(self.stop_timeout)
+            raise ServiceIndexerError(
+                f"service exited with status {self._proc.returncode} before serving: "
+                f"{line!r} {self.log_tail()}"
+            )
+        return int(line[len(_READY_PREFIX) :].rsplit(":", 1)[1])
+
+    def stop(self) -> None:
+        """Stop the process (SIGINT, then SIGKILL after stop_timeout); idempotent."""
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(self.stop_timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(self.stop_timeout)
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+    def close(self) -> None:
+        """Stop the process and delete its log."""
+        self.stop()
+        if self._log_dir is not None:
+            self._log_dir.cleanup()
+            self._log_dir = None
+
+    def __enter__(self) -> ServiceIndexer:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    @property
+    def log_path(self) -> Path:
+        """Where the service's stderr goes."""
+        assert self._log_dir is not None, "start() first"
+        return Path(self._log_dir.name) / "service.log"
+
+    def log_text(self) -> str:
+        """The service's log so far."""
+        try:
+            return self.log_path.read_text(errors="replace")
+        except (OSError, AssertionError):
+            return ""
+
+    def log_tail(self, lines: int = 20) -> str:
+        """The last lines of the log, for error messages."""
+        return "\n".join(self.log_text().splitlines()[-lines:]) or "(empty log)"
+
+    def rss_bytes(self) -> int:
+        """Resident memory of the service process (Linux /proc)."""
+        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+        raise ServiceIndexerError(f"no VmRSS in /proc/{self.pid}/status")
+
+    # ------------------------------------------------------------------ HTTP
+
+    def send(self, method: str, path: str, data: bytes | None = None) -> tuple[int, bytes]:
+        """One request with a pre-encoded JSON body on the kept-alive connection: (status, body).
+
+        Benchmarks time this call, so it does no JSON work of its own.
+        """
+        if self._conn is None:
+            self._conn = http.client.HTTPConnection(
+                "127.0.0.1", self.port, timeout=self.http_timeout
+            )
+        headers = {"Content-Type": "application/json"} if data is not None else {}
+        try:
+            self._conn.request(method, path, body=data, headers=headers)
+            response = self._conn.getresponse()
+            return response.status, response.read()
+        except (OSError, http.client.HTTPException):
+            self._conn.close()
+            self._conn = None
+            raise
+
+    def call(self, method: str, path: str, body: Any = None) -> Any:
+        """One HTTP call; the decoded JSON reply, or :class:`ServiceIndexerError` on >= 400."""
+        data = None if body is None else json.dumps(body).encode()
+        status, reply = self.send(method, path, data)
+        if status >= 400:
+            text = reply.decode(errors="replace")
+            raise ServiceIndexerError(f"{method} {path} -> HTTP {status}: {text}")
+        return json.loads(reply) if reply else None
+
+    def register(
+        self,
+        worker: int | str,
+        endpoint: str,
+        *,
+        block_size: int,
+        replay_endpoint: str | None = None,
+        ranks: int = 1,
+    ) -> None:
+        """Index a worker: its ranks publish on ``endpoint`` (base port + rank)."""
+        body: dict[str, Any] = {
+            "worker_id": str(worker),
+            "endpoint": endpoint,
+            "block_size": block_size,
+            "ranks": ranks,
+        }
+        if replay_endpoint is not None:
+            body["replay_endpoint"] = replay_endpoint
+        self.call("POST", "/register", body)
+
+    def unregister(self, worker: int | str, rank: int | None = None) -> None:
+        """Forget a worker (or one of its ranks) and everything it held."""
+        body: dict[str, Any] = {"worker_id": str(worker)}
+        if rank is not None:
+            body["rank"] = rank
+        self.call("POST", "/unregister", body)
+
+    def workers(self) -> list[dict[str, Any]]:
+        """``GET /workers``: registrations with their per-rank index and stream state."""
+        result: list[dict[str, Any]] = self.call("GET", "/workers")["workers"]
+        return result
+
+    def dump(self) -> dict[str, Any]:
+        """``GET /dump``: every holder's blocks, and the index stats."""
+        result: dict[str, Any] = self.call("GET", "/dump")
+        return result
+
+    def query(self, token_ids: Sequence[int]) -> dict[str, Any]:
+        """``POST /query``: the raw reply (matches per holder, and a routing decision)."""
+        result: dict[str, Any] = self.call("POST", "/query", {"token_ids": list(token_ids)})
+        return result
+
+    def matched_blocks(
+        self, token_ids: Sequence[int], block_size: int | None = None
+    ) -> dict[tuple[str, int], int]:
+        """Matched prefix length in blocks per (worker id, rank); absent means 0.
+
+        ``block_size`` is accepted for symmetry with ``DynamoIndexer``, whose replies count
+        tokens: ours count blocks of each worker's own size already.
+        """
+        scores = self.query(token_ids).get("scores", {})
+        return {
+            (worker, int(rank)): blocks
+            for worker, ranks in scores.items()
+            for rank, blocks in ranks.items()
+            if blocks
+        }
+
+
+def _read_line(stream: IO[bytes], deadline: Deadline) -> str:
+    """One line of a child's stdout, or what came before EOF or the deadline."""
+    fd = stream.fileno()
+    data = b""
+    while not data.endswith(b"\n") and not deadline.expired:
+        ready, _, _ = select.select([fd], [], [], max(0.0, deadline.remaining()))
+        if not ready:
+            break
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            break
+        data += chunk
+    return data.decode(errors="replace").strip()
