@@ -103,9 +103,7 @@ def default_stream_specs(reg: WorkerRegistration) -> list[Any]:
     return specs
 
 
-def default_feed(
-    callback: Callable[[Any], None] | None = None, options: Any | None = None
-) -> Feed:
+def default_feed(callback: Callable[[Any], None] | None = None, options: Any | None = None) -> Feed:
     """A ``kvevents.subscriber.Subscriber`` with no streams yet.
 
     ``options`` (a ``SubscriberOptions``) are used as given, except that with ``callback``

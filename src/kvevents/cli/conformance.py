@@ -17,7 +17,7 @@ EXAMPLES = """examples:
       ours and NVIDIA Dynamo's indexer side by side, as a Markdown table
       (Dynamo comes from .venv-dynamo or $KVEVENTS_DYNAMO_PYTHON)
   kvevents conformance --consumer service --consumer service=http://127.0.0.1:8090
-      our HTTP service started here, and a running 'kvevents serve', over HTTP only
+      our HTTP service in a process of its own, and a running 'kvevents serve', by HTTP
   kvevents conformance --list
       what each scenario injects and what it expects
 

@@ -19,11 +19,11 @@ import httpx
 
 from ..endpoints import parse_endpoint
 from ..index import PrefixIndex
-from ..service import IndexService, Server, WorkerRegistration, serve
+from ..service import IndexService, WorkerRegistration
 from ..streams import StreamSpec, SubscriberOptions
-from ..subscriber import Subscriber
 from .conformance_stage import NotObservable, StreamKey, StreamRegistration, u64
 from .dynamo import DynamoIndexer, DynamoIndexerError, find_dynamo_python
+from .service import ServiceIndexer
 
 __all__ = ["DynamoConsumer", "KVEventsConsumer", "ServiceConsumer", "dynamo_version"]
 
@@ -38,9 +38,10 @@ def _group(streams: Sequence[StreamRegistration]) -> dict[str, list[StreamRegist
 class KVEventsConsumer:
     """Our subscriber and prefix index in this process, wired as ``kvevents serve`` wires them.
 
-    One :class:`~kvevents.service.IndexService` per scenario, whose feed is a
-    :class:`~kvevents.subscriber.Subscriber`. ``index_factory`` makes the index (tests pass a
-    deliberately broken one to prove the suite can fail).
+    One :class:`~kvevents.service.IndexService` per scenario with its default feed: a
+    :class:`~kvevents.subscriber.Subscriber` that applies batches on its I/O thread.
+    ``index_factory`` makes the index (tests pass a deliberately broken one to prove the
+    suite can fail).
     """
 
     def __init__(
@@ -67,10 +68,9 @@ class KVEventsConsumer:
         }
         service = IndexService(
             self._index_factory(),
-            feed=Subscriber(options=self._options),
+            subscriber_options=self._options,
             # Our test publishers bind ephemeral ports, not base + rank: name each one.
             stream_specs=lambda reg: [specs[(reg.worker_id, r)] for r in reg.ranks],
-            poll_interval=0.01,
         )
         self._service = service
         service.start()
@@ -241,7 +241,8 @@ def _base(endpoint: str, rank: int) -> str:
 class ServiceConsumer:
     """Our HTTP index service (``kvevents serve``), seen only through its HTTP API.
 
-    ``url``: a running service; None starts one in this process on a free port. Every
+    ``url``: a running service; None starts one in its own process
+    (:class:`~kvevents.testing.service.ServiceIndexer`, on a free port). Every
     scenario registers fresh worker ids (``<n>-<scenario>-<worker>``) and unregisters them
     at its end. Held blocks come from ``GET /dump``, matches from ``POST /query``, losses and
     block-size rejections from ``GET /workers``.
@@ -251,7 +252,7 @@ class ServiceConsumer:
         self.name = name
         self.url = url
         self.version: str | None = None
-        self._server: Server | None = None
+        self._process: ServiceIndexer | None = None
         self._client: httpx.Client | None = None
         self._runs = itertools.count(1)
         self._prefix = ""
@@ -259,8 +260,8 @@ class ServiceConsumer:
 
     def start(self) -> None:
         if self.url is None:
-            self._server = serve("127.0.0.1", 0)
-            self.url = self._server.url
+            self._process = ServiceIndexer().start()
+            self.url = self._process.url
         self._client = httpx.Client(base_url=self.url, timeout=10.0)
 
     def _call(self, method: str, path: str, body: Any = None) -> Any:
@@ -330,7 +331,7 @@ class ServiceConsumer:
         client, self._client = self._client, None
         if client is not None:
             client.close()
-        server, self._server = self._server, None
-        if server is not None:
-            server.close()
+        process, self._process = self._process, None
+        if process is not None:
+            process.close()
             self.url = None
