@@ -20,7 +20,17 @@ from .common import UsageError
 __all__ = ["main"]
 
 # Subcommand modules, in the order --help lists them.
-COMMANDS = ("listen", "replay", "publish", "simulate", "serve", "keys", "bench", "demo")
+COMMANDS = (
+    "listen",
+    "replay",
+    "publish",
+    "simulate",
+    "serve",
+    "keys",
+    "conformance",
+    "bench",
+    "demo",
+)
 
 
 class Parser(argparse.ArgumentParser):

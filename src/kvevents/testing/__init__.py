@@ -10,5 +10,9 @@ Submodules by area (import them directly):
   shaped like vLLM, SGLang and TensorRT-LLM output;
 - ``kvevents.testing.engine``: a recording sink and a ground-truth consumer for producers;
 - ``kvevents.testing.index``: event builders with properly chained engine hashes;
-- ``kvevents.testing.dynamo``: NVIDIA Dynamo's standalone KV indexer as a test peer.
+- ``kvevents.testing.dynamo``: NVIDIA Dynamo's standalone KV indexer as a test peer;
+- ``kvevents.testing.service``: our own index service in its own process, the same way;
+- ``kvevents.testing.conformance`` (with ``conformance_stage``, ``conformance_scenarios``,
+  ``conformance_consumers``): a fault-injection conformance suite for KV event consumers,
+  with adapters for our consumer, our HTTP service and NVIDIA Dynamo's indexer.
 """

@@ -1,0 +1,116 @@
+"""``kvevents conformance``: drive KV event consumers through fault scenarios, side by side."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from typing import Any
+
+from .common import UsageError, positive_float
+
+EXAMPLES = """examples:
+  kvevents conformance
+      every scenario against our subscriber + index, in this process
+  kvevents conformance --consumer kvevents --consumer dynamo --markdown
+      ours and NVIDIA Dynamo's indexer side by side, as a Markdown table
+      (Dynamo comes from .venv-dynamo or $KVEVENTS_DYNAMO_PYTHON)
+  kvevents conformance --consumer service --consumer service=http://127.0.0.1:8090
+      our HTTP service in a process of its own, and a running 'kvevents serve', by HTTP
+  kvevents conformance --list
+      what each scenario injects and what it expects
+
+Each cell is PASS, FAIL or NOT OBSERVABLE (the adapter cannot see what the scenario checks),
+with a one-line reason. Exit status 0 when no kvevents or service consumer fails a scenario:
+other consumers failing is information, not an error. See docs/conformance.md.
+"""
+
+_OURS = ("kvevents", "service")
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "conformance",
+        help="fault-injection conformance of KV event consumers",
+        description="Publish scripted faults (drops, duplicates, restarts, trimmed replays, "
+        "encoding switches, block-size mismatches...) to KV event consumers and check "
+        "their final index state against the truth.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--consumer", action="append", default=[], metavar="NAME[=ARG]",
+                   help="kvevents, dynamo[=PYTHON] or service[=URL] (repeatable; default: "
+                   "kvevents)")  # fmt: skip
+    p.add_argument("--scenario", action="append", default=[], metavar="NAME",
+                   help="run only this scenario (repeatable; default: all)")  # fmt: skip
+    p.add_argument("--deadline", type=positive_float, default=5.0, metavar="SECONDS",
+                   help="how long to wait for a consumer to show a sentinel")  # fmt: skip
+    out = p.add_mutually_exclusive_group()
+    out.add_argument("--markdown", action="store_true", help="print a Markdown table")
+    out.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--reasons", action="store_true", help="give the reason of a PASS too")
+    p.add_argument("--list", action="store_true", help="list the scenarios and exit")
+    p.set_defaults(run=run)
+
+
+def _scenarios(names: list[str]) -> list[Any]:
+    from ..testing.conformance_scenarios import scenario, scenarios
+
+    if not names:
+        return scenarios()
+    try:
+        return [scenario(n) for n in dict.fromkeys(names)]
+    except KeyError as exc:
+        raise UsageError(str(exc.args[0])) from None
+
+
+def _consumer(text: str) -> Any:
+    from ..testing import conformance_consumers as adapters
+
+    name, _, arg = text.partition("=")
+    if name == "kvevents" and not arg:
+        return adapters.KVEventsConsumer()
+    if name == "dynamo":
+        from ..testing.dynamo import dynamo_unavailable_reason
+
+        if not arg and (reason := dynamo_unavailable_reason()) is not None:
+            raise RuntimeError(reason)
+        return adapters.DynamoConsumer(python=arg or None)
+    if name == "service":
+        return adapters.ServiceConsumer(url=arg or None)
+    raise UsageError(f"--consumer {text!r}: expected kvevents, dynamo[=PYTHON] or service[=URL]")
+
+
+def _list(scenarios: list[Any]) -> None:
+    for s in scenarios:
+        print(f"{s.name}\n  injects: {s.injects}\n  expects: {s.expects}")
+
+
+def _progress(result: Any) -> None:
+    print(f"{result.consumer} {result.scenario}: {result.outcome} ({result.seconds:.1f} s)",
+          file=sys.stderr, flush=True)  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..testing.conformance import format_report, run_conformance
+
+    scenarios = _scenarios(args.scenario)
+    if args.list:
+        _list(scenarios)
+        return 0
+    consumers = [_consumer(text) for text in dict.fromkeys(args.consumer or ["kvevents"])]
+    if not args.verbose:
+        # The faults are deliberate: the gap and mismatch warnings they cause are noise here.
+        logging.getLogger("kvevents").setLevel(logging.CRITICAL)
+    report = run_conformance(consumers, scenarios, deadline=args.deadline, progress=_progress)
+    versions = {c.name: getattr(c, "version", None) for c in consumers}
+    if args.json:
+        print(json.dumps({**report.to_dict(), "versions": versions}, indent=2))
+    else:
+        print(format_report(report, markdown=args.markdown, pass_reasons=args.reasons))
+        described = [f"{n} {v}" for n, v in versions.items() if v]
+        if described:
+            print(f"\nversions: {', '.join(described)}")
+    ours = [c.name for c in consumers if c.name.split()[0] in _OURS]
+    return 1 if any(report.failures(name) for name in ours) else 0
