@@ -340,3 +340,13 @@ def test_incomplete_stream_is_degraded_until_whole_again(feed: FakeFeed) -> None
         feed.items.put(StreamStatus(feed.spec("a", 0), "live"))
         wait_for(lambda: not service.router.degraded, 10.0, what="the stream to be trusted")
         assert service.query(PROMPT)["decision"]["winner"]["worker_id"] == "a"
+
+
+def test_joining_after_the_ring_moved_on_is_not_degraded(feed: FakeFeed) -> None:
+    """A hole from seq 0 hides only old stores (no phantom blocks): routing keeps trusting it."""
+    with make_service(feed) as service:
+        service.register(WorkerRegistration("a", "tcp://a:5557", BS))
+        feed.items.put(StreamStatus(feed.spec("a", 0), "incomplete", (0, 40)))
+        feed.items.put(StreamStatus(feed.spec("a", 0), "incomplete", (50, 51)))
+        wait_for(lambda: service.router.degraded, 10.0, what="the later loss to degrade")
+        assert service.router.degraded == {("a", 0): "lost seq 50..50"}

@@ -228,14 +228,17 @@ class IndexService:
     def on_status(self, status: Any) -> None:
         """A stream's state changed: an incomplete stream's matches stop being trusted.
 
-        An unrecoverable loss may have hidden removals, so the index can list blocks the
-        engine no longer holds; the router keeps the target but ignores its matched blocks
-        until the stream is whole again (a cache reset, or a restart rebuilt from replay).
+        A loss after events were applied may have hidden removals, so the index can list
+        blocks the engine no longer holds; the router keeps the target but ignores its matched
+        blocks until the stream is whole again (a cache reset, or a restart rebuilt from
+        replay). A loss that starts at sequence 0 (joining after the replay ring moved on) only
+        hides stores: the index under-matches that worker but lists nothing false, so it is
+        not degraded.
         """
         worker_id, rank = status.stream.worker_id, status.stream.rank
+        lost = status.missing
         with self.lock:
-            if status.state == "incomplete":
-                lost = status.missing
+            if status.state == "incomplete" and (lost is None or lost[0] > 0):
                 why = "events lost" if lost is None else f"lost seq {lost[0]}..{lost[1] - 1}"
                 self.router.mark_degraded(worker_id, rank, why)
             elif status.state == "live":
