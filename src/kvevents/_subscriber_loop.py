@@ -370,6 +370,15 @@ class Loop:
         stream.ticket = self.replays.request(
             spec.key, spec.replay_endpoint, gap.start, curve=spec.curve or self.options.curve
         )
+        if gap.start == 0 and stream.last_seq is None:
+            # Joining a stream that already started is routine, not a loss: no warning.
+            log.info(
+                "worker %s rank %d: joined at seq %d, replaying from 0",
+                spec.worker_id,
+                spec.rank,
+                gap.end,
+            )
+            return
         self._warn(stream, "gap", "missing seq %d..%d, replaying", gap.start, gap.end - 1)
 
     def _restart(self, stream: _Stream, restart: Restart) -> None:
