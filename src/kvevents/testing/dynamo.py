@@ -20,20 +20,17 @@ from __future__ import annotations
 
 import contextlib
 import http.client
-import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
+from ._process import IndexerProcess
 from .sockets import Deadline
 
 __all__ = [
@@ -149,13 +146,16 @@ def _free_port() -> int:
         return port
 
 
-class DynamoIndexer:
+class DynamoIndexer(IndexerProcess):
     """``python -m dynamo.indexer`` in a subprocess on a free port, with an HTTP client.
 
     ``start()`` returns once ``/health`` answers (bounded by ``startup_timeout``) and raises
     :class:`DynamoIndexerError` with the log tail if the process exits first. ``stop()`` sends
     SIGINT, then SIGKILL after ``stop_timeout``. One instance is used from one thread.
     """
+
+    error = DynamoIndexerError
+    log_name = "indexer.log"
 
     def __init__(
         self,
@@ -167,30 +167,14 @@ class DynamoIndexer:
         stop_timeout: float = 5.0,
         http_timeout: float = 10.0,
     ) -> None:
+        super().__init__(
+            startup_timeout=startup_timeout, stop_timeout=stop_timeout, http_timeout=http_timeout
+        )
         self.python = python
         self.model_name = model_name
         self.threads = threads
-        self.startup_timeout = startup_timeout
-        self.stop_timeout = stop_timeout
-        self.http_timeout = http_timeout
-        self.port = 0
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._conn: http.client.HTTPConnection | None = None
-        self._log_dir: tempfile.TemporaryDirectory[str] | None = None
 
     # ------------------------------------------------------------------ lifecycle
-
-    @property
-    def url(self) -> str:
-        """Base URL of the HTTP API."""
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def pid(self) -> int:
-        """Process id of the running indexer."""
-        if self._proc is None:
-            raise DynamoIndexerError("the indexer is not running")
-        return self._proc.pid
 
     def start(self) -> DynamoIndexer:
         """Launch the indexer and wait until its HTTP API answers."""
@@ -199,7 +183,7 @@ class DynamoIndexer:
         python = self.python or find_dynamo_python()
         if python is None:
             raise DynamoIndexerError(dynamo_unavailable_reason() or "indexer not found")
-        self._log_dir = tempfile.TemporaryDirectory(prefix="kvevents-dynamo-")
+        self._new_log_dir("kvevents-dynamo-")
         deadline = Deadline(self.startup_timeout)
         # A port picked by bind-and-close can be taken before the indexer binds it: retry.
         for _attempt in range(3):
@@ -224,7 +208,7 @@ class DynamoIndexer:
         assert self._proc is not None
         while self._proc.poll() is None:
             with contextlib.suppress(OSError, http.client.HTTPException):
-                if self._request("GET", "/health", timeout=1.0)[0] == 200:
+                if self.send("GET", "/health", timeout=1.0)[0] == 200:
                     return True
             if deadline.expired:
                 self.stop()
@@ -235,99 +219,7 @@ class DynamoIndexer:
         self._proc = None
         return False
 
-    def stop(self) -> None:
-        """Stop the process (SIGINT, then SIGKILL); idempotent."""
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
-        proc, self._proc = self._proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(self.stop_timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(self.stop_timeout)
-
-    def close(self) -> None:
-        """Stop the process and delete its log."""
-        self.stop()
-        if self._log_dir is not None:
-            self._log_dir.cleanup()
-            self._log_dir = None
-
-    def __enter__(self) -> DynamoIndexer:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
-    @property
-    def log_path(self) -> Path:
-        """Where the indexer's stdout and stderr go."""
-        assert self._log_dir is not None, "start() first"
-        return Path(self._log_dir.name) / "indexer.log"
-
-    def log_text(self) -> str:
-        """The indexer's log so far."""
-        try:
-            return self.log_path.read_text(errors="replace")
-        except (OSError, AssertionError):
-            return ""
-
-    def log_tail(self, lines: int = 20) -> str:
-        """The last lines of the log, for error messages."""
-        return "\n".join(self.log_text().splitlines()[-lines:]) or "(empty log)"
-
-    def rss_bytes(self) -> int:
-        """Resident memory of the indexer process (Linux /proc)."""
-        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-        raise DynamoIndexerError(f"no VmRSS in /proc/{self.pid}/status")
-
     # ------------------------------------------------------------------ HTTP
-
-    def _request(
-        self, method: str, path: str, body: Any = None, *, timeout: float | None = None
-    ) -> tuple[int, bytes]:
-        data = None if body is None else json.dumps(body).encode()
-        return self.send(method, path, data, timeout=timeout)
-
-    def send(
-        self, method: str, path: str, data: bytes | None = None, *, timeout: float | None = None
-    ) -> tuple[int, bytes]:
-        """One request with a pre-encoded JSON body on the kept-alive connection: (status, body).
-
-        Benchmarks time this call, so it does no JSON work of its own.
-        """
-        if self._conn is None:
-            self._conn = http.client.HTTPConnection(
-                "127.0.0.1", self.port, timeout=timeout or self.http_timeout
-            )
-        headers = {"Content-Type": "application/json"} if data is not None else {}
-        try:
-            self._conn.request(method, path, body=data, headers=headers)
-            response = self._conn.getresponse()
-            return response.status, response.read()
-        except (OSError, http.client.HTTPException):
-            self._conn.close()
-            self._conn = None
-            raise
-
-    def call(self, method: str, path: str, body: Any = None) -> Any:
-        """One HTTP call; the decoded JSON reply, or :class:`DynamoIndexerError` on >= 400."""
-        status, data = self._request(method, path, body)
-        if status >= 400:
-            text = data.decode(errors="replace")
-            raise DynamoIndexerError(f"{method} {path} -> HTTP {status}: {text}")
-        return json.loads(data) if data else None
 
     def register(
         self,

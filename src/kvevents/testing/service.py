@@ -12,19 +12,14 @@ port race and no polling. Its log (stderr) goes to a temporary file, quoted in e
 
 from __future__ import annotations
 
-import http.client
-import json
 import os
 import select
-import signal
 import subprocess
 import sys
-import tempfile
 from collections.abc import Sequence
-from pathlib import Path
-from types import TracebackType
 from typing import IO, Any
 
+from ._process import IndexerProcess
 from .sockets import Deadline
 
 __all__ = ["ServiceIndexer", "ServiceIndexerError"]
@@ -36,13 +31,16 @@ class ServiceIndexerError(RuntimeError):
     """The service could not start, died, or answered an HTTP call with an error status."""
 
 
-class ServiceIndexer:
+class ServiceIndexer(IndexerProcess):
     """``kvevents serve`` in a subprocess on a free port, with an HTTP client.
 
     ``python``: the interpreter (default: the running one). ``args``: more ``serve`` options
     (e.g. ``["--policy", "longest_prefix"]``). ``env``: extra environment variables. One
     instance is used from one thread.
     """
+
+    error = ServiceIndexerError
+    log_name = "service.log"
 
     def __init__(
         self,
@@ -54,36 +52,20 @@ class ServiceIndexer:
         stop_timeout: float = 5.0,
         http_timeout: float = 10.0,
     ) -> None:
+        super().__init__(
+            startup_timeout=startup_timeout, stop_timeout=stop_timeout, http_timeout=http_timeout
+        )
         self.python = python or sys.executable
         self.args = list(args)
         self.env = dict(env or {})
-        self.startup_timeout = startup_timeout
-        self.stop_timeout = stop_timeout
-        self.http_timeout = http_timeout
-        self.port = 0
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._conn: http.client.HTTPConnection | None = None
-        self._log_dir: tempfile.TemporaryDirectory[str] | None = None
 
     # ------------------------------------------------------------------ lifecycle
-
-    @property
-    def url(self) -> str:
-        """Base URL of the HTTP API."""
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def pid(self) -> int:
-        """Process id of the running service."""
-        if self._proc is None:
-            raise ServiceIndexerError("the service is not running")
-        return self._proc.pid
 
     def start(self) -> ServiceIndexer:
         """Launch the service; return once it accepts connections (bounded by startup_timeout)."""
         if self._proc is not None:
             return self
-        self._log_dir = tempfile.TemporaryDirectory(prefix="kvevents-service-")
+        self._new_log_dir("kvevents-service-")
         command = [self.python, "-m", "kvevents.cli", "serve", "--host", "127.0.0.1"]
         command += ["--port", "0", *self.args]
         with open(self.log_path, "ab") as log:
@@ -116,95 +98,7 @@ class ServiceIndexer:
             )
         return int(line[len(_READY_PREFIX) :].rsplit(":", 1)[1])
 
-    def stop(self) -> None:
-        """Stop the process (SIGINT, then SIGKILL after stop_timeout); idempotent."""
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
-        proc, self._proc = self._proc, None
-        if proc is None:
-            return
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(self.stop_timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(self.stop_timeout)
-        if proc.stdout is not None:
-            proc.stdout.close()
-
-    def close(self) -> None:
-        """Stop the process and delete its log."""
-        self.stop()
-        if self._log_dir is not None:
-            self._log_dir.cleanup()
-            self._log_dir = None
-
-    def __enter__(self) -> ServiceIndexer:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
-    @property
-    def log_path(self) -> Path:
-        """Where the service's stderr goes."""
-        assert self._log_dir is not None, "start() first"
-        return Path(self._log_dir.name) / "service.log"
-
-    def log_text(self) -> str:
-        """The service's log so far."""
-        try:
-            return self.log_path.read_text(errors="replace")
-        except (OSError, AssertionError):
-            return ""
-
-    def log_tail(self, lines: int = 20) -> str:
-        """The last lines of the log, for error messages."""
-        return "\n".join(self.log_text().splitlines()[-lines:]) or "(empty log)"
-
-    def rss_bytes(self) -> int:
-        """Resident memory of the service process (Linux /proc)."""
-        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-        raise ServiceIndexerError(f"no VmRSS in /proc/{self.pid}/status")
-
     # ------------------------------------------------------------------ HTTP
-
-    def send(self, method: str, path: str, data: bytes | None = None) -> tuple[int, bytes]:
-        """One request with a pre-encoded JSON body on the kept-alive connection: (status, body).
-
-        Benchmarks time this call, so it does no JSON work of its own.
-        """
-        if self._conn is None:
-            self._conn = http.client.HTTPConnection(
-                "127.0.0.1", self.port, timeout=self.http_timeout
-            )
-        headers = {"Content-Type": "application/json"} if data is not None else {}
-        try:
-            self._conn.request(method, path, body=data, headers=headers)
-            response = self._conn.getresponse()
-            return response.status, response.read()
-        except (OSError, http.client.HTTPException):
-            self._conn.close()
-            self._conn = None
-            raise
-
-    def call(self, method: str, path: str, body: Any = None) -> Any:
-        """One HTTP call; the decoded JSON reply, or :class:`ServiceIndexerError` on >= 400."""
-        data = None if body is None else json.dumps(body).encode()
-        status, reply = self.send(method, path, data)
-        if status >= 400:
-            text = reply.decode(errors="replace")
-            raise ServiceIndexerError(f"{method} {path} -> HTTP {status}: {text}")
-        return json.loads(reply) if reply else None
 
     def register(
         self,
