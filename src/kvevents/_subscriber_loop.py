@@ -26,6 +26,7 @@ from .events import AllBlocksCleared
 from .replay_client import ReplayBatch, ReplayClient, ReplayEvent
 from .security import apply_client
 from .streams import (
+    STREAM_COUNTERS,
     Delivery,
     Item,
     StreamKey,
@@ -129,22 +130,6 @@ class _Stream:
 
     def add(self, name: str, amount: int = 1) -> None:
         self.counts[name] = self.counts.get(name, 0) + amount
-
-
-_COUNTERS = (
-    "received",
-    "delivered",
-    "duplicates",
-    "gaps",
-    "replays",
-    "replayed",
-    "unrecoverable",
-    "missing",
-    "restarts",
-    "decode_errors",
-    "skipped_events",
-    "events",
-)
 
 
 class Loop:
@@ -266,7 +251,7 @@ class Loop:
             max_buffered=self.options.max_buffered,
             window=self.options.duplicate_window,
         )
-        stream = _Stream(spec, cursor, sub, counts=dict.fromkeys(_COUNTERS, 0))
+        stream = _Stream(spec, cursor, sub, counts=dict.fromkeys(STREAM_COUNTERS, 0))
         self.streams[spec.key] = stream
         self._by_socket[sub] = stream
         self.poller.register(sub, zmq.POLLIN)

@@ -21,6 +21,7 @@ if TYPE_CHECKING:  # records only: importing them here must not load zmq
     from .security import CurveClient
 
 __all__ = [
+    "STREAM_COUNTERS",
     "ReplayOptions",
     "Delivery",
     "Item",
@@ -176,6 +177,23 @@ class StreamStatus:
 
 
 Item: TypeAlias = Delivery | StreamReset | StreamStatus
+
+
+#: The running counters of a stream; :class:`SubscriberStats` holds their sums.
+STREAM_COUNTERS = (
+    "received",
+    "delivered",
+    "duplicates",
+    "gaps",
+    "replays",
+    "replayed",
+    "unrecoverable",
+    "missing",
+    "restarts",
+    "decode_errors",
+    "skipped_events",
+    "events",
+)
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from types import TracebackType
 from ._subscriber_loop import Loop, Outbox
 from .errors import SubscriberClosed
 from .streams import (
+    STREAM_COUNTERS,
     Delivery,
     Item,
     StreamKey,
@@ -191,25 +192,12 @@ class Subscriber:
         per_stream = list(self.stream_stats().values())
         lags = [s.lag for s in per_stream if s.lag is not None]
 
-        def total(name: str) -> int:
-            return sum(getattr(s, name) for s in per_stream)
-
+        totals = {name: sum(getattr(s, name) for s in per_stream) for name in STREAM_COUNTERS}
         loop = self._loop
         return SubscriberStats(
             streams=len(per_stream),
             incomplete=sum(1 for s in per_stream if s.state == "incomplete"),
-            received=total("received"),
-            delivered=total("delivered"),
-            duplicates=total("duplicates"),
-            gaps=total("gaps"),
-            replays=total("replays"),
-            replayed=total("replayed"),
-            unrecoverable=total("unrecoverable"),
-            missing=total("missing"),
-            restarts=total("restarts"),
-            decode_errors=total("decode_errors"),
-            skipped_events=total("skipped_events"),
-            events=total("events"),
+            **totals,
             queued=len(self._outbox),
             callback_errors=0 if loop is None else loop.callback_errors,
             max_lag=max(lags) if lags else None,
