@@ -101,7 +101,8 @@ def test_dropped_live_messages_are_replayed_in_order(pubs, subs) -> None:
     settle(got, pub)
     assert got.matches(pub, KEY)
     stats = sub.stream_stats()[KEY]
-    assert stats.gaps >= 2 and stats.replayed >= 5
+    # One replay may cover several holes when it is served after the later drops happened.
+    assert stats.gaps >= 1 and stats.replayed >= 5
     assert stats.unrecoverable == 0 and stats.state == "live"
 
 
@@ -183,9 +184,11 @@ def test_replay_starting_later_than_asked_reports_the_trimmed_range(pubs, subs) 
     sub = subs([spec_for(pub)], status_items=True)
     got = connected(pub, sub)
     base = pub.next_seq
-    publish(pub, 10, drop={2, 3, 4, 5})
+    # The ring moves on before any later batch can reveal the hole, so no replay can win
+    # the race against the trim.
+    publish(pub, 6, drop={2, 3, 4, 5})
     pub.forget_before(base + 4)
-    publish(pub, 3)
+    publish(pub, 7)
     settle(got, pub)
     assert [s.missing for s in got.statuses if s.missing] == [(base + 2, base + 4)]
     expected = [seq for seq, _ in pub.published if not base + 2 <= seq < base + 4]
