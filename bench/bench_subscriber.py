@@ -13,6 +13,7 @@ import os
 import select
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -126,6 +127,40 @@ def subscriber_rate(publishers: int) -> float:
         _stop(procs)
 
 
+def callback_rate(publishers: int) -> float:
+    """Batches/s delivered to a callback on the I/O thread (how the index service consumes)."""
+    per = TOTAL // publishers
+    spawned = [_spawn("send", str(per)) for _ in range(publishers)]
+    procs = [p for p, _ in spawned]
+    specs = [StreamSpec(f"w{i}", 0, out[0]) for i, (_, out) in enumerate(spawned)]
+    seen: set[str] = set()
+    counted = [0]
+    ready, done = threading.Event(), threading.Event()
+
+    def consume(item: object) -> None:
+        if not isinstance(item, Delivery):
+            return
+        if not ready.is_set():
+            seen.add(item.stream.worker_id)
+            if len(seen) == publishers:
+                ready.set()
+        elif item.batch.events:
+            counted[0] += 1
+            if counted[0] == per * publishers:
+                done.set()
+
+    try:
+        with Subscriber(specs, options=SubscriberOptions(callback=consume)):
+            if not ready.wait(30):
+                raise RuntimeError("publishers not seen by the callback subscriber")
+            start = _go(procs)
+            if not done.wait(60):
+                raise RuntimeError(f"callback subscriber stalled at {counted[0]} batches")
+            return counted[0] / (time.perf_counter() - start)
+    finally:
+        _stop(procs)
+
+
 def raw_rate() -> float:
     """Batches/s of a bare SUB receive loop with a typed msgspec decode (baseline)."""
     proc, out = _spawn("send", str(TOTAL))
@@ -190,6 +225,18 @@ def run() -> list[Row]:
                     baseline_name="raw SUB + msgspec, 1 publisher",
                 )
             )
+    rate = callback_rate(1)
+    rows.append(
+        Row(
+            SECTION,
+            "1 publisher process, callback on the I/O thread",
+            "batches/s",
+            rate,
+            "batches/s",
+            baseline=baseline,
+            baseline_name="raw SUB + msgspec, 1 publisher",
+        )
+    )
     rows.append(
         Row(SECTION, f"replay of {REPLAY:,} batches", "catch-up", replay_rate(), "batches/s")
     )
