@@ -44,13 +44,9 @@ def _array_event(event: Event) -> list[Any]:
 
 
 def _digests(prompt: Prompt) -> list[bytes]:
-    """32-byte SHA-256 chain digests; their last 8 bytes are the prompt's (vLLM-style) hashes."""
-    out, parent = [], b""
-    for i in range(prompt.blocks):
-        block = prompt.tokens[i * prompt.block_size : (i + 1) * prompt.block_size]
-        parent = hashlib.sha256(parent + b"".join(t.to_bytes(4, "little") for t in block)).digest()
-        out.append(parent)
-    return out
+    """32-byte digests as vLLM sends them with integer hashes off: their last 8 bytes are the
+    prompt's (vLLM-style) engine hashes, the bytes before them filler."""
+    return [hashlib.sha256(b"%d" % h).digest()[:24] + h.to_bytes(8, "big") for h in prompt.hashes]
 
 
 def bytes_hash_payload(

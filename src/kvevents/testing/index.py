@@ -2,20 +2,20 @@
 
 Engines chain their block hashes (a block's hash covers its parent's), and so must test data,
 or parents and removals would not resolve as they do in production. :func:`engine_hashes`
-stands in for an engine's own scheme: SHA-256 over the parent hash and the block's tokens,
-read as vLLM does (last 8 bytes, unsigned) or as SGLang and TensorRT-LLM do (first 8 bytes,
-signed). It is deliberately not :mod:`kvevents.tokenhash`, so tests prove that the index does
-not depend on engine hashes matching its own.
+stands in for an engine's own scheme (:mod:`kvevents.hashing`, the simulated engines' hash:
+SHA-256 chained over parent and tokens, read as vLLM does or as SGLang and TensorRT-LLM do).
+It is deliberately not :mod:`kvevents.tokenhash`, so tests prove that the index does not
+depend on engine hashes matching its own.
 """
 
 from __future__ import annotations
 
-import hashlib
 import random
 from collections.abc import Sequence
 from typing import Literal
 
 from ..events import AllBlocksCleared, BlockRemoved, BlockStored, Event, KVEventBatch
+from ..hashing import chain_hashes
 
 __all__ = [
     "HashStyle",
@@ -33,19 +33,11 @@ HashStyle = Literal["vllm", "sglang"]
 def engine_hashes(
     token_ids: Sequence[int], block_size: int, *, style: HashStyle = "vllm", salt: bytes = b""
 ) -> list[int]:
-    """An engine-like chained hash for every full block of ``token_ids`` (from token 0)."""
-    out: list[int] = []
-    parent = salt
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        block = token_ids[start : start + block_size]
-        digest = hashlib.sha256(parent + b"".join(t.to_bytes(4, "little") for t in block))
-        raw = digest.digest()
-        if style == "vllm":
-            out.append(int.from_bytes(raw[-8:], "big"))
-        else:
-            out.append(int.from_bytes(raw[:8], "big", signed=True))
-        parent = raw
-    return out
+    """An engine-like chained hash for every full block of ``token_ids`` (from token 0):
+    :func:`kvevents.hashing.chain_hashes` in vLLM's (unsigned) or SGLang's (signed) style."""
+    return chain_hashes(
+        token_ids, block_size, salt=salt, style="unsigned" if style == "vllm" else "signed"
+    )
 
 
 def store_event(
