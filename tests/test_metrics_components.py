@@ -25,13 +25,34 @@ def _samples(collector: Any) -> dict[str, list[tuple[dict[str, str], float]]]:
 
 
 def _stream(worker: str, rank: int, delivered: int) -> StreamStats:
-    return StreamStats(worker, rank, "live", delivered, delivered, 0, 1, 1, 0, 0, 0, 0, 0, 0,
-                       delivered, delivered - 1, None)  # fmt: skip
+    return StreamStats(
+        worker_id=worker,
+        rank=rank,
+        state="live",
+        received=delivered,
+        delivered=delivered,
+        gaps=1,
+        replays=1,
+        events=delivered,
+        last_seq=delivered - 1,
+        lag=None,
+    )
 
 
 class FakeSubscriber:
     def stats(self) -> SubscriberStats:
-        return SubscriberStats(2, 0, 7, 7, 0, 2, 2, 0, 0, 0, 0, 0, 0, 7, 0, 0, None)
+        return SubscriberStats(
+            streams=2,
+            incomplete=0,
+            received=7,
+            delivered=7,
+            gaps=2,
+            replays=2,
+            events=7,
+            queued=0,
+            callback_errors=0,
+            max_lag=None,
+        )
 
     def stream_stats(self) -> dict[tuple[str, int], StreamStats]:
         return {("b", 1): _stream("b", 1, 4), ("a", 0): _stream("a", 0, 3)}

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, ClassVar, TypeAlias
 
 from .endpoints import parse_endpoint, rank_endpoint
@@ -22,6 +22,7 @@ if TYPE_CHECKING:  # records only: importing them here must not load zmq
 
 __all__ = [
     "STREAM_COUNTERS",
+    "StreamCounters",
     "ReplayOptions",
     "Delivery",
     "Item",
@@ -179,26 +180,9 @@ class StreamStatus:
 Item: TypeAlias = Delivery | StreamReset | StreamStatus
 
 
-#: The running counters of a stream; :class:`SubscriberStats` holds their sums.
-STREAM_COUNTERS = (
-    "received",
-    "delivered",
-    "duplicates",
-    "gaps",
-    "replays",
-    "replayed",
-    "unrecoverable",
-    "missing",
-    "restarts",
-    "decode_errors",
-    "skipped_events",
-    "events",
-)
-
-
-@dataclass(frozen=True)
-class StreamStats:
-    """Counters of one stream since it was added.
+@dataclass(frozen=True, kw_only=True)
+class StreamCounters:
+    """The running counters of a stream; :class:`SubscriberStats` holds their sums.
 
     ``received``: live messages read. ``delivered``: batches handed out (live or replayed).
     ``duplicates``: repeated batches ignored. ``gaps``: holes found, a late join included.
@@ -206,8 +190,34 @@ class StreamStats:
     ``unrecoverable``: holes that could not be filled; ``missing``: batches in them.
     ``restarts``: publisher restarts seen. ``decode_errors``: messages that could not be
     read at all. ``skipped_events``: events skipped inside otherwise good batches.
-    ``lag``: seconds from the ``ts`` of the last delivered batch to now (None before one).
-    ``state``: ``"new"``, ``"live"``, ``"replaying"`` or ``"incomplete"``.
+    ``events``: events delivered.
+    """
+
+    received: int = 0
+    delivered: int = 0
+    duplicates: int = 0
+    gaps: int = 0
+    replays: int = 0
+    replayed: int = 0
+    unrecoverable: int = 0
+    missing: int = 0
+    restarts: int = 0
+    decode_errors: int = 0
+    skipped_events: int = 0
+    events: int = 0
+
+
+#: The names of :class:`StreamCounters`, in order.
+STREAM_COUNTERS = tuple(f.name for f in fields(StreamCounters))
+
+
+@dataclass(frozen=True, kw_only=True)
+class StreamStats(StreamCounters):
+    """One stream since it was added: its counters, plus where it stands.
+
+    ``state``: ``"new"``, ``"live"``, ``"replaying"`` or ``"incomplete"``. ``last_seq``: the
+    last delivered sequence. ``lag``: seconds from the ``ts`` of the last delivered batch to
+    now (None before one).
     """
 
     #: Fields that are levels (Prometheus gauges); every other number only grows.
@@ -216,29 +226,17 @@ class StreamStats:
     worker_id: str
     rank: int
     state: str
-    received: int
-    delivered: int
-    duplicates: int
-    gaps: int
-    replays: int
-    replayed: int
-    unrecoverable: int
-    missing: int
-    restarts: int
-    decode_errors: int
-    skipped_events: int
-    events: int
     last_seq: int | None
     lag: float | None
 
 
-@dataclass(frozen=True)
-class SubscriberStats:
+@dataclass(frozen=True, kw_only=True)
+class SubscriberStats(StreamCounters):
     """Totals over every stream, plus what belongs to the subscriber itself.
 
     ``streams``: streams read now; ``incomplete``: how many are incomplete; ``queued``: items
     waiting for the consumer; ``callback_errors``: exceptions raised by callbacks; ``max_lag``:
-    the largest stream lag. The other fields sum :class:`StreamStats` over current streams.
+    the largest stream lag. The counters sum :class:`StreamStats` over current streams.
     """
 
     #: Fields that are levels (Prometheus gauges); every other number only grows.
@@ -246,18 +244,6 @@ class SubscriberStats:
 
     streams: int
     incomplete: int
-    received: int
-    delivered: int
-    duplicates: int
-    gaps: int
-    replays: int
-    replayed: int
-    unrecoverable: int
-    missing: int
-    restarts: int
-    decode_errors: int
-    skipped_events: int
-    events: int
     queued: int
     callback_errors: int
     max_lag: float | None
