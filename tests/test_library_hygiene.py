@@ -5,6 +5,8 @@ from __future__ import annotations
 import ast
 import importlib
 import pkgutil
+import subprocess
+import sys
 from pathlib import Path
 
 import kvevents
@@ -84,3 +86,29 @@ def test_loggers_live_under_kvevents() -> None:
                 names.append(arg.value if isinstance(arg, ast.Constant) else "<dynamic>")
     assert names, "no logger found: the scan is broken"
     assert all(isinstance(n, str) and n.startswith("kvevents.") for n in names), names
+
+
+def test_commands_without_their_extra_say_what_to_install() -> None:
+    """With only the core installed, the CLI still starts and names the missing extra."""
+    code = (
+        "import sys; sys.modules['xxhash'] = None; from kvevents.cli import main; "
+        "sys.exit(main(sys.argv[1:]))"
+    )
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=60
+        )
+
+    assert cli("listen", "--help").returncode == 0
+    assert "kvevents[index]" in cli("--help").stdout
+    result = cli("simulate", "--limit", "5")
+    assert result.returncode == 1
+    assert result.stderr.strip() == (
+        "kvevents simulate: error: needs the optional package 'xxhash': "
+        "pip install 'kvevents[index]'"
+    )
+    # A command that parses without the extra but needs it to run says the same.
+    served = cli("serve", "--port", "0")
+    assert served.returncode == 1
+    assert "pip install 'kvevents[index]'" in served.stderr

@@ -12,7 +12,7 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from ..errors import KVEventsError
 from .common import UsageError
@@ -31,6 +31,18 @@ COMMANDS = (
     "bench",
     "demo",
 )
+
+
+# Optional packages by the extra that installs them (the core needs only pyzmq, msgspec and
+# pydantic): a command whose extra is missing still shows up, and says what to install.
+EXTRAS = {
+    "xxhash": "index",
+    "starlette": "service",
+    "uvicorn": "service",
+    "httptools": "service",
+    "prometheus_client": "metrics",
+    "rich": "cli",
+}
 
 
 class Parser(argparse.ArgumentParser):
@@ -54,12 +66,34 @@ def build_parser() -> Parser:
     for name in COMMANDS:
         try:
             module = importlib.import_module(f"kvevents.cli.{name}")
+            module.add_parser(sub)
         except ModuleNotFoundError as exc:
-            if exc.name != f"kvevents.cli.{name}":
+            missing = (exc.name or "").split(".")[0]
+            if missing not in EXTRAS:
                 raise
-            continue
-        module.add_parser(sub)
+            _add_unavailable(sub, name, missing)
     return parser
+
+
+def _add_unavailable(sub: Any, name: str, missing: str) -> None:
+    """A stand-in for a command whose optional dependency is not installed."""
+    extra = EXTRAS[missing]
+    why = f"needs the optional package {missing!r}: pip install 'kvevents[{extra}]'"
+    # No option prefix: whatever follows (even --help) lands in "rest", and run() explains.
+    p = sub.add_parser(
+        name,
+        help=f"(not installed: kvevents[{extra}])",
+        description=why,
+        prefix_chars="\0",
+        add_help=False,
+    )
+    p.add_argument("rest", nargs="*")
+
+    def run(args: argparse.Namespace) -> int:
+        print(f"kvevents {name}: error: {why}", file=sys.stderr)
+        return 1
+
+    p.set_defaults(run=run)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -79,6 +113,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         # The reader went away (e.g. `| head`): not an error; keep Python from complaining.
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115
         return 0
+    except ModuleNotFoundError as exc:
+        missing = (exc.name or "").split(".")[0]
+        if missing not in EXTRAS:
+            raise
+        print(
+            f"kvevents {args.command}: error: needs the optional package {missing!r}: "
+            f"pip install 'kvevents[{EXTRAS[missing]}]'",
+            file=sys.stderr,
+        )
+        return 1
     except (KVEventsError, ValueError, OSError, RuntimeError) as exc:
         print(f"kvevents {args.command}: error: {exc}", file=sys.stderr)
         return 1
