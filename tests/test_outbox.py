@@ -51,3 +51,23 @@ def test_put_many_after_close_is_refused() -> None:
     producer.join(5.0)
     assert result == [False]
     assert box.get(0) == (True, 1)  # what went in before the close is still drained
+
+
+def test_a_burst_larger_than_the_box_wakes_an_event_loop_consumer() -> None:
+    """A listener-woken (asyncio-style) consumer is woken while the producer waits for room."""
+    box: Outbox[int] = Outbox(maxsize=2)
+    woken = threading.Event()
+    box.listener = woken.set
+    producer = threading.Thread(target=lambda: box.put_many(list(range(6))), daemon=True)
+    producer.start()
+    got: list[int] = []
+    try:
+        while len(got) < 6:
+            assert woken.wait(5.0), "the consumer was never woken: the burst would deadlock"
+            woken.clear()
+            while (item := box.get(0))[0]:
+                got.append(item[1])  # type: ignore[arg-type]
+    finally:
+        box.close()  # releases a producer stuck on a full box
+        producer.join(5.0)
+    assert got == list(range(6))

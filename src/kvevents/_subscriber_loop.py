@@ -93,7 +93,9 @@ class Outbox(Generic[T]):
             was_empty = not self._items
             for item in items:
                 while len(self._items) >= self._maxsize and not self.closed:
-                    self._not_empty.notify()
+                    # Full: whoever consumes must be awake now, not after the whole burst
+                    # (an asyncio consumer only wakes through the listener).
+                    self._wake_consumers()
                     self._not_full.wait()
                 if self.closed:
                     return False
@@ -102,6 +104,11 @@ class Outbox(Generic[T]):
         if was_empty and self.listener is not None:
             self.listener()
         return True
+
+    def _wake_consumers(self) -> None:
+        self._not_empty.notify()
+        if self.listener is not None:
+            self.listener()  # thread-safe and non-blocking (it schedules on the event loop)
 
     def get(self, timeout: float | None) -> tuple[bool, T | None]:
         """``(True, item)``, or ``(False, None)`` on timeout or when closed and empty."""
