@@ -660,8 +660,12 @@ class PrefixIndex:
 
     def match(self, token_ids: Sequence[int], *, lora: str | int | None = None) -> MatchResult:
         """Longest cached prefix of ``token_ids`` per holder and per (worker, rank)."""
+        return self.match_packed(pack_tokens(token_ids), lora=lora)
+
+    def match_packed(self, packed: bytes, *, lora: str | int | None = None) -> MatchResult:
+        """:meth:`match` for tokens already packed as uint32 little-endian bytes
+        (:func:`kvevents.tokenhash.pack_tokens`), e.g. straight from a request body."""
         sizes = self._block_sizes()
-        packed = pack_tokens(token_ids)
         seed = root_seed(lora)
         holders: dict[HolderKey, int] = {}
         streams: dict[tuple[str, int], int] = {}
@@ -670,7 +674,7 @@ class PrefixIndex:
             hashes = chain_hashes(packed, size, seed)
             request_blocks[size] = len(hashes)
             self._walk(hashes, mask, holders, streams)
-        return MatchResult(len(token_ids), request_blocks, holders, streams)
+        return MatchResult(len(packed) // 4, request_blocks, holders, streams)
 
     def match_hashes(self, hashes: Sequence[int], *, block_size: int | None = None) -> MatchResult:
         """Like :meth:`match` with precomputed block hashes (:func:`tokenhash.block_hashes`).
