@@ -33,11 +33,11 @@ def gpu(worker: str, rank: int = 0) -> HolderKey:
 
 
 def assert_empty(index: PrefixIndex) -> None:
-    assert index._blocks == {}
+    assert all(len(page) == 0 for page in index._pages)
     for stream in index._streams.values():
         assert stream.waiting == {} and stream.orphan_blocks == {} and stream.orphans_held == 0
         for holder in stream.holders.values():
-            assert holder.engine == {} and holder.dups == {} and holder.shared == {}
+            assert len(holder.engine) == 0 and holder.dups == {} and holder.shared == {}
 
 
 def test_longest_prefix_per_worker() -> None:
@@ -150,7 +150,8 @@ def test_remove_worker_leaves_nothing_behind() -> None:
     assert index.match(PROMPT).streams == {("a", 0): 6, ("b", 0): 6, ("c", 0): 6}
     for worker in ["a", "b", "c"]:
         index.remove_worker(worker)
-    assert index._blocks == {} and index._streams == {} and index._by_id == {}
+    assert all(len(page) == 0 for page in index._pages)
+    assert index._streams == {} and index._by_id == {}
     assert index.stats().entries == 0
     index.apply("d", 0, batch(store_event(PROMPT, BS)))
     assert min(h.id for s in index._streams.values() for h in s.holders.values()) == 0

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, TypeVar, overload
 
 import msgspec
 import xxhash
@@ -39,6 +39,7 @@ _U64 = 2**64
 _I64_MIN = -(2**63)
 _MASK60 = 2**60 - 1
 _MISSING: Any = object()
+_T = TypeVar("_T")
 _xxh3 = xxhash.xxh3_64_intdigest
 _msgpack_tokens = msgspec.msgpack.Decoder(list[int])
 _json_tokens = msgspec.json.Decoder(list[int])
@@ -96,9 +97,17 @@ class U64Map:
     def __iter__(self) -> Iterator[int]:
         return iter(self.keys())
 
+    @overload
+    def get(self, k: int) -> int | None: ...
+    @overload
+    def get(self, k: int, default: _T) -> int | _T: ...
     def get(self, k: int, default: Any = None) -> Any:
         return self._d.get(_key(k), default)
 
+    @overload
+    def pop(self, k: int) -> int: ...
+    @overload
+    def pop(self, k: int, default: _T) -> int | _T: ...
     def pop(self, k: int, default: Any = _MISSING) -> Any:
         if default is _MISSING:
             return self._d.pop(_key(k))
@@ -118,8 +127,8 @@ class U64Map:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the table (for the Python dict: the dict and its int objects)."""
-        return sys.getsizeof(self._d) + 72 * len(self._d)
+        """Bytes held by the table (here: the dict and its key ints; values are mostly shared)."""
+        return sys.getsizeof(self._d) + 32 * len(self._d)
 
 
 def chain_hashes(packed: bytes, block_size: int, seed: int) -> list[int]:

@@ -36,7 +36,7 @@ from .streams import (
     StreamStatus,
     SubscriberOptions,
 )
-from .wire import decode_batch, parse_live
+from .wire import parse_live
 
 log = logging.getLogger("kvevents.subscriber")
 
@@ -352,7 +352,7 @@ class Loop:
 
     def _deliver(self, stream: _Stream, action: Deliver) -> None:
         try:
-            decoded = decode_batch(action.payload, seq=action.seq)
+            decoded = self.options.decoder(action.payload, seq=action.seq)
         except DecodeError as exc:
             self._decode_failed(stream, exc)
             return

@@ -29,15 +29,19 @@ import heapq
 import logging
 import sys
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from itertools import repeat
 from operator import sub
 from typing import ClassVar, NamedTuple
 
+from . import _blocktable_py as bt
 from .events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
-from .tokenhash import ROOT_SEED, chain_hashes, pack_tokens, root_seed
+from .tokenhash import ROOT_SEED, pack_tokens, root_seed
+from .wire import PackedStored
+
+U64Map = bt.U64Map
+chain_hashes = bt.chain_hashes
 
 __all__ = [
     "DEFAULT_TIER",
@@ -54,9 +58,10 @@ log = logging.getLogger("kvevents.index")
 #: Tier of blocks whose event carries no ``medium``.
 DEFAULT_TIER = "GPU"
 
-# sys.getsizeof of a 64-bit int is 36 (pymalloc hands out 40); below 2**60 it is 32.
-_INT64_BYTES = 40
-_INT60_BYTES = 32
+# Holders are numbered; each page of 64 holder ids has its own block table whose values are
+# 64-bit masks, so the C table stores a mask inline whatever the number of holders.
+_PAGE_SHIFT = 6
+_PAGE_MASK = 63
 
 
 class HolderKey(NamedTuple):
@@ -149,21 +154,27 @@ class MatchResult:
 
 
 class _Holder:
-    __slots__ = ("bit", "dups", "engine", "id", "key", "shared")
+    __slots__ = ("bit", "dups", "engine", "id", "key", "page", "shared", "table")
 
-    def __init__(self, key: HolderKey, hid: int) -> None:
+    def __init__(self, key: HolderKey, hid: int, table: bt.U64Map) -> None:
         self.key = key
         self.id = hid
-        self.bit = 1 << hid
-        self.engine: dict[int, int] = {}
+        self.page = hid >> _PAGE_SHIFT
+        self.bit = 1 << (hid & _PAGE_MASK)
+        self.table = table  # the block table of this holder's page
+        self.engine = U64Map()
         self.dups: dict[int, int] = {}
         self.shared: dict[int, int] = {}
+
+
+_Stored = BlockStored | PackedStored
+_STORED_TYPES = (PackedStored, BlockStored)
 
 
 class _Orphan:
     __slots__ = ("alive", "event", "packed", "removed")
 
-    def __init__(self, event: BlockStored, packed: bytes) -> None:
+    def __init__(self, event: _Stored, packed: bytes) -> None:
         self.event = event
         self.packed = packed
         self.removed: set[int] = set()
@@ -180,7 +191,7 @@ class _Stream:
         "key",
         "last_log",
         "last_ts",
-        "mask",
+        "masks",
         "mismatches",
         "orphan_blocks",
         "orphan_queue",
@@ -197,15 +208,15 @@ class _Stream:
         self.registered = registered
         self.holders: dict[str, _Holder] = {}
         self.by_medium: dict[str | None, _Holder] = {}
-        self.mask = 0
+        self.masks: dict[int, int] = {}  # page -> bits of this stream's holders
         self.waiting: dict[int, list[_Orphan]] = {}
         self.orphan_blocks: dict[int, _Orphan] = {}
         self.orphan_queue: deque[_Orphan] = deque()
         self.orphans_held = 0
         # Engine hash -> our hash of recently removed blocks, in two generations so that
         # trimming is O(1): a child stored just after its parent was evicted still resolves.
-        self.tombs: dict[int, int] = {}
-        self.tombs_old: dict[int, int] = {}
+        self.tombs = U64Map()
+        self.tombs_old = U64Map()
         self.mismatches = 0
         self.bad_events = 0
         self.batches = 0
@@ -257,6 +268,16 @@ class _Counts:
         )
 
 
+def _packed_tokens(event: _Stored) -> bytes | None:
+    """The event's tokens as packed uint32 LE, None when one is not an int in range."""
+    if type(event) is PackedStored:
+        return bt.pack_msgpack_tokens(event.token_ids)
+    try:
+        return pack_tokens(event.token_ids)
+    except (OverflowError, TypeError):
+        return None
+
+
 def _tier_name(medium: str | None) -> str:
     return DEFAULT_TIER if medium is None else medium.upper()
 
@@ -295,13 +316,13 @@ class PrefixIndex:
         self._tombstones = tombstones
         self._clock = clock
         self._log_interval = log_interval
-        self._blocks: dict[int, int] = {}
+        self._pages: list[bt.U64Map] = []
         self._streams: dict[tuple[str, int], _Stream] = {}
         self._by_id: dict[int, _Holder] = {}
         self._free_ids: list[int] = []
         self._next_id = 0
         self._roots: dict[str | int, int] = {}
-        self._sizes: dict[int, int] | None = None  # block size -> mask of its holders
+        self._sizes: dict[int, dict[int, int]] | None = None  # block size -> page -> mask
         self._c = _Counts()
 
     # ----------------------------------------------------------------- workers and streams
@@ -369,27 +390,20 @@ class PrefixIndex:
         if holder is None:
             hid = heapq.heappop(self._free_ids) if self._free_ids else self._next_id
             self._next_id = max(self._next_id, hid + 1)
-            holder = _Holder(HolderKey(stream.key[0], stream.key[1], tier), hid)
+            page = hid >> _PAGE_SHIFT
+            while len(self._pages) <= page:
+                self._pages.append(U64Map())
+            holder = _Holder(HolderKey(stream.key[0], stream.key[1], tier), hid, self._pages[page])
             self._by_id[hid] = holder
             stream.holders[tier] = holder
-            stream.mask |= holder.bit
+            stream.masks[page] = stream.masks.get(page, 0) | holder.bit
             self._sizes = None
         stream.by_medium[medium] = holder
         return holder
 
     def _drop_stream_state(self, stream: _Stream) -> None:
-        blocks = self._blocks
         for holder in stream.holders.values():
-            bit = holder.bit
-            for ours in holder.engine.values():
-                mask = blocks.get(ours)
-                if mask is not None and mask & bit:
-                    mask ^= bit
-                    if mask:
-                        blocks[ours] = mask
-                    else:
-                        del blocks[ours]
-            holder.engine = {}
+            bt.drop_holder(holder.table, holder.engine, holder.bit)
             holder.dups = {}
             holder.shared = {}
         self._c.dropped += stream.orphans_held
@@ -397,8 +411,8 @@ class PrefixIndex:
         stream.orphan_blocks = {}
         stream.orphan_queue = deque()
         stream.orphans_held = 0
-        stream.tombs = {}
-        stream.tombs_old = {}
+        stream.tombs = U64Map()
+        stream.tombs_old = U64Map()
 
     # ----------------------------------------------------------------- applying events
 
@@ -408,7 +422,7 @@ class PrefixIndex:
         before = self._c.snapshot()
         for event in batch.events:
             kind = type(event)
-            if kind is BlockStored:
+            if kind in _STORED_TYPES:
                 self._store(stream, event)  # type: ignore[arg-type]
             elif kind is BlockRemoved:
                 self._remove(stream, event)  # type: ignore[arg-type]
@@ -419,7 +433,7 @@ class PrefixIndex:
         stream.last_ts = batch.ts
         return ApplyResult._make(map(sub, self._c.snapshot(), before))
 
-    def _store(self, stream: _Stream, event: BlockStored) -> None:
+    def _store(self, stream: _Stream, event: _Stored) -> None:
         size = stream.block_size
         if event.block_size != size:
             if size is not None:
@@ -433,28 +447,30 @@ class PrefixIndex:
         hashes = event.block_hashes
         if not hashes:
             return
-        if len(event.token_ids) != size * len(hashes):
+        packed = _packed_tokens(event)
+        if packed is None:
+            self._bad(stream, event, "token_ids is not an array of ints in 0..2**32-1")
+            return
+        if len(packed) != 4 * size * len(hashes):
             self._bad(stream, event, "token_ids length is not block_size * len(block_hashes)")
             return
         holder = stream.by_medium.get(event.medium) or self._holder(stream, event.medium)
         parent = event.parent_block_hash
         if parent is None:
-            seed: int | None = self._root(event)
+            seed = self._root(event)
         else:  # the parent is most often on the same tier: look there first
-            seed = holder.engine.get(parent) or stream.resolve(parent)
-            if seed is None:
-                self._hold_orphan(stream, event)
-                return
-        try:
-            packed = pack_tokens(event.token_ids)
-        except (OverflowError, TypeError):
-            self._bad(stream, event, "token id outside 0..2**32-1")
-            return
-        self._add(holder, hashes, chain_hashes(packed, size, seed))  # type: ignore[arg-type]
+            found = holder.engine.get(parent)
+            if found is None:
+                found = stream.resolve(parent)
+                if found is None:
+                    self._hold_orphan(stream, event, packed)
+                    return
+            seed = found
+        self._add(holder, hashes, chain_hashes(packed, size, seed))
         if stream.waiting:
             self._place_waiting(stream, hashes)
 
-    def _root(self, event: BlockStored) -> int:
+    def _root(self, event: _Stored) -> int:
         lora = event.lora_name if event.lora_name is not None else event.lora_id
         if lora is None:
             return ROOT_SEED
@@ -465,38 +481,33 @@ class PrefixIndex:
 
     def _add(self, holder: _Holder, hashes: Sequence[int], ours: Sequence[int]) -> None:
         self._c.stored += len(hashes)
-        engine = holder.engine
-        before = len(engine)
-        # Fast path, C-level loops: none of these engine hashes is held by this holder yet.
-        if engine.keys().isdisjoint(hashes):
-            engine.update(zip(hashes, ours, strict=True))
-            if len(engine) == before + len(hashes):
-                self._mark(holder, ours)
-                return
-            for eh in hashes:  # the event repeats an engine hash: undo, go block by block
-                engine.pop(eh, None)
-        self._add_each(holder, hashes, ours)
+        # Fast path, one C call: none of these engine hashes is held by this holder yet.
+        shared = bt.store_chain(holder.table, holder.engine, holder.bit, hashes, ours)
+        if shared is None:
+            self._add_each(holder, hashes, ours)
+        elif shared:
+            self._share(holder, shared)
+
+    @staticmethod
+    def _share(holder: _Holder, shared: Iterable[int]) -> None:
+        # The holder already has these tokens under another engine hash: count the extra.
+        counts = holder.shared
+        for oh in shared:
+            counts[oh] = counts.get(oh, 0) + 1
 
     def _mark(self, holder: _Holder, ours: Sequence[int]) -> None:
-        blocks = self._blocks
-        if blocks.keys().isdisjoint(ours):
-            before = len(blocks)
-            blocks.update(zip(ours, repeat(holder.bit)))
-            if len(blocks) == before + len(ours):
-                return
-            for oh, count in Counter(ours).items():  # tokens repeat within the event
-                if count > 1:
-                    holder.shared[oh] = holder.shared.get(oh, 0) + count - 1
-            return
+        blocks = holder.table
         bit = holder.bit
+        shared = []
         for oh in ours:
             mask = blocks.get(oh)
             if mask is None:
                 blocks[oh] = bit
             elif mask & bit:
-                holder.shared[oh] = holder.shared.get(oh, 0) + 1
+                shared.append(oh)
             else:
                 blocks[oh] = mask | bit
+        self._share(holder, shared)
 
     def _add_each(self, holder: _Holder, hashes: Sequence[int], ours: Sequence[int]) -> None:
         engine = holder.engine
@@ -522,11 +533,18 @@ class PrefixIndex:
                 self._remove_unknown(stream, eh)
             self._c.removed += len(hashes) - (self._c.unknown - unknown_before)
             return
-        blocks = self._blocks
         engine = holder.engine
         bit = holder.bit
         tombs = stream.tombs
         unknown_before = self._c.unknown
+        if not holder.dups and not holder.shared:  # no reference counts: one C call
+            for eh in bt.remove_blocks(holder.table, engine, tombs, bit, hashes):
+                self._remove_unknown(stream, eh)
+            self._c.removed += len(hashes) - (self._c.unknown - unknown_before)
+            if len(tombs) > self._tombstones:
+                stream.tombs_old, stream.tombs = tombs, U64Map()
+            return
+        blocks = holder.table
         for eh in hashes:
             oh = engine.pop(eh, None)
             if oh is None:
@@ -545,7 +563,7 @@ class PrefixIndex:
                 del blocks[oh]
         self._c.removed += len(hashes) - (self._c.unknown - unknown_before)
         if len(tombs) > self._tombstones:
-            stream.tombs_old, stream.tombs = tombs, {}
+            stream.tombs_old, stream.tombs = tombs, U64Map()
 
     @staticmethod
     def _unref(counts: dict[int, int], key: int) -> bool:
@@ -565,12 +583,12 @@ class PrefixIndex:
             return
         self._c.unknown += 1
 
-    def _bad(self, stream: _Stream, event: BlockStored, reason: str) -> None:
+    def _bad(self, stream: _Stream, event: _Stored, reason: str) -> None:
         stream.bad_events += 1
         self._c.bad_events += 1
         log.debug("worker %s rank %d: store skipped: %s", stream.key[0], stream.key[1], reason)
 
-    def _mismatch(self, stream: _Stream, event: BlockStored) -> None:
+    def _mismatch(self, stream: _Stream, event: _Stored) -> None:
         stream.mismatches += 1
         self._c.mismatches += 1
         now = self._clock()
@@ -590,13 +608,9 @@ class PrefixIndex:
 
     # ----------------------------------------------------------------- orphans
 
-    def _hold_orphan(self, stream: _Stream, event: BlockStored) -> None:
+    def _hold_orphan(self, stream: _Stream, event: _Stored, packed: bytes) -> None:
         assert event.parent_block_hash is not None
-        try:
-            orphan = _Orphan(event, pack_tokens(event.token_ids))
-        except (OverflowError, TypeError):
-            self._bad(stream, event, "token id outside 0..2**32-1")
-            return
+        orphan = _Orphan(event, packed)
         stream.waiting.setdefault(event.parent_block_hash, []).append(orphan)
         for eh in event.block_hashes:
             stream.orphan_blocks[eh] = orphan
@@ -670,10 +684,10 @@ class PrefixIndex:
         holders: dict[HolderKey, int] = {}
         streams: dict[tuple[str, int], int] = {}
         request_blocks: dict[int, int] = {}
-        for size, mask in sizes.items():
+        for size, masks in sizes.items():
             hashes = chain_hashes(packed, size, seed)
             request_blocks[size] = len(hashes)
-            self._walk(hashes, mask, holders, streams)
+            self._walk(hashes, masks, holders, streams)
         return MatchResult(len(packed) // 4, request_blocks, holders, streams)
 
     def match_hashes(self, hashes: Sequence[int], *, block_size: int | None = None) -> MatchResult:
@@ -694,41 +708,36 @@ class PrefixIndex:
             self._walk(hashes, sizes[size], holders, streams)
         return MatchResult(len(hashes) * size, {size: len(hashes)}, holders, streams)
 
-    def _block_sizes(self) -> dict[int, int]:
+    def _block_sizes(self) -> dict[int, dict[int, int]]:
         if self._sizes is not None:
             return self._sizes
-        sizes: dict[int, int] = {}
+        sizes: dict[int, dict[int, int]] = {}
         for stream in self._streams.values():
             if stream.block_size is not None:
-                sizes[stream.block_size] = sizes.get(stream.block_size, 0) | stream.mask
+                pages = sizes.setdefault(stream.block_size, {})
+                for page, mask in stream.masks.items():
+                    pages[page] = pages.get(page, 0) | mask
         self._sizes = sizes
         return sizes
 
     def _walk(
         self,
         hashes: Sequence[int],
-        allowed: int,
+        masks: dict[int, int],
         holders: dict[HolderKey, int],
         streams: dict[tuple[str, int], int],
     ) -> None:
-        blocks = self._blocks
-        count = len(hashes)
-        alive = blocks.get(hashes[0], 0) & allowed if count else 0
-        depth = 1
-        while alive and depth < count:
-            mask = blocks.get(hashes[depth], 0) & alive
-            if mask != alive:
-                self._record(alive ^ mask, depth, holders)
-                alive = mask
-            depth += 1
-        self._record(alive, depth, holders)
+        for page, allowed in masks.items():
+            for bits, depth in bt.walk(self._pages[page], hashes, allowed):
+                self._record(page, bits, depth, holders)
         self._stream_prefixes(hashes, holders, streams)
 
-    def _record(self, bits: int, depth: int, out: dict[HolderKey, int]) -> None:
+    def _record(self, page: int, bits: int, depth: int, out: dict[HolderKey, int]) -> None:
         by_id = self._by_id
+        base = page << _PAGE_SHIFT
         while bits:
             low = bits & -bits
-            out[by_id[low.bit_length() - 1].key] = depth
+            out[by_id[base + low.bit_length() - 1].key] = depth
             bits ^= low
 
     def _stream_prefixes(
@@ -741,14 +750,19 @@ class PrefixIndex:
             skey = (key.worker_id, key.rank)
             if streams.get(skey, 0) < depth:
                 streams[skey] = depth
-        blocks = self._blocks
+        pages = self._pages
         for skey, depth in list(streams.items()):
             stream = self._streams[skey]
             if len(stream.holders) < 2:
                 continue
             # Blocks of one prefix may sit on different tiers (GPU then CPU): walk the union.
-            mask = stream.mask
-            while depth < len(hashes) and blocks.get(hashes[depth], 0) & mask:
+            if len(stream.masks) == 1:
+                [(page, mask)] = stream.masks.items()
+                streams[skey] = bt.extend(pages[page], hashes, depth, mask)
+                continue
+            while depth < len(hashes) and any(
+                pages[page].get(hashes[depth], 0) & mask for page, mask in stream.masks.items()
+            ):
                 depth += 1
             streams[skey] = depth
 
@@ -762,7 +776,7 @@ class PrefixIndex:
         return IndexStats(
             streams=len(self._streams),
             holders=len(holders),
-            blocks=len(self._blocks),
+            blocks=sum(len(page) for page in self._pages),
             entries=entries,
             stored_blocks=c.stored,
             removed_blocks=c.removed,
@@ -775,16 +789,17 @@ class PrefixIndex:
             bad_events=c.bad_events,
             clears=c.clears,
             stream_resets=c.resets,
-            bytes_estimate=self._bytes_estimate(holders, entries),
+            bytes_estimate=self._bytes_estimate(holders),
         )
 
-    def _bytes_estimate(self, holders: list[_Holder], entries: int) -> int:
-        size = sys.getsizeof(self._blocks) + len(self._blocks) * _INT60_BYTES
+    def _bytes_estimate(self, holders: list[_Holder]) -> int:
+        size = sum(page.nbytes for page in self._pages)
         for holder in holders:
-            size += sys.getsizeof(holder.engine) + sys.getsizeof(holder.dups)
+            size += holder.engine.nbytes + sys.getsizeof(holder.dups)
             size += sys.getsizeof(holder.shared)
-        # Engine hashes are ints too (the values are the block keys, shared).
-        return size + entries * _INT64_BYTES
+        for stream in self._streams.values():
+            size += stream.tombs.nbytes + stream.tombs_old.nbytes
+        return size
 
     def streams(self) -> list[StreamInfo]:
         """Every known stream with its per-tier block counts and error counters."""
@@ -816,7 +831,8 @@ class PrefixIndex:
     def holders_of(self, block_hash: int) -> list[HolderKey]:
         """Holders of one block, by our hash."""
         out: dict[HolderKey, int] = {}
-        self._record(self._blocks.get(block_hash, 0), 0, out)
+        for page, table in enumerate(self._pages):
+            self._record(page, table.get(block_hash, 0), 0, out)
         return sorted(out)
 
     def dump(self) -> list[dict[str, object]]:

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 import msgspec
 
+from . import wire
 from .index import IndexStats, PrefixIndex
 from .router import Router
 
@@ -92,6 +93,8 @@ def default_feed(
     subscriber = importlib.import_module("kvevents.subscriber")
     base = options if options is not None else subscriber.SubscriberOptions()
     changes: dict[str, Any] = {"callback": callback}
+    if base.decoder is wire.decode_batch:  # the index packs tokens itself: skip their ints
+        changes["decoder"] = wire.decode_batch_packed
     if on_status is not None:
         changes["on_status"] = on_status
     feed: Feed = subscriber.Subscriber(options=dataclasses.replace(base, **changes))

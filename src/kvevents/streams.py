@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, ClassVar, TypeAlias
 from .endpoints import parse_endpoint, rank_endpoint
 from .errors import LayoutError
 from .events import KVEventBatch
+from .wire import DecodedBatch, decode_batch
 
 if TYPE_CHECKING:  # records only: importing them here must not load zmq
     from .security import CurveClient
@@ -95,6 +96,7 @@ class StreamSpec:
     replay_endpoint: str | None = None
     topic: str = ""
     curve: CurveClient | None = None
+    decoder: Callable[..., DecodedBatch] = decode_batch
 
     def __post_init__(self) -> None:
         if self.rank < 0:
@@ -262,6 +264,9 @@ class SubscriberOptions:
     stream to tell a duplicate from a restart. ``gap_log_interval``: at most one gap warning
     per stream per that many seconds. ``wall_clock``: the clock ``lag`` is measured with.
     ``curve``: the CURVE client of every stream whose spec has none (``docs/security.md``).
+    ``decoder``: turns a payload into a :class:`~kvevents.wire.DecodedBatch`
+    (:func:`~kvevents.wire.decode_batch`; the index service passes
+    :func:`~kvevents.wire.decode_batch_packed`).
     """
 
     queue_size: int = 10_000
@@ -275,6 +280,7 @@ class SubscriberOptions:
     gap_log_interval: float = 5.0
     wall_clock: Callable[[], float] = time.time
     curve: CurveClient | None = None
+    decoder: Callable[..., DecodedBatch] = decode_batch
 
     def __post_init__(self) -> None:
         if self.queue_size < 1 or self.rcvhwm < 0:
