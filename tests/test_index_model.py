@@ -96,7 +96,7 @@ def test_index_equals_the_model(ops: list[tuple]) -> None:  # type: ignore[type-
     live = {
         oh for s in index._streams.values() for h in s.holders.values() for oh in h.engine.values()
     }
-    assert {h for page in index._pages for h in page.keys()} == live
+    assert {h for page in index._pages for h in page} == live
 
 
 @settings(max_examples=40, deadline=None)
