@@ -18,7 +18,7 @@ import msgspec
 import pytest
 
 from kvevents.events import BlockRemoved, KVEventBatch
-from kvevents.index import ApplyResult, PrefixIndex
+from kvevents.index import PrefixIndex
 from kvevents.testing.conformance import (
     Prompt,
     Report,
@@ -78,9 +78,9 @@ def test_catalogue_covers_the_faults_users_ask_for() -> None:
 
 
 class _IgnoresRemovals(PrefixIndex):
-    def apply(self, worker_id: str, rank: int, batch: KVEventBatch) -> ApplyResult:
+    def ingest(self, worker_id: str, rank: int, batch: KVEventBatch) -> None:
         kept = [e for e in batch.events if not isinstance(e, BlockRemoved)]
-        return super().apply(worker_id, rank, msgspec.structs.replace(batch, events=kept))
+        super().ingest(worker_id, rank, msgspec.structs.replace(batch, events=kept))
 
 
 def test_a_consumer_that_ignores_removals_fails() -> None:

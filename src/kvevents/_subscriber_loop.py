@@ -305,7 +305,11 @@ class Loop:
                 return
             counts["received"] += 1
             if len(frames) == 3 and len(frames[1]) == 8:
-                actions = cursor.on_live(int.from_bytes(frames[1], "big"), frames[2])
+                seq = int.from_bytes(frames[1], "big")
+                if stream.state == "live" and cursor.accept(seq, frames[2]):
+                    self._deliver_payload(stream, seq, frames[2])
+                    continue
+                actions = cursor.on_live(seq, frames[2])
             else:
                 try:
                     msg = parse_live(frames)  # says what is wrong
@@ -351,8 +355,11 @@ class Loop:
             self._status(stream)
 
     def _deliver(self, stream: _Stream, action: Deliver) -> None:
+        self._deliver_payload(stream, action.seq, action.payload)
+
+    def _deliver_payload(self, stream: _Stream, seq: int, payload: bytes) -> None:
         try:
-            decoded = self.options.decoder(action.payload, seq=action.seq)
+            decoded = self.options.decoder(payload, seq=seq)
         except DecodeError as exc:
             self._decode_failed(stream, exc)
             return
@@ -362,14 +369,14 @@ class Loop:
         counts["events"] += len(batch.events)
         if decoded.skipped:
             counts["skipped_events"] += len(decoded.skipped)
-        stream.last_seq = action.seq
+        stream.last_seq = seq
         stream.last_ts = batch.ts
         if not stream.cursor.complete and any(
             isinstance(e, AllBlocksCleared) for e in batch.events
         ):
             # Everything before a cache reset is void: the view is whole again from here.
             stream.cursor.mark_complete()
-        self._emit(Delivery(stream.spec, action.seq, batch))
+        self._emit(Delivery(stream.spec, seq, batch))
 
     def _gap(self, stream: _Stream, gap: Gap) -> None:
         spec = stream.spec

@@ -171,6 +171,16 @@ class Cursor:
             return [self._deliver(seq, payload)]
         return self._gap(expected, seq, payload)
 
+    def accept(self, seq: int, payload: bytes) -> bool:
+        """The common case in one call: ``seq`` is the next batch of a live stream with no
+        replay running. Records it and returns True (deliver it); otherwise returns False and
+        changes nothing (call :meth:`on_live`)."""
+        if seq != self._next or self._replaying:
+            return False
+        self._recent[seq % self._window] = (seq, hash(payload))
+        self._next = seq + 1
+        return True
+
     def on_replay(self, seq: int, payload: bytes) -> list[Action]:
         """A replayed message arrived. Stale or overlapping replies are ignored."""
         expected = self._next

@@ -418,8 +418,16 @@ class PrefixIndex:
 
     def apply(self, worker_id: str, rank: int, batch: KVEventBatch) -> ApplyResult:
         """Apply one batch of a (worker, rank) stream, in event order."""
-        stream = self._stream(worker_id, rank)
         before = self._c.snapshot()
+        self.ingest(worker_id, rank, batch)
+        return ApplyResult._make(map(sub, self._c.snapshot(), before))
+
+    def ingest(self, worker_id: str, rank: int, batch: KVEventBatch) -> None:
+        """:meth:`apply` without the per-batch :class:`ApplyResult` (the feed's hot path;
+        totals stay in :meth:`stats`). ``BlockStored`` events may be
+        :class:`~kvevents.wire.PackedStored` (from :func:`~kvevents.wire.decode_batch_packed`).
+        """
+        stream = self._streams.get((worker_id, rank)) or self._stream(worker_id, rank)
         for event in batch.events:
             kind = type(event)
             if kind in _STORED_TYPES:
@@ -431,7 +439,6 @@ class PrefixIndex:
                 self._c.clears += 1
         stream.batches += 1
         stream.last_ts = batch.ts
-        return ApplyResult._make(map(sub, self._c.snapshot(), before))
 
     def _store(self, stream: _Stream, event: _Stored) -> None:
         size = stream.block_size

@@ -219,7 +219,7 @@ class IndexService:
                     # the worker back as a ghost.
                     self._counts["ignored"] += 1
                 elif hasattr(item, "batch"):
-                    self.index.apply(stream.worker_id, stream.rank, item.batch)
+                    self.index.ingest(stream.worker_id, stream.rank, item.batch)
                     self._counts["deliveries"] += 1
                 else:
                     self.index.reset_stream(stream.worker_id, stream.rank)
