@@ -13,7 +13,7 @@ DYNAMO_STAMP := $(DYNAMO_VENV)/.installed
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(wildcard src/kvevents/*.c)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PY) -m pip install --quiet --disable-pip-version-check --upgrade pip
 	@$(PY) -m pip install --quiet --disable-pip-version-check -e '.[all,dev]'

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import os
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -11,7 +12,13 @@ import pytest
 import zmq
 
 from kvevents import _zmq_direct
-from kvevents._zmq_direct import _pyzmq_sender, direct_library, sender_for
+from kvevents._zmq_direct import (
+    _pyzmq_receiver,
+    _pyzmq_sender,
+    direct_library,
+    receiver_for,
+    sender_for,
+)
 from kvevents.testing.sockets import unique_inproc
 
 
@@ -74,3 +81,48 @@ def test_closed_socket_raises_zmq_error() -> None:
     with pytest.raises(zmq.ZMQError):
         send3(b"a", b"b", b"c")
     ctx.term()
+
+
+def _receivers(sock: zmq.Socket[Any]) -> dict[str, _zmq_direct.Recv]:
+    return {"chosen": receiver_for(sock), "pyzmq": _pyzmq_receiver(sock)}
+
+
+def test_the_native_receiver_is_built_here() -> None:
+    """Where the C receiver is required (CI), it is the one receiver_for picks."""
+    if os.environ.get("KVEVENTS_REQUIRE_NATIVE") != "1":
+        pytest.skip("KVEVENTS_REQUIRE_NATIVE is not set")
+    assert _zmq_direct._native_receiver() is not None
+
+
+@pytest.mark.parametrize("which", ["chosen", "pyzmq"])
+def test_receiver_returns_whole_messages_then_none(
+    pair: tuple[zmq.Socket[Any], zmq.Socket[Any]], which: str
+) -> None:
+    """Every frame of each message, in order, empty and large frames included; None when
+    nothing is waiting."""
+    push, pull = pair
+    recv = _receivers(pull)[which]
+    assert recv() is None
+    big = bytes(range(256)) * 4096
+    messages = [[b"", (7).to_bytes(8, "big"), b"payload"], [b"one"], [b"t", b"", big, b"x"]]
+    poller = zmq.Poller()
+    poller.register(pull, zmq.POLLIN)
+    for message in messages:
+        push.send_multipart(message)
+        assert poller.poll(5000), "message not delivered"
+        assert recv() == message
+    assert recv() is None
+
+
+@pytest.mark.parametrize("which", ["chosen", "pyzmq"])
+def test_receiver_failure_raises(which: str) -> None:
+    """A failure other than 'nothing waiting' (here: a PUB socket cannot receive) raises."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PUB)
+    try:
+        with pytest.raises((zmq.ZMQError, OSError)) as exc:
+            _receivers(sock)[which]()
+        assert exc.value.errno == zmq.ENOTSUP
+    finally:
+        sock.close(linger=0)
+        ctx.term()

@@ -20,6 +20,7 @@ from typing import Any, Generic, TypeVar
 
 import zmq
 
+from ._zmq_direct import Recv, receiver_for
 from .cursor import Action, Cursor, Deliver, Duplicate, Gap, ReplayDone, Restart, Unrecoverable
 from .errors import DecodeError
 from .events import AllBlocksCleared
@@ -52,16 +53,6 @@ T = TypeVar("T")
 _wake_names = itertools.count()
 _NOBLOCK = int(zmq.NOBLOCK)
 _RCVMORE = int(zmq.RCVMORE)
-
-
-def _recv_frames(sock: zmq.Socket[bytes]) -> list[bytes]:
-    """``recv_multipart(NOBLOCK)`` without pyzmq's per-frame option conversions (a third of
-    its cost for a 3-frame message). ``zmq.Again`` when nothing is waiting."""
-    recv, more = sock.recv, sock.get
-    frames = [recv(_NOBLOCK)]
-    while more(_RCVMORE):
-        frames.append(recv(_NOBLOCK))
-    return frames
 
 
 class Outbox(Generic[T]):
@@ -136,6 +127,7 @@ class _Stream:
     spec: StreamSpec
     cursor: Cursor
     sub: zmq.Socket[bytes]
+    recv: Recv
     ticket: int = 0
     state: str = "new"
     # Per kind of warning ("gap", "restart", ...): when it was last logged, how many held back.
@@ -275,7 +267,9 @@ class Loop:
             max_buffered=self.options.max_buffered,
             window=self.options.duplicate_window,
         )
-        stream = _Stream(spec, cursor, sub, counts=dict.fromkeys(STREAM_COUNTERS, 0))
+        stream = _Stream(
+            spec, cursor, sub, receiver_for(sub), counts=dict.fromkeys(STREAM_COUNTERS, 0)
+        )
         self.streams[spec.key] = stream
         self._by_socket[sub] = stream
         self.poller.register(sub, zmq.POLLIN)
@@ -297,11 +291,10 @@ class Loop:
     def _read_live(self, stream: _Stream) -> None:
         # The hot path of the whole subscriber: locals, and a shortcut for the common case
         # (a well-formed message delivered in order on a live stream).
-        sub, cursor, counts = stream.sub, stream.cursor, stream.counts
+        recv, cursor, counts = stream.recv, stream.cursor, stream.counts
         for _ in range(_READ_BURST):
-            try:
-                frames = _recv_frames(sub)
-            except zmq.Again:
+            frames = recv()
+            if frames is None:
                 return
             counts["received"] += 1
             if len(frames) == 3 and len(frames[1]) == 8:
