@@ -40,6 +40,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from ._memory import IdleTrim, release_free_memory
 from .metrics import CollectorGroup, StatsCollector
 from .service import IndexService, WorkerRegistration
+from .tokenhash import pack_tokens
 
 __all__ = ["Server", "create_app", "serve"]
 
@@ -189,24 +190,10 @@ class _Api:
 
     def answer_query(self, body: bytes) -> dict[str, Any]:
         """The answer to a ``POST /query`` body; ``_BadRequest`` naming what is wrong."""
-        packed = None
-        try:
-            if self.pack_json is None:
-                query: _Query | _QueryPacked = _query_decoder.decode(body)
-                tokens = query.token_ids
-            else:
-                query = _query_packed_decoder.decode(body)
-                tokens = None
-                if query.token_ids and query.token_ids != _NULL:
-                    packed = self.pack_json(query.token_ids)
-                    if packed is None:
-                        raise _BadRequest(_token_ids_error(body))
-        except msgspec.DecodeError as exc:  # ValidationError is a subclass
-            raise _BadRequest(f"/query: {exc}") from exc
+        query, packed = self._read_query(body)
         lora = query.lora_name if query.lora_name is not None else query.lora_id
         try:
             return self.service.query(
-                tokens,
                 packed=packed,
                 block_hashes=query.block_hashes,
                 block_size=query.block_size,
@@ -214,6 +201,28 @@ class _Api:
                 policy=query.policy,
             )
         except (ValueError, OverflowError) as exc:
+            raise _BadRequest(f"/query: {exc}") from exc
+
+    def _read_query(self, body: bytes) -> tuple[_Query | _QueryPacked, bytes | None]:
+        """The decoded query and its tokens packed as uint32 LE (None without token_ids)."""
+        try:
+            if self.pack_json is None:
+                query = _query_decoder.decode(body)
+                if query.token_ids is None:
+                    return query, None
+                try:
+                    return query, pack_tokens(query.token_ids)
+                except OverflowError:
+                    raise _BadRequest(_token_range_error(query.token_ids)) from None
+            packed_query = _query_packed_decoder.decode(body)
+            raw = packed_query.token_ids
+            if not raw or (len(raw) == len(_NULL) and bytes(raw) == _NULL):
+                return packed_query, None
+            packed = self.pack_json(raw)
+            if packed is None:
+                raise _BadRequest(_token_ids_error(body))
+            return packed_query, packed
+        except msgspec.DecodeError as exc:  # ValidationError is a subclass
             raise _BadRequest(f"/query: {exc}") from exc
 
     async def dump(self, request: Request) -> Response:
@@ -278,11 +287,15 @@ def create_app(service: IndexService, *, collectors: Sequence[Any] = ()) -> Star
 
 
 def _token_ids_error(body: bytes) -> str:
-    """Why ``token_ids`` is not an array of uint32 token ids (the packer only says no)."""
+    """Why ``token_ids`` is not an array of uint32 token ids (a packer only says it is not)."""
     try:
         tokens = _query_decoder.decode(body).token_ids or []
     except msgspec.DecodeError as exc:
         return f"/query: {exc}"
+    return _token_range_error(tokens)
+
+
+def _token_range_error(tokens: list[int]) -> str:
     for i, token in enumerate(tokens):
         if not 0 <= token <= _TOKEN_MAX:
             return f"/query: token id {token} at `$.token_ids[{i}]` is outside 0..{_TOKEN_MAX}"
