@@ -65,6 +65,19 @@ def test_prefix_load_counts_active_blocks() -> None:
     assert decision.winner == ("a", 0)
 
 
+def test_prefix_load_breaks_ties_by_matched_blocks_then_order() -> None:
+    """Equal costs: more matched blocks wins, then the first target."""
+    router = make_router("prefix_load")
+    router.loads.set("a", queued_blocks=4)  # a: 6 new + 4 queued = 10 = b: 2 new + 8 queued
+    router.loads.set("b", queued_blocks=8)
+    router.loads.set("c", queued_blocks=2)  # c: 8 new + 2 queued = 10, nothing matched
+    assert router.route(PROMPT).winner == ("b", 0)
+    assert router.route([9] * 32).winner == ("c", 0)  # no match anywhere: c is cheapest
+    router.loads.set("c", queued_blocks=4)
+    router.loads.set("b", queued_blocks=4)
+    assert router.route([9] * 32).winner == ("a", 0)  # all equal: the first target
+
+
 def test_round_robin_cycles_through_targets() -> None:
     """Round-robin ignores the cache and takes targets in turn."""
     router = make_router("round_robin")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import queue
+import sys
+import types
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -10,6 +12,8 @@ from typing import Any
 import httpx
 import pytest
 
+from kvevents import service_http
+from kvevents._blocktable_py import pack_json_tokens
 from kvevents.events import KVEventBatch
 from kvevents.index import PrefixIndex
 from kvevents.service import IndexService, WorkerRegistration
@@ -243,6 +247,87 @@ def test_bad_requests_say_what_is_wrong(client: httpx.Client) -> None:
     empty = client.post("/query", json={})
     assert empty.json()["error"] == "/query: query needs token_ids or block_hashes"
     assert client.post("/query", content=b"{").status_code == 400
+
+
+@pytest.fixture(params=["list", "json"])
+def lean(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, feed: FakeFeed
+) -> Iterator[tuple[httpx.Client, IndexService]]:
+    """A server whose lean /query decodes token_ids as a list, or packs them from the JSON
+    text (what it does when the native block table is there)."""
+    if request.param == "json":
+        monkeypatch.setattr(service_http, "_json_packer", lambda: pack_json_tokens)
+    else:
+        monkeypatch.setattr(service_http, "_json_packer", lambda: None)
+    service = make_service(feed)
+    with (
+        serve("127.0.0.1", 0, service=service) as running,
+        httpx.Client(base_url=running.url, timeout=10.0) as http,
+    ):
+        yield http, service
+
+
+def test_lean_query_packs_json_only_with_native_primitives(monkeypatch: pytest.MonkeyPatch) -> None:
+    """token_ids are packed from the JSON text by a native block table, never the Python one."""
+    native = types.SimpleNamespace(IMPLEMENTATION="c", pack_json_tokens=pack_json_tokens)
+    monkeypatch.setitem(sys.modules, "kvevents.blocktable", native)
+    assert service_http._json_packer() is pack_json_tokens
+    monkeypatch.setattr(native, "IMPLEMENTATION", "python")
+    assert service_http._json_packer() is None
+
+
+def test_lean_query_answers_like_the_service(
+    lean: tuple[httpx.Client, IndexService], feed: FakeFeed
+) -> None:
+    """POST /query answers exactly what IndexService.query answers for the same token list."""
+    client, service = lean
+    for worker, end in [("a", 6), ("b", 2)]:
+        client.post("/register", json={"worker_id": worker, "endpoint": "e", "block_size": BS})
+        feed.deliver(worker, 0, batch(store_event(PROMPT, BS, end_block=end)))
+    feed.deliver("b", 0, batch(store_event(PROMPT, BS, lora_name="x")))
+    applied(service, 3)
+    service.router.loads.set("a", queued_blocks=3)
+    cases: list[tuple[dict[str, Any], dict[str, Any]]] = [
+        ({"token_ids": PROMPT, "model_name": "m"}, {}),
+        ({"token_ids": PROMPT[:10], "policy": "longest_prefix"}, {"policy": "longest_prefix"}),
+        ({"token_ids": PROMPT, "lora_name": "x"}, {"lora": "x"}),
+        ({"token_ids": PROMPT, "lora_id": 3}, {"lora": 3}),
+        ({"token_ids": []}, {}),
+    ]
+    for body, options in cases:
+        reply = client.post("/query", json=body)
+        assert reply.status_code == 200, reply.text
+        assert reply.headers["content-type"] == "application/json"
+        assert reply.json() == service.query(body["token_ids"], **options), body
+    hashes = block_hashes(PROMPT, BS)
+    reply = client.post("/query", json={"token_ids": None, "block_hashes": hashes})
+    assert reply.json() == service.query(block_hashes=hashes)
+    assert reply.json()["scores"] == {"a": {"0": 6}, "b": {"0": 2}}
+    assert client.get("/query").status_code == 405
+
+
+def test_lean_query_rejects_bad_token_ids(lean: tuple[httpx.Client, IndexService]) -> None:
+    """Bad JSON, wrong types and token ids outside uint32 get a 400 naming the problem."""
+    client, _ = lean
+    expected = {
+        b"{": "/query: Input data was truncated",
+        b'{"token_ids": [1,]}': "/query: JSON is malformed",
+        b"[]": "/query: Expected `object`, got `array`",
+        b'{"token_ids": "abc"}': "Expected `array | null`, got `str` - at `$.token_ids`",
+        b'{"token_ids": [1, "a"]}': "Expected `int`, got `str` - at `$.token_ids[1]`",
+        b'{"token_ids": [1, 2.5]}': "Expected `int`, got `float` - at `$.token_ids[1]`",
+        b'{"token_ids": [1], "block_size": "x"}': "at `$.block_size`",
+        b'{"token_ids": [7, -1]}': "/query: token id -1 at `$.token_ids[1]` is outside "
+        "0..4294967295",
+        b'{"token_ids": [4294967296]}': "/query: token id 4294967296 at `$.token_ids[0]` is "
+        "outside 0..4294967295",
+    }
+    for body, error in expected.items():
+        reply = client.post("/query", content=body)
+        assert reply.status_code == 400, body
+        assert reply.headers["content-type"] == "application/json"
+        assert error in reply.json()["error"], (body, reply.json())
+    assert client.post("/query", content=b'{"token_ids": [4294967295]}').status_code == 200
 
 
 def test_workers_dump_and_metrics(

@@ -175,11 +175,17 @@ class LoadBook:
         for key in [k for k in self._loads if k[0] == worker_id and rank in (None, k[1])]:
             del self._loads[key]
 
+    def many(self, targets: Sequence[Target]) -> list[Load]:
+        """The loads of ``targets``, in order."""
+        get = self._loads.get
+        return [get(t, _IDLE) for t in targets]
+
     def snapshot(self) -> dict[Target, Load]:
         return dict(self._loads)
 
 
 _IDLE = Load()
+_row = TargetScore._make
 
 
 @dataclass(frozen=True)
@@ -258,23 +264,32 @@ class PrefixLoad:
     name: str = "prefix_load"
 
     def choose(self, inputs: RouteInputs) -> Decision:
-        scores: list[float] = []
-        terms: list[Mapping[str, float]] = []
-        for m, r, ld in zip(inputs.matched, inputs.request_blocks, inputs.loads, strict=True):
-            new = max(0, r - m)
-            prefill = self.prefill_weight * (new + ld.queued_blocks)
-            cost = prefill + ld.active_blocks
-            scores.append(-cost)
-            terms.append(
-                {
-                    "new_blocks": new,
-                    "prefill_cost": prefill,
-                    "decode_cost": ld.active_blocks,
-                    "cost": cost,
-                }
-            )
-        keys = [(s, float(m)) for s, m in zip(scores, inputs.matched, strict=True)]
-        return _decision(self.name, inputs, scores, terms, _best(keys))
+        # One pass building the rows directly: this runs for every routed request, once per
+        # target, and is most of a decision's cost.
+        weight = self.prefill_weight
+        targets = inputs.targets
+        degraded = inputs.degraded or [None] * len(targets)
+        rows: list[TargetScore] = []
+        winner: int | None = None
+        best = (0.0, 0.0)
+        for i, (target, m, r, load, why) in enumerate(
+            zip(targets, inputs.matched, inputs.request_blocks, inputs.loads, degraded, strict=True)
+        ):
+            queued, active = load
+            new = r - m if r > m else 0
+            prefill = weight * (new + queued)
+            cost = prefill + active
+            terms = {
+                "new_blocks": new,
+                "prefill_cost": prefill,
+                "decode_cost": active,
+                "cost": cost,
+            }
+            rows.append(_row((target[0], target[1], m, r, -cost, load, terms, why)))
+            if winner is None or (-cost, m) > best:  # the first one wins ties
+                winner, best = i, (-cost, m)
+        chosen = None if winner is None else targets[winner]
+        return Decision(chosen, self.name, tuple(rows), inputs.request_tokens)
 
 
 @dataclass
@@ -406,15 +421,17 @@ class Router:
         targets = self.index.targets() if targets is None else list(targets)
         sizes = self.index.stream_block_size
         request = match.request_blocks
-        degraded = [self.degraded.get(t) for t in targets] if self.degraded else []
+        streams = match.streams
+        matched = [streams.get(t, 0) for t in targets]
+        degraded: list[str | None] = []
+        if self.degraded:
+            degraded = [self.degraded.get(t) for t in targets]
+            matched = [0 if why else m for m, why in zip(matched, degraded, strict=True)]
         inputs = RouteInputs(
             targets=targets,
-            matched=[
-                0 if degraded and degraded[i] else match.streams.get(t, 0)
-                for i, t in enumerate(targets)
-            ],
+            matched=matched,
             request_blocks=[request.get(sizes(*t) or 0, 0) for t in targets],
-            loads=[self.loads.get(*t) for t in targets],
+            loads=self.loads.many(targets),
             request_tokens=match.request_tokens,
             degraded=degraded,
         )

@@ -287,14 +287,21 @@ class IndexService:
         self,
         token_ids: Sequence[int] | None = None,
         *,
+        packed: bytes | None = None,
         block_hashes: Sequence[int] | None = None,
         block_size: int | None = None,
         lora: str | int | None = None,
         policy: str | None = None,
     ) -> dict[str, Any]:
-        """Matches per holder and a routing decision, JSON-ready."""
+        """Matches per holder and a routing decision, JSON-ready.
+
+        The request is ``token_ids``, or the same tokens ``packed`` as uint32 little-endian
+        bytes (what ``POST /query`` hands over), or precomputed ``block_hashes``.
+        """
         with self.lock:
-            if token_ids is not None:
+            if packed is not None:
+                match = self.index.match_packed(packed, lora=lora)
+            elif token_ids is not None:
                 match = self.index.match(token_ids, lora=lora)
             elif block_hashes is not None:
                 match = self.index.match_hashes(block_hashes, block_size=block_size)

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import logging
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -30,13 +31,16 @@ import uvicorn
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ._memory import IdleTrim, release_free_memory
 from .metrics import CollectorGroup, StatsCollector
 from .service import IndexService, WorkerRegistration
+from .tokenhash import pack_tokens
 
 __all__ = ["Server", "create_app", "serve"]
 
@@ -75,8 +79,47 @@ class _Query(msgspec.Struct, kw_only=True):
     model_name: str | None = None
 
 
+class _QueryPacked(msgspec.Struct, kw_only=True):
+    """``_Query`` with ``token_ids`` left as JSON text, for a packer that reads it directly."""
+
+    token_ids: msgspec.Raw = msgspec.Raw()
+    block_hashes: list[int] | None = None
+    block_size: int | None = None
+    policy: str | None = None
+    lora_name: str | None = None
+    lora_id: int | None = None
+    model_name: str | None = None
+
+
 class _BadRequest(Exception):
     pass
+
+
+_query_decoder = msgspec.json.Decoder(_Query)
+_query_packed_decoder = msgspec.json.Decoder(_QueryPacked)
+_encoder = msgspec.json.Encoder()
+_NULL = b"null"
+_TOKEN_MAX = 2**32 - 1
+
+#: Reads a JSON array of token ids into packed uint32 little-endian bytes; None if it is not one.
+JsonPacker = Callable[[bytes], "bytes | None"]
+
+
+def _json_packer() -> JsonPacker | None:
+    """The block table's ``pack_json_tokens`` when it is native code, else None.
+
+    The pure-Python packer decodes the array into ints anyway, and doing that together with
+    the rest of the body is cheaper than a second pass over it, so the lean path then decodes
+    ``token_ids`` as a list.
+    """
+    try:
+        primitives = importlib.import_module("kvevents.blocktable")
+    except ImportError:
+        return None
+    if getattr(primitives, "IMPLEMENTATION", "python") == "python":
+        return None
+    packer: JsonPacker = primitives.pack_json_tokens
+    return packer
 
 
 def _json(value: Any, status: int = 200) -> Response:
@@ -123,6 +166,7 @@ class _Api:
 
     def __init__(self, service: IndexService, collectors: Sequence[Any] = ()) -> None:
         self.service = service
+        self.pack_json = _json_packer()
         self.registry = CollectorRegistry()
         self.registry.register(_Collector(service))
         for collector in collectors:
@@ -142,19 +186,44 @@ class _Api:
         return _json({"worker_id": worker, "removed": True})
 
     async def query(self, request: Request) -> Response:
-        body = await _body(request, _Query)
-        lora = body.lora_name if body.lora_name is not None else body.lora_id
+        return _json(self.answer_query(await request.body()))
+
+    def answer_query(self, body: bytes) -> dict[str, Any]:
+        """The answer to a ``POST /query`` body; ``_BadRequest`` naming what is wrong."""
+        query, packed = self._read_query(body)
+        lora = query.lora_name if query.lora_name is not None else query.lora_id
         try:
-            result = self.service.query(
-                body.token_ids,
-                block_hashes=body.block_hashes,
-                block_size=body.block_size,
+            return self.service.query(
+                packed=packed,
+                block_hashes=query.block_hashes,
+                block_size=query.block_size,
                 lora=lora,
-                policy=body.policy,
+                policy=query.policy,
             )
         except (ValueError, OverflowError) as exc:
             raise _BadRequest(f"/query: {exc}") from exc
-        return _json(result)
+
+    def _read_query(self, body: bytes) -> tuple[_Query | _QueryPacked, bytes | None]:
+        """The decoded query and its tokens packed as uint32 LE (None without token_ids)."""
+        try:
+            if self.pack_json is None:
+                query = _query_decoder.decode(body)
+                if query.token_ids is None:
+                    return query, None
+                try:
+                    return query, pack_tokens(query.token_ids)
+                except OverflowError:
+                    raise _BadRequest(_token_range_error(query.token_ids)) from None
+            packed_query = _query_packed_decoder.decode(body)
+            raw = packed_query.token_ids
+            if not raw or (len(raw) == len(_NULL) and bytes(raw) == _NULL):
+                return packed_query, None
+            packed = self.pack_json(raw)
+            if packed is None:
+                raise _BadRequest(_token_ids_error(body))
+            return packed_query, packed
+        except msgspec.DecodeError as exc:  # ValidationError is a subclass
+            raise _BadRequest(f"/query: {exc}") from exc
 
     async def dump(self, request: Request) -> Response:
         return _json(self.service.dump())
@@ -202,6 +271,7 @@ def create_app(service: IndexService, *, collectors: Sequence[Any] = ()) -> Star
     routes = [
         Route("/register", api.register, methods=["POST"]),
         Route("/unregister", api.unregister, methods=["POST"]),
+        # Answered by _LeanQuery; the route still gives other methods their 405.
         Route("/query", api.query, methods=["POST"]),
         Route("/dump", api.dump, methods=["GET"]),
         Route("/workers", api.workers, methods=["GET"]),
@@ -209,8 +279,75 @@ def create_app(service: IndexService, *, collectors: Sequence[Any] = ()) -> Star
         Route("/health", api.health, methods=["GET"]),
     ]
     return Starlette(
-        routes=routes, exception_handlers={_BadRequest: api.bad_request}, lifespan=api.lifespan
+        routes=routes,
+        middleware=[Middleware(_LeanQuery, api=api)],
+        exception_handlers={_BadRequest: api.bad_request},
+        lifespan=api.lifespan,
     )
+
+
+def _token_ids_error(body: bytes) -> str:
+    """Why ``token_ids`` is not an array of uint32 token ids (a packer only says it is not)."""
+    try:
+        tokens = _query_decoder.decode(body).token_ids or []
+    except msgspec.DecodeError as exc:
+        return f"/query: {exc}"
+    return _token_range_error(tokens)
+
+
+def _token_range_error(tokens: list[int]) -> str:
+    for i, token in enumerate(tokens):
+        if not 0 <= token <= _TOKEN_MAX:
+            return f"/query: token id {token} at `$.token_ids[{i}]` is outside 0..{_TOKEN_MAX}"
+    return "/query: token_ids must be an array of token ids"
+
+
+class _LeanQuery:
+    """ASGI middleware answering ``POST /query`` itself, the hot route of the service.
+
+    Starlette's routing and its Request and Response objects cost about as much as the
+    query itself; everything else goes on to the Starlette app.
+    """
+
+    def __init__(self, app: ASGIApp, api: _Api) -> None:
+        self.app = app
+        self.api = api
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] != "/query" or scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        body = await _read_body(receive)
+        if body is None:
+            return  # the client went away
+        try:
+            status, payload = 200, _encoder.encode(self.api.answer_query(body))
+        except _BadRequest as exc:
+            status, payload = 400, _encoder.encode({"error": str(exc)})
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", b"%d" % len(payload)),
+        ]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": payload})
+
+
+async def _read_body(receive: Receive) -> bytes | None:
+    """The whole request body, or None if the client disconnected first."""
+    message = await receive()
+    if message["type"] != "http.request":
+        return None
+    body: bytes = message.get("body", b"")
+    if not message.get("more_body", False):
+        return body
+    chunks = [body]
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return None
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return b"".join(chunks)
 
 
 class _Collector:
@@ -295,7 +432,11 @@ class Server:
         self._sock.listen(1024)
         self.host = host
         self.port: int = self._sock.getsockname()[1]
-        config = uvicorn.Config(app, log_level="warning", lifespan="on", access_log=False)
+        # No proxy-headers layer: client addresses are only used by the access log, and that
+        # is off (each layer costs every request).
+        config = uvicorn.Config(
+            app, log_level="warning", lifespan="on", access_log=False, proxy_headers=False
+        )
         self._server = uvicorn.Server(config)
         self._failure: BaseException | None = None
         # Set when the server thread ends. Not Thread.is_alive(): on Python 3.11 a Ctrl-C that
