@@ -13,7 +13,7 @@ DYNAMO_STAMP := $(DYNAMO_VENV)/.installed
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml src/kvevents/_blocktable.c
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PY) -m pip install --quiet --disable-pip-version-check --upgrade pip
 	@$(PY) -m pip install --quiet --disable-pip-version-check -e '.[all,dev]'
@@ -45,4 +45,4 @@ lint: $(STAMP)
 	$(PY) -m mypy
 
 clean:
-	rm -rf $(VENV) $(DYNAMO_VENV) build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(DYNAMO_VENV) build dist src/*.egg-info src/kvevents/*.so .pytest_cache .mypy_cache .ruff_cache
