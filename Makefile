@@ -45,4 +45,4 @@ lint: $(STAMP)
 	$(PY) -m mypy
 
 clean:
-	rm -rf $(VENV) $(DYNAMO_VENV) build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(DYNAMO_VENV) build dist src/*.egg-info src/kvevents/*.so .pytest_cache .mypy_cache .ruff_cache

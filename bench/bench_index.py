@@ -191,9 +191,7 @@ def bench_decode(data: dict[str, list[KVEventBatch]]) -> list[Row]:
         for _ in range(2):
             runs["decode"].append(rate(lambda w, p: decode_batch_packed(p), payloads, blocks))
             runs["index"].append(
-                rate(
-                    decoding(index_apply(PrefixIndex(BS)), decode_batch_packed), payloads, blocks
-                )
+                rate(decoding(index_apply(PrefixIndex(BS)), decode_batch_packed), payloads, blocks)
             )
             runs["full"].append(rate(decoding(index_apply(PrefixIndex(BS))), payloads, blocks))
             runs["plain"].append(rate(decoding(PlainIndex().apply), payloads, blocks))

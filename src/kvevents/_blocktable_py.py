@@ -75,9 +75,10 @@ class U64Map:
         return k - _U64 if self._signed and k >= 2**63 else k
 
     def _in(self, k: int) -> int:
+        key = _key(k)
         if k < 0:
             self._signed = True
-        return _key(k)
+        return key
 
     def __len__(self) -> int:
         return len(self._d)

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from operator import sub
 from typing import ClassVar, NamedTuple
 
-from . import _blocktable_py as bt
+from . import blocktable as bt
 from .events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from .tokenhash import ROOT_SEED, pack_tokens, root_seed
 from .wire import PackedStored
