@@ -873,6 +873,17 @@ msgpack_token(const unsigned char **pp, const unsigned char *end, uint32_t *out)
         *pp = p;
         return 1;
     }
+    /* Token ids of real vocabularies are uint16 or uint32: decode those without a loop. */
+    if (b == 0xcd && end - p >= 2) {
+        *out = ((uint32_t)p[0] << 8) | p[1];
+        *pp = p + 2;
+        return 1;
+    }
+    if (b == 0xce && end - p >= 4) {
+        *out = ((uint32_t)p[0] << 24) | ((uint32_t)p[1] << 16) | ((uint32_t)p[2] << 8) | p[3];
+        *pp = p + 4;
+        return 1;
+    }
     switch (b) {
     case 0xcc: size = 1; break;
     case 0xcd: size = 2; break;

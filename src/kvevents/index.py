@@ -42,6 +42,7 @@ from .wire import PackedStored
 
 U64Map = bt.U64Map
 chain_hashes = bt.chain_hashes
+_pack_msgpack = bt.pack_msgpack_tokens
 
 __all__ = [
     "DEFAULT_TIER",
@@ -454,7 +455,10 @@ class PrefixIndex:
         hashes = event.block_hashes
         if not hashes:
             return
-        packed = _packed_tokens(event)
+        if type(event) is PackedStored:
+            packed = _pack_msgpack(event.token_ids)
+        else:
+            packed = _packed_tokens(event)
         if packed is None:
             self._bad(stream, event, "token_ids is not an array of ints in 0..2**32-1")
             return
@@ -473,7 +477,14 @@ class PrefixIndex:
                     self._hold_orphan(stream, event, packed)
                     return
             seed = found
-        self._add(holder, hashes, chain_hashes(packed, size, seed))
+        # _add, inlined: this is the hot path of the whole index.
+        ours = chain_hashes(packed, size, seed)
+        self._c.stored += len(hashes)
+        shared = bt.store_chain(holder.table, holder.engine, holder.bit, hashes, ours)
+        if shared is None:
+            self._add_each(holder, hashes, ours)
+        elif shared:
+            self._share(holder, shared)
         if stream.waiting:
             self._place_waiting(stream, hashes)
 

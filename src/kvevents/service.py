@@ -24,6 +24,7 @@ import msgspec
 from . import wire
 from .index import IndexStats, PrefixIndex
 from .router import Router
+from .streams import Delivery
 
 __all__ = [
     "Feed",
@@ -208,7 +209,8 @@ class IndexService:
         """Apply one feed item: a Delivery (``.batch``), a StreamReset (``.reason``), or a
         StreamStatus (``.state``, from feeds that queue status items)."""
         stream = item.stream
-        if hasattr(item, "state"):
+        delivery = type(item) is Delivery or hasattr(item, "batch")
+        if not delivery and hasattr(item, "state"):
             self.on_status(item)
             return
         try:
@@ -218,7 +220,7 @@ class IndexService:
                     # Queued before the worker was unregistered: applying it would bring
                     # the worker back as a ghost.
                     self._counts["ignored"] += 1
-                elif hasattr(item, "batch"):
+                elif delivery:
                     self.index.ingest(stream.worker_id, stream.rank, item.batch)
                     self._counts["deliveries"] += 1
                 else:
