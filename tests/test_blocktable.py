@@ -393,6 +393,15 @@ EDGE_JSON = [
     b"[1.]",
     b"[NaN]",
 ]
+# The C parser's fast path takes 1-8 digits followed by a separator: the lengths around it, the
+# separators and the ", " layout, in arrays long enough to use it.
+_PAD = b", ".join(b"%d" % n for n in range(1, 12))
+EDGE_JSON += [
+    b"[" + _PAD + b", " + number + tail + b"]"
+    for number in (b"12345678", b"123456789", b"1234567890", b"4294967295", b"4294967296",
+                   b"99999999999", b"0", b"00", b"01", b"-0", b"-1", b"1.0", b"1e3", b"12345678.5")
+    for tail in (b"", b", 7", b" ,7", b",7", b" ")
+]  # fmt: skip
 EDGE_MSGPACK = [
     b"\x90",
     b"",

@@ -1012,9 +1012,30 @@ json_pack(const unsigned char *p, const unsigned char *end)
     else {
         for (;;) {
             uint32_t v;
+            /* Fast path: 1 to 8 digits without a leading zero (cannot overflow), followed by
+             * a separator, with room to look ahead; anything else takes json_token. */
+            unsigned d = (unsigned)(p[0] - '1');
+            if (end - p > 10 && d < 9) {
+                const unsigned char *q = p + 1;
+                v = d + 1;
+                while ((d = (unsigned)(*q - '0')) < 10 && q - p < 8) {
+                    v = v * 10 + d;
+                    q++;
+                }
+                if (*q == ',' || *q == ']' || *q == ' ') {
+                    p = q;
+                    put_u32le(dst + 4 * count++, v);
+                    if (p[0] == ',' && p[1] == ' ' && (unsigned)(p[2] - '0') < 10) {
+                        p += 2; /* ", " then the next number: the usual layout */
+                        continue;
+                    }
+                    goto separator;
+                }
+            }
             if (!json_token(&p, end, &v))
                 goto fail;
             put_u32le(dst + 4 * count++, v);
+        separator:
             p = json_ws(p, end);
             if (p < end && *p == ',') {
                 p = json_ws(p + 1, end);

@@ -194,8 +194,8 @@ class SkippedEvent:
     reason: str
 
 
-@dataclass(frozen=True)
-class DecodedBatch:
+# A msgspec struct rather than a frozen dataclass: one is made per batch received.
+class DecodedBatch(msgspec.Struct, frozen=True, gc=False):
     """A decoded batch plus the events that had to be skipped to read it."""
 
     batch: KVEventBatch
