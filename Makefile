@@ -9,6 +9,10 @@ DYNAMO_VENV ?= .venv-dynamo
 DYNAMO_VERSION ?= 1.6.1
 DYNAMO_STAMP := $(DYNAMO_VENV)/.installed
 
+# The index-facing tests, run a second time with the C block table switched off.
+FALLBACK_TESTS := tests/test_index.py tests/test_index_model.py tests/test_router.py \
+	tests/test_service.py tests/test_simulate.py tests/test_blocktable.py
+
 .PHONY: demo test bench lint venv dynamo clean
 
 venv: $(STAMP)
@@ -34,6 +38,8 @@ demo: $(STAMP)
 test: $(STAMP)
 	@$(MAKE) --no-print-directory dynamo || echo "warning: ai-dynamo-runtime not installed; interop tests will skip"
 	$(PY) -m pytest -q
+	@echo "again on the pure-Python block table (the fallback where the C module cannot be built):"
+	KVEVENTS_PURE_PYTHON=1 $(PY) -m pytest -q -p no:cacheprovider $(FALLBACK_TESTS)
 
 bench: $(STAMP)
 	@$(MAKE) --no-print-directory dynamo || echo "warning: ai-dynamo-runtime not installed; its baseline will be skipped"
