@@ -9,6 +9,9 @@
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 
 #define MIN_CAPACITY 8
 #define MASK60 ((UINT64_C(1) << 60) - 1)
@@ -115,6 +118,46 @@ key_to(const U64Map *m, uint64_t k)
 
 /* ---------------------------------------------------------------- table core */
 
+/* Slot arrays of 2 MiB and more are mapped on their own and asked to use huge pages: every
+ * lookup in a large table touches a random page, and with 4 KiB pages the TLB misses cost
+ * as much as the cache misses (store_chain of 16 blocks into 1.28M: 3.0 -> 2.6 us measured).
+ * tracemalloc is told about these mappings, so memory measurements still see them. */
+#define HUGE_BYTES ((size_t)2 << 20)
+#define TRACE_DOMAIN 0x6b76 /* "kv" */
+
+static Slot *
+slots_alloc(size_t capacity)
+{
+    size_t bytes = capacity * sizeof(Slot);
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+    if (bytes >= HUGE_BYTES) {
+        void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (p == MAP_FAILED)
+            return NULL;
+        (void)madvise(p, bytes, MADV_HUGEPAGE); /* advice: refused where THP is off */
+        (void)PyTraceMalloc_Track(TRACE_DOMAIN, (uintptr_t)p, bytes);
+        return (Slot *)p;
+    }
+#endif
+    return PyMem_Calloc(capacity, sizeof(Slot));
+}
+
+static void
+slots_free(Slot *slots, size_t capacity)
+{
+    size_t bytes = capacity * sizeof(Slot);
+    if (slots == NULL)
+        return;
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+    if (bytes >= HUGE_BYTES) {
+        (void)PyTraceMalloc_Untrack(TRACE_DOMAIN, (uintptr_t)slots);
+        munmap(slots, bytes);
+        return;
+    }
+#endif
+    PyMem_Free(slots);
+}
+
 static Slot *
 map_find(U64Map *m, uint64_t k)
 {
@@ -150,7 +193,7 @@ map_prefetch(const U64Map *m, uint64_t k)
 static int
 map_resize(U64Map *m, size_t capacity)
 {
-    Slot *fresh = PyMem_Calloc(capacity, sizeof(Slot));
+    Slot *fresh = slots_alloc(capacity);
     size_t mask = capacity - 1, i;
     if (fresh == NULL) {
         PyErr_NoMemory();
@@ -166,7 +209,7 @@ map_resize(U64Map *m, size_t capacity)
             j = (j + 1) & mask;
         fresh[j] = m->slots[i];
     }
-    PyMem_Free(m->slots);
+    slots_free(m->slots, m->mask + 1);
     m->slots = fresh;
     m->mask = mask;
     return 0;
@@ -270,12 +313,12 @@ map_remove(U64Map *m, Slot *s)
 static int
 map_clear(U64Map *m)
 {
-    Slot *fresh = PyMem_Calloc(MIN_CAPACITY, sizeof(Slot));
+    Slot *fresh = slots_alloc(MIN_CAPACITY);
     if (fresh == NULL) {
         PyErr_NoMemory();
         return -1;
     }
-    PyMem_Free(m->slots);
+    slots_free(m->slots, m->mask + 1);
     m->slots = fresh;
     m->mask = MIN_CAPACITY - 1;
     m->used = 0;
@@ -357,7 +400,7 @@ U64Map_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     m = (U64Map *)type->tp_alloc(type, 0);
     if (m == NULL)
         return NULL;
-    m->slots = PyMem_Calloc(MIN_CAPACITY, sizeof(Slot));
+    m->slots = slots_alloc(MIN_CAPACITY);
     if (m->slots == NULL) {
         Py_DECREF(m);
         return PyErr_NoMemory();
@@ -369,7 +412,7 @@ U64Map_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 static void
 U64Map_dealloc(U64Map *m)
 {
-    PyMem_Free(m->slots);
+    slots_free(m->slots, m->mask + 1);
     Py_TYPE(m)->tp_free((PyObject *)m);
 }
 
