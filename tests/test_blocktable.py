@@ -547,6 +547,60 @@ def test_pack_json_matches_reference(raw: bytes) -> None:
     assert c().pack_json_tokens(raw) == py_impl.pack_json_tokens(raw)
 
 
+@st.composite
+def json_objects(draw: st.DrawFn) -> bytes:
+    """Query-like JSON objects: token_ids first, last, nested, repeated, absent or odd."""
+    members = draw(
+        st.lists(
+            st.tuples(
+                st.sampled_from(["token_ids", "model_name", "policy", "tok\\u0065n", "x"]),
+                st.one_of(st.lists(token_values, max_size=12), json_values),
+            ),
+            max_size=4,
+        )
+    )
+    gaps = st.text(alphabet=" \t\r\n", max_size=2)
+    parts = [
+        json.dumps(name) + draw(gaps) + ":" + draw(gaps) + json.dumps(value)
+        for name, value in members
+    ]
+    text = draw(gaps) + "{" + draw(gaps) + ("," + draw(gaps)).join(parts) + draw(gaps) + "}"
+    edit = draw(st.sampled_from(["none", "none", "none", "drop", "insert"]))
+    if edit != "none":
+        at = draw(st.integers(0, len(text) - 1))
+        extra = draw(st.sampled_from(["]", "[", '"', "\\", ",", ":", "{", "}", " ", "1"]))
+        text = text[:at] + (extra if edit == "insert" else "") + text[at + 1 :]
+    return text.encode()
+
+
+@needs_c
+@settings(max_examples=EXAMPLES * 2, deadline=None)
+@given(json_objects())
+def test_pack_json_member_matches_reference(body: bytes) -> None:
+    """The member scan agrees with the reference on random objects and one-character edits."""
+    assert c().pack_json_member(body, b"token_ids") == py_impl.pack_json_member(body, b"token_ids")
+
+
+@pytest.mark.parametrize("impl", ["python", "c"])
+def test_pack_json_member_reads_the_first_top_level_member(impl: str) -> None:
+    """The first top-level member with that exact key, with its span; None otherwise."""
+    module = py_impl if impl == "python" else c()
+    body = b'{"a": {"token_ids": [9]}, "s": "token_ids\\"]", "token_ids": [1, 2], "b": 1}'
+    packed, start, end = module.pack_json_member(body, b"token_ids")
+    assert packed == struct.pack("<2I", 1, 2) and body[start:end] == b"[1, 2]"
+    for bad in (
+        b'{"token_ids": [[1]]}',
+        b'{"token_ids": "[1]"}',
+        b'{"token_ids": [1, 2.5]}',
+        b'{"tok\\u0065n_ids": [1]}',
+        b"[1]",
+        b'{"other": [1]}',
+    ):
+        assert module.pack_json_member(bad, b"token_ids") is None, bad
+    # The rest of the body is the caller's to validate: an unclosed object still yields.
+    assert module.pack_json_member(b'{"token_ids": [1] ', b"token_ids") is not None
+
+
 # ------------------------------------------------------------------ selection
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import queue
 import sys
 import types
@@ -299,6 +301,18 @@ def test_lean_query_answers_like_the_service(
         assert reply.status_code == 200, reply.text
         assert reply.headers["content-type"] == "application/json"
         assert reply.json() == service.query(body["token_ids"], **options), body
+    # Raw bodies the one-pass member scan must not misread: the last token_ids wins (as in a
+    # full decode), a nested or quoted "token_ids" is not the member, the member comes last.
+    short = json.dumps(PROMPT[:5])
+    raw_cases = [
+        (f'{{"token_ids": {short}, "token_ids": {json.dumps(PROMPT)}}}', PROMPT),
+        (f'{{"x": {{"token_ids": [1]}}, "s": "\\"token_ids\\"", "token_ids": {short}}}', PROMPT[:5]),
+        (f'{{"model_name": "m", "policy": null, "token_ids": {short}}}', PROMPT[:5]),
+    ]  # fmt: skip
+    for text, tokens in raw_cases:
+        reply = client.post("/query", content=text.encode())
+        assert reply.status_code == 200, (text, reply.text)
+        assert reply.json() == service.query(tokens), text
     hashes = block_hashes(PROMPT, BS)
     reply = client.post("/query", json={"token_ids": None, "block_hashes": hashes})
     assert reply.json() == service.query(block_hashes=hashes)

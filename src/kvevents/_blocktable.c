@@ -1148,6 +1148,132 @@ pack_json_tokens(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t 
     return pack_tokens("pack_json_tokens", json_pack, 1, args, nargs, kwnames);
 }
 
+/* ---------------------------------------------------------------- JSON member */
+
+/* The end of the JSON string starting at p (a '"'), just past its closing quote; NULL if it
+ * does not end within [p, end). */
+static const unsigned char *
+json_skip_string(const unsigned char *p, const unsigned char *end)
+{
+    for (p++; p < end; p++) {
+        if (*p == '\\')
+            p++;
+        else if (*p == '"')
+            return p + 1;
+    }
+    return NULL;
+}
+
+/* The end of the JSON value starting at p, scanned structurally (strings, nesting); the value
+ * itself is not validated. NULL if it does not end within [p, end). */
+static const unsigned char *
+json_skip_value(const unsigned char *p, const unsigned char *end)
+{
+    Py_ssize_t depth = 0;
+    if (p >= end)
+        return NULL;
+    if (*p != '{' && *p != '[' && *p != '"') {
+        while (p < end && *p != ',' && *p != '}' && *p != ']' && *p != ' ' && *p != '\n' &&
+               *p != '\r' && *p != '\t')
+            p++;
+        return p;
+    }
+    while (p < end) {
+        unsigned char c = *p;
+        if (c == '"') {
+            p = json_skip_string(p, end);
+            if (p == NULL)
+                return NULL;
+            if (depth == 0)
+                return p;
+            continue;
+        }
+        if (c == '{' || c == '[')
+            depth++;
+        else if (c == '}' || c == ']') {
+            if (--depth == 0)
+                return p + 1;
+        }
+        p++;
+    }
+    return NULL;
+}
+
+static const char *const member_names[] = {"body", "key"};
+
+/* pack_json_member(body, key): the packed tokens of the top-level member `key` of a JSON
+ * object, with the byte span of its value: (packed, start, end). None when the body is not an
+ * object this scan can read, the key does not appear unescaped, or its value is not a flat
+ * array of ints in 0 .. 2**32-1. Only the first such member is read; the caller decodes the
+ * rest of the body itself (and so sees a repeated key). */
+static PyObject *
+pack_json_member(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs,
+                 PyObject *kwnames)
+{
+    PyObject *a[2], *packed, *result = NULL;
+    Py_buffer body, key;
+    const unsigned char *start, *p, *end;
+    if (parse_args("pack_json_member", args, nargs, kwnames, member_names, 2, 2, a) < 0)
+        return NULL;
+    if (PyObject_GetBuffer(a[0], &body, PyBUF_SIMPLE) < 0)
+        return NULL;
+    if (PyObject_GetBuffer(a[1], &key, PyBUF_SIMPLE) < 0) {
+        PyBuffer_Release(&body);
+        return NULL;
+    }
+    start = body.buf;
+    end = start + body.len;
+    p = json_ws(start, end);
+    if (p >= end || *p != '{')
+        goto none;
+    p = json_ws(p + 1, end);
+    while (p < end && *p == '"') {
+        const unsigned char *name = p + 1, *name_end = json_skip_string(p, end), *value;
+        int match;
+        if (name_end == NULL)
+            goto none;
+        match = (name_end - 1 - name == key.len) && memcmp(name, key.buf, key.len) == 0;
+        p = json_ws(name_end, end);
+        if (p >= end || *p != ':')
+            goto none;
+        value = json_ws(p + 1, end);
+        if (match) {
+            const unsigned char *close;
+            if (value >= end || *value != '[')
+                goto none;
+            /* A flat array of ints holds no ']' but its last: find it fast, then let the
+             * packer check that the span is such an array. */
+            close = memchr(value, ']', (size_t)(end - value));
+            if (close == NULL)
+                goto none;
+            packed = json_pack(value, close + 1);
+            if (packed == NULL) {
+                if (PyErr_Occurred())
+                    goto done;
+                goto none;
+            }
+            result = Py_BuildValue("(Nnn)", packed, (Py_ssize_t)(value - start),
+                                   (Py_ssize_t)(close + 1 - start));
+            goto done;
+        }
+        p = json_skip_value(value, end);
+        if (p == NULL)
+            goto none;
+        p = json_ws(p, end);
+        if (p < end && *p == ',')
+            p = json_ws(p + 1, end);
+        else
+            break;
+    }
+none:
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    PyBuffer_Release(&key);
+    PyBuffer_Release(&body);
+    return result;
+}
+
 /* ---------------------------------------------------------------- store_chain */
 
 /* engine hashes (as keys) and our hashes (as values) of a chain; NULL on error. */
@@ -1490,6 +1616,9 @@ static PyMethodDef module_methods[] = {
      "pack_msgpack_tokens(raw): a msgpack array of uint32 ints as packed uint32 LE, or None."},
     {"pack_json_tokens", FASTCALL(pack_json_tokens),
      "pack_json_tokens(raw): a JSON array of uint32 ints as packed uint32 LE, or None."},
+    {"pack_json_member", FASTCALL(pack_json_member),
+     "pack_json_member(body, key): (packed tokens, start, end) of a top-level int array "
+     "member of a JSON object, or None."},
     {"store_chain", FASTCALL(store_chain),
      "store_chain(blocks, engine, bit, engine_hashes, ours): store fresh blocks of a holder."},
     {"remove_blocks", FASTCALL(remove_blocks),

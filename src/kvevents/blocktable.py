@@ -22,6 +22,7 @@ __all__ = [
     "chain_hashes",
     "drop_holder",
     "extend",
+    "pack_json_member",
     "pack_json_tokens",
     "pack_msgpack_tokens",
     "remove_blocks",
@@ -78,6 +79,7 @@ if TYPE_CHECKING:
         chain_hashes,
         drop_holder,
         extend,
+        pack_json_member,
         pack_json_tokens,
         pack_msgpack_tokens,
         remove_blocks,
@@ -90,6 +92,7 @@ else:
     chain_hashes = _impl.chain_hashes
     drop_holder = _impl.drop_holder
     extend = _impl.extend
+    pack_json_member = _impl.pack_json_member
     pack_json_tokens = _impl.pack_json_tokens
     pack_msgpack_tokens = _impl.pack_msgpack_tokens
     remove_blocks = _impl.remove_blocks

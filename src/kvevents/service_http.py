@@ -103,6 +103,8 @@ _TOKEN_MAX = 2**32 - 1
 
 #: Reads a JSON array of token ids into packed uint32 little-endian bytes; None if it is not one.
 JsonPacker = Callable[[bytes], "bytes | None"]
+#: Finds a top-level member of a JSON object and packs it: (packed, start, end) or None.
+MemberPacker = Callable[[bytes, bytes], "tuple[bytes, int, int] | None"]
 
 
 def _json_packer() -> JsonPacker | None:
@@ -119,6 +121,14 @@ def _json_packer() -> JsonPacker | None:
     if getattr(primitives, "IMPLEMENTATION", "python") == "python":
         return None
     packer: JsonPacker = primitives.pack_json_tokens
+    return packer
+
+
+def _member_packer() -> MemberPacker | None:
+    """The block table's ``pack_json_member`` when it is native code, else None."""
+    if _json_packer() is None:
+        return None
+    packer: MemberPacker = importlib.import_module("kvevents.blocktable").pack_json_member
     return packer
 
 
@@ -167,6 +177,7 @@ class _Api:
     def __init__(self, service: IndexService, collectors: Sequence[Any] = ()) -> None:
         self.service = service
         self.pack_json = _json_packer()
+        self.pack_member = _member_packer()
         self.registry = CollectorRegistry()
         self.registry.register(_Collector(service))
         for collector in collectors:
@@ -214,14 +225,23 @@ class _Api:
                     return query, pack_tokens(query.token_ids)
                 except OverflowError:
                     raise _BadRequest(_token_range_error(query.token_ids)) from None
+            if self.pack_member is not None:
+                # token_ids found and packed in one pass; the small rest of the body is
+                # decoded as usual (a repeated token_ids shows up there: the full path reads it).
+                found = self.pack_member(body, b"token_ids")
+                if found is not None:
+                    packed, start, end = found
+                    rest = _query_packed_decoder.decode(body[:start] + _NULL + body[end:])
+                    if bytes(rest.token_ids) == _NULL:
+                        return rest, packed
             packed_query = _query_packed_decoder.decode(body)
             raw = packed_query.token_ids
             if not raw or (len(raw) == len(_NULL) and bytes(raw) == _NULL):
                 return packed_query, None
-            packed = self.pack_json(raw)
-            if packed is None:
+            tokens = self.pack_json(raw)
+            if tokens is None:
                 raise _BadRequest(_token_ids_error(body))
-            return packed_query, packed
+            return packed_query, tokens
         except msgspec.DecodeError as exc:  # ValidationError is a subclass
             raise _BadRequest(f"/query: {exc}") from exc
 
