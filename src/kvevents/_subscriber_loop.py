@@ -28,6 +28,7 @@ from .replay_client import ReplayBatch, ReplayClient, ReplayEvent
 from .security import apply_client
 from .streams import (
     STREAM_COUNTERS,
+    Applied,
     Delivery,
     Item,
     StreamKey,
@@ -351,6 +352,20 @@ class Loop:
         self._deliver_payload(stream, action.seq, action.payload)
 
     def _deliver_payload(self, stream: _Stream, seq: int, payload: bytes) -> None:
+        on_payload = self.options.on_payload
+        if on_payload is not None:
+            try:
+                applied = on_payload(stream.spec, seq, payload)
+            except DecodeError as exc:
+                self._decode_failed(stream, exc)
+                return
+            except Exception:
+                self.callback_errors += 1
+                log.exception("subscriber on_payload failed")
+                applied = Applied(stream.last_ts or 0.0, 0)
+            if applied is not None:
+                self._account(stream, seq, applied)
+                return
         try:
             decoded = self.options.decoder(payload, seq=seq)
         except DecodeError as exc:
@@ -370,6 +385,18 @@ class Loop:
             # Everything before a cache reset is void: the view is whole again from here.
             stream.cursor.mark_complete()
         self._emit(Delivery(stream.spec, seq, batch))
+
+    def _account(self, stream: _Stream, seq: int, applied: Applied) -> None:
+        """The stats of a batch the on_payload consumer applied itself."""
+        counts = stream.counts
+        counts["delivered"] += 1
+        counts["events"] += applied.events
+        if applied.skipped:
+            counts["skipped_events"] += applied.skipped
+        stream.last_seq = seq
+        stream.last_ts = applied.ts
+        if applied.clears and not stream.cursor.complete:
+            stream.cursor.mark_complete()
 
     def _gap(self, stream: _Stream, gap: Gap) -> None:
         spec = stream.spec

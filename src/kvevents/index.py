@@ -37,8 +37,9 @@ from typing import ClassVar, NamedTuple
 
 from . import blocktable as bt
 from .events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from .streams import Applied
 from .tokenhash import ROOT_SEED, pack_tokens, root_seed
-from .wire import PackedStored
+from .wire import PackedStored, decode_batch_packed
 
 U64Map = bt.U64Map
 chain_hashes = bt.chain_hashes
@@ -440,6 +441,19 @@ class PrefixIndex:
                 self._c.clears += 1
         stream.batches += 1
         stream.last_ts = batch.ts
+
+    def ingest_payload(
+        self, worker_id: str, rank: int, payload: bytes, *, seq: int | None = None
+    ) -> Applied:
+        """Decode one batch payload (:func:`~kvevents.wire.decode_batch_packed`) and
+        :meth:`ingest` it; returns what a subscriber's stats need (the index service applies
+        payloads this way, through ``SubscriberOptions.on_payload``). A payload that cannot
+        be read raises ``DecodeError`` before anything changes."""
+        decoded = decode_batch_packed(payload, seq=seq)
+        batch = decoded.batch
+        clears = self._c.clears
+        self.ingest(worker_id, rank, batch)
+        return Applied(batch.ts, len(batch.events), len(decoded.skipped), self._c.clears != clears)
 
     def _store(self, stream: _Stream, event: _Stored) -> None:
         size = stream.block_size

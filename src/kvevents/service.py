@@ -22,9 +22,10 @@ from typing import Any, Protocol
 import msgspec
 
 from . import wire
+from .errors import DecodeError
 from .index import IndexStats, PrefixIndex
 from .router import Router
-from .streams import Delivery
+from .streams import Applied, Delivery
 
 __all__ = [
     "Feed",
@@ -84,12 +85,14 @@ def default_feed(
     callback: Callable[[Any], None] | None = None,
     options: Any | None = None,
     on_status: Callable[[Any], None] | None = None,
+    on_payload: Callable[[Any, int, bytes], Any] | None = None,
 ) -> Feed:
     """A ``kvevents.subscriber.Subscriber`` with no streams yet.
 
     ``options`` (a ``SubscriberOptions``) are used as given, except that with ``callback``
     the subscriber calls it with every item on its I/O thread instead of queueing the item,
-    and ``on_status`` (when given) receives every stream state change.
+    ``on_status`` (when given) receives every stream state change, and ``on_payload`` (when
+    given) applies batch payloads before they are decoded into deliveries.
     """
     subscriber = importlib.import_module("kvevents.subscriber")
     base = options if options is not None else subscriber.SubscriberOptions()
@@ -98,6 +101,8 @@ def default_feed(
         changes["decoder"] = wire.decode_batch_packed
     if on_status is not None:
         changes["on_status"] = on_status
+    if on_payload is not None:
+        changes["on_payload"] = on_payload
     feed: Feed = subscriber.Subscriber(options=dataclasses.replace(base, **changes))
     return feed
 
@@ -153,7 +158,10 @@ class IndexService:
             if self._feed_factory is None:
                 self._pushes = True
                 self._feed = default_feed(
-                    self.consume, self._subscriber_options, on_status=self.on_status
+                    self.consume,
+                    self._subscriber_options,
+                    on_status=self.on_status,
+                    on_payload=self.apply_payload,
                 )
             else:
                 self._feed = self._feed_factory()
@@ -229,6 +237,25 @@ class IndexService:
         except Exception:
             self._counts["apply_errors"] += 1
             log.exception("worker %s rank %s: item not applied", stream.worker_id, stream.rank)
+
+    def apply_payload(self, stream: Any, seq: int, payload: bytes) -> Applied | None:
+        """Apply one batch payload of ``stream`` straight from the wire (the default feed's
+        ``on_payload``): no delivery object, no decoded tokens. None for a stream of a worker
+        no longer registered (the feed then delivers it, and :meth:`consume` ignores it)."""
+        with self.lock:
+            reg = self._workers.get(stream.worker_id)
+            if reg is None or stream.rank not in reg.ranks:
+                return None
+            try:
+                applied = self.index.ingest_payload(stream.worker_id, stream.rank, payload, seq=seq)
+            except DecodeError:
+                raise
+            except Exception:
+                self._counts["apply_errors"] += 1
+                log.exception("worker %s rank %s: batch not applied", stream.worker_id, stream.rank)
+                raise
+            self._counts["deliveries"] += 1
+            return applied
 
     def on_status(self, status: Any) -> None:
         """A stream's state changed: an incomplete stream's matches stop being trusted.

@@ -98,7 +98,6 @@ class StreamSpec:
     replay_endpoint: str | None = None
     topic: str = ""
     curve: CurveClient | None = None
-    decoder: Callable[..., DecodedBatch] = decode_batch
 
     def __post_init__(self) -> None:
         if self.rank < 0:
@@ -155,6 +154,17 @@ class Delivery(msgspec.Struct, frozen=True, gc=False):
     stream: StreamSpec
     seq: int
     batch: KVEventBatch
+
+
+class Applied(msgspec.Struct, frozen=True, gc=False):
+    """What a :attr:`SubscriberOptions.on_payload` consumer reports of a batch it applied
+    itself: the batch's ``ts``, its number of events, events skipped as unreadable, and
+    whether it holds an ``AllBlocksCleared`` (the stream's view is whole again after one)."""
+
+    ts: float
+    events: int
+    skipped: int = 0
+    clears: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -269,7 +279,11 @@ class SubscriberOptions:
     ``curve``: the CURVE client of every stream whose spec has none (``docs/security.md``).
     ``decoder``: turns a payload into a :class:`~kvevents.wire.DecodedBatch`
     (:func:`~kvevents.wire.decode_batch`; the index service passes
-    :func:`~kvevents.wire.decode_batch_packed`).
+    :func:`~kvevents.wire.decode_batch_packed`). ``on_payload``: called on the I/O thread
+    with ``(stream, seq, payload)`` of every batch due for delivery, before decoding; a
+    consumer that applies the payload itself returns an :class:`Applied` and no
+    :class:`Delivery` is made, one that returns None gets the usual delivery (the index
+    service applies payloads this way). A ``DecodeError`` it raises counts as undecodable.
     """
 
     queue_size: int = 10_000
@@ -284,6 +298,7 @@ class SubscriberOptions:
     wall_clock: Callable[[], float] = time.time
     curve: CurveClient | None = None
     decoder: Callable[..., DecodedBatch] = decode_batch
+    on_payload: Callable[[StreamSpec, int, bytes], Applied | None] | None = None
 
     def __post_init__(self) -> None:
         if self.queue_size < 1 or self.rcvhwm < 0:
