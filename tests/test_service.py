@@ -15,13 +15,16 @@ import pytest
 
 from kvevents import service_http
 from kvevents._blocktable_py import pack_json_tokens
-from kvevents.events import KVEventBatch
+from kvevents.errors import DecodeError
+from kvevents.events import AllBlocksCleared, KVEventBatch
 from kvevents.index import PrefixIndex
 from kvevents.service import IndexService, WorkerRegistration
 from kvevents.service_http import Server, serve
+from kvevents.streams import Applied
 from kvevents.testing.index import batch, engine_hashes, store_event
 from kvevents.testing.sockets import wait_for
 from kvevents.tokenhash import block_hashes
+from kvevents.wire import encode_batch
 
 BS = 4
 PROMPT = list(range(100, 124))  # 6 blocks
@@ -184,6 +187,25 @@ def test_items_of_unregistered_workers_are_ignored(feed: FakeFeed) -> None:
         feed.items.put(StreamReset(spec, "removed"))
         wait_for(lambda: service.stats().ignored == 2, 10.0, what="two ignored items")
         assert service.index.targets() == [] and service.index_stats().entries == 0
+
+
+def test_payloads_are_applied_straight_from_the_wire(feed: FakeFeed) -> None:
+    """apply_payload (the default feed's on_payload) applies a registered stream's batch and
+    reports it; a payload of an unregistered worker is left to the delivery path (None); an
+    unreadable one raises DecodeError and changes nothing."""
+    service = make_service(feed)
+    service.register(WorkerRegistration("a", "tcp://h:5557", BS))
+    spec = feed.spec("a", 0)
+    payload = encode_batch(batch(store_event(PROMPT, BS), ts=7.0))
+    assert service.apply_payload(spec, 0, payload) == Applied(7.0, 1)
+    assert service.query(PROMPT)["scores"] == {"a": {"0": 6}}
+    cleared = encode_batch(batch(AllBlocksCleared(), ts=8.0))
+    assert service.apply_payload(spec, 1, cleared) == Applied(8.0, 1, clears=True)
+    assert service.apply_payload(Spec("b", 0, "tcp://h:1"), 0, payload) is None
+    with pytest.raises(DecodeError):
+        service.apply_payload(spec, 2, b"\xc1")
+    assert service.stats().deliveries == 2 and service.index.targets() == [("a", 0)]
+    assert service.index_stats().entries == 0
 
 
 def test_server_binds_port_zero_and_reports_it(server: tuple[Server, IndexService]) -> None:

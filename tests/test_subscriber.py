@@ -8,9 +8,10 @@ from collections.abc import Callable, Iterator
 import pytest
 import zmq
 
-from kvevents.errors import LayoutError, SubscriberClosed
+from kvevents.errors import DecodeError, LayoutError, SubscriberClosed
 from kvevents.events import AllBlocksCleared, KVEventBatch
 from kvevents.replay_client import ReplayOptions
+from kvevents.streams import Applied
 from kvevents.subscriber import (
     AsyncSubscriber,
     Delivery,
@@ -22,7 +23,7 @@ from kvevents.subscriber import (
     worker_streams,
 )
 from kvevents.testing.peers import Collector, RawPublisher, heartbeat, typical_batch, wire_fixtures
-from kvevents.wire import pack_seq
+from kvevents.wire import decode_batch, pack_seq
 
 W = "w1"
 KEY = (W, 0)
@@ -400,3 +401,47 @@ def test_topic_filters_other_publishers_topics(pubs, subs) -> None:
     publish(pub, 3)
     settle(got, pub)
     assert got.matches(pub, KEY)
+
+
+def test_on_payload_consumer_applies_batches_itself(pubs, subs) -> None:
+    """on_payload sees every due batch before decoding: what it applies is counted from its
+    Applied and not delivered; None gets the usual Delivery; a DecodeError counts as an
+    undecodable message; another exception is counted and the batch is not delivered."""
+    pub = pubs()
+    taken: list[int] = []
+    start = 1 << 62  # set after the handshake, whose heartbeats are delivered the usual way
+
+    def on_payload(stream: StreamSpec, seq: int, payload: bytes) -> Applied | None:
+        assert stream.key == KEY
+        if seq < start or seq % 4 == 1:
+            return None
+        if seq % 4 == 2:
+            raise DecodeError("unreadable on purpose", seq=seq)
+        if seq % 4 == 3:
+            raise RuntimeError("consumer bug")
+        batch = decode_batch(payload).batch
+        taken.append(seq)
+        return Applied(batch.ts, len(batch.events), skipped=1, clears=False)
+
+    sub = subs([spec_for(pub)], on_payload=on_payload)
+    got = connected(pub, sub)
+    while pub.next_seq % 4:
+        pub.publish(heartbeat())
+    settle(got, pub)
+    start = pub.next_seq
+    before = sub.stream_stats()[KEY]
+    for i in range(8):
+        pub.publish(typical_batch(i))
+    seqs = range(start, start + 8)
+    # The last one fails in the consumer: it is accounted for, so everything before it is.
+    got.wait(lambda c: sub.stream_stats()[KEY].last_seq == start + 7, what="the last batch")
+    after = sub.stream_stats()[KEY]
+    assert taken == [s for s in seqs if s % 4 == 0]
+    assert [s for s in got.seqs(KEY) if s >= start] == [s for s in seqs if s % 4 == 1]
+    assert after.decode_errors - before.decode_errors == 2
+    assert sub.stats().callback_errors == 2
+    # applied (2) + delivered (2) + failed in the consumer (2): the undecodable ones are not
+    assert after.delivered - before.delivered == 6
+    per_batch = len(typical_batch(0).events)
+    assert after.events - before.events == 4 * per_batch  # the failed ones report none
+    assert after.skipped_events - before.skipped_events == 2
