@@ -17,7 +17,7 @@ FALLBACK_TESTS := tests/test_index.py tests/test_index_model.py tests/test_route
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml $(wildcard src/kvevents/*.c)
+$(STAMP): pyproject.toml setup.py $(wildcard src/kvevents/*.c)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PY) -m pip install --quiet --disable-pip-version-check --upgrade pip
 	@$(PY) -m pip install --quiet --disable-pip-version-check -e '.[all,dev]'

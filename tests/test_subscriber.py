@@ -435,6 +435,7 @@ def test_on_payload_consumer_applies_batches_itself(pubs, subs) -> None:
     seqs = range(start, start + 8)
     # The last one fails in the consumer: it is accounted for, so everything before it is.
     got.wait(lambda c: sub.stream_stats()[KEY].last_seq == start + 7, what="the last batch")
+    got.wait(lambda c: start + 5 in c.seqs(KEY), what="the last delivery to be taken")
     after = sub.stream_stats()[KEY]
     assert taken == [s for s in seqs if s % 4 == 0]
     assert [s for s in got.seqs(KEY) if s >= start] == [s for s in seqs if s % 4 == 1]
