@@ -32,10 +32,11 @@ from kvevents.streams import Applied
 from kvevents.wire import decode_batch_packed
 
 BS = 2
+# Token ids of every msgpack width: fixints, then uint16 (prompt 1's tail), uint32 (prompt 2).
 PROMPTS = [
     [1, 2, 3, 4, 5, 6, 7, 8],
-    [1, 2, 3, 4, 9, 9, 9, 9],
-    [11, 12, 7, 7, 7, 7, 1, 1],
+    [1, 2, 3, 4, 300, 301, 302, 2**16 - 1],
+    [70_000, 70_001, 2**32 - 1, 7, 7, 7, 1, 1],
 ]
 BLOCKS = 4
 STREAMS = [("w", 0), ("w", 1), ("v", 0)]  # ("w", 1) is not registered: it adopts a size
@@ -222,7 +223,9 @@ def make_store(
     elif twist == "float_token":
         tokens[0] = 1.0
     elif twist == "wide_tokens":
-        tokens = [Wide(t, pick([0xCD, 0xCF, 0xD0, 0xD3])) for t in tokens]
+        top = max(tokens)
+        codes = [0xCF, 0xD3] + [0xCD] * (top < 2**16) + [0xD0] * (top < 2**7)
+        tokens = [Wide(t, pick(codes)) for t in tokens]
     elif twist == "wide_hashes":
         hashes = [Wide(h, 0xD3 if h < 0 else 0xCF) for h in hashes]
     elif twist == "size_mismatch":
