@@ -11,7 +11,8 @@ DYNAMO_STAMP := $(DYNAMO_VENV)/.installed
 
 # The index-facing tests, run a second time with the C block table switched off.
 FALLBACK_TESTS := tests/test_index.py tests/test_index_model.py tests/test_router.py \
-	tests/test_service.py tests/test_simulate.py tests/test_blocktable.py
+	tests/test_service.py tests/test_simulate.py tests/test_blocktable.py \
+	tests/test_index_fastlane.py
 
 .PHONY: demo test bench lint venv dynamo clean
 

@@ -22,6 +22,7 @@ __all__ = [
     "chain_hashes",
     "drop_holder",
     "extend",
+    "ingest_events",
     "pack_json_member",
     "pack_json_tokens",
     "pack_msgpack_tokens",
@@ -79,6 +80,7 @@ if TYPE_CHECKING:
         chain_hashes,
         drop_holder,
         extend,
+        ingest_events,
         pack_json_member,
         pack_json_tokens,
         pack_msgpack_tokens,
@@ -92,6 +94,7 @@ else:
     chain_hashes = _impl.chain_hashes
     drop_holder = _impl.drop_holder
     extend = _impl.extend
+    ingest_events = _impl.ingest_events
     pack_json_member = _impl.pack_json_member
     pack_json_tokens = _impl.pack_json_tokens
     pack_msgpack_tokens = _impl.pack_msgpack_tokens

@@ -44,6 +44,7 @@ from .wire import PackedStored, decode_batch_packed
 U64Map = bt.U64Map
 chain_hashes = bt.chain_hashes
 _pack_msgpack = bt.pack_msgpack_tokens
+_ingest_events = bt.ingest_events
 
 __all__ = [
     "DEFAULT_TIER",
@@ -326,6 +327,9 @@ class PrefixIndex:
         self._roots: dict[str | int, int] = {}
         self._sizes: dict[int, dict[int, int]] | None = None  # block size -> page -> mask
         self._c = _Counts()
+        # ingest_payload's fast lane, unless a subclass changes what ingest does.
+        self._lane = type(self).ingest is PrefixIndex.ingest
+        self._lane_events = 0  # events the lane applied (for tests)
 
     # ----------------------------------------------------------------- workers and streams
 
@@ -430,7 +434,12 @@ class PrefixIndex:
         :class:`~kvevents.wire.PackedStored` (from :func:`~kvevents.wire.decode_batch_packed`).
         """
         stream = self._streams.get((worker_id, rank)) or self._stream(worker_id, rank)
-        for event in batch.events:
+        self._apply_events(stream, batch.events)
+        stream.batches += 1
+        stream.last_ts = batch.ts
+
+    def _apply_events(self, stream: _Stream, events: Iterable[object]) -> None:
+        for event in events:
             kind = type(event)
             if kind in _STORED_TYPES:
                 self._store(stream, event)  # type: ignore[arg-type]
@@ -439,21 +448,65 @@ class PrefixIndex:
             elif kind is AllBlocksCleared:
                 self._drop_stream_state(stream)
                 self._c.clears += 1
-        stream.batches += 1
-        stream.last_ts = batch.ts
 
     def ingest_payload(
         self, worker_id: str, rank: int, payload: bytes, *, seq: int | None = None
     ) -> Applied:
-        """Decode one batch payload (:func:`~kvevents.wire.decode_batch_packed`) and
-        :meth:`ingest` it; returns what a subscriber's stats need (the index service applies
-        payloads this way, through ``SubscriberOptions.on_payload``). A payload that cannot
-        be read raises ``DecodeError`` before anything changes."""
+        """Apply one batch payload as :meth:`ingest` would apply its decoded batch
+        (:func:`~kvevents.wire.decode_batch_packed`); returns what a subscriber's stats need
+        (the index service applies payloads this way, through ``SubscriberOptions.on_payload``).
+        A payload that cannot be read raises ``DecodeError`` before anything changes.
+
+        The block table's fast lane (:func:`kvevents.blocktable.ingest_events`) reads the
+        payload itself and applies its leading events while they are ones it is sure of
+        (stores and removals of known holders, clears); the decoder and the Python path apply
+        the rest, from the first event it left. A subclass that overrides :meth:`ingest`
+        gets every batch through it, decoded, and no lane.
+        """
+        stream = self._streams.get((worker_id, rank)) if self._lane else None
+        if stream is not None:
+            done, count, ts, stored, removed, clears = _ingest_events(
+                payload, stream, ROOT_SEED, self._tombstones
+            )
+            if done:
+                c = self._c
+                c.stored += stored
+                c.removed += removed
+                c.clears += clears
+                self._lane_events += done
+            if done == count:  # all of it (a heartbeat included): no decoding at all
+                stream.batches += 1
+                stream.last_ts = ts
+                return Applied(ts, count, 0, clears > 0)
+            if done:
+                return self._ingest_rest(stream, payload, seq, done, clears > 0)
         decoded = decode_batch_packed(payload, seq=seq)
         batch = decoded.batch
-        clears = self._c.clears
+        before = self._c.clears
         self.ingest(worker_id, rank, batch)
-        return Applied(batch.ts, len(batch.events), len(decoded.skipped), self._c.clears != clears)
+        cleared = self._c.clears != before
+        return Applied(batch.ts, len(batch.events), len(decoded.skipped), cleared)
+
+    def _ingest_rest(
+        self, stream: _Stream, payload: bytes, seq: int | None, done: int, cleared: bool
+    ) -> Applied:
+        """Apply the events of a payload from index ``done`` on (the lane applied those
+        before): decode it whole and skip the decoded events that came before ``done``."""
+        decoded = decode_batch_packed(payload, seq=seq)
+        batch = decoded.batch
+        events: Sequence[object] = batch.events
+        if decoded.skipped:  # decoded events by their index in the payload
+            skipped = {s.index for s in decoded.skipped}
+            left = [i for i in range(len(events) + len(skipped)) if i not in skipped]
+            events = [e for e, i in zip(events, left, strict=True) if i >= done]
+        else:
+            events = events[done:]
+        before = self._c.clears
+        self._apply_events(stream, events)
+        stream.batches += 1
+        stream.last_ts = batch.ts
+        cleared = cleared or self._c.clears != before
+        return Applied(batch.ts, len(batch.events), len(decoded.skipped), cleared)
 
     def _store(self, stream: _Stream, event: _Stored) -> None:
         size = stream.block_size
