@@ -197,6 +197,22 @@ def test_orphan_removed_while_held_is_not_placed() -> None:
     assert index.stats().entries == 5
 
 
+def test_held_child_of_a_block_removed_while_held_is_still_placed() -> None:
+    """Two held orphans, the first one's last block removed while held: when the root arrives
+    the first is placed without that block, and the second still lands at its true position
+    (it chains through the removed block, as after any eviction)."""
+    index = make_index()
+    index.apply("a", 0, batch(store_event(PROMPT, BS, start_block=2, end_block=4)))
+    index.apply("a", 0, batch(store_event(PROMPT, BS, start_block=4)))
+    index.apply("a", 0, batch(remove_event(PROMPT, BS, start_block=3, end_block=4)))
+    placed = index.apply("a", 0, batch(store_event(PROMPT, BS, end_block=2)))
+    assert placed.placed == 4 and index.stats().orphans_held == 0
+    assert index.match(PROMPT).holders == {gpu("a"): 3}  # blocks 0-2; block 3 is gone
+    assert index.snapshot()[gpu("a")] == frozenset(
+        h for i, h in enumerate(engine_hashes(PROMPT, BS)) if i != 3
+    )
+
+
 def test_orphans_are_bounded_and_dropped_oldest_first() -> None:
     """Past the bound the oldest orphan is dropped and counted, never silently."""
     index = make_index(max_orphan_blocks=4)

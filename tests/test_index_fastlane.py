@@ -450,8 +450,7 @@ def apply_python(index: PrefixIndex, stream: tuple[str, int], data: bytes) -> Ap
 
 
 def outcome(apply: Callable[[], Applied]) -> Applied | str:
-    """What applying did; an exception by its type, as both paths must raise alike (the Python
-    path has one known AssertionError: a held orphan whose parent was removed while held)."""
+    """What applying did; an exception by its type, as both paths must raise alike."""
     try:
         return apply()
     except Exception as exc:

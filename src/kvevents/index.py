@@ -746,12 +746,18 @@ class PrefixIndex:
         ours = chain_hashes(orphan.packed, stream.block_size, seed)
         hashes = event.block_hashes
         if orphan.removed:
-            # Blocks removed while held still chain their children, but are not placed.
-            kept = [
-                (eh, oh) for eh, oh in zip(hashes, ours, strict=True) if eh not in orphan.removed
-            ]
+            # Blocks removed while held are not placed, but still chain their children: held
+            # children resolve them through the tombstones, as if stored and then removed.
+            kept = []
+            for eh, oh in zip(hashes, ours, strict=True):
+                if eh in orphan.removed:
+                    stream.tombs[eh] = oh
+                else:
+                    kept.append((eh, oh))
             hashes, ours = [eh for eh, _ in kept], [oh for _, oh in kept]
             self._c.stored += len(orphan.removed)
+            if len(stream.tombs) > self._tombstones:
+                stream.tombs_old, stream.tombs = stream.tombs, U64Map()
         self._add(self._holder(stream, event.medium), hashes, ours)
         self._c.placed += len(event.block_hashes)
 
