@@ -427,7 +427,7 @@ def run() -> list[Row]:
     # Interleaved, so that a change in the machine's load hits both alike.
     for _ in range(ROUNDS):
         for name, factory in PEERS.items():
-            live[name].append(measure(factory, work, queries=QUERIES // ROUNDS))
+            live[name].append(measure(factory, work, queries=QUERIES))
             queued[name].append(measure(factory, work, queries=0, paused=True))
     return rows(
         {name: combine(runs) for name, runs in live.items()},
