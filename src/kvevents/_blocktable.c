@@ -890,6 +890,18 @@ put_u32le(unsigned char *p, uint32_t v)
     p[3] = (unsigned char)(v >> 24);
 }
 
+/* The payload size and signedness of a msgpack int format byte beyond the fixints (uint8 ..
+ * uint64, int8 .. int64); 0 for any other format. */
+static inline int
+int_format(unsigned char b, int *size, int *is_signed)
+{
+    if (b < 0xcc || b > 0xd3)
+        return 0;
+    *is_signed = b >= 0xd0;
+    *size = 1 << (b - (*is_signed ? 0xd0 : 0xcc)); /* 1, 2, 4, 8 */
+    return 1;
+}
+
 static inline uint64_t
 get_be(const unsigned char *p, int nbytes)
 {
@@ -927,17 +939,8 @@ msgpack_token(const unsigned char **pp, const unsigned char *end, uint32_t *out)
         *pp = p + 4;
         return 1;
     }
-    switch (b) {
-    case 0xcc: size = 1; break;
-    case 0xcd: size = 2; break;
-    case 0xce: size = 4; break;
-    case 0xcf: size = 8; break;
-    case 0xd0: size = 1; is_signed = 1; break;
-    case 0xd1: size = 2; is_signed = 1; break;
-    case 0xd2: size = 4; is_signed = 1; break;
-    case 0xd3: size = 8; is_signed = 1; break;
-    default: return 0;
-    }
+    if (!int_format(b, &size, &is_signed))
+        return 0;
     if (end - p < size || (is_signed && (p[0] & 0x80)))
         return 0;
     v = get_be(p, size);
@@ -1577,17 +1580,8 @@ mp_int(cur *pp, cur end, uint64_t *out, int *neg)
         *pp = p;
         return 1;
     }
-    switch (b) {
-    case 0xcc: size = 1; break;
-    case 0xcd: size = 2; break;
-    case 0xce: size = 4; break;
-    case 0xcf: size = 8; break;
-    case 0xd0: size = 1; is_signed = 1; break;
-    case 0xd1: size = 2; is_signed = 1; break;
-    case 0xd2: size = 4; is_signed = 1; break;
-    case 0xd3: size = 8; is_signed = 1; break;
-    default: return 0;
-    }
+    if (!int_format(b, &size, &is_signed))
+        return 0;
     if (end - p < size)
         return 0;
     v = get_be(p, size);

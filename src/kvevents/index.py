@@ -544,14 +544,7 @@ class PrefixIndex:
                     self._hold_orphan(stream, event, packed)
                     return
             seed = found
-        # _add, inlined: this is the hot path of the whole index.
-        ours = chain_hashes(packed, size, seed)
-        self._c.stored += len(hashes)
-        shared = bt.store_chain(holder.table, holder.engine, holder.bit, hashes, ours)
-        if shared is None:
-            self._add_each(holder, hashes, ours)
-        elif shared:
-            self._share(holder, shared)
+        self._add(holder, hashes, chain_hashes(packed, size, seed))
         if stream.waiting:
             self._place_waiting(stream, hashes)
 
