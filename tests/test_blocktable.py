@@ -126,6 +126,16 @@ def test_map_edge_keys(impl: ModuleType) -> None:
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+def test_map_keys_values_and_items_agree_in_order(impl: ModuleType) -> None:
+    """keys(), values(), items() and iteration list the entries in one order (zero key too)."""
+    m = impl.U64Map()
+    for k in [5, 0, 2**64 - 1, 77, 2**40]:
+        m[k] = k % 1000 + 1
+    assert list(zip(m.keys(), m.values(), strict=True)) == m.items()
+    assert list(m) == m.keys() and len(m.items()) == 5
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 def test_map_grows_and_shrinks_like_a_dict(impl: ModuleType) -> None:
     """Many inserts and deletes (sequential and random keys) leave exactly a dict's contents."""
     rng = random.Random(7)

@@ -476,57 +476,16 @@ U64Map_ass_subscript(U64Map *m, PyObject *key, PyObject *value)
 }
 
 static PyObject *
-U64Map_keys(U64Map *m, PyObject *Py_UNUSED(ignored))
+value_obj(const U64Map *m, const Slot *s)
 {
-    PyObject *out = PyList_New(U64Map_len(m));
-    Py_ssize_t n = 0;
-    size_t i;
-    if (out == NULL)
-        return NULL;
-    if (m->has_zero)
-        PyList_SET_ITEM(out, n++, PyLong_FromLong(0));
-    for (i = 0; i <= m->mask; i++) {
-        PyObject *o;
-        if (m->slots[i].key == 0)
-            continue;
-        o = key_to(m, m->slots[i].key);
-        if (o == NULL) {
-            Py_DECREF(out);
-            return NULL;
-        }
-        PyList_SET_ITEM(out, n++, o);
-    }
-    return out;
+    (void)m;
+    return PyLong_FromUnsignedLongLong(s->value);
 }
 
 static PyObject *
-U64Map_values(U64Map *m, PyObject *Py_UNUSED(ignored))
+key_obj(const U64Map *m, const Slot *s)
 {
-    PyObject *out = PyList_New(U64Map_len(m));
-    Py_ssize_t n = 0;
-    size_t i;
-    if (out == NULL)
-        return NULL;
-    if (m->has_zero) {
-        PyObject *o = PyLong_FromUnsignedLongLong(m->zero.value);
-        if (o == NULL) {
-            Py_DECREF(out);
-            return NULL;
-        }
-        PyList_SET_ITEM(out, n++, o);
-    }
-    for (i = 0; i <= m->mask; i++) {
-        PyObject *o;
-        if (m->slots[i].key == 0)
-            continue;
-        o = PyLong_FromUnsignedLongLong(m->slots[i].value);
-        if (o == NULL) {
-            Py_DECREF(out);
-            return NULL;
-        }
-        PyList_SET_ITEM(out, n++, o);
-    }
-    return out;
+    return key_to(m, s->key);
 }
 
 /* A 2-tuple stealing both references (released on failure). */
@@ -558,8 +517,12 @@ item_tuple(const U64Map *m, const Slot *s)
     return pair(k, v);
 }
 
+typedef PyObject *(*slot_reader)(const U64Map *, const Slot *);
+
+/* One object per entry, in table order (the out-of-line zero key first): keys(), values()
+ * and items() list their entries in the same order. */
 static PyObject *
-U64Map_items(U64Map *m, PyObject *Py_UNUSED(ignored))
+collect(U64Map *m, slot_reader read)
 {
     PyObject *out = PyList_New(U64Map_len(m));
     Py_ssize_t n = 0;
@@ -568,25 +531,43 @@ U64Map_items(U64Map *m, PyObject *Py_UNUSED(ignored))
         return NULL;
     for (i = 0; i <= m->mask + 1; i++) {
         const Slot *s;
-        PyObject *t;
-        if (i == m->mask + 1) {
+        PyObject *o;
+        if (i == 0) {
             if (!m->has_zero)
-                break;
+                continue;
             s = &m->zero;
         }
         else {
-            s = &m->slots[i];
+            s = &m->slots[i - 1];
             if (s->key == 0)
                 continue;
         }
-        t = item_tuple(m, s);
-        if (t == NULL) {
+        o = read(m, s);
+        if (o == NULL) {
             Py_DECREF(out);
             return NULL;
         }
-        PyList_SET_ITEM(out, n++, t);
+        PyList_SET_ITEM(out, n++, o);
     }
     return out;
+}
+
+static PyObject *
+U64Map_keys(U64Map *m, PyObject *Py_UNUSED(ignored))
+{
+    return collect(m, key_obj);
+}
+
+static PyObject *
+U64Map_values(U64Map *m, PyObject *Py_UNUSED(ignored))
+{
+    return collect(m, value_obj);
+}
+
+static PyObject *
+U64Map_items(U64Map *m, PyObject *Py_UNUSED(ignored))
+{
+    return collect(m, item_tuple);
 }
 
 static PyObject *
