@@ -38,7 +38,7 @@ from .streams import (
     StreamStatus,
     SubscriberOptions,
 )
-from .wire import parse_live
+from .wire import decode_batch, parse_live
 
 log = logging.getLogger("kvevents.subscriber")
 
@@ -367,7 +367,7 @@ class Loop:
                 self._account(stream, seq, applied)
                 return
         try:
-            decoded = self.options.decoder(payload, seq=seq)
+            decoded = decode_batch(payload, seq=seq)
         except DecodeError as exc:
             self._decode_failed(stream, exc)
             return

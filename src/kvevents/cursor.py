@@ -177,8 +177,7 @@ class Cursor:
         changes nothing (call :meth:`on_live`)."""
         if seq != self._next or self._replaying:
             return False
-        self._recent[seq % self._window] = (seq, hash(payload))
-        self._next = seq + 1
+        self._record(seq, payload)
         return True
 
     def on_replay(self, seq: int, payload: bytes) -> list[Action]:
@@ -254,9 +253,13 @@ class Cursor:
         return actions
 
     def _deliver(self, seq: int, payload: bytes) -> Deliver:
+        self._record(seq, payload)
+        return Deliver(seq, payload)
+
+    def _record(self, seq: int, payload: bytes) -> None:
+        """``seq`` is delivered: remember it (to tell a duplicate later) and move on."""
         self._recent[seq % self._window] = (seq, hash(payload))
         self._next = seq + 1
-        return Deliver(seq, payload)
 
     def _skip(self, start: int, end: int) -> Unrecoverable:
         self.complete = False

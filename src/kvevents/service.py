@@ -21,7 +21,6 @@ from typing import Any, Protocol
 
 import msgspec
 
-from . import wire
 from .errors import DecodeError
 from .index import IndexStats, PrefixIndex
 from .router import Router
@@ -97,8 +96,6 @@ def default_feed(
     subscriber = importlib.import_module("kvevents.subscriber")
     base = options if options is not None else subscriber.SubscriberOptions()
     changes: dict[str, Any] = {"callback": callback}
-    if base.decoder is wire.decode_batch:  # the index packs tokens itself: skip their ints
-        changes["decoder"] = wire.decode_batch_packed
     if on_status is not None:
         changes["on_status"] = on_status
     if on_payload is not None:

@@ -18,7 +18,6 @@ import msgspec
 from .endpoints import parse_endpoint, rank_endpoint
 from .errors import LayoutError
 from .events import KVEventBatch
-from .wire import DecodedBatch, decode_batch
 
 if TYPE_CHECKING:  # records only: importing them here must not load zmq
     from .security import CurveClient
@@ -277,9 +276,7 @@ class SubscriberOptions:
     stream to tell a duplicate from a restart. ``gap_log_interval``: at most one gap warning
     per stream per that many seconds. ``wall_clock``: the clock ``lag`` is measured with.
     ``curve``: the CURVE client of every stream whose spec has none (``docs/security.md``).
-    ``decoder``: turns a payload into a :class:`~kvevents.wire.DecodedBatch`
-    (:func:`~kvevents.wire.decode_batch`; the index service passes
-    :func:`~kvevents.wire.decode_batch_packed`). ``on_payload``: called on the I/O thread
+    ``on_payload``: called on the I/O thread
     with ``(stream, seq, payload)`` of every batch due for delivery, before decoding; a
     consumer that applies the payload itself returns an :class:`Applied` and no
     :class:`Delivery` is made, one that returns None gets the usual delivery (the index
@@ -297,7 +294,6 @@ class SubscriberOptions:
     gap_log_interval: float = 5.0
     wall_clock: Callable[[], float] = time.time
     curve: CurveClient | None = None
-    decoder: Callable[..., DecodedBatch] = decode_batch
     on_payload: Callable[[StreamSpec, int, bytes], Applied | None] | None = None
 
     def __post_init__(self) -> None:

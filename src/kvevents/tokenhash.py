@@ -31,6 +31,8 @@ from collections.abc import Sequence
 
 import xxhash
 
+from .blocktable import chain_hashes as _chain
+
 __all__ = ["MASK", "ROOT_SEED", "block_hashes", "chain_hashes", "pack_tokens", "root_seed"]
 
 #: Seed of the first block of a base-model prefix (``xxh3_64(b"kvevents") & MASK``, fixed).
@@ -41,7 +43,6 @@ MASK: int = 2**60 - 1
 
 _xxh3 = xxhash.xxh3_64_intdigest
 _BIG_ENDIAN = sys.byteorder == "big"
-_TOKEN_BYTES = 4
 
 
 def root_seed(lora: str | int | None = None) -> int:
@@ -65,17 +66,9 @@ def chain_hashes(packed: bytes, block_size: int, seed: int) -> list[int]:
     """Chained hashes of every full block of ``packed`` tokens, the first seeded by ``seed``.
 
     ``seed`` is :func:`root_seed` for a prefix starting at token 0, or the hash of the block
-    before the first one.
+    before the first one. Computed by :mod:`kvevents.blocktable` (in C where it is built).
     """
-    step = block_size * _TOKEN_BYTES
-    end = len(packed) - len(packed) % step
-    out: list[int] = []
-    append = out.append
-    h = seed
-    for start in range(0, end, step):
-        h = _xxh3(packed[start : start + step], h) & MASK
-        append(h)
-    return out
+    return _chain(packed, block_size, seed)
 
 
 def block_hashes(
