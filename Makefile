@@ -14,7 +14,7 @@ FALLBACK_TESTS := tests/test_index.py tests/test_index_model.py tests/test_route
 	tests/test_service.py tests/test_simulate.py tests/test_blocktable.py \
 	tests/test_index_fastlane.py
 
-.PHONY: demo test bench lint venv dynamo clean
+.PHONY: demo test test-pythons bench lint venv dynamo clean
 
 venv: $(STAMP)
 
@@ -45,6 +45,21 @@ test: $(STAMP)
 bench: $(STAMP)
 	@$(MAKE) --no-print-directory dynamo || echo "warning: ai-dynamo-runtime not installed; its baseline will be skipped"
 	$(PY) bench/run.py
+
+# The suite (interop aside) on each other CPython that runs here, each in its own venv under
+# build/: the package claims 3.10 and later. Not part of CI, whose machine has 3.11 only.
+# With pyenv: make test-pythons OTHER_PYTHONS="$(ls ~/.pyenv/versions/3.1[0-9]*/bin/python3)"
+OTHER_PYTHONS ?= python3.10 python3.12 python3.13
+
+test-pythons:
+	@for py in $(OTHER_PYTHONS); do \
+		if ! $$py -c "" >/dev/null 2>&1; then echo "$$py: does not run here, skipped"; continue; fi; \
+		venv=build/venv-$$(basename $$(dirname $$(dirname $$py)))-$$(basename $$py); \
+		test -x $$venv/bin/python || $$py -m venv $$venv || exit 1; \
+		$$venv/bin/python -m pip install --quiet --disable-pip-version-check -e '.[all,dev]' || exit 1; \
+		echo "== $$py"; \
+		KVEVENTS_REQUIRE_NATIVE=1 $$venv/bin/python -m pytest -q -p no:cacheprovider tests --ignore=tests/interop || exit 1; \
+	done
 
 lint: $(STAMP)
 	$(PY) -m ruff check src tests bench
