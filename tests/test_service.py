@@ -208,6 +208,23 @@ def test_payloads_are_applied_straight_from_the_wire(feed: FakeFeed) -> None:
     assert service.index_stats().entries == 0
 
 
+def test_a_failing_payload_apply_is_counted_and_raised(
+    feed: FakeFeed, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An index bug while applying a payload is counted (apply_errors) and raised to the
+    subscriber, which logs it with the stream and goes on."""
+    service = make_service(feed)
+    service.register(WorkerRegistration("a", "tcp://h:5557", BS))
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("index bug")
+
+    monkeypatch.setattr(service.index, "ingest_payload", broken)
+    with pytest.raises(RuntimeError):
+        service.apply_payload(feed.spec("a", 0), 0, encode_batch(batch(store_event(PROMPT, BS))))
+    assert service.stats().apply_errors == 1 and service.stats().deliveries == 0
+
+
 def test_server_binds_port_zero_and_reports_it(server: tuple[Server, IndexService]) -> None:
     """serve() on port 0 returns a started server whose real port is known."""
     running, _ = server

@@ -361,7 +361,8 @@ class Loop:
                 return
             except Exception:
                 self.callback_errors += 1
-                log.exception("subscriber on_payload failed")
+                key = stream.spec.key
+                log.exception("worker %s rank %s: on_payload failed on seq %d", *key, seq)
                 applied = Applied(stream.last_ts or 0.0, 0)
             if applied is not None:
                 self._account(stream, seq, applied)

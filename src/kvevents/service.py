@@ -248,8 +248,7 @@ class IndexService:
             except DecodeError:
                 raise
             except Exception:
-                self._counts["apply_errors"] += 1
-                log.exception("worker %s rank %s: batch not applied", stream.worker_id, stream.rank)
+                self._counts["apply_errors"] += 1  # the subscriber logs it, with the stream
                 raise
             self._counts["deliveries"] += 1
             return applied
