@@ -373,22 +373,16 @@ class Loop:
             self._decode_failed(stream, exc)
             return
         batch = decoded.batch
-        counts = stream.counts
-        counts["delivered"] += 1
-        counts["events"] += len(batch.events)
-        if decoded.skipped:
-            counts["skipped_events"] += len(decoded.skipped)
-        stream.last_seq = seq
-        stream.last_ts = batch.ts
-        if not stream.cursor.complete and any(
+        clears = not stream.cursor.complete and any(
             isinstance(e, AllBlocksCleared) for e in batch.events
-        ):
-            # Everything before a cache reset is void: the view is whole again from here.
-            stream.cursor.mark_complete()
+        )  # only an incomplete stream needs to know
+        self._account(
+            stream, seq, Applied(batch.ts, len(batch.events), len(decoded.skipped), clears)
+        )
         self._emit(Delivery(stream.spec, seq, batch))
 
     def _account(self, stream: _Stream, seq: int, applied: Applied) -> None:
-        """The stats of a batch the on_payload consumer applied itself."""
+        """The stats of a delivered batch (or one the on_payload consumer applied)."""
         counts = stream.counts
         counts["delivered"] += 1
         counts["events"] += applied.events
@@ -397,6 +391,7 @@ class Loop:
         stream.last_seq = seq
         stream.last_ts = applied.ts
         if applied.clears and not stream.cursor.complete:
+            # Everything before a cache reset is void: the view is whole again from here.
             stream.cursor.mark_complete()
 
     def _gap(self, stream: _Stream, gap: Gap) -> None:
