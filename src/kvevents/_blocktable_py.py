@@ -14,6 +14,7 @@ map has stored a negative key, unsigned before. Values are ints in ``0 .. 2**64 
 from __future__ import annotations
 
 import sys
+from array import array
 from collections.abc import Iterator, Sequence
 from typing import Any, TypeVar, overload
 
@@ -151,17 +152,20 @@ def chain_hashes(packed: bytes, block_size: int, seed: int) -> list[int]:
     return out
 
 
-def _pack(tokens: list[int]) -> bytes | None:
-    from array import array
-
+def pack_tokens(token_ids: Sequence[int]) -> bytes:
+    """Token ids as packed little-endian uint32 bytes (``OverflowError`` outside that range)."""
     packed = array("I")
-    try:
-        packed.fromlist(tokens)
-    except (OverflowError, TypeError):
-        return None
+    packed.fromlist(token_ids if isinstance(token_ids, list) else list(token_ids))
     if _BIG_ENDIAN:
         packed.byteswap()
     return packed.tobytes()
+
+
+def _pack(tokens: list[int]) -> bytes | None:
+    try:
+        return pack_tokens(tokens)
+    except (OverflowError, TypeError):
+        return None
 
 
 def pack_msgpack_tokens(raw: bytes) -> bytes | None:

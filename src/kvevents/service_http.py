@@ -79,16 +79,10 @@ class _Query(msgspec.Struct, kw_only=True):
     model_name: str | None = None
 
 
-class _QueryPacked(msgspec.Struct, kw_only=True):
+class _QueryPacked(_Query, kw_only=True):
     """``_Query`` with ``token_ids`` left as JSON text, for a packer that reads it directly."""
 
-    token_ids: msgspec.Raw = msgspec.Raw()
-    block_hashes: list[int] | None = None
-    block_size: int | None = None
-    policy: str | None = None
-    lora_name: str | None = None
-    lora_id: int | None = None
-    model_name: str | None = None
+    token_ids: msgspec.Raw = msgspec.Raw()  # type: ignore[assignment]
 
 
 class _BadRequest(Exception):

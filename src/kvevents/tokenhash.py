@@ -25,12 +25,11 @@ Hashes are non-negative Python ints below 2**60. A token id outside ``0 .. 2**32
 
 from __future__ import annotations
 
-import sys
-from array import array
 from collections.abc import Sequence
 
 import xxhash
 
+from ._blocktable_py import pack_tokens
 from .blocktable import chain_hashes as _chain
 
 __all__ = ["MASK", "ROOT_SEED", "block_hashes", "chain_hashes", "pack_tokens", "root_seed"]
@@ -42,7 +41,6 @@ ROOT_SEED: int = xxhash.xxh3_64_intdigest(b"kvevents") & (2**60 - 1)
 MASK: int = 2**60 - 1
 
 _xxh3 = xxhash.xxh3_64_intdigest
-_BIG_ENDIAN = sys.byteorder == "big"
 
 
 def root_seed(lora: str | int | None = None) -> int:
@@ -51,15 +49,6 @@ def root_seed(lora: str | int | None = None) -> int:
         return ROOT_SEED
     key = b"lora:" + lora.encode() if isinstance(lora, str) else b"lora-id:%d" % lora
     return _xxh3(key, ROOT_SEED) & MASK
-
-
-def pack_tokens(token_ids: Sequence[int]) -> bytes:
-    """Token ids as packed little-endian uint32 bytes (``OverflowError`` outside that range)."""
-    packed = array("I")
-    packed.fromlist(token_ids if isinstance(token_ids, list) else list(token_ids))
-    if _BIG_ENDIAN:
-        packed.byteswap()
-    return packed.tobytes()
 
 
 def chain_hashes(packed: bytes, block_size: int, seed: int) -> list[int]:
