@@ -18,7 +18,7 @@ FALLBACK_TESTS := tests/test_index.py tests/test_index_model.py tests/test_route
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml setup.py $(wildcard src/kvevents/*.c)
+$(STAMP): pyproject.toml setup.py $(wildcard src/kvevents/*/*.c)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PY) -m pip install --quiet --disable-pip-version-check --upgrade pip
 	@$(PY) -m pip install --quiet --disable-pip-version-check -e '.[all,dev]'
@@ -67,4 +67,4 @@ lint: $(STAMP)
 	$(PY) -m mypy
 
 clean:
-	rm -rf $(VENV) $(DYNAMO_VENV) build dist src/*.egg-info src/kvevents/*.so .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(DYNAMO_VENV) build dist src/*.egg-info src/kvevents/*/*.so .pytest_cache .mypy_cache .ruff_cache

@@ -15,14 +15,14 @@ import time
 from pathlib import Path
 
 from harness import Row, throughput
-from kvevents.engine import EngineConfig, SimulatedEngine
 from kvevents.events import BlockRemoved, BlockStored, KVEventBatch
-from kvevents.hashing import chain_hashes
-from kvevents.recorder import EventRecorder
-from kvevents.trace import load_trace, run_trace
+from kvevents.publish.recorder import EventRecorder
+from kvevents.sim.engine import EngineConfig, SimulatedEngine
+from kvevents.sim.hashing import chain_hashes
+from kvevents.sim.trace import default_trace_path, load_trace, run_trace
 from kvevents.wire import encode_batch
 
-TRACE = Path(os.environ.get("KVEVENTS_TRACE", "/work/shared/data/mooncake_synthetic_trace.jsonl"))
+TRACE = Path(default_trace_path())
 BS = 16
 CHAIN = 16
 ROWS = int(os.environ.get("KVEVENTS_BENCH_TRACE_ROWS", "1500"))

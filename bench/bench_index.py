@@ -32,10 +32,10 @@ import msgspec  # noqa: E402
 
 from harness import Row, percentile  # noqa: E402
 from kvevents.events import BlockRemoved, BlockStored, KVEventBatch  # noqa: E402
-from kvevents.index import PrefixIndex  # noqa: E402
-from kvevents.router import Router  # noqa: E402
+from kvevents.index.keys import ROOT_SEED, block_hashes, chain_hashes, pack_tokens  # noqa: E402
+from kvevents.index.prefix import PrefixIndex  # noqa: E402
+from kvevents.index.router import Router  # noqa: E402
 from kvevents.testing.index import batch, engine_hashes, random_worker_batches  # noqa: E402
-from kvevents.tokenhash import ROOT_SEED, block_hashes, chain_hashes, pack_tokens  # noqa: E402
 from kvevents.wire import decode_batch, decode_batch_packed, encode_batch  # noqa: E402
 
 BS = 16
@@ -311,8 +311,8 @@ class _IdleFeed:
 
 
 def _http_child(conn: Any) -> None:
-    from kvevents.service import IndexService
-    from kvevents.service_http import serve
+    from kvevents.service.core import IndexService
+    from kvevents.service.http import serve
 
     index, _, _ = query_setup()
     service = IndexService(index, feed=_IdleFeed(), stream_specs=lambda reg: [])

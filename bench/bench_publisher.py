@@ -23,7 +23,7 @@ import zmq
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import Row, median, percentile
 from kvevents.events import BlockRemoved, BlockStored, KVEventBatch
-from kvevents.publisher import PublisherOptions, ZmqPublisher
+from kvevents.publish.publisher import PublisherOptions, ZmqPublisher
 from kvevents.testing.publisher import (
     local_config,
     probe_until,

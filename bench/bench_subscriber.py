@@ -26,7 +26,7 @@ sys.path.insert(0, str(HERE.parent / "src"))
 
 from harness import Row  # noqa: E402
 from kvevents.events import KVEventBatch  # noqa: E402
-from kvevents.subscriber import Delivery, StreamSpec, Subscriber, SubscriberOptions  # noqa: E402
+from kvevents.subscribe.subscriber import Delivery, StreamSpec, Subscriber, SubscriberOptions  # noqa: E402
 from kvevents.testing.peers import RawPublisher, heartbeat, typical_batch  # noqa: E402
 from kvevents.wire import encode_batch, live_frames  # noqa: E402
 
@@ -207,7 +207,7 @@ def run() -> list[Row]:
     """Rows for 1, 8 and 32 publisher processes, the raw baseline, and replay catch-up."""
     # The probes sent before the subscriber connects are reported lost (no replay endpoint
     # in the throughput runs); expected here, so keep the output to the figures.
-    logging.getLogger("kvevents.subscriber").setLevel(logging.ERROR)
+    logging.getLogger("kvevents.subscribe.subscriber").setLevel(logging.ERROR)
     baseline = raw_rate()
     rows: list[Row] = []
     for publishers in (1, 8, 32):

@@ -17,15 +17,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvevents import _blocktable_py as py_impl
-from kvevents import blocktable
+from kvevents.index import _table_py as py_impl
+from kvevents.index import table as blocktable
 
 try:
     c_impl: ModuleType | None = blocktable._load_native()
     C_MISSING = ""
 except (ImportError, OSError, AttributeError, ValueError) as exc:  # pragma: no cover
     c_impl = None
-    C_MISSING = f"the C extension kvevents._blocktable is not usable: {exc}"
+    C_MISSING = f"the C extension kvevents.index._blocktable is not usable: {exc}"
 
 needs_c = pytest.mark.skipif(c_impl is None, reason=C_MISSING or "C extension available")
 IMPLS = [
@@ -355,7 +355,11 @@ def test_chain_hashes_needs_xxh3() -> None:
     if c_impl is None:
         pytest.skip(C_MISSING)
     code = (
-        "import kvevents._blocktable as b\n"
+        # Load the extension by file, without the package that initialises it on import.
+        "import glob, importlib.util as u, kvevents\n"
+        "path = glob.glob(kvevents.__path__[0] + '/index/_blocktable*.so')[0]\n"
+        "spec = u.spec_from_file_location('kvevents.index._blocktable', path)\n"
+        "b = u.module_from_spec(spec); spec.loader.exec_module(b)\n"
         "try:\n    b.chain_hashes(b'', 1, 0)\nexcept RuntimeError:\n    print('refused')\n"
     )
     done = subprocess.run(

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from kvevents.cache import CPU, GPU, RankCache
 from kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored
-from kvevents.hashing import chain_hashes
+from kvevents.sim.cache import CPU, GPU, RankCache
+from kvevents.sim.hashing import chain_hashes
 from kvevents.testing.engine import BlockSets, small_cache
 
 BS = 2

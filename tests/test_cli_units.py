@@ -11,7 +11,7 @@ from kvevents.cli.output import stream_table
 from kvevents.cli.render import ListenView, batch_summary, stats_record, text_line
 from kvevents.cli.specs import stream_specs
 from kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
-from kvevents.streams import Delivery, StreamReset, StreamSpec, StreamStats, StreamStatus
+from kvevents.subscribe.streams import Delivery, StreamReset, StreamSpec, StreamStats, StreamStatus
 
 SPEC = StreamSpec("a", 0, "tcp://127.0.0.1:5557", "tcp://127.0.0.1:5600")
 

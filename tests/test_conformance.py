@@ -18,8 +18,13 @@ import msgspec
 import pytest
 
 from kvevents.events import BlockRemoved, KVEventBatch
-from kvevents.index import PrefixIndex
-from kvevents.testing.conformance import (
+from kvevents.index.prefix import PrefixIndex
+from kvevents.testing.conformance.consumers import (
+    DynamoConsumer,
+    KVEventsConsumer,
+    ServiceConsumer,
+)
+from kvevents.testing.conformance.run import (
     Prompt,
     Report,
     ScenarioResult,
@@ -32,12 +37,7 @@ from kvevents.testing.conformance import (
     run_scenario,
     u64,
 )
-from kvevents.testing.conformance_consumers import (
-    DynamoConsumer,
-    KVEventsConsumer,
-    ServiceConsumer,
-)
-from kvevents.testing.conformance_scenarios import scenario, scenario_names, scenarios
+from kvevents.testing.conformance.scenarios import scenario, scenario_names, scenarios
 from kvevents.testing.dynamo import dynamo_unavailable_reason
 
 DEADLINE = 10.0  # only reached when a consumer fails to show a sentinel

@@ -7,7 +7,15 @@ import os
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvevents.cursor import Action, Cursor, Deliver, Gap, ReplayDone, Restart, Unrecoverable
+from kvevents.subscribe.cursor import (
+    Action,
+    Cursor,
+    Deliver,
+    Gap,
+    ReplayDone,
+    Restart,
+    Unrecoverable,
+)
 
 EXAMPLES = 60 if os.environ.get("CI") else 200
 

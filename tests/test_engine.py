@@ -7,8 +7,8 @@ import time
 import msgspec
 import pytest
 
-from kvevents.engine import EngineConfig, Request, SimulatedEngine
 from kvevents.events import AllBlocksCleared, BlockStored
+from kvevents.sim.engine import EngineConfig, Request, SimulatedEngine
 from kvevents.testing.engine import BlockSets, RecordingSink
 
 BS = 4

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvevents.hashing import block_hash, chain_hashes
+from kvevents.sim.hashing import block_hash, chain_hashes
 
 
 def test_hash_values_are_pinned() -> None:

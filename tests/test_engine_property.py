@@ -7,7 +7,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvevents.engine import EngineConfig, Request, SimulatedEngine
+from kvevents.sim.engine import EngineConfig, Request, SimulatedEngine
 from kvevents.testing.engine import BlockSets
 
 RANKS = 2

@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
-import pytest
-
-from kvevents.engine import EngineConfig, SimulatedEngine, StepResult
+from kvevents.sim.engine import EngineConfig, SimulatedEngine, StepResult
+from kvevents.sim.trace import default_trace_path, load_trace, run_trace
 from kvevents.testing.engine import BlockSets, RecordingSink
-from kvevents.trace import load_trace, run_trace
 from kvevents.wire import decode_batch, encode_batch
 
-TRACE = Path(os.environ.get("KVEVENTS_TRACE", "/work/shared/data/mooncake_synthetic_trace.jsonl"))
-pytestmark = pytest.mark.skipif(not TRACE.exists(), reason=f"trace not found at {TRACE}")
+TRACE = Path(default_trace_path())
 
 
 def test_trace_slice_events_match_ground_truth_every_step() -> None:

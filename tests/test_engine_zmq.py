@@ -1,11 +1,10 @@
 """End to end over real ZeroMQ: engine -> publishers -> raw SUB sockets -> decoded truth.
 
-Needs ``kvevents.publisher`` (skipped until it is merged). Uses only the API in API.md.
+Needs ``kvevents.publish.publisher`` (skipped until it is merged). Uses only the API in API.md.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,16 +12,16 @@ import pytest
 import zmq
 
 from kvevents.config import KVEventsConfig
-from kvevents.engine import EngineConfig, SimulatedEngine, zmq_publisher_factory
 from kvevents.events import KVEventBatch
+from kvevents.sim.engine import EngineConfig, SimulatedEngine, zmq_publisher_factory
+from kvevents.sim.trace import default_trace_path, load_trace, run_trace
 from kvevents.testing.engine import BlockSets
 from kvevents.testing.sockets import Deadline
-from kvevents.trace import load_trace, run_trace
 from kvevents.wire import decode_batch, parse_live
 
-pytest.importorskip("kvevents.publisher")
+pytest.importorskip("kvevents.publish.publisher")
 
-TRACE = Path(os.environ.get("KVEVENTS_TRACE", "/work/shared/data/mooncake_synthetic_trace.jsonl"))
+TRACE = Path(default_trace_path())
 RANKS = 2
 
 
@@ -66,7 +65,6 @@ def handshake(engine: SimulatedEngine, subs: list[zmq.Socket[bytes]]) -> list[in
     return last
 
 
-@pytest.mark.skipif(not TRACE.exists(), reason=f"trace not found at {TRACE}")
 def test_engine_over_zmq_matches_ground_truth(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
     """Every batch arrives in sequence and the decoded events rebuild both ranks' caches."""
     config = KVEventsConfig(enable_kv_cache_events=True, endpoint="tcp://127.0.0.1:0")

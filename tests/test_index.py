@@ -1,4 +1,4 @@
-"""The prefix index: one test per rule (kvevents.index)."""
+"""The prefix index: one test per rule (kvevents.index.prefix)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import logging
 import pytest
 
 from kvevents.events import BlockRemoved, BlockStored
-from kvevents.index import HolderKey, PrefixIndex
+from kvevents.index.keys import block_hashes
+from kvevents.index.prefix import HolderKey, PrefixIndex
 from kvevents.testing.index import (
     batch,
     clear_event,
@@ -15,7 +16,6 @@ from kvevents.testing.index import (
     remove_event,
     store_event,
 )
-from kvevents.tokenhash import block_hashes
 
 BS = 4
 PROMPT = list(range(100, 124))  # 6 blocks of 4 tokens
@@ -257,7 +257,7 @@ def test_block_size_mismatch_is_loud_and_not_applied(caplog: pytest.LogCaptureFi
     now = [0.0]
     index = make_index(clock=lambda: now[0], log_interval=10.0)
     wrong = store_event(PROMPT, 8)
-    with caplog.at_level(logging.ERROR, logger="kvevents.index"):
+    with caplog.at_level(logging.ERROR, logger="kvevents.index.prefix"):
         results = [index.apply("a", 0, batch(wrong)) for _ in range(3)]
         now[0] = 11.0
         index.apply("a", 0, batch(wrong))

@@ -24,12 +24,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvevents import blocktable as bt
 from kvevents.errors import DecodeError
 from kvevents.events import AllBlocksCleared
-from kvevents.index import PrefixIndex
-from kvevents.streams import Applied
-from kvevents.wire import decode_batch_packed
+from kvevents.index import table as bt
+from kvevents.index.prefix import PrefixIndex
+from kvevents.wire import Applied, decode_batch_packed
 
 BS = 2
 # Token ids of every msgpack width: fixints, then uint16 (prompt 1's tail), uint32 (prompt 2).

@@ -6,14 +6,14 @@ import logging
 
 import pytest
 
-from kvevents.streams import StreamSpec, SubscriberOptions
-from kvevents.subscriber import Subscriber
+from kvevents.subscribe.streams import StreamSpec, SubscriberOptions
+from kvevents.subscribe.subscriber import Subscriber
 from kvevents.testing.peers import Collector, RawPublisher, heartbeat
 
 
 def test_unrecoverable_holes_warn_once_per_interval(caplog: pytest.LogCaptureFixture) -> None:
     """Many holes on a stream without replay log one warning per interval, but all are counted."""
-    caplog.set_level(logging.WARNING, logger="kvevents.subscriber")
+    caplog.set_level(logging.WARNING, logger="kvevents.subscribe.subscriber")
     clock = [1000.0]
     options = SubscriberOptions(gap_log_interval=60.0, wall_clock=lambda: clock[0])
     with RawPublisher(replay=False) as raw:

@@ -14,7 +14,7 @@ import zmq
 
 from kvevents import BindError, KVEventsConfig, PublisherClosed, PublisherError
 from kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
-from kvevents.publisher import PublisherOptions, ZmqPublisher
+from kvevents.publish.publisher import PublisherOptions, ZmqPublisher
 from kvevents.testing.publisher import (
     connect_subscriber,
     local_config,

@@ -7,17 +7,17 @@ import logging
 import pytest
 
 from kvevents import KVEventsConfig
-from kvevents._publisher_carry import RemovalCarry
-from kvevents._publisher_log import RateLimitedWarning
 from kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored
-from kvevents.publisher import (
+from kvevents.publish.carry import RemovalCarry
+from kvevents.publish.publisher import (
     NullPublisher,
     PublisherOptions,
     PublisherStats,
     ZmqPublisher,
     create_publisher,
 )
-from kvevents.replay_server import ReplayRing
+from kvevents.publish.replay import ReplayRing
+from kvevents.ratelimit import RateLimitedWarning
 from kvevents.wire import pack_seq
 
 
@@ -89,8 +89,10 @@ def test_ring_tail_with_gaps_and_compaction() -> None:
 def test_rate_limited_warning_holds_back_repeats(caplog: pytest.LogCaptureFixture) -> None:
     """Repeated warnings within the interval are held back and then counted."""
     now = [0.0]
-    warn = RateLimitedWarning(logging.getLogger("kvevents.publisher"), 10.0, clock=lambda: now[0])
-    with caplog.at_level(logging.WARNING, logger="kvevents.publisher"):
+    warn = RateLimitedWarning(
+        logging.getLogger("kvevents.publish.publisher"), 10.0, clock=lambda: now[0]
+    )
+    with caplog.at_level(logging.WARNING, logger="kvevents.publish.publisher"):
         for _ in range(5):
             warn("full", "dropped %d", 7)
         now[0] = 11.0

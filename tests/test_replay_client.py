@@ -7,7 +7,13 @@ from collections.abc import Callable, Iterator
 import pytest
 import zmq
 
-from kvevents.replay_client import ReplayBatch, ReplayClient, ReplayEnd, ReplayEvent, ReplayOptions
+from kvevents.subscribe.replay import (
+    ReplayBatch,
+    ReplayClient,
+    ReplayEnd,
+    ReplayEvent,
+    ReplayOptions,
+)
 from kvevents.testing.sockets import Deadline, unique_inproc
 from kvevents.wire import pack_seq, parse_replay_request, replay_end_frames
 

@@ -1,13 +1,13 @@
-"""Routing policies and explainable decisions (kvevents.router)."""
+"""Routing policies and explainable decisions (kvevents.index.router)."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvevents.index import PrefixIndex
-from kvevents.router import Load, LoadBook, Router, make_policy
+from kvevents.index.keys import block_hashes
+from kvevents.index.prefix import PrefixIndex
+from kvevents.index.router import Load, LoadBook, Router, make_policy
 from kvevents.testing.index import batch, store_event
-from kvevents.tokenhash import block_hashes
 
 BS = 4
 PROMPT = list(range(100, 132))  # 8 blocks

@@ -21,7 +21,7 @@ import pytest
 import zmq
 
 from kvevents.events import BlockStored, KVEventBatch
-from kvevents.publisher import PublisherOptions, ZmqPublisher
+from kvevents.publish.publisher import PublisherOptions, ZmqPublisher
 from kvevents.security import (
     CurveClient,
     CurveServer,
@@ -33,7 +33,7 @@ from kvevents.security import (
     load_public_keys,
     save_keypair,
 )
-from kvevents.subscriber import Delivery, StreamSpec, Subscriber, SubscriberOptions
+from kvevents.subscribe.subscriber import Delivery, StreamSpec, Subscriber, SubscriberOptions
 from kvevents.testing.peers import heartbeat, typical_batch
 from kvevents.testing.publisher import started_publisher, wait_subscribed
 from kvevents.testing.sockets import Deadline, wait_for

@@ -13,18 +13,17 @@ from typing import Any
 import httpx
 import pytest
 
-from kvevents import service_http
-from kvevents._blocktable_py import pack_json_tokens
 from kvevents.errors import DecodeError
 from kvevents.events import AllBlocksCleared, KVEventBatch
-from kvevents.index import PrefixIndex
-from kvevents.service import IndexService, WorkerRegistration
-from kvevents.service_http import Server, serve
-from kvevents.streams import Applied
+from kvevents.index._table_py import pack_json_tokens
+from kvevents.index.keys import block_hashes
+from kvevents.index.prefix import PrefixIndex
+from kvevents.service import http as service_http
+from kvevents.service.core import IndexService, WorkerRegistration
+from kvevents.service.http import Server, serve
 from kvevents.testing.index import batch, engine_hashes, store_event
 from kvevents.testing.sockets import wait_for
-from kvevents.tokenhash import block_hashes
-from kvevents.wire import encode_batch
+from kvevents.wire import Applied, encode_batch
 
 BS = 4
 PROMPT = list(range(100, 124))  # 6 blocks
@@ -310,7 +309,7 @@ def lean(
 def test_lean_query_packs_json_only_with_native_primitives(monkeypatch: pytest.MonkeyPatch) -> None:
     """token_ids are packed from the JSON text by a native block table, never the Python one."""
     native = types.SimpleNamespace(IMPLEMENTATION="c", pack_json_tokens=pack_json_tokens)
-    monkeypatch.setitem(sys.modules, "kvevents.blocktable", native)
+    monkeypatch.setitem(sys.modules, "kvevents.index.table", native)
     assert service_http._json_packer() is pack_json_tokens
     monkeypatch.setattr(native, "IMPLEMENTATION", "python")
     assert service_http._json_packer() is None

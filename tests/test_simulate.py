@@ -13,21 +13,20 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from kvevents.cluster import Cluster, ClusterConfig
-from kvevents.engine import Request, SimulatedEngine
-from kvevents.evaluate import DEFAULT_TRACE, default_trace_path
-from kvevents.faults import DropRule
-from kvevents.publisher import PublisherOptions, create_publisher
-from kvevents.service import IndexService
-from kvevents.service_http import Server, create_app
-from kvevents.simulate import PolicyRun, SimulationConfig
+from kvevents.publish.publisher import PublisherOptions, create_publisher
+from kvevents.service.core import IndexService
+from kvevents.service.http import Server, create_app
+from kvevents.sim.cluster import Cluster, ClusterConfig
+from kvevents.sim.engine import Request, SimulatedEngine
+from kvevents.sim.faults import DropRule
+from kvevents.sim.simulate import PolicyRun, SimulationConfig
+from kvevents.sim.trace import default_trace_path
 from kvevents.testing.publisher import local_config
 from kvevents.testing.sockets import wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
 TRACE = default_trace_path()
-needs_trace = pytest.mark.skipif(not os.path.exists(TRACE), reason=f"no trace at {TRACE}")
 
 
 def workload(count: int, seed: int = 7) -> Iterator[Request]:
@@ -186,7 +185,6 @@ def _kvevents(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
     )
 
 
-@needs_trace
 def test_simulate_command_reports_every_policy_as_json() -> None:
     """`kvevents simulate --json` parses; KV-aware beats round-robin; the index is exact."""
     done = _kvevents("simulate", "--limit", "150", "--json", timeout=60)
@@ -209,7 +207,6 @@ def test_simulate_rejects_bad_arguments_in_one_line() -> None:
     assert "unknown policy 'fastest'" in done.stderr and done.stderr.count("\n") == 1
 
 
-@needs_trace
 def test_demo_runs_headless_and_prints_a_summary() -> None:
     """`kvevents demo --duration 4` exits 0 with per-policy and per-worker numbers."""
     done = _kvevents("demo", "--duration", "4", timeout=60)
@@ -228,4 +225,4 @@ def test_default_trace_honours_the_environment(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setenv("KVEVENTS_TRACE", "/tmp/other.jsonl")
     assert default_trace_path() == "/tmp/other.jsonl"
     monkeypatch.delenv("KVEVENTS_TRACE")
-    assert default_trace_path() == DEFAULT_TRACE
+    assert default_trace_path().endswith("kvevents/sim/data/mooncake_synthetic_trace.jsonl.gz")

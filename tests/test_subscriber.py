@@ -10,9 +10,8 @@ import zmq
 
 from kvevents.errors import DecodeError, LayoutError, SubscriberClosed
 from kvevents.events import AllBlocksCleared, KVEventBatch
-from kvevents.replay_client import ReplayOptions
-from kvevents.streams import Applied
-from kvevents.subscriber import (
+from kvevents.subscribe.replay import ReplayOptions
+from kvevents.subscribe.subscriber import (
     AsyncSubscriber,
     Delivery,
     StreamReset,
@@ -23,7 +22,7 @@ from kvevents.subscriber import (
     worker_streams,
 )
 from kvevents.testing.peers import Collector, RawPublisher, heartbeat, typical_batch, wire_fixtures
-from kvevents.wire import decode_batch, pack_seq
+from kvevents.wire import Applied, decode_batch, pack_seq
 
 W = "w1"
 KEY = (W, 0)

@@ -1,4 +1,4 @@
-"""The subscriber against our own publisher (runs once kvevents.publisher exists)."""
+"""The subscriber against our own publisher (runs once kvevents.publish.publisher exists)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ from typing import Any
 import pytest
 
 from kvevents.config import KVEventsConfig
-from kvevents.subscriber import Delivery, StreamSpec, Subscriber
+from kvevents.subscribe.subscriber import Delivery, StreamSpec, Subscriber
 from kvevents.testing.peers import heartbeat, typical_batch
 from kvevents.testing.sockets import Deadline
 
-publisher_module = pytest.importorskip("kvevents.publisher")
+publisher_module = pytest.importorskip("kvevents.publish.publisher")
 
 KEY = ("engine", 0)
 

@@ -1,11 +1,11 @@
-"""Our chained block hash of token ids (kvevents.tokenhash)."""
+"""Our chained block hash of token ids (kvevents.index.keys)."""
 
 from __future__ import annotations
 
 import pytest
 import xxhash
 
-from kvevents.tokenhash import MASK, ROOT_SEED, block_hashes, chain_hashes, pack_tokens, root_seed
+from kvevents.index.keys import MASK, ROOT_SEED, block_hashes, chain_hashes, pack_tokens, root_seed
 
 
 def test_golden_values() -> None:

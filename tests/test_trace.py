@@ -2,20 +2,24 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
 from kvevents.errors import TraceError
-from kvevents.hashing import chain_hashes
-from kvevents.trace import TRACE_BLOCK_SIZE, TraceRow, block_tokens, load_trace, row_tokens
+from kvevents.sim.hashing import chain_hashes
+from kvevents.sim.trace import (
+    TRACE_BLOCK_SIZE,
+    TraceRow,
+    block_tokens,
+    default_trace_path,
+    load_trace,
+    row_tokens,
+)
 
-TRACE = Path(os.environ.get("KVEVENTS_TRACE", "/work/shared/data/mooncake_synthetic_trace.jsonl"))
-needs_trace = pytest.mark.skipif(not TRACE.exists(), reason=f"trace not found at {TRACE}")
+TRACE = Path(default_trace_path())
 
 
-@needs_trace
 def test_synthetic_trace_loads_every_row() -> None:
     """All 3,993 rows load, in timestamp order, and each prompt has input_length tokens."""
     rows = load_trace(TRACE)
@@ -24,7 +28,6 @@ def test_synthetic_trace_loads_every_row() -> None:
     assert all(len(row_tokens(r)) == r.input_length for r in rows[:50])
 
 
-@needs_trace
 def test_rows_sharing_ids_share_tokens_and_engine_hashes() -> None:
     """Two rows with a common leading id run share those tokens and the engine's hashes."""
     rows = load_trace(TRACE, limit=400)
@@ -83,3 +86,22 @@ def test_limit_reads_only_the_first_rows(tmp_path: Path) -> None:
     good = '{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]}'
     path.write_text(good + "\n" + good + "\nnot json\n")
     assert len(load_trace(path, limit=2)) == 2
+
+
+def test_the_default_trace_ships_inside_the_package(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Without KVEVENTS_TRACE the default is the bundled gzip trace inside the installed package,
+    and it reads the same rows as its uncompressed form."""
+    import gzip
+
+    import kvevents
+
+    monkeypatch.delenv("KVEVENTS_TRACE", raising=False)
+    path = Path(default_trace_path())
+    assert path.is_relative_to(Path(kvevents.__file__).parent)
+    assert path.suffix == ".gz"
+    assert (path.parent / "README.md").read_text().count("Apache") >= 1
+    plain = tmp_path / "plain.jsonl"
+    plain.write_bytes(gzip.decompress(path.read_bytes()))
+    assert load_trace(plain, limit=20) == load_trace(path, limit=20)

@@ -1,84 +1,136 @@
-"""kvevents: streaming KV cache events between LLM inference engines and KV-aware routers."""
+"""kvevents: streaming KV cache events between LLM inference engines and KV-aware routers.
 
-import importlib
-from typing import TYPE_CHECKING, Any
+The package is a layer per folder, imports pointing one way (docs/architecture.md):
+``wire`` (frames, decoder, endpoint strings) <- ``publish`` (engine side) and ``subscribe``
+(router side) <- ``index`` <- ``service`` <- ``cli``; ``sim`` and ``testing`` sit on top.
+This module is the public face: every name loads on first use, so ``import kvevents.events``
+loads neither ZeroMQ nor pydantic.
+"""
 
-from .cache import PrefixCache, RankCache
-from .config import KVEventsConfig
-from .endpoints import RankEndpoints, check_layout, rank_endpoint, rank_endpoints
-from .engine import EngineConfig, SimulatedEngine
-from .errors import (
-    BindError,
-    DecodeError,
-    KVEventsError,
-    LayoutError,
-    PublisherClosed,
-    PublisherError,
-    SubscriberClosed,
-    SubscriberError,
-    SyncTimeout,
-    TraceError,
-)
-from .events import AllBlocksCleared, BlockRemoved, BlockStored, Event, KVEventBatch
-from .recorder import EventRecorder, RecorderStats
-from .streams import (
-    Delivery,
-    ReplayOptions,
-    StreamReset,
-    StreamSpec,
-    StreamStats,
-    StreamStatus,
-    SubscriberOptions,
-    SubscriberStats,
-    worker_streams,
-)
-from .trace import TraceRow, load_trace
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING
+
+from kvevents._lazy import lazy_exports
 
 if TYPE_CHECKING:
-    from .index import IndexStats, MatchResult, PrefixIndex
-    from .publisher import (
+    from kvevents.config import KVEventsConfig, RankEndpoints, check_layout, rank_endpoints
+    from kvevents.errors import (
+        BindError,
+        DecodeError,
+        KVEventsError,
+        LayoutError,
+        PublisherClosed,
+        PublisherError,
+        SubscriberClosed,
+        SubscriberError,
+        SyncTimeout,
+        TraceError,
+    )
+    from kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored, Event, KVEventBatch
+    from kvevents.index import (
+        Decision,
+        HolderKey,
+        IndexStats,
+        LoadBook,
+        MatchResult,
+        PrefixIndex,
+        Router,
+    )
+    from kvevents.publish import (
+        EventRecorder,
         NullPublisher,
         Publisher,
         PublisherOptions,
         PublisherStats,
+        RecorderStats,
         ShutdownReport,
         ZmqPublisher,
         create_publisher,
     )
-    from .router import Decision, LoadBook, Router
-    from .subscriber import AsyncSubscriber, Subscriber
+    from kvevents.security import CurveClient, CurveServer
+    from kvevents.subscribe import (
+        AsyncSubscriber,
+        Delivery,
+        ReplayOptions,
+        StreamReset,
+        StreamSpec,
+        StreamStats,
+        StreamStatus,
+        Subscriber,
+        SubscriberOptions,
+        SubscriberStats,
+        worker_streams,
+    )
+    from kvevents.wire import rank_endpoint
 
-# Socket-owning modules load on first use, so `import kvevents.wire` (or the config, cursor,
-# engine side) never loads ZeroMQ; the index needs the optional xxhash (`kvevents[index]`).
-_LAZY = {
-    "IndexStats": "index",
-    "MatchResult": "index",
-    "PrefixIndex": "index",
-    "Decision": "router",
-    "LoadBook": "router",
-    "Router": "router",
-    "NullPublisher": "publisher",
-    "Publisher": "publisher",
-    "PublisherOptions": "publisher",
-    "PublisherStats": "publisher",
-    "ShutdownReport": "publisher",
-    "ZmqPublisher": "publisher",
-    "create_publisher": "publisher",
-    "AsyncSubscriber": "subscriber",
-    "Subscriber": "subscriber",
+# Where each public name lives.
+_HOMES = {
+    "kvevents.config": ("KVEventsConfig", "RankEndpoints", "check_layout", "rank_endpoints"),
+    "kvevents.errors": (
+        "BindError",
+        "DecodeError",
+        "KVEventsError",
+        "LayoutError",
+        "PublisherClosed",
+        "PublisherError",
+        "SubscriberClosed",
+        "SubscriberError",
+        "SyncTimeout",
+        "TraceError",
+    ),
+    "kvevents.events": (
+        "AllBlocksCleared",
+        "BlockRemoved",
+        "BlockStored",
+        "Event",
+        "KVEventBatch",
+    ),
+    "kvevents.index": (
+        "Decision",
+        "HolderKey",
+        "IndexStats",
+        "LoadBook",
+        "MatchResult",
+        "PrefixIndex",
+        "Router",
+    ),
+    "kvevents.publish": (
+        "EventRecorder",
+        "NullPublisher",
+        "Publisher",
+        "PublisherOptions",
+        "PublisherStats",
+        "RecorderStats",
+        "ShutdownReport",
+        "ZmqPublisher",
+        "create_publisher",
+    ),
+    "kvevents.security": ("CurveClient", "CurveServer"),
+    "kvevents.subscribe": (
+        "AsyncSubscriber",
+        "Delivery",
+        "ReplayOptions",
+        "StreamReset",
+        "StreamSpec",
+        "StreamStats",
+        "StreamStatus",
+        "Subscriber",
+        "SubscriberOptions",
+        "SubscriberStats",
+        "worker_streams",
+    ),
+    "kvevents.wire": ("rank_endpoint",),
 }
 
+try:
+    __version__ = version("kvevents")
+except PackageNotFoundError:  # running from a source tree that was never installed
+    __version__ = "0+unknown"
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'kvevents' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value
+__getattr__, __dir__ = lazy_exports(__name__, _HOMES)
 
-
-__version__ = "0.1.0"
 
 __all__ = [
     "AllBlocksCleared",
@@ -86,12 +138,14 @@ __all__ = [
     "BindError",
     "BlockRemoved",
     "BlockStored",
+    "CurveClient",
+    "CurveServer",
     "Decision",
     "DecodeError",
     "Delivery",
-    "EngineConfig",
     "Event",
     "EventRecorder",
+    "HolderKey",
     "IndexStats",
     "KVEventBatch",
     "KVEventsConfig",
@@ -100,20 +154,17 @@ __all__ = [
     "LoadBook",
     "MatchResult",
     "NullPublisher",
-    "PrefixCache",
     "PrefixIndex",
     "Publisher",
     "PublisherClosed",
     "PublisherError",
     "PublisherOptions",
     "PublisherStats",
-    "RankCache",
     "RankEndpoints",
     "RecorderStats",
     "ReplayOptions",
     "Router",
     "ShutdownReport",
-    "SimulatedEngine",
     "StreamReset",
     "StreamSpec",
     "StreamStats",
@@ -125,12 +176,10 @@ __all__ = [
     "SubscriberStats",
     "SyncTimeout",
     "TraceError",
-    "TraceRow",
     "ZmqPublisher",
     "__version__",
     "check_layout",
     "create_publisher",
-    "load_trace",
     "rank_endpoint",
     "rank_endpoints",
     "worker_streams",

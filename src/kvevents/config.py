@@ -1,4 +1,4 @@
-"""``KVEventsConfig``: the configuration users already know (WIRE.md section 1).
+"""``KVEventsConfig`` (WIRE.md section 1) and the per-rank layout it implies (section 5).
 
 Exactly the eight fields of TensorRT-LLM's and vLLM's model, with the same defaults. Anything
 kvevents adds (heartbeats, replay byte budget, linger) lives in ``PublisherOptions`` so that
@@ -7,14 +7,21 @@ every config TensorRT-LLM accepts keeps its meaning.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from .endpoints import parse_endpoint
-from .errors import LayoutError
+from kvevents.errors import LayoutError
+from kvevents.wire.endpoints import (
+    MAX_PORT,
+    Endpoint,
+    layout_error,
+    parse_endpoint,
+    rank_endpoint,
+)
 
-__all__ = ["KVEventsConfig"]
+__all__ = ["KVEventsConfig", "RankEndpoints", "check_layout", "rank_endpoints"]
 
 
 class KVEventsConfig(BaseModel):
@@ -86,3 +93,81 @@ class KVEventsConfig(BaseModel):
     def publishing(self) -> bool:
         """True when this config asks for a real (ZeroMQ) publisher."""
         return self.enable_kv_cache_events and self.publisher == "zmq"
+
+
+@dataclass(frozen=True)
+class RankEndpoints:
+    """The endpoints one rank binds: ``publish`` always, ``replay`` when replay is on."""
+
+    rank: int
+    publish: str
+    replay: str | None
+
+
+def rank_endpoints(config: KVEventsConfig, rank: int) -> RankEndpoints:
+    """The publish and replay endpoints of ``rank`` under ``config``."""
+    replay = None if config.replay_endpoint is None else rank_endpoint(config.replay_endpoint, rank)
+    return RankEndpoints(rank=rank, publish=rank_endpoint(config.endpoint, rank), replay=replay)
+
+
+def _check_range(endpoint: str, parsed: Endpoint, world_size: int) -> None:
+    if parsed.scheme != "tcp" or parsed.is_ephemeral:
+        return
+    last = parsed.port + world_size - 1
+    if last > MAX_PORT:
+        raise layout_error(
+            endpoint,
+            "range",
+            f"ports {parsed.port}..{last} for {world_size} ranks exceed {MAX_PORT}",
+            world_size - 1,
+        )
+
+
+def check_layout(
+    config: KVEventsConfig, world_size: int = 1, ranks_per_host: int | None = None
+) -> list[RankEndpoints]:
+    """Check the whole layout for ``world_size`` ranks and return every rank's endpoints.
+
+    ``ranks_per_host`` is how many ranks share one host (default: all of them). Every rank
+    calls this with the same arguments and gets the same answer, before any socket exists.
+    """
+    if world_size < 1:
+        raise layout_error(
+            config.endpoint, "world_size", f"world size must be >= 1, got {world_size}"
+        )
+    if ranks_per_host is not None and ranks_per_host < 1:
+        raise layout_error(
+            config.endpoint, "ranks_per_host", f"ranks per host must be >= 1, got {ranks_per_host}"
+        )
+    publish = parse_endpoint(config.endpoint)
+    _check_range(config.endpoint, publish, world_size)
+    if config.replay_endpoint is not None:
+        replay = parse_endpoint(config.replay_endpoint)
+        _check_range(config.replay_endpoint, replay, world_size)
+        _check_spacing(
+            config.endpoint,
+            publish,
+            config.replay_endpoint,
+            replay,
+            min(world_size, ranks_per_host or world_size),
+        )
+    return [rank_endpoints(config, rank) for rank in range(world_size)]
+
+
+def _check_spacing(
+    pub_text: str, publish: Endpoint, replay_text: str, replay: Endpoint, per_host: int
+) -> None:
+    if publish.scheme == "tcp" and replay.scheme == "tcp":
+        if publish.is_ephemeral or replay.is_ephemeral:
+            return
+        if abs(replay.port - publish.port) < per_host:
+            raise layout_error(
+                replay_text,
+                "spacing",
+                f"replay base port {replay.port} is within {per_host} of publish base port "
+                f"{publish.port} ({pub_text}): with {per_host} ranks per host their ranges collide",
+            )
+    elif publish.scheme == replay.scheme and publish.path == replay.path:
+        raise layout_error(
+            replay_text, "spacing", f"replay endpoint equals publish endpoint {pub_text}"
+        )

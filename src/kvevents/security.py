@@ -24,7 +24,7 @@ import zmq
 import zmq.auth
 from zmq.utils.monitor import parse_monitor_message
 
-from ._publisher_log import RateLimitedWarning
+from kvevents.ratelimit import RateLimitedWarning
 
 __all__ = [
     "CurveClient",
@@ -42,7 +42,7 @@ __all__ = [
     "start_authenticator",
 ]
 
-logger = logging.getLogger("kvevents.publisher")
+logger = logging.getLogger("kvevents.publish.publisher")
 
 ZAP_DOMAIN = "kvevents"
 _Z85 = frozenset(
@@ -250,7 +250,7 @@ def start_authenticator(context: zmq.Context[Any], curve: CurveServer | None) ->
         return None
     from zmq.auth.thread import ThreadAuthenticator
 
-    auth = ThreadAuthenticator(context, log=logging.getLogger("kvevents.publisher.auth"))
+    auth = ThreadAuthenticator(context, log=logging.getLogger("kvevents.publish.publisher.auth"))
     auth.configure_curve_callback(
         ZAP_DOMAIN, credentials_provider=_AllowList(curve.allowed_clients)
     )

@@ -14,8 +14,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from ..errors import KVEventsError
-from .common import UsageError
+from kvevents.cli.common import UsageError
+from kvevents.errors import KVEventsError
 
 __all__ = ["main"]
 

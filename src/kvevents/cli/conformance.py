@@ -8,7 +8,7 @@ import logging
 import sys
 from typing import Any
 
-from .common import UsageError, positive_float
+from kvevents.cli.common import UsageError, positive_float
 
 EXAMPLES = """examples:
   kvevents conformance
@@ -55,7 +55,7 @@ def add_parser(sub: Any) -> None:
 
 
 def _scenarios(names: list[str]) -> list[Any]:
-    from ..testing.conformance_scenarios import scenario, scenarios
+    from kvevents.testing.conformance.scenarios import scenario, scenarios
 
     if not names:
         return scenarios()
@@ -66,13 +66,13 @@ def _scenarios(names: list[str]) -> list[Any]:
 
 
 def _consumer(text: str) -> Any:
-    from ..testing import conformance_consumers as adapters
+    from kvevents.testing.conformance import consumers as adapters
 
     name, _, arg = text.partition("=")
     if name == "kvevents" and not arg:
         return adapters.KVEventsConsumer()
     if name == "dynamo":
-        from ..testing.dynamo import dynamo_unavailable_reason
+        from kvevents.testing.dynamo import dynamo_unavailable_reason
 
         if not arg and (reason := dynamo_unavailable_reason()) is not None:
             raise RuntimeError(reason)
@@ -93,7 +93,7 @@ def _progress(result: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..testing.conformance import format_report, run_conformance
+    from kvevents.testing.conformance.run import format_report, run_conformance
 
     scenarios = _scenarios(args.scenario)
     if args.list:

@@ -20,7 +20,7 @@ Mooncake trace, sped up). Ctrl-C stops early; a summary is always printed.
 
 
 def add_parser(sub: Any) -> None:
-    from ..demo import DemoConfig
+    from kvevents.sim.demo import DemoConfig
 
     d = DemoConfig()
     p = sub.add_parser(
@@ -61,9 +61,8 @@ def _positive(text: str) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..demo import Demo, DemoConfig
-    from ..evaluate import default_trace_path
-    from ..trace import load_trace
+    from kvevents.sim.demo import Demo, DemoConfig
+    from kvevents.sim.trace import default_trace_path, load_trace
 
     if not 0 <= args.drop_rate < 1:
         raise ValueError(f"--drop-rate must be in [0, 1), got {args.drop_rate}")
@@ -77,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     rows = load_trace(args.trace or default_trace_path())
     if args.verbose == 0:
         # The view shows every gap and replay; per-gap warnings would only tear it.
-        logging.getLogger("kvevents.subscriber").setLevel(logging.ERROR)
+        logging.getLogger("kvevents.subscribe.subscriber").setLevel(logging.ERROR)
     with Demo(rows, config) as demo:
         try:
             summary = _run_live(demo) if sys.stdout.isatty() else _run_plain(demo)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from .common import UsageError
+from kvevents.cli.common import UsageError
 
 EXAMPLES = """examples:
   kvevents keys generate keys/ --name engine-a
@@ -48,7 +48,7 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..security import load_public_key, save_keypair
+    from kvevents.security import load_public_key, save_keypair
 
     try:
         public_file, secret_file = save_keypair(args.directory, args.name)

@@ -7,12 +7,12 @@ import sys
 import time
 from typing import Any
 
-from ..streams import ReplayOptions, SubscriberOptions
-from .common import positive_float, positive_int, stop_on_sigterm
-from .output import JsonOutput, LiveOutput, Output, TextOutput
-from .render import ListenView, stats_record
-from .secure import add_client_options, client_curve
-from .specs import stream_specs
+from kvevents.cli.common import positive_float, positive_int, stop_on_sigterm
+from kvevents.cli.output import JsonOutput, LiveOutput, Output, TextOutput
+from kvevents.cli.render import ListenView, stats_record
+from kvevents.cli.secure import add_client_options, client_curve
+from kvevents.cli.specs import stream_specs
+from kvevents.subscribe.streams import ReplayOptions, SubscriberOptions
 
 EXAMPLES = """examples:
   kvevents listen tcp://10.0.0.5:5557
@@ -73,7 +73,7 @@ def _done(args: argparse.Namespace, view: ListenView, deadline: float | None) ->
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..subscriber import Subscriber
+    from kvevents.subscribe.subscriber import Subscriber
 
     specs = stream_specs(args.endpoints, args.worker, args.replay, ranks=args.ranks,
                          topic=args.topic)  # fmt: skip

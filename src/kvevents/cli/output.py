@@ -9,8 +9,8 @@ from typing import IO, Any, Protocol
 
 import msgspec
 
-from ..streams import StreamStats
-from .render import Record, text_line
+from kvevents.cli.render import Record, text_line
+from kvevents.subscribe.streams import StreamStats
 
 __all__ = ["JsonOutput", "LiveOutput", "Output", "TextOutput", "stream_table"]
 

@@ -9,9 +9,15 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from .common import UsageError, non_negative_int, positive_float, positive_int, stop_on_sigterm
-from .output import JsonOutput
-from .secure import add_server_options, server_curve
+from kvevents.cli.common import (
+    UsageError,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    stop_on_sigterm,
+)
+from kvevents.cli.output import JsonOutput
+from kvevents.cli.secure import add_server_options, server_curve
 
 EXAMPLES = """examples:
   kvevents publish
@@ -30,7 +36,7 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "publish",
         help="publish events from a simulated engine",
-        description="Run one simulated engine (kvevents.engine) with a real ZeroMQ publisher "
+        description="Run one simulated engine (kvevents.sim.engine) with a real ZeroMQ publisher "
         "per rank, fed with synthetic requests or a Mooncake trace, paced in real time.",
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -60,7 +66,7 @@ def add_parser(sub: Any) -> None:
 
 def synthetic_requests(seed: int, block_size: int) -> Iterator[Any]:
     """Endless chat-like requests: a few shared system prompts, then a private question."""
-    from ..engine import Request
+    from kvevents.sim.engine import Request
 
     rng = random.Random(seed)
     prompts = [[rng.randrange(50_000) for _ in range(block_size * rng.randint(4, 16))]
@@ -72,7 +78,7 @@ def synthetic_requests(seed: int, block_size: int) -> Iterator[Any]:
 
 def trace_requests(path: str) -> Iterator[Any]:
     """The requests of a Mooncake trace, in file order (arrival times are replaced by --rate)."""
-    from ..trace import load_trace, trace_request
+    from kvevents.sim.trace import load_trace, trace_request
 
     rows = load_trace(path)  # read and checked now, before anything binds
     return (trace_request(row, i) for i, row in enumerate(rows))
@@ -81,7 +87,7 @@ def trace_requests(path: str) -> Iterator[Any]:
 def _config(args: argparse.Namespace) -> Any:
     import pydantic
 
-    from ..config import KVEventsConfig
+    from kvevents.config import KVEventsConfig
 
     replay = None if args.replay_endpoint.lower() == "none" else args.replay_endpoint
     try:
@@ -166,8 +172,8 @@ def _summary(engine: Any, began: float) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..engine import EngineConfig, SimulatedEngine, zmq_publisher_factory
-    from ..publisher import PublisherOptions
+    from kvevents.publish.publisher import PublisherOptions
+    from kvevents.sim.engine import EngineConfig, SimulatedEngine, zmq_publisher_factory
 
     config = _config(args)
     source = (
@@ -195,6 +201,6 @@ def run(args: argparse.Namespace) -> int:
 def _start_metrics(engine: Any, port: int | None) -> tuple[Any, int] | None:
     if port is None:
         return None
-    from ..metrics import publisher_collector, start_exporter
+    from kvevents.metrics import publisher_collector, start_exporter
 
     return start_exporter([publisher_collector(engine.publishers)], port=port, addr="0.0.0.0")

@@ -19,8 +19,8 @@ from typing import Any
 
 import msgspec
 
-from ..events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
-from ..streams import Delivery, StreamReset, StreamSpec, StreamStats, StreamStatus
+from kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from kvevents.subscribe.streams import Delivery, StreamReset, StreamSpec, StreamStats, StreamStatus
 
 __all__ = ["ListenView", "batch_summary", "stats_record", "text_line"]
 

@@ -8,13 +8,13 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from ..endpoints import parse_endpoint
-from ..errors import DecodeError, LayoutError
-from ..wire import ReplayMessage, decode_batch, parse_replay_reply, replay_request_frames
-from .common import UsageError, non_negative_int, positive_float
-from .output import JsonOutput
-from .render import batch_summary
-from .secure import add_client_options, client_curve
+from kvevents.cli.common import UsageError, non_negative_int, positive_float
+from kvevents.cli.output import JsonOutput
+from kvevents.cli.render import batch_summary
+from kvevents.cli.secure import add_client_options, client_curve
+from kvevents.errors import DecodeError, LayoutError
+from kvevents.wire import ReplayMessage, decode_batch, parse_replay_reply, replay_request_frames
+from kvevents.wire.endpoints import parse_endpoint
 
 EXAMPLES = """examples:
   kvevents replay tcp://10.0.0.5:5600 --from 0
@@ -67,7 +67,7 @@ def fetch(endpoint: str, start: int, timeout: float, curve: Any = None) -> Itera
     """Replay messages for ``seq >= start`` until the end marker (included)."""
     import zmq
 
-    from ..security import apply_client
+    from kvevents.security import apply_client
 
     context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     dealer = context.socket(zmq.DEALER)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from .common import UsageError
+from kvevents.cli.common import UsageError
 
 __all__ = ["add_client_options", "add_server_options", "client_curve", "server_curve"]
 
@@ -36,7 +36,7 @@ def server_curve(args: argparse.Namespace) -> Any:
         if args.curve_allow is not None:
             raise UsageError("--curve-allow needs --curve-secret (the publisher's own keys)")
         return None
-    from ..security import CurveServer
+    from kvevents.security import CurveServer
 
     try:
         return CurveServer.from_files(args.curve_secret, args.curve_allow)
@@ -50,7 +50,7 @@ def client_curve(args: argparse.Namespace) -> Any:
         if args.curve_secret is not None:
             raise UsageError("--curve-secret needs --curve-server-key (the publisher's key)")
         return None
-    from ..security import CurveClient
+    from kvevents.security import CurveClient
 
     try:
         return CurveClient.from_files(args.curve_server_key, args.curve_secret)

@@ -1,4 +1,4 @@
-"""``kvevents serve``: the index HTTP service (``kvevents.service``) over a live subscriber."""
+"""``kvevents serve``: the index HTTP service (``kvevents.service.core``) over a live subscriber."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import argparse
 import sys
 from typing import Any
 
-from .common import UsageError, non_negative_int, positive_int, stop_on_sigterm
-from .secure import add_client_options, client_curve
+from kvevents.cli.common import UsageError, non_negative_int, positive_int, stop_on_sigterm
+from kvevents.cli.secure import add_client_options, client_curve
 
 EXAMPLES = """examples:
   kvevents serve
@@ -44,8 +44,8 @@ def add_parser(sub: Any) -> None:
 
 
 def _registrations(args: argparse.Namespace) -> list[Any]:
-    from ..service import WorkerRegistration
-    from .specs import parse_worker
+    from kvevents.cli.specs import parse_worker
+    from kvevents.service.core import WorkerRegistration
 
     regs = []
     for text in args.worker:
@@ -59,11 +59,11 @@ def _registrations(args: argparse.Namespace) -> list[Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..metrics import subscriber_collector
-    from ..router import POLICIES
-    from ..service import IndexService
-    from ..service_http import serve
-    from ..streams import SubscriberOptions
+    from kvevents.index.router import POLICIES
+    from kvevents.metrics import subscriber_collector
+    from kvevents.service.core import IndexService
+    from kvevents.service.http import serve
+    from kvevents.subscribe.streams import SubscriberOptions
 
     if args.policy not in POLICIES:
         raise UsageError(f"--policy {args.policy!r}: choose one of {', '.join(sorted(POLICIES))}")

@@ -24,8 +24,8 @@ true cache state with the same cost model as prefix_load.
 
 
 def add_parser(sub: Any) -> None:
-    from ..cluster import ClusterConfig
-    from ..simulate import POLICY_NAMES
+    from kvevents.sim.cluster import ClusterConfig
+    from kvevents.sim.simulate import POLICY_NAMES
 
     d = ClusterConfig()
     p = sub.add_parser(
@@ -114,10 +114,10 @@ def _policies(known: tuple[str, ...]) -> Callable[[str], tuple[str, ...]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..cluster import ClusterConfig
-    from ..evaluate import default_trace_path, evaluate, format_table
-    from ..simulate import SimulationConfig
-    from ..trace import load_trace
+    from kvevents.sim.cluster import ClusterConfig
+    from kvevents.sim.evaluate import evaluate, format_table
+    from kvevents.sim.simulate import SimulationConfig
+    from kvevents.sim.trace import default_trace_path, load_trace
 
     path = args.trace or default_trace_path()
     rows = load_trace(path, limit=args.limit)

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..errors import LayoutError
-from ..streams import StreamSpec, worker_streams
-from .common import UsageError
+from kvevents.cli.common import UsageError
+from kvevents.errors import LayoutError
+from kvevents.subscribe.streams import StreamSpec, worker_streams
 
 __all__ = ["parse_worker", "stream_specs"]
 

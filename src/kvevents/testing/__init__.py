@@ -12,7 +12,10 @@ Submodules by area (import them directly):
 - ``kvevents.testing.index``: event builders with properly chained engine hashes;
 - ``kvevents.testing.dynamo``: NVIDIA Dynamo's standalone KV indexer as a test peer;
 - ``kvevents.testing.service``: our own index service in its own process, the same way;
-- ``kvevents.testing.conformance`` (with ``conformance_stage``, ``conformance_scenarios``,
-  ``conformance_consumers``): a fault-injection conformance suite for KV event consumers,
-  with adapters for our consumer, our HTTP service and NVIDIA Dynamo's indexer.
+- ``kvevents.testing.conformance`` (``stage``, ``scenarios``, ``consumers``, ``run``): a
+  fault-injection conformance suite for KV event consumers, with adapters for our consumer,
+  our HTTP service and NVIDIA Dynamo's indexer.
+
+The simulator's fault injector (a relay that loses a seeded fraction of live messages) is
+``kvevents.sim.faults``.
 """

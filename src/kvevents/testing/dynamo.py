@@ -30,8 +30,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ._process import IndexerProcess
-from .sockets import Deadline
+from kvevents.testing._process import IndexerProcess
+from kvevents.testing.sockets import Deadline
 
 __all__ = [
     "DYNAMO_PYTHON_ENV",

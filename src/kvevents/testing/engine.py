@@ -4,15 +4,15 @@
   number, like ``Publisher.publish``.
 - :class:`BlockSets` is the simplest possible consumer: it applies batches per
   ``(rank, medium)`` to plain sets, so a test can compare it to a cache's ground truth.
-- :func:`small_cache` builds a :class:`~kvevents.cache.PrefixCache` sized for tests.
+- :func:`small_cache` builds a :class:`~kvevents.sim.cache.PrefixCache` sized for tests.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-from ..cache import PrefixCache
-from ..events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from kvevents.sim.cache import PrefixCache
 
 __all__ = ["BlockSets", "RecordingSink", "small_cache"]
 

@@ -23,9 +23,10 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import zmq
 
-from ..events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
-from ..streams import Delivery, StreamReset, StreamStatus
-from ..wire import (
+from kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from kvevents.subscribe.streams import Delivery, StreamReset, StreamStatus
+from kvevents.testing.sockets import unique_inproc
+from kvevents.wire import (
     decode_batch,
     encode_batch,
     live_frames,
@@ -33,15 +34,14 @@ from ..wire import (
     parse_replay_request,
     replay_end_frames,
 )
-from .sockets import unique_inproc
 
 if TYPE_CHECKING:
-    from ..subscriber import Subscriber
+    from kvevents.subscribe.subscriber import Subscriber
 
 __all__ = [
     "Collector",
-    "ReplayBehaviour",
     "RawPublisher",
+    "ReplayBehaviour",
     "WireFixture",
     "heartbeat",
     "sglang_array_fixture",
@@ -462,7 +462,7 @@ class Collector:
     """Drains a subscriber the way a consumer would, for assertions after quiescence.
 
     Per stream it keeps ``(seq, batch)`` in delivery order and drops them on a
-    :class:`~kvevents.subscriber.StreamReset`, exactly as an index must; ``resets`` and
+    :class:`~kvevents.subscribe.subscriber.StreamReset`, exactly as an index must; ``resets`` and
     ``statuses`` keep what was reported.
     """
 

@@ -23,11 +23,11 @@ from typing import IO, Any
 import msgspec
 import zmq
 
-from ..config import KVEventsConfig
-from ..events import KVEventBatch
-from ..publisher import PublisherOptions, ZmqPublisher
-from ..wire import ReplayMessage, parse_live, parse_replay_reply, replay_request_frames
-from .sockets import Deadline
+from kvevents.config import KVEventsConfig
+from kvevents.events import KVEventBatch
+from kvevents.publish.publisher import PublisherOptions, ZmqPublisher
+from kvevents.testing.sockets import Deadline
+from kvevents.wire import ReplayMessage, parse_live, parse_replay_reply, replay_request_frames
 
 __all__ = [
     "connect_subscriber",

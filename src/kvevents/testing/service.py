@@ -19,8 +19,8 @@ import sys
 from collections.abc import Sequence
 from typing import IO, Any
 
-from ._process import IndexerProcess
-from .sockets import Deadline
+from kvevents.testing._process import IndexerProcess
+from kvevents.testing.sockets import Deadline
 
 __all__ = ["ServiceIndexer", "ServiceIndexerError"]
 

@@ -8,6 +8,8 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
+from kvevents.deadline import Deadline
+
 __all__ = ["Deadline", "unique_inproc", "unique_ipc", "wait_for"]
 
 _counter = itertools.count()
@@ -22,23 +24,6 @@ def unique_inproc(prefix: str = "kvevents-test") -> str:
 def unique_ipc(directory: str, prefix: str = "kv") -> str:
     """An ipc endpoint inside ``directory`` (keep paths short: the limit is ~100 bytes)."""
     return f"ipc://{directory}/{prefix}-{next(_counter)}"
-
-
-class Deadline:
-    """A point in monotonic time; ``remaining()`` never goes below zero."""
-
-    def __init__(self, seconds: float, clock: Callable[[], float] = time.monotonic) -> None:
-        self._clock = clock
-        self.at = clock() + seconds
-
-    def remaining(self) -> float:
-        """Seconds left, at least 0."""
-        return max(0.0, self.at - self._clock())
-
-    @property
-    def expired(self) -> bool:
-        """True once the deadline has passed."""
-        return self._clock() >= self.at
 
 
 def wait_for(

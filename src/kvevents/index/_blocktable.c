@@ -1,0 +1,2611 @@
+/* The prefix index's storage primitives in C: the API and semantics of _blocktable_py.py.
+ *
+ * U64Map is an open-addressing table of 16-byte slots {key, value} with linear probing and
+ * backward-shift deletion (no tombstones). Key 0 marks an empty slot, so the entry whose key is
+ * 0 lives out of line in the map itself. No Python object is held per entry, so the map is not
+ * a GC type.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
+#define MIN_CAPACITY 8
+#define MASK60 ((UINT64_C(1) << 60) - 1)
+/* Hashing a long token run releases the GIL; below this many bytes the switch costs more. */
+#define NOGIL_BYTES 65536
+
+typedef uint64_t (*xxh3_seeded_fn)(const void *, size_t, uint64_t);
+static xxh3_seeded_fn xxh3_seeded = NULL;
+
+typedef struct {
+    uint64_t key;
+    uint64_t value;
+} Slot;
+
+typedef struct {
+    PyObject_HEAD
+    Slot *slots;
+    size_t mask; /* capacity - 1; capacity is a power of two */
+    Py_ssize_t used; /* entries in slots (the out-of-line key 0 not counted) */
+    Slot zero; /* the entry of key 0, valid when has_zero */
+    char has_zero;
+    char is_signed; /* a negative key was stored: keys read back signed */
+} U64Map;
+
+static PyTypeObject U64MapType;
+
+#define U64Map_Check(o) (Py_TYPE(o) == &U64MapType)
+
+/* The murmur3 64-bit finalizer: engine hashes may be small sequential ints. */
+static inline uint64_t
+mix64(uint64_t x)
+{
+    x ^= x >> 33;
+    x *= UINT64_C(0xff51afd7ed558ccd);
+    x ^= x >> 33;
+    x *= UINT64_C(0xc4ceb9fe1a85ec53);
+    x ^= x >> 33;
+    return x;
+}
+
+/* ---------------------------------------------------------------- conversions */
+
+/* An int in -2**63 .. 2**64-1 as its 64-bit pattern; *neg tells whether it was negative. */
+static int
+key_from(PyObject *o, uint64_t *out, int *neg)
+{
+    int overflow;
+    long long v;
+    if (!PyLong_Check(o)) {
+        PyErr_Format(PyExc_TypeError, "key must be an int, not %.100s", Py_TYPE(o)->tp_name);
+        return -1;
+    }
+    v = PyLong_AsLongLongAndOverflow(o, &overflow);
+    if (overflow == 0) {
+        if (v == -1 && PyErr_Occurred())
+            return -1;
+        *out = (uint64_t)v;
+        *neg = v < 0;
+        return 0;
+    }
+    if (overflow > 0) {
+        unsigned long long u = PyLong_AsUnsignedLongLong(o);
+        if (!(u == (unsigned long long)-1 && PyErr_Occurred())) {
+            *out = (uint64_t)u;
+            *neg = 0;
+            return 0;
+        }
+        if (!PyErr_ExceptionMatches(PyExc_OverflowError))
+            return -1;
+        PyErr_Clear();
+    }
+    PyErr_Format(PyExc_OverflowError, "key %R is outside -2**63 .. 2**64-1", o);
+    return -1;
+}
+
+/* An int in 0 .. 2**64-1. */
+static int
+u64_from(PyObject *o, uint64_t *out, const char *what)
+{
+    unsigned long long u;
+    if (!PyLong_Check(o)) {
+        PyErr_Format(PyExc_TypeError, "%s must be an int, not %.100s", what, Py_TYPE(o)->tp_name);
+        return -1;
+    }
+    u = PyLong_AsUnsignedLongLong(o);
+    if (u == (unsigned long long)-1 && PyErr_Occurred()) {
+        if (!PyErr_ExceptionMatches(PyExc_OverflowError))
+            return -1;
+        PyErr_Clear();
+        PyErr_Format(PyExc_OverflowError, "%s %R is outside 0 .. 2**64-1", what, o);
+        return -1;
+    }
+    *out = (uint64_t)u;
+    return 0;
+}
+
+static PyObject *
+key_to(const U64Map *m, uint64_t k)
+{
+    if (m->is_signed && k >= (UINT64_C(1) << 63))
+        return PyLong_FromLongLong((long long)(int64_t)k);
+    return PyLong_FromUnsignedLongLong(k);
+}
+
+/* ---------------------------------------------------------------- table core */
+
+/* Slot arrays of 2 MiB and more are mapped on their own and asked to use huge pages: every
+ * lookup in a large table touches a random page, and with 4 KiB pages the TLB misses cost
+ * as much as the cache misses (store_chain of 16 blocks into 1.28M: 3.0 -> 2.6 us measured).
+ * tracemalloc is told about these mappings, so memory measurements still see them. */
+#define HUGE_BYTES ((size_t)2 << 20)
+#define TRACE_DOMAIN 0x6b76 /* "kv" */
+
+static Slot *
+slots_alloc(size_t capacity)
+{
+    size_t bytes = capacity * sizeof(Slot);
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+    if (bytes >= HUGE_BYTES) {
+        void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (p == MAP_FAILED)
+            return NULL;
+        (void)madvise(p, bytes, MADV_HUGEPAGE); /* advice: refused where THP is off */
+        (void)PyTraceMalloc_Track(TRACE_DOMAIN, (uintptr_t)p, bytes);
+        return (Slot *)p;
+    }
+#endif
+    return PyMem_Calloc(capacity, sizeof(Slot));
+}
+
+static void
+slots_free(Slot *slots, size_t capacity)
+{
+    size_t bytes = capacity * sizeof(Slot);
+    if (slots == NULL)
+        return;
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+    if (bytes >= HUGE_BYTES) {
+        (void)PyTraceMalloc_Untrack(TRACE_DOMAIN, (uintptr_t)slots);
+        munmap(slots, bytes);
+        return;
+    }
+#endif
+    PyMem_Free(slots);
+}
+
+static Slot *
+map_find(U64Map *m, uint64_t k)
+{
+    size_t i;
+    if (k == 0)
+        return m->has_zero ? &m->zero : NULL;
+    i = (size_t)mix64(k) & m->mask;
+    for (;;) {
+        Slot *s = &m->slots[i];
+        if (s->key == k)
+            return s;
+        if (s->key == 0)
+            return NULL;
+        i = (i + 1) & m->mask;
+    }
+}
+
+/* Loops over many keys touch one random slot each: asking for slots a few keys ahead lets
+ * those cache misses overlap instead of queueing. */
+#define PREFETCH_AHEAD 8
+
+static inline void
+map_prefetch(const U64Map *m, uint64_t k)
+{
+#if defined(__GNUC__) || defined(__clang__)
+    __builtin_prefetch(&m->slots[(size_t)mix64(k) & m->mask]);
+#else
+    (void)m;
+    (void)k;
+#endif
+}
+
+static int
+map_resize(U64Map *m, size_t capacity)
+{
+    Slot *fresh = slots_alloc(capacity);
+    size_t mask = capacity - 1, i;
+    if (fresh == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (i = 0; i <= m->mask; i++) {
+        uint64_t k = m->slots[i].key;
+        size_t j;
+        if (k == 0)
+            continue;
+        j = (size_t)mix64(k) & mask;
+        while (fresh[j].key != 0)
+            j = (j + 1) & mask;
+        fresh[j] = m->slots[i];
+    }
+    slots_free(m->slots, m->mask + 1);
+    m->slots = fresh;
+    m->mask = mask;
+    return 0;
+}
+
+/* Make room for `extra` more entries without growing again (load stays <= 0.8). */
+static int
+map_reserve(U64Map *m, Py_ssize_t extra)
+{
+    size_t capacity = m->mask + 1;
+    size_t want = (size_t)m->used + (size_t)extra;
+    while (want * 5 > capacity * 4)
+        capacity *= 2;
+    return capacity == m->mask + 1 ? 0 : map_resize(m, capacity);
+}
+
+/* The slot of key k, inserted with value 0 if absent (*created tells); NULL on MemoryError. */
+static Slot *
+map_upsert(U64Map *m, uint64_t k, int *created)
+{
+    size_t i;
+    *created = 0;
+    if (k == 0) {
+        if (!m->has_zero) {
+            m->has_zero = 1;
+            m->zero.key = 0;
+            m->zero.value = 0;
+            *created = 1;
+        }
+        return &m->zero;
+    }
+    for (;;) {
+        i = (size_t)mix64(k) & m->mask;
+        for (;;) {
+            Slot *s = &m->slots[i];
+            if (s->key == k)
+                return s;
+            if (s->key == 0)
+                break;
+            i = (i + 1) & m->mask;
+        }
+        if (((size_t)m->used + 1) * 5 <= (m->mask + 1) * 4)
+            break;
+        if (map_resize(m, (m->mask + 1) * 2) < 0)
+            return NULL;
+    }
+    m->slots[i].key = k;
+    m->slots[i].value = 0;
+    m->used++;
+    *created = 1;
+    return &m->slots[i];
+}
+
+static int
+map_set(U64Map *m, uint64_t k, uint64_t v)
+{
+    int created;
+    Slot *s = map_upsert(m, k, &created);
+    if (s == NULL)
+        return -1;
+    s->value = v;
+    return 0;
+}
+
+/* Remove the entry in slot s (from map_find). May shrink the table. */
+static void
+map_remove(U64Map *m, Slot *s)
+{
+    size_t mask = m->mask, i, j;
+    Slot *slots = m->slots;
+    if (s == &m->zero) {
+        m->has_zero = 0;
+        m->zero.value = 0;
+        return;
+    }
+    i = j = (size_t)(s - slots);
+    for (;;) {
+        size_t home;
+        uint64_t k;
+        j = (j + 1) & mask;
+        k = slots[j].key;
+        if (k == 0)
+            break;
+        home = (size_t)mix64(k) & mask;
+        /* The entry at j may fill the hole at i when i lies on its probe path home..j. */
+        if (((j - home) & mask) >= ((j - i) & mask)) {
+            slots[i] = slots[j];
+            i = j;
+        }
+    }
+    slots[i].key = 0;
+    slots[i].value = 0;
+    m->used--;
+    if (mask + 1 > MIN_CAPACITY && (size_t)m->used * 8 < mask + 1) {
+        /* A failed shrink only keeps the larger table. */
+        if (map_resize(m, (mask + 1) / 2) < 0)
+            PyErr_Clear();
+    }
+}
+
+static int
+map_clear(U64Map *m)
+{
+    Slot *fresh = slots_alloc(MIN_CAPACITY);
+    if (fresh == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    slots_free(m->slots, m->mask + 1);
+    m->slots = fresh;
+    m->mask = MIN_CAPACITY - 1;
+    m->used = 0;
+    m->has_zero = 0;
+    m->zero.value = 0;
+    return 0;
+}
+
+/* ---------------------------------------------------------------- argument parsing */
+
+/* Positional or keyword arguments by name into out[0..nmax); a vectorcall parser. */
+static int
+parse_args(const char *fname, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
+           const char *const *names, Py_ssize_t nmin, Py_ssize_t nmax, PyObject **out)
+{
+    Py_ssize_t i, k, nkw;
+    if (kwnames == NULL && nargs >= nmin && nargs <= nmax) {
+        for (i = 0; i < nargs; i++)
+            out[i] = args[i];
+        for (; i < nmax; i++)
+            out[i] = NULL;
+        return 0;
+    }
+    if (nargs > nmax) {
+        PyErr_Format(PyExc_TypeError, "%s() takes at most %zd arguments (%zd given)", fname,
+                     nmax, nargs);
+        return -1;
+    }
+    for (i = 0; i < nmax; i++)
+        out[i] = i < nargs ? args[i] : NULL;
+    nkw = kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames);
+    for (k = 0; k < nkw; k++) {
+        PyObject *name = PyTuple_GET_ITEM(kwnames, k);
+        for (i = 0; i < nmax; i++) {
+            if (PyUnicode_CompareWithASCIIString(name, names[i]) == 0)
+                break;
+        }
+        if (i == nmax) {
+            PyErr_Format(PyExc_TypeError, "%s() got an unexpected keyword argument %R", fname,
+                         name);
+            return -1;
+        }
+        if (out[i] != NULL) {
+            PyErr_Format(PyExc_TypeError, "%s() got multiple values for argument '%s'", fname,
+                         names[i]);
+            return -1;
+        }
+        out[i] = args[nargs + k];
+    }
+    for (i = 0; i < nmin; i++) {
+        if (out[i] == NULL) {
+            PyErr_Format(PyExc_TypeError, "%s() missing required argument '%s'", fname,
+                         names[i]);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static int
+check_map(PyObject *o, const char *what)
+{
+    if (U64Map_Check(o))
+        return 0;
+    PyErr_Format(PyExc_TypeError, "%s must be a U64Map, not %.100s", what, Py_TYPE(o)->tp_name);
+    return -1;
+}
+
+/* ---------------------------------------------------------------- U64Map type */
+
+static PyObject *
+U64Map_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    U64Map *m;
+    if (PyTuple_GET_SIZE(args) != 0 || (kwds != NULL && PyDict_GET_SIZE(kwds) != 0)) {
+        PyErr_SetString(PyExc_TypeError, "U64Map() takes no arguments");
+        return NULL;
+    }
+    m = (U64Map *)type->tp_alloc(type, 0);
+    if (m == NULL)
+        return NULL;
+    m->slots = slots_alloc(MIN_CAPACITY);
+    if (m->slots == NULL) {
+        Py_DECREF(m);
+        return PyErr_NoMemory();
+    }
+    m->mask = MIN_CAPACITY - 1;
+    return (PyObject *)m;
+}
+
+static void
+U64Map_dealloc(U64Map *m)
+{
+    slots_free(m->slots, m->mask + 1);
+    Py_TYPE(m)->tp_free((PyObject *)m);
+}
+
+static Py_ssize_t
+U64Map_len(U64Map *m)
+{
+    return m->used + m->has_zero;
+}
+
+static int
+U64Map_contains(U64Map *m, PyObject *key)
+{
+    uint64_t k;
+    int neg;
+    if (key_from(key, &k, &neg) < 0)
+        return -1;
+    return map_find(m, k) != NULL;
+}
+
+static PyObject *
+U64Map_subscript(U64Map *m, PyObject *key)
+{
+    uint64_t k;
+    int neg;
+    Slot *s;
+    if (key_from(key, &k, &neg) < 0)
+        return NULL;
+    s = map_find(m, k);
+    if (s == NULL) {
+        PyErr_SetObject(PyExc_KeyError, key);
+        return NULL;
+    }
+    return PyLong_FromUnsignedLongLong(s->value);
+}
+
+static int
+U64Map_ass_subscript(U64Map *m, PyObject *key, PyObject *value)
+{
+    uint64_t k, v;
+    int neg;
+    Slot *s;
+    if (value == NULL) {
+        if (key_from(key, &k, &neg) < 0)
+            return -1;
+        s = map_find(m, k);
+        if (s == NULL) {
+            PyErr_SetObject(PyExc_KeyError, key);
+            return -1;
+        }
+        map_remove(m, s);
+        return 0;
+    }
+    /* The value is checked first, as `d[k] = v` evaluates v first in the reference. */
+    if (u64_from(value, &v, "value") < 0 || key_from(key, &k, &neg) < 0)
+        return -1;
+    if (map_set(m, k, v) < 0)
+        return -1;
+    if (neg)
+        m->is_signed = 1;
+    return 0;
+}
+
+static PyObject *
+value_obj(const U64Map *m, const Slot *s)
+{
+    (void)m;
+    return PyLong_FromUnsignedLongLong(s->value);
+}
+
+static PyObject *
+key_obj(const U64Map *m, const Slot *s)
+{
+    return key_to(m, s->key);
+}
+
+/* A 2-tuple stealing both references (released on failure). */
+static PyObject *
+pair(PyObject *a, PyObject *b)
+{
+    PyObject *t = PyTuple_New(2);
+    if (t == NULL) {
+        Py_DECREF(a);
+        Py_DECREF(b);
+        return NULL;
+    }
+    PyTuple_SET_ITEM(t, 0, a);
+    PyTuple_SET_ITEM(t, 1, b);
+    return t;
+}
+
+static PyObject *
+item_tuple(const U64Map *m, const Slot *s)
+{
+    PyObject *k = key_to(m, s->key), *v;
+    if (k == NULL)
+        return NULL;
+    v = PyLong_FromUnsignedLongLong(s->value);
+    if (v == NULL) {
+        Py_DECREF(k);
+        return NULL;
+    }
+    return pair(k, v);
+}
+
+typedef PyObject *(*slot_reader)(const U64Map *, const Slot *);
+
+/* One object per entry, in table order (the out-of-line zero key first): keys(), values()
+ * and items() list their entries in the same order. */
+static PyObject *
+collect(U64Map *m, slot_reader read)
+{
+    PyObject *out = PyList_New(U64Map_len(m));
+    Py_ssize_t n = 0;
+    size_t i;
+    if (out == NULL)
+        return NULL;
+    for (i = 0; i <= m->mask + 1; i++) {
+        const Slot *s;
+        PyObject *o;
+        if (i == 0) {
+            if (!m->has_zero)
+                continue;
+            s = &m->zero;
+        }
+        else {
+            s = &m->slots[i - 1];
+            if (s->key == 0)
+                continue;
+        }
+        o = read(m, s);
+        if (o == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, n++, o);
+    }
+    return out;
+}
+
+static PyObject *
+U64Map_keys(U64Map *m, PyObject *Py_UNUSED(ignored))
+{
+    return collect(m, key_obj);
+}
+
+static PyObject *
+U64Map_values(U64Map *m, PyObject *Py_UNUSED(ignored))
+{
+    return collect(m, value_obj);
+}
+
+static PyObject *
+U64Map_items(U64Map *m, PyObject *Py_UNUSED(ignored))
+{
+    return collect(m, item_tuple);
+}
+
+static PyObject *
+U64Map_iter(U64Map *m)
+{
+    PyObject *keys = U64Map_keys(m, NULL), *it;
+    if (keys == NULL)
+        return NULL;
+    it = PyObject_GetIter(keys);
+    Py_DECREF(keys);
+    return it;
+}
+
+static const char *const get_names[] = {"k", "default"};
+
+static PyObject *
+U64Map_get(U64Map *m, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    PyObject *a[2];
+    uint64_t k;
+    int neg;
+    Slot *s;
+    if (parse_args("get", args, nargs, kwnames, get_names, 1, 2, a) < 0)
+        return NULL;
+    if (key_from(a[0], &k, &neg) < 0)
+        return NULL;
+    s = map_find(m, k);
+    if (s != NULL)
+        return PyLong_FromUnsignedLongLong(s->value);
+    if (a[1] == NULL)
+        Py_RETURN_NONE;
+    Py_INCREF(a[1]);
+    return a[1];
+}
+
+static PyObject *
+U64Map_pop(U64Map *m, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    PyObject *a[2];
+    uint64_t k;
+    int neg;
+    Slot *s;
+    PyObject *v;
+    if (parse_args("pop", args, nargs, kwnames, get_names, 1, 2, a) < 0)
+        return NULL;
+    if (key_from(a[0], &k, &neg) < 0)
+        return NULL;
+    s = map_find(m, k);
+    if (s == NULL) {
+        if (a[1] == NULL) {
+            PyErr_SetObject(PyExc_KeyError, a[0]);
+            return NULL;
+        }
+        Py_INCREF(a[1]);
+        return a[1];
+    }
+    v = PyLong_FromUnsignedLongLong(s->value);
+    if (v != NULL)
+        map_remove(m, s);
+    return v;
+}
+
+static PyObject *
+U64Map_clear_method(U64Map *m, PyObject *Py_UNUSED(ignored))
+{
+    if (map_clear(m) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+U64Map_nbytes(U64Map *m, void *Py_UNUSED(closure))
+{
+    return PyLong_FromSize_t((m->mask + 1) * sizeof(Slot) + Py_TYPE(m)->tp_basicsize);
+}
+
+static PyMethodDef U64Map_methods[] = {
+    {"get", (PyCFunction)(void (*)(void))U64Map_get, METH_FASTCALL | METH_KEYWORDS,
+     "get(k, default=None): the value of key k, or default."},
+    {"pop", (PyCFunction)(void (*)(void))U64Map_pop, METH_FASTCALL | METH_KEYWORDS,
+     "pop(k[, default]): remove key k and return its value; KeyError without a default."},
+    {"keys", (PyCFunction)U64Map_keys, METH_NOARGS, "The keys, as a list."},
+    {"values", (PyCFunction)U64Map_values, METH_NOARGS, "The values, as a list."},
+    {"items", (PyCFunction)U64Map_items, METH_NOARGS, "The (key, value) pairs, as a list."},
+    {"clear", (PyCFunction)U64Map_clear_method, METH_NOARGS,
+     "Remove every entry and free the table back to its smallest size."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef U64Map_getset[] = {
+    {"nbytes", (getter)U64Map_nbytes, NULL, "Bytes allocated for the table (slots and struct).",
+     NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PySequenceMethods U64Map_as_sequence = {
+    .sq_contains = (objobjproc)U64Map_contains,
+};
+
+static PyMappingMethods U64Map_as_mapping = {
+    .mp_length = (lenfunc)U64Map_len,
+    .mp_subscript = (binaryfunc)U64Map_subscript,
+    .mp_ass_subscript = (objobjargproc)U64Map_ass_subscript,
+};
+
+static PyTypeObject U64MapType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvevents.index._blocktable.U64Map",
+    .tp_doc = "A map of 64-bit keys to 64-bit unsigned values in a flat open-addressing table.",
+    .tp_basicsize = sizeof(U64Map),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = U64Map_new,
+    .tp_dealloc = (destructor)U64Map_dealloc,
+    .tp_as_sequence = &U64Map_as_sequence,
+    .tp_as_mapping = &U64Map_as_mapping,
+    .tp_iter = (getiterfunc)U64Map_iter,
+    .tp_methods = U64Map_methods,
+    .tp_getset = U64Map_getset,
+};
+
+/* ---------------------------------------------------------------- helpers for functions */
+
+/* The value of key `o` in m, or 0; -1 on a bad key. */
+static int
+lookup_or_zero(U64Map *m, PyObject *o, uint64_t *out)
+{
+    uint64_t k;
+    int neg;
+    Slot *s;
+    if (key_from(o, &k, &neg) < 0)
+        return -1;
+    s = map_find(m, k);
+    *out = s == NULL ? 0 : s->value;
+    return 0;
+}
+
+/* Clear `bit` in blocks[oh], deleting the entry when no bit is left. */
+static void
+clear_bit(U64Map *blocks, uint64_t oh, uint64_t bit)
+{
+    Slot *s = map_find(blocks, oh);
+    if (s == NULL || !(s->value & bit))
+        return;
+    s->value ^= bit;
+    if (s->value == 0)
+        map_remove(blocks, s);
+}
+
+/* 1 when a key repeats in keys[0..n), 0 when not, -1 on MemoryError. */
+static int
+has_repeat(const uint64_t *keys, Py_ssize_t n)
+{
+    size_t capacity = 16, mask, i;
+    uint64_t *seen;
+    int zero = 0, found = 0;
+    Py_ssize_t a, b;
+    if (n <= 16) {
+        for (a = 1; a < n; a++)
+            for (b = 0; b < a; b++)
+                if (keys[a] == keys[b])
+                    return 1;
+        return 0;
+    }
+    while (capacity < (size_t)n * 2)
+        capacity *= 2;
+    mask = capacity - 1;
+    seen = PyMem_Calloc(capacity, sizeof(uint64_t));
+    if (seen == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (a = 0; a < n && !found; a++) {
+        uint64_t k = keys[a];
+        if (k == 0) {
+            found = zero;
+            zero = 1;
+            continue;
+        }
+        for (i = (size_t)mix64(k) & mask; seen[i] != 0; i = (i + 1) & mask) {
+            if (seen[i] == k) {
+                found = 1;
+                break;
+            }
+        }
+        seen[i] = k;
+    }
+    PyMem_Free(seen);
+    return found;
+}
+
+static int
+append_steal(PyObject *list, PyObject *item)
+{
+    int rc;
+    if (item == NULL)
+        return -1;
+    rc = PyList_Append(list, item);
+    Py_DECREF(item);
+    return rc;
+}
+
+/* ---------------------------------------------------------------- chain_hashes */
+
+static PyObject *
+init_xxh3(PyObject *Py_UNUSED(module), PyObject *address)
+{
+    void *fn = PyLong_AsVoidPtr(address);
+    if (fn == NULL) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "init_xxh3: the address must not be 0");
+        return NULL;
+    }
+    xxh3_seeded = (xxh3_seeded_fn)fn;
+    Py_RETURN_NONE;
+}
+
+static void
+hash_blocks(const unsigned char *p, size_t step, Py_ssize_t count, uint64_t h, uint64_t *out)
+{
+    Py_ssize_t i;
+    for (i = 0; i < count; i++) {
+        h = xxh3_seeded(p + (size_t)i * step, step, h) & MASK60;
+        out[i] = h;
+    }
+}
+
+static const char *const chain_names[] = {"packed", "block_size", "seed"};
+
+static PyObject *
+chain_hashes(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs,
+             PyObject *kwnames)
+{
+    PyObject *a[3], *out = NULL;
+    Py_buffer view;
+    long long block_size;
+    int overflow, neg;
+    uint64_t seed, *hashes, local[64];
+    Py_ssize_t count = 0, i;
+    if (parse_args("chain_hashes", args, nargs, kwnames, chain_names, 3, 3, a) < 0)
+        return NULL;
+    if (xxh3_seeded == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "chain_hashes: xxh3 is not initialised (init_xxh3)");
+        return NULL;
+    }
+    if (!PyLong_Check(a[1])) {
+        PyErr_Format(PyExc_TypeError, "block_size must be an int, not %.100s",
+                     Py_TYPE(a[1])->tp_name);
+        return NULL;
+    }
+    block_size = PyLong_AsLongLongAndOverflow(a[1], &overflow);
+    if (block_size == -1 && PyErr_Occurred())
+        return NULL;
+    if (overflow > 0)
+        block_size = LLONG_MAX;
+    if (block_size <= 0 || overflow < 0) {
+        PyErr_Format(PyExc_ValueError, "block_size must be positive, got %R", a[1]);
+        return NULL;
+    }
+    if (key_from(a[2], &seed, &neg) < 0)
+        return NULL;
+    if (PyObject_GetBuffer(a[0], &view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    if ((unsigned long long)block_size <= (unsigned long long)(view.len / 4))
+        count = view.len / (Py_ssize_t)(block_size * 4);
+    hashes = count <= 64 ? local : PyMem_Malloc((size_t)count * sizeof(uint64_t));
+    if (hashes == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    /* The buffer stays exported (so it cannot be resized) while the GIL is released. */
+    if (view.len >= NOGIL_BYTES) {
+        Py_BEGIN_ALLOW_THREADS
+        hash_blocks(view.buf, (size_t)block_size * 4, count, seed, hashes);
+        Py_END_ALLOW_THREADS
+    }
+    else
+        hash_blocks(view.buf, (size_t)block_size * 4, count, seed, hashes);
+    out = PyList_New(count);
+    for (i = 0; out != NULL && i < count; i++) {
+        PyObject *o = PyLong_FromUnsignedLongLong(hashes[i]);
+        if (o == NULL)
+            Py_CLEAR(out);
+        else
+            PyList_SET_ITEM(out, i, o);
+    }
+    if (hashes != local)
+        PyMem_Free(hashes);
+done:
+    PyBuffer_Release(&view);
+    return out;
+}
+
+/* ---------------------------------------------------------------- token packing */
+
+static inline void
+put_u32le(unsigned char *p, uint32_t v)
+{
+    p[0] = (unsigned char)v;
+    p[1] = (unsigned char)(v >> 8);
+    p[2] = (unsigned char)(v >> 16);
+    p[3] = (unsigned char)(v >> 24);
+}
+
+/* The payload size and signedness of a msgpack int format byte beyond the fixints (uint8 ..
+ * uint64, int8 .. int64); 0 for any other format. */
+static inline int
+int_format(unsigned char b, int *size, int *is_signed)
+{
+    if (b < 0xcc || b > 0xd3)
+        return 0;
+    *is_signed = b >= 0xd0;
+    *size = 1 << (b - (*is_signed ? 0xd0 : 0xcc)); /* 1, 2, 4, 8 */
+    return 1;
+}
+
+static inline uint64_t
+get_be(const unsigned char *p, int nbytes)
+{
+    uint64_t v = 0;
+    int i;
+    for (i = 0; i < nbytes; i++)
+        v = (v << 8) | p[i];
+    return v;
+}
+
+/* One msgpack int in 0 .. 2**32-1 at *pp; 0 for anything else. */
+static int
+msgpack_token(const unsigned char **pp, const unsigned char *end, uint32_t *out)
+{
+    const unsigned char *p = *pp;
+    int size, is_signed = 0;
+    uint64_t v;
+    unsigned char b;
+    if (p >= end)
+        return 0;
+    b = *p++;
+    if (b <= 0x7f) {
+        *out = b;
+        *pp = p;
+        return 1;
+    }
+    /* Token ids of real vocabularies are uint16 or uint32: decode those without a loop. */
+    if (b == 0xcd && end - p >= 2) {
+        *out = ((uint32_t)p[0] << 8) | p[1];
+        *pp = p + 2;
+        return 1;
+    }
+    if (b == 0xce && end - p >= 4) {
+        *out = ((uint32_t)p[0] << 24) | ((uint32_t)p[1] << 16) | ((uint32_t)p[2] << 8) | p[3];
+        *pp = p + 4;
+        return 1;
+    }
+    if (!int_format(b, &size, &is_signed))
+        return 0;
+    if (end - p < size || (is_signed && (p[0] & 0x80)))
+        return 0;
+    v = get_be(p, size);
+    if (v > UINT32_MAX)
+        return 0;
+    *out = (uint32_t)v;
+    *pp = p + size;
+    return 1;
+}
+
+/* The packed tokens of a msgpack array that is the whole of [p, end); NULL if it is not one. */
+static PyObject *
+msgpack_pack(const unsigned char *p, const unsigned char *end)
+{
+    Py_ssize_t count, i;
+    PyObject *out;
+    unsigned char *dst;
+    if (p >= end)
+        return NULL;
+    if ((*p & 0xf0) == 0x90) {
+        count = *p & 0x0f;
+        p += 1;
+    }
+    else if (*p == 0xdc && end - p >= 3) {
+        count = (Py_ssize_t)get_be(p + 1, 2);
+        p += 3;
+    }
+    else if (*p == 0xdd && end - p >= 5) {
+        count = (Py_ssize_t)get_be(p + 1, 4);
+        p += 5;
+    }
+    else
+        return NULL;
+    if (count > end - p) /* every element takes at least one byte */
+        return NULL;
+    out = PyBytes_FromStringAndSize(NULL, count * 4);
+    if (out == NULL)
+        return NULL;
+    dst = (unsigned char *)PyBytes_AS_STRING(out);
+    for (i = 0; i < count; i++) {
+        uint32_t v;
+        if (!msgpack_token(&p, end, &v)) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        put_u32le(dst + 4 * i, v);
+    }
+    if (p != end) {
+        Py_DECREF(out);
+        return NULL;
+    }
+    return out;
+}
+
+static inline const unsigned char *
+json_ws(const unsigned char *p, const unsigned char *end)
+{
+    while (p < end && (*p == ' ' || *p == '\n' || *p == '\r' || *p == '\t'))
+        p++;
+    return p;
+}
+
+/* One JSON integer in 0 .. 2**32-1 at *pp ("-0" reads as 0, like the reference's decoder). */
+static int
+json_token(const unsigned char **pp, const unsigned char *end, uint32_t *out)
+{
+    const unsigned char *p = *pp;
+    int minus = 0;
+    uint64_t v = 0;
+    if (p < end && *p == '-') {
+        minus = 1;
+        p++;
+    }
+    if (p >= end || *p < '0' || *p > '9')
+        return 0;
+    if (*p == '0') {
+        p++;
+    }
+    else {
+        while (p < end && *p >= '0' && *p <= '9') {
+            v = v * 10 + (uint64_t)(*p - '0');
+            if (v > UINT32_MAX)
+                return 0;
+            p++;
+        }
+    }
+    if (p < end && ((*p >= '0' && *p <= '9') || *p == '.' || *p == 'e' || *p == 'E'))
+        return 0; /* a leading zero, or a float */
+    if (minus && v != 0)
+        return 0;
+    *out = (uint32_t)v;
+    *pp = p;
+    return 1;
+}
+
+/* The packed tokens of a JSON array of ints spanning [p, end); NULL if it is not one. */
+static PyObject *
+json_pack(const unsigned char *p, const unsigned char *end)
+{
+    Py_ssize_t count = 0;
+    PyObject *out;
+    unsigned char *dst;
+    p = json_ws(p, end);
+    if (p >= end || *p != '[')
+        return NULL;
+    p = json_ws(p + 1, end);
+    /* n tokens take at least 2n + 1 bytes: "[" digit ("," digit)* "]" */
+    out = PyBytes_FromStringAndSize(NULL, ((end - p) / 2 + 1) * 4);
+    if (out == NULL)
+        return NULL;
+    dst = (unsigned char *)PyBytes_AS_STRING(out);
+    if (p < end && *p == ']') {
+        p++;
+    }
+    else {
+        for (;;) {
+            uint32_t v;
+            /* Fast path: 1 to 8 digits without a leading zero (cannot overflow), followed by
+             * a separator, with room to look ahead; anything else takes json_token. */
+            unsigned d = (unsigned)(p[0] - '1');
+            if (end - p > 10 && d < 9) {
+                const unsigned char *q = p + 1;
+                v = d + 1;
+                while ((d = (unsigned)(*q - '0')) < 10 && q - p < 8) {
+                    v = v * 10 + d;
+                    q++;
+                }
+                if (*q == ',' || *q == ']' || *q == ' ') {
+                    p = q;
+                    put_u32le(dst + 4 * count++, v);
+                    if (p[0] == ',' && p[1] == ' ' && (unsigned)(p[2] - '0') < 10) {
+                        p += 2; /* ", " then the next number: the usual layout */
+                        continue;
+                    }
+                    goto separator;
+                }
+            }
+            if (!json_token(&p, end, &v))
+                goto fail;
+            put_u32le(dst + 4 * count++, v);
+        separator:
+            p = json_ws(p, end);
+            if (p < end && *p == ',') {
+                p = json_ws(p + 1, end);
+                continue;
+            }
+            if (p < end && *p == ']') {
+                p++;
+                break;
+            }
+            goto fail;
+        }
+    }
+    if (json_ws(p, end) != end)
+        goto fail;
+    if (_PyBytes_Resize(&out, count * 4) < 0)
+        return NULL;
+    return out;
+fail:
+    Py_DECREF(out);
+    return NULL;
+}
+
+static const char *const raw_names[] = {"raw"};
+
+typedef PyObject *(*packer)(const unsigned char *, const unsigned char *);
+
+static PyObject *
+pack_tokens(const char *fname, packer pack, int text_ok, PyObject *const *args,
+            Py_ssize_t nargs, PyObject *kwnames)
+{
+    PyObject *raw, *out;
+    Py_buffer view;
+    if (parse_args(fname, args, nargs, kwnames, raw_names, 1, 1, &raw) < 0)
+        return NULL;
+    if (text_ok && PyUnicode_Check(raw)) {
+        Py_ssize_t size;
+        const char *text = PyUnicode_AsUTF8AndSize(raw, &size);
+        if (text == NULL)
+            return NULL;
+        out = pack((const unsigned char *)text, (const unsigned char *)text + size);
+    }
+    else {
+        if (PyObject_GetBuffer(raw, &view, PyBUF_SIMPLE) < 0)
+            return NULL;
+        out = pack(view.buf, (const unsigned char *)view.buf + view.len);
+        PyBuffer_Release(&view);
+    }
+    if (out == NULL) {
+        if (PyErr_Occurred())
+            return NULL;
+        Py_RETURN_NONE;
+    }
+    return out;
+}
+
+static PyObject *
+pack_msgpack_tokens(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs,
+                    PyObject *kwnames)
+{
+    return pack_tokens("pack_msgpack_tokens", msgpack_pack, 0, args, nargs, kwnames);
+}
+
+static PyObject *
+pack_json_tokens(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs,
+                 PyObject *kwnames)
+{
+    return pack_tokens("pack_json_tokens", json_pack, 1, args, nargs, kwnames);
+}
+
+/* ---------------------------------------------------------------- JSON member */
+
+/* The end of the JSON string starting at p (a '"'), just past its closing quote; NULL if it
+ * does not end within [p, end). */
+static const unsigned char *
+json_skip_string(const unsigned char *p, const unsigned char *end)
+{
+    for (p++; p < end; p++) {
+        if (*p == '\\')
+            p++;
+        else if (*p == '"')
+            return p + 1;
+    }
+    return NULL;
+}
+
+/* The end of the JSON value starting at p, scanned structurally (strings, nesting); the value
+ * itself is not validated. NULL if it does not end within [p, end). */
+static const unsigned char *
+json_skip_value(const unsigned char *p, const unsigned char *end)
+{
+    Py_ssize_t depth = 0;
+    if (p >= end)
+        return NULL;
+    if (*p != '{' && *p != '[' && *p != '"') {
+        while (p < end && *p != ',' && *p != '}' && *p != ']' && *p != ' ' && *p != '\n' &&
+               *p != '\r' && *p != '\t')
+            p++;
+        return p;
+    }
+    while (p < end) {
+        unsigned char c = *p;
+        if (c == '"') {
+            p = json_skip_string(p, end);
+            if (p == NULL)
+                return NULL;
+            if (depth == 0)
+                return p;
+            continue;
+        }
+        if (c == '{' || c == '[')
+            depth++;
+        else if (c == '}' || c == ']') {
+            if (--depth == 0)
+                return p + 1;
+        }
+        p++;
+    }
+    return NULL;
+}
+
+static const char *const member_names[] = {"body", "key"};
+
+/* pack_json_member(body, key): the packed tokens of the top-level member `key` of a JSON
+ * object, with the byte span of its value: (packed, start, end). None when the body is not an
+ * object this scan can read, the key does not appear unescaped, or its value is not a flat
+ * array of ints in 0 .. 2**32-1. Only the first such member is read; the caller decodes the
+ * rest of the body itself (and so sees a repeated key). */
+static PyObject *
+pack_json_member(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs,
+                 PyObject *kwnames)
+{
+    PyObject *a[2], *packed, *result = NULL;
+    Py_buffer body, key;
+    const unsigned char *start, *p, *end;
+    if (parse_args("pack_json_member", args, nargs, kwnames, member_names, 2, 2, a) < 0)
+        return NULL;
+    if (PyObject_GetBuffer(a[0], &body, PyBUF_SIMPLE) < 0)
+        return NULL;
+    if (PyObject_GetBuffer(a[1], &key, PyBUF_SIMPLE) < 0) {
+        PyBuffer_Release(&body);
+        return NULL;
+    }
+    start = body.buf;
+    end = start + body.len;
+    p = json_ws(start, end);
+    if (p >= end || *p != '{')
+        goto none;
+    p = json_ws(p + 1, end);
+    while (p < end && *p == '"') {
+        const unsigned char *name = p + 1, *name_end = json_skip_string(p, end), *value;
+        int match;
+        if (name_end == NULL)
+            goto none;
+        match = (name_end - 1 - name == key.len) && memcmp(name, key.buf, key.len) == 0;
+        p = json_ws(name_end, end);
+        if (p >= end || *p != ':')
+            goto none;
+        value = json_ws(p + 1, end);
+        if (match) {
+            const unsigned char *close;
+            if (value >= end || *value != '[')
+                goto none;
+            /* A flat array of ints holds no ']' but its last: find it fast, then let the
+             * packer check that the span is such an array. */
+            close = memchr(value, ']', (size_t)(end - value));
+            if (close == NULL)
+                goto none;
+            packed = json_pack(value, close + 1);
+            if (packed == NULL) {
+                if (PyErr_Occurred())
+                    goto done;
+                goto none;
+            }
+            result = Py_BuildValue("(Nnn)", packed, (Py_ssize_t)(value - start),
+                                   (Py_ssize_t)(close + 1 - start));
+            goto done;
+        }
+        p = json_skip_value(value, end);
+        if (p == NULL)
+            goto none;
+        p = json_ws(p, end);
+        if (p < end && *p == ',')
+            p = json_ws(p + 1, end);
+        else
+            break;
+    }
+none:
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    PyBuffer_Release(&key);
+    PyBuffer_Release(&body);
+    return result;
+}
+
+/* ---------------------------------------------------------------- store_chain */
+
+/* engine hashes (as keys) and our hashes (as values) of a chain; NULL on error. */
+static uint64_t *
+chain_keys(PyObject *ehs, PyObject *ours, Py_ssize_t n, int *any_neg, int *fresh,
+           U64Map *engine)
+{
+    PyObject **eh_items = PySequence_Fast_ITEMS(ehs), **oh_items = PySequence_Fast_ITEMS(ours);
+    uint64_t *keys = PyMem_Malloc((size_t)(n > 0 ? n : 1) * 2 * sizeof(uint64_t));
+    Py_ssize_t i;
+    int neg, repeat;
+    if (keys == NULL) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    *any_neg = 0;
+    *fresh = 0;
+    for (i = 0; i < n; i++) {
+        if (key_from(eh_items[i], &keys[i], &neg) < 0)
+            goto fail;
+        *any_neg |= neg;
+    }
+    repeat = has_repeat(keys, n);
+    if (repeat < 0)
+        goto fail;
+    if (repeat)
+        return keys;
+    for (i = 0; i < n && i < PREFETCH_AHEAD; i++)
+        map_prefetch(engine, keys[i]);
+    for (i = 0; i < n; i++) {
+        if (i + PREFETCH_AHEAD < n)
+            map_prefetch(engine, keys[i + PREFETCH_AHEAD]);
+        if (map_find(engine, keys[i]) != NULL)
+            return keys;
+    }
+    for (i = 0; i < n; i++)
+        if (u64_from(oh_items[i], &keys[n + i], "value") < 0)
+            goto fail;
+    *fresh = 1;
+    return keys;
+fail:
+    PyMem_Free(keys);
+    return NULL;
+}
+
+static const char *const store_names[] = {"blocks", "engine", "bit", "engine_hashes", "ours"};
+
+static PyObject *
+store_chain(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs,
+            PyObject *kwnames)
+{
+    PyObject *a[5], *ehs = NULL, *ours = NULL, *shared = NULL;
+    U64Map *blocks, *engine;
+    uint64_t bit, *keys = NULL;
+    Py_ssize_t n, i;
+    int any_neg, fresh;
+    if (parse_args("store_chain", args, nargs, kwnames, store_names, 5, 5, a) < 0)
+        return NULL;
+    if (check_map(a[0], "blocks") < 0 || check_map(a[1], "engine") < 0)
+        return NULL;
+    blocks = (U64Map *)a[0];
+    engine = (U64Map *)a[1];
+    ehs = PySequence_Fast(a[3], "engine_hashes must be a sequence");
+    if (ehs == NULL)
+        return NULL;
+    ours = PySequence_Fast(a[4], "ours must be a sequence");
+    if (ours == NULL)
+        goto done;
+    n = PySequence_Fast_GET_SIZE(ehs);
+    if (n != PySequence_Fast_GET_SIZE(ours)) {
+        PyErr_SetString(PyExc_ValueError, "engine_hashes and ours differ in length");
+        goto done;
+    }
+    keys = chain_keys(ehs, ours, n, &any_neg, &fresh, engine);
+    if (keys == NULL)
+        goto done;
+    if (!fresh) {
+        shared = Py_None;
+        Py_INCREF(shared);
+        goto done;
+    }
+    if (u64_from(a[2], &bit, "bit") < 0 || map_reserve(engine, n) < 0 ||
+        map_reserve(blocks, n) < 0)
+        goto done;
+    shared = PyList_New(0);
+    if (shared == NULL)
+        goto done;
+    for (i = 0; i < n && i < PREFETCH_AHEAD; i++) {
+        map_prefetch(engine, keys[i]);
+        map_prefetch(blocks, keys[n + i]);
+    }
+    for (i = 0; i < n; i++) {
+        uint64_t oh = keys[n + i];
+        int created;
+        Slot *s;
+        if (i + PREFETCH_AHEAD < n) {
+            map_prefetch(engine, keys[i + PREFETCH_AHEAD]);
+            map_prefetch(blocks, keys[n + i + PREFETCH_AHEAD]);
+        }
+        if (map_set(engine, keys[i], oh) < 0)
+            goto fail;
+        s = map_upsert(blocks, oh, &created);
+        if (s == NULL)
+            goto fail;
+        if (created)
+            s->value = bit;
+        else if (s->value & bit) {
+            if (PyList_Append(shared, PySequence_Fast_GET_ITEM(ours, i)) < 0)
+                goto fail;
+        }
+        else
+            s->value |= bit;
+    }
+    if (any_neg)
+        engine->is_signed = 1;
+    goto done;
+fail:
+    Py_CLEAR(shared);
+done:
+    PyMem_Free(keys);
+    Py_XDECREF(ehs);
+    Py_XDECREF(ours);
+    return shared;
+}
+
+/* ---------------------------------------------------------------- removal */
+
+static const char *const remove_names[] = {"blocks", "engine", "tombs", "bit", "engine_hashes"};
+
+static PyObject *
+remove_blocks(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs,
+              PyObject *kwnames)
+{
+    PyObject *a[5], *ehs, *unknown;
+    U64Map *blocks, *engine, *tombs;
+    uint64_t bit;
+    Py_ssize_t n, i;
+    if (parse_args("remove_blocks", args, nargs, kwnames, remove_names, 5, 5, a) < 0)
+        return NULL;
+    if (check_map(a[0], "blocks") < 0 || check_map(a[1], "engine") < 0 ||
+        check_map(a[2], "tombs") < 0 || u64_from(a[3], &bit, "bit") < 0)
+        return NULL;
+    blocks = (U64Map *)a[0];
+    engine = (U64Map *)a[1];
+    tombs = (U64Map *)a[2];
+    ehs = PySequence_Fast(a[4], "engine_hashes must be a sequence");
+    if (ehs == NULL)
+        return NULL;
+    unknown = PyList_New(0);
+    n = PySequence_Fast_GET_SIZE(ehs);
+    for (i = 0; unknown != NULL && i < n; i++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(ehs, i);
+        uint64_t eh, oh;
+        int neg;
+        Slot *s;
+        if (key_from(item, &eh, &neg) < 0)
+            goto fail;
+        s = map_find(engine, eh);
+        if (s == NULL) {
+            if (PyList_Append(unknown, item) < 0)
+                goto fail;
+            continue;
+        }
+        oh = s->value;
+        map_remove(engine, s);
+        if (map_set(tombs, eh, oh) < 0)
+            goto fail;
+        if (neg)
+            tombs->is_signed = 1;
+        clear_bit(blocks, oh, bit);
+    }
+    Py_DECREF(ehs);
+    return unknown;
+fail:
+    Py_DECREF(ehs);
+    Py_DECREF(unknown);
+    return NULL;
+}
+
+static const char *const drop_names[] = {"blocks", "engine", "bit"};
+
+static PyObject *
+drop_holder(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs,
+            PyObject *kwnames)
+{
+    PyObject *a[3];
+    U64Map *blocks, *engine;
+    uint64_t bit;
+    size_t i;
+    if (parse_args("drop_holder", args, nargs, kwnames, drop_names, 3, 3, a) < 0)
+        return NULL;
+    if (check_map(a[0], "blocks") < 0 || check_map(a[1], "engine") < 0 ||
+        u64_from(a[2], &bit, "bit") < 0)
+        return NULL;
+    blocks = (U64Map *)a[0];
+    engine = (U64Map *)a[1];
+    /* The same map as both ends up empty anyway; iterating it while removing would not be safe. */
+    if (blocks != engine) {
+        if (engine->has_zero)
+            clear_bit(blocks, engine->zero.value, bit);
+        for (i = 0; i <= engine->mask; i++)
+            if (engine->slots[i].key != 0)
+                clear_bit(blocks, engine->slots[i].value, bit);
+    }
+    if (map_clear(engine) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+/* ---------------------------------------------------------------- ingest_events
+ *
+ * The index's fast lane: read a batch payload and apply its events, in order, to one stream's
+ * tables, without a Python object per event, hash or token. It applies only what it is sure of
+ * and stops at the first event it is not: the caller applies the rest the usual way.
+ *
+ * The payload is first checked whole against a strict subset of msgpack (ASCII strings, string
+ * map keys, no ext, bounded nesting, no trailing bytes) with the batch shape [ts, [events...],
+ * rank?, ...]; within that subset every decoder of kvevents.wire reads the payload without
+ * error and the same way, so what this lane applies is what the decoder would have delivered. */
+
+#define LANE_DEPTH 32
+#define LANE_HOLDERS 16
+
+typedef const unsigned char *cur;
+
+/* The count of an array (want 0x90) or map (want 0x80) header at *pp; -1 if it is not one. */
+static Py_ssize_t
+mp_container(cur *pp, cur end, int is_map)
+{
+    cur p = *pp;
+    Py_ssize_t n;
+    unsigned char b;
+    if (p >= end)
+        return -1;
+    b = *p;
+    if ((b & 0xf0) == (is_map ? 0x80 : 0x90)) {
+        *pp = p + 1;
+        return b & 0x0f;
+    }
+    if (b == (is_map ? 0xde : 0xdc) && end - p >= 3) {
+        *pp = p + 3;
+        return (Py_ssize_t)get_be(p + 1, 2);
+    }
+    if (b == (is_map ? 0xdf : 0xdd) && end - p >= 5) {
+        n = (Py_ssize_t)get_be(p + 1, 4);
+        *pp = p + 5;
+        return n;
+    }
+    return -1;
+}
+
+/* A string at *pp: its bytes in [*s, *s + *len); 0 if the value is not a string. */
+static int
+mp_str(cur *pp, cur end, cur *s, Py_ssize_t *len)
+{
+    cur p = *pp;
+    Py_ssize_t n, head;
+    if (p >= end)
+        return 0;
+    if ((*p & 0xe0) == 0xa0) {
+        n = *p & 0x1f;
+        head = 1;
+    }
+    else if (*p == 0xd9 && end - p >= 2) {
+        n = p[1];
+        head = 2;
+    }
+    else if (*p == 0xda && end - p >= 3) {
+        n = (Py_ssize_t)get_be(p + 1, 2);
+        head = 3;
+    }
+    else if (*p == 0xdb && end - p >= 5) {
+        n = (Py_ssize_t)get_be(p + 1, 4);
+        head = 5;
+    }
+    else
+        return 0;
+    if (n > end - p - head)
+        return 0;
+    *s = p + head;
+    *len = n;
+    *pp = p + head + n;
+    return 1;
+}
+
+/* An int of any msgpack width at *pp as its 64-bit pattern (*neg: it was negative); 0 if the
+ * value is not an int (bools are not). */
+static int
+mp_int(cur *pp, cur end, uint64_t *out, int *neg)
+{
+    cur p = *pp;
+    int size, is_signed = 0;
+    uint64_t v;
+    unsigned char b;
+    if (p >= end)
+        return 0;
+    b = *p++;
+    if (b <= 0x7f || b >= 0xe0) {
+        *out = (uint64_t)(int64_t)(int8_t)b;
+        *neg = b >= 0xe0;
+        *pp = p;
+        return 1;
+    }
+    if (!int_format(b, &size, &is_signed))
+        return 0;
+    if (end - p < size)
+        return 0;
+    v = get_be(p, size);
+    *neg = 0;
+    if (is_signed && (p[0] & 0x80)) {
+        if (size < 8)
+            v |= ~UINT64_C(0) << (size * 8); /* sign-extend */
+        *neg = 1;
+    }
+    *out = v;
+    *pp = p + size;
+    return 1;
+}
+
+static int
+mp_is_nil(cur p, cur end)
+{
+    return p < end && *p == 0xc0;
+}
+
+/* Skip one value at *pp checking it lies in the lane's subset; 0 if it does not. */
+static int
+mp_skip(cur *pp, cur end, int depth)
+{
+    cur p = *pp, s;
+    Py_ssize_t n, i, len;
+    uint64_t v;
+    int neg;
+    unsigned char b;
+    if (p >= end || depth > LANE_DEPTH)
+        return 0;
+    b = *p;
+    if (b <= 0x7f || b >= 0xe0 || (b >= 0xcc && b <= 0xd3))
+        return mp_int(pp, end, &v, &neg);
+    if (b == 0xc0 || b == 0xc2 || b == 0xc3) {
+        *pp = p + 1;
+        return 1;
+    }
+    if (b == 0xca || b == 0xcb) {
+        Py_ssize_t size = b == 0xca ? 4 : 8;
+        if (end - p - 1 < size)
+            return 0;
+        *pp = p + 1 + size;
+        return 1;
+    }
+    if ((b & 0xe0) == 0xa0 || (b >= 0xd9 && b <= 0xdb)) {
+        if (!mp_str(pp, end, &s, &len))
+            return 0;
+        for (i = 0; i < len; i++)
+            if (s[i] & 0x80)
+                return 0;
+        return 1;
+    }
+    if (b >= 0xc4 && b <= 0xc6) { /* bin */
+        Py_ssize_t head = b == 0xc4 ? 2 : b == 0xc5 ? 3 : 5;
+        if (end - p < head)
+            return 0;
+        n = (Py_ssize_t)get_be(p + 1, (int)head - 1);
+        if (n > end - p - head)
+            return 0;
+        *pp = p + head + n;
+        return 1;
+    }
+    if ((b & 0xf0) == 0x90 || b == 0xdc || b == 0xdd) {
+        n = mp_container(&p, end, 0);
+        if (n < 0 || n > end - p)
+            return 0;
+        for (i = 0; i < n; i++) {
+            /* Arrays are mostly of ints (tokens, hashes): those without a call. */
+            if (p < end && (*p <= 0x7f || *p >= 0xe0)) {
+                p++;
+                continue;
+            }
+            if (p < end && *p >= 0xcc && *p <= 0xd3) {
+                Py_ssize_t size = (Py_ssize_t)1 << (*p & 3);
+                if (end - p - 1 < size)
+                    return 0;
+                p += 1 + size;
+                continue;
+            }
+            if (!mp_skip(&p, end, depth + 1))
+                return 0;
+        }
+        *pp = p;
+        return 1;
+    }
+    if ((b & 0xf0) == 0x80 || b == 0xde || b == 0xdf) {
+        n = mp_container(&p, end, 1);
+        if (n < 0 || n > (end - p) / 2)
+            return 0;
+        for (i = 0; i < n; i++) {
+            if (p >= end || !((*p & 0xe0) == 0xa0 || (*p >= 0xd9 && *p <= 0xdb)))
+                return 0; /* keys are strings */
+            if (!mp_skip(&p, end, depth + 1) || !mp_skip(&p, end, depth + 1))
+                return 0;
+        }
+        *pp = p;
+        return 1;
+    }
+    return 0; /* ext, and the unused 0xc1 */
+}
+
+/* What the lane needs of one holder, read from the _Holder object once per call. */
+typedef struct {
+    PyObject *obj; /* borrowed from the stream's holders dict, which the lane never changes */
+    U64Map *table;
+    U64Map *engine;
+    PyObject *dups;
+    PyObject *shared;
+    uint64_t bit;
+    int loaded;
+} LaneHolder;
+
+typedef struct {
+    PyObject *stream;
+    PyObject *by_medium;
+    PyObject *holders;
+    U64Map *tombs;
+    U64Map *tombs_old;
+    LaneHolder h[LANE_HOLDERS];
+    Py_ssize_t nholders;
+    Py_ssize_t block_size;
+    uint64_t root;
+    Py_ssize_t tombstones;
+    Py_ssize_t stored, removed, clears;
+} Lane;
+
+static PyObject *s_block_size, *s_by_medium, *s_holders, *s_tombs, *s_tombs_old, *s_waiting,
+    *s_orphan_blocks, *s_orphan_queue, *s_table, *s_engine, *s_bit, *s_dups, *s_shared,
+    *s_clear;
+
+static int
+lane_intern(void)
+{
+#define INTERN(var, text)                                                                     \
+    if ((var = PyUnicode_InternFromString(text)) == NULL)                                      \
+        return -1;
+    INTERN(s_block_size, "block_size");
+    INTERN(s_by_medium, "by_medium");
+    INTERN(s_holders, "holders");
+    INTERN(s_tombs, "tombs");
+    INTERN(s_tombs_old, "tombs_old");
+    INTERN(s_waiting, "waiting");
+    INTERN(s_orphan_blocks, "orphan_blocks");
+    INTERN(s_orphan_queue, "orphan_queue");
+    INTERN(s_table, "table");
+    INTERN(s_engine, "engine");
+    INTERN(s_bit, "bit");
+    INTERN(s_dups, "dups");
+    INTERN(s_shared, "shared");
+    INTERN(s_clear, "clear");
+#undef INTERN
+    return 0;
+}
+
+/* An attribute that must be a U64Map, as a new reference; NULL (no error set) if it is not. */
+static U64Map *
+attr_map(PyObject *o, PyObject *name)
+{
+    PyObject *v = PyObject_GetAttr(o, name);
+    if (v == NULL)
+        return NULL;
+    if (!U64Map_Check(v)) {
+        Py_DECREF(v);
+        return NULL;
+    }
+    return (U64Map *)v;
+}
+
+/* Read holder i's fields; -1 with an error set, 0 if they are not what the lane expects. */
+static int
+lane_load(LaneHolder *h)
+{
+    PyObject *bit;
+    if (h->loaded)
+        return 1;
+    Py_CLEAR(h->table);
+    Py_CLEAR(h->engine);
+    Py_CLEAR(h->dups);
+    Py_CLEAR(h->shared);
+    h->table = attr_map(h->obj, s_table);
+    if (h->table == NULL)
+        return PyErr_Occurred() ? -1 : 0;
+    h->engine = attr_map(h->obj, s_engine);
+    if (h->engine == NULL)
+        return PyErr_Occurred() ? -1 : 0;
+    h->dups = PyObject_GetAttr(h->obj, s_dups);
+    if (h->dups == NULL)
+        return -1;
+    h->shared = PyObject_GetAttr(h->obj, s_shared);
+    if (h->shared == NULL)
+        return -1;
+    if (!PyDict_CheckExact(h->dups) || !PyDict_CheckExact(h->shared))
+        return 0;
+    bit = PyObject_GetAttr(h->obj, s_bit);
+    if (bit == NULL)
+        return -1;
+    if (u64_from(bit, &h->bit, "bit") < 0) {
+        Py_DECREF(bit);
+        return -1;
+    }
+    Py_DECREF(bit);
+    h->loaded = 1;
+    return 1;
+}
+
+static void
+lane_release(Lane *L)
+{
+    Py_ssize_t i;
+    for (i = 0; i < L->nholders; i++) {
+        Py_XDECREF(L->h[i].table);
+        Py_XDECREF(L->h[i].engine);
+        Py_XDECREF(L->h[i].dups);
+        Py_XDECREF(L->h[i].shared);
+    }
+    Py_XDECREF(L->by_medium);
+    Py_XDECREF(L->holders);
+    Py_XDECREF(L->tombs);
+    Py_XDECREF(L->tombs_old);
+}
+
+/* The holder of a medium (absent when med is NULL) from the stream's by_medium map: its index
+ * in L->h, loaded; -1 when there is none yet (or it is unusual), -2 on error. */
+static Py_ssize_t
+lane_holder(Lane *L, cur med, Py_ssize_t med_len)
+{
+    Py_ssize_t pos = 0, i;
+    PyObject *key, *value, *found = NULL;
+    int rc;
+    while (PyDict_Next(L->by_medium, &pos, &key, &value)) {
+        if (med == NULL) {
+            if (key == Py_None) {
+                found = value;
+                break;
+            }
+        }
+        else if (PyUnicode_CheckExact(key) && PyUnicode_IS_ASCII(key) &&
+                 PyUnicode_GET_LENGTH(key) == med_len &&
+                 memcmp(PyUnicode_DATA(key), med, (size_t)med_len) == 0) {
+            found = value;
+            break;
+        }
+    }
+    if (found == NULL)
+        return -1;
+    for (i = 0; i < L->nholders; i++) {
+        if (L->h[i].obj == found) {
+            rc = lane_load(&L->h[i]);
+            return rc < 0 ? -2 : rc == 0 ? -1 : i;
+        }
+    }
+    return -1;
+}
+
+/* _Stream.resolve with the event's own holder first: our hash of an engine hash; 0 if not
+ * found (the lane then stops), -1 on error. */
+static int
+lane_resolve(Lane *L, Py_ssize_t own, uint64_t eh, uint64_t *out)
+{
+    Py_ssize_t i;
+    Slot *s = map_find(L->h[own].engine, eh);
+    int rc;
+    if (s == NULL) {
+        for (i = 0; i < L->nholders && s == NULL; i++) {
+            rc = lane_load(&L->h[i]);
+            if (rc <= 0)
+                return rc;
+            s = map_find(L->h[i].engine, eh);
+        }
+    }
+    if (s == NULL)
+        s = map_find(L->tombs, eh);
+    if (s == NULL)
+        s = map_find(L->tombs_old, eh);
+    if (s == NULL)
+        return 0;
+    *out = s->value;
+    return 1;
+}
+
+/* The known keys of an event map; each at most once (a repeated one stops the lane). */
+enum { K_TYPE, K_HASHES, K_PARENT, K_TOKENS, K_SIZE, K_LORA_ID, K_MEDIUM, K_LORA_NAME,
+       K_GROUP, K_WINDOW, K_COUNT };
+static const char *const lane_keys[K_COUNT] = {
+    "type", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
+    "medium", "lora_name", "group_idx", "kv_cache_spec_sliding_window",
+};
+static const Py_ssize_t lane_key_len[K_COUNT] = {4, 12, 17, 9, 10, 7, 6, 9, 9, 28};
+
+/* One event as the scan of the payload found it. */
+typedef struct {
+    cur at[K_COUNT]; /* where each known key's value starts, NULL when absent */
+    Py_ssize_t tok_off, ntok; /* its token_ids, packed, at tokens + 4 * tok_off */
+    Py_ssize_t key_off, nkeys; /* its block_hashes at keys + key_off */
+    char usable; /* a map of string keys, no known key repeated */
+    char tok_ok; /* token_ids is an array of ints in 0 .. 2**32-1 */
+    char keys_ok; /* block_hashes is an array of ints */
+    char keys_neg; /* one of them is negative */
+} LaneEvent;
+
+/* Scratch space of one call: packed tokens, engine hashes, our hashes, events. */
+typedef struct {
+    unsigned char *tokens;
+    Py_ssize_t ntok;
+    uint64_t *keys;
+    Py_ssize_t nkeys;
+    uint64_t *ours;
+    LaneEvent *events;
+    Py_ssize_t nevents;
+} LaneScan;
+
+/* Tokens all written alike (all fixints, all uint16 or all uint32, as an encoder writes a
+ * vocabulary's ids): checked and read without the serial walk of one width after another.
+ * 0 (nothing read) when they are not. */
+static int
+uniform_tokens(cur *pp, cur end, Py_ssize_t count, unsigned char *out)
+{
+    cur p = *pp;
+    unsigned char m = *p, bad = 0;
+    Py_ssize_t i, stride = m <= 0x7f ? 1 : m == 0xcd ? 3 : m == 0xce ? 5 : 0;
+    if (stride == 0 || count > (end - p) / stride)
+        return 0;
+    if (stride == 1) {
+        for (i = 0; i < count; i++)
+            bad |= p[i];
+        if (bad & 0x80)
+            return 0;
+        for (i = 0; i < count; i++)
+            put_u32le(out + 4 * i, p[i]);
+    }
+    else {
+        for (i = 0; i < count; i++)
+            bad |= (unsigned char)(p[i * stride] ^ m);
+        if (bad)
+            return 0;
+        if (stride == 3)
+            for (i = 0; i < count; i++)
+                put_u32le(out + 4 * i, ((uint32_t)p[3 * i + 1] << 8) | p[3 * i + 2]);
+        else
+            for (i = 0; i < count; i++)
+                put_u32le(out + 4 * i, (uint32_t)get_be(p + 5 * i + 1, 4));
+    }
+    *pp = p + count * stride;
+    return 1;
+}
+
+/* Scan an array of ints at *pp into out (count in *n); *ok = 0 when an element is not one
+ * (then the rest is only checked). tokens: read uint32 tokens into bytes, else int keys. */
+static int
+scan_ints(cur *pp, cur end, int depth, void *out, Py_ssize_t *n, char *ok, char *any_neg,
+          int tokens)
+{
+    cur p = *pp;
+    Py_ssize_t count, i;
+    count = mp_container(&p, end, 0);
+    if (count < 0) {
+        *ok = 0;
+        return mp_skip(pp, end, depth);
+    }
+    if (count > end - p)
+        return 0;
+    *ok = 1;
+    *any_neg = 0;
+    *n = count;
+    if (tokens && count > 0 && uniform_tokens(&p, end, count, out)) {
+        *pp = p;
+        return 1;
+    }
+    for (i = 0; i < count; i++) {
+        if (tokens) {
+            uint32_t v;
+            if (msgpack_token(&p, end, &v)) {
+                put_u32le((unsigned char *)out + 4 * i, v);
+                continue;
+            }
+        }
+        else {
+            int neg;
+            if (mp_int(&p, end, &((uint64_t *)out)[i], &neg)) {
+                *any_neg |= neg;
+                continue;
+            }
+        }
+        *ok = 0;
+        for (; i < count; i++)
+            if (!mp_skip(&p, end, depth + 1))
+                return 0;
+        break;
+    }
+    *pp = p;
+    return 1;
+}
+
+/* Scan one event at *pp (checking it lies in the lane's subset; 0 if not) into ev. */
+static int
+scan_event(cur *pp, cur end, LaneEvent *ev, LaneScan *S)
+{
+    cur p = *pp, name;
+    Py_ssize_t n, i, k, name_len;
+    char unused_neg;
+    memset(ev, 0, sizeof(*ev));
+    n = mp_container(&p, end, 1);
+    if (n < 0) /* array-form events, and anything else */
+        return mp_skip(pp, end, 2);
+    if (n > (end - p) / 2)
+        return 0;
+    ev->usable = 1;
+    for (i = 0; i < n; i++) {
+        cur key = p;
+        if (!mp_str(&p, end, &name, &name_len) || !mp_skip(&key, end, 3))
+            return 0; /* keys are ASCII strings */
+        for (k = 0; k < K_COUNT; k++)
+            if (lane_key_len[k] == name_len && memcmp(lane_keys[k], name, (size_t)name_len) == 0)
+                break;
+        if (k < K_COUNT) {
+            if (ev->at[k] != NULL)
+                ev->usable = 0; /* a repeated key: the decoders agree, but not worth the care */
+            ev->at[k] = p;
+        }
+        if (k == K_TOKENS && ev->usable) {
+            ev->tok_off = S->ntok;
+            if (!scan_ints(&p, end, 3, S->tokens + 4 * S->ntok, &ev->ntok, &ev->tok_ok,
+                           &unused_neg, 1))
+                return 0;
+            if (ev->tok_ok)
+                S->ntok += ev->ntok;
+        }
+        else if (k == K_HASHES && ev->usable) {
+            ev->key_off = S->nkeys;
+            if (!scan_ints(&p, end, 3, S->keys + S->nkeys, &ev->nkeys, &ev->keys_ok,
+                           &ev->keys_neg, 0))
+                return 0;
+            if (ev->keys_ok)
+                S->nkeys += ev->nkeys;
+        }
+        else if (!mp_skip(&p, end, 3))
+            return 0;
+    }
+    *pp = p;
+    return 1;
+}
+
+/* An optional int field: absent, nil or an int. */
+static int
+opt_int_ok(cur v, cur end)
+{
+    uint64_t x;
+    int neg;
+    return v == NULL || mp_is_nil(v, end) || mp_int(&v, end, &x, &neg);
+}
+
+/* The event's medium: 1 with *s NULL for none (absent or nil), 1 with the string, 0 else. */
+static int
+event_medium(const LaneEvent *ev, cur end, cur *s, Py_ssize_t *len)
+{
+    cur p = ev->at[K_MEDIUM];
+    *s = NULL;
+    *len = 0;
+    if (p == NULL || mp_is_nil(p, end))
+        return 1;
+    return mp_str(&p, end, s, len);
+}
+
+/* Apply one BlockStored; 1 applied, 0 not handled (nothing changed), -1 error. */
+static int
+lane_store(Lane *L, const LaneEvent *ev, cur end, LaneScan *S)
+{
+    cur p, med;
+    Py_ssize_t n = ev->nkeys, i, own, mlen;
+    uint64_t size, parent, seed, *keys = S->keys + ev->key_off, *ours = S->ours;
+    int neg, rc;
+    LaneHolder *h;
+    if (ev->at[K_HASHES] == NULL || ev->at[K_TOKENS] == NULL || ev->at[K_SIZE] == NULL ||
+        !ev->keys_ok || !ev->tok_ok || n == 0)
+        return 0;
+    p = ev->at[K_SIZE];
+    if (!mp_int(&p, end, &size, &neg) || neg || size != (uint64_t)L->block_size ||
+        (uint64_t)ev->ntok != size * (uint64_t)n)
+        return 0;
+    if ((ev->at[K_LORA_ID] != NULL && !mp_is_nil(ev->at[K_LORA_ID], end)) ||
+        (ev->at[K_LORA_NAME] != NULL && !mp_is_nil(ev->at[K_LORA_NAME], end)) ||
+        !opt_int_ok(ev->at[K_GROUP], end) || !opt_int_ok(ev->at[K_WINDOW], end) ||
+        !event_medium(ev, end, &med, &mlen))
+        return 0;
+    own = lane_holder(L, med, mlen);
+    if (own < 0)
+        return own == -2 ? -1 : 0;
+    h = &L->h[own];
+    for (i = 0; i < n && i < PREFETCH_AHEAD; i++)
+        map_prefetch(h->engine, keys[i]);
+    if (ev->at[K_PARENT] == NULL || mp_is_nil(ev->at[K_PARENT], end))
+        seed = L->root;
+    else {
+        p = ev->at[K_PARENT];
+        if (!mp_int(&p, end, &parent, &neg))
+            return 0;
+        rc = lane_resolve(L, own, parent, &seed);
+        if (rc <= 0)
+            return rc; /* an orphan, for the caller */
+    }
+    hash_blocks(S->tokens + 4 * ev->tok_off, (size_t)size * 4, n, seed, ours);
+    for (i = 0; i < n && i < PREFETCH_AHEAD; i++)
+        map_prefetch(h->table, ours[i]);
+    /* Fresh blocks only: no engine hash repeated or already held, no block already marked. */
+    rc = has_repeat(keys, n);
+    if (rc == 0)
+        rc = has_repeat(ours, n);
+    if (rc != 0)
+        return rc < 0 ? -1 : 0;
+    for (i = 0; i < n; i++) {
+        if (i + PREFETCH_AHEAD < n)
+            map_prefetch(h->engine, keys[i + PREFETCH_AHEAD]);
+        if (map_find(h->engine, keys[i]) != NULL)
+            return 0;
+    }
+    for (i = 0; i < n; i++) {
+        Slot *b;
+        if (i + PREFETCH_AHEAD < n)
+            map_prefetch(h->table, ours[i + PREFETCH_AHEAD]);
+        b = map_find(h->table, ours[i]);
+        if (b != NULL && (b->value & h->bit))
+            return 0;
+    }
+    if (map_reserve(h->engine, n) < 0 || map_reserve(h->table, n) < 0)
+        return -1;
+    for (i = 0; i < n; i++) {
+        int created;
+        Slot *b;
+        if (map_set(h->engine, keys[i], ours[i]) < 0)
+            return -1;
+        b = map_upsert(h->table, ours[i], &created);
+        if (b == NULL)
+            return -1;
+        b->value |= h->bit;
+    }
+    if (ev->keys_neg)
+        h->engine->is_signed = 1;
+    L->stored += n;
+    return 1;
+}
+
+/* Apply one BlockRemoved; 1 applied, 0 not handled (nothing changed), -1 error. */
+static int
+lane_remove(Lane *L, const LaneEvent *ev, cur end, LaneScan *S)
+{
+    cur med;
+    Py_ssize_t n = ev->nkeys, i, own, mlen;
+    uint64_t *keys = S->keys + ev->key_off;
+    int rc;
+    LaneHolder *h;
+    U64Map *tombs;
+    if (ev->at[K_HASHES] == NULL || !ev->keys_ok || n == 0 || !opt_int_ok(ev->at[K_GROUP], end) ||
+        !event_medium(ev, end, &med, &mlen))
+        return 0;
+    own = lane_holder(L, med, mlen);
+    if (own < 0)
+        return own == -2 ? -1 : 0;
+    h = &L->h[own];
+    if (PyDict_GET_SIZE(h->dups) || PyDict_GET_SIZE(h->shared))
+        return 0;
+    /* Known blocks only, each once. */
+    rc = has_repeat(keys, n);
+    if (rc != 0)
+        return rc < 0 ? -1 : 0;
+    for (i = 0; i < n && i < PREFETCH_AHEAD; i++)
+        map_prefetch(h->engine, keys[i]);
+    for (i = 0; i < n; i++) {
+        if (i + PREFETCH_AHEAD < n)
+            map_prefetch(h->engine, keys[i + PREFETCH_AHEAD]);
+        if (map_find(h->engine, keys[i]) == NULL)
+            return 0;
+    }
+    tombs = L->tombs;
+    if (map_reserve(tombs, n) < 0)
+        return -1;
+    for (i = 0; i < n; i++) {
+        uint64_t eh = keys[i], oh;
+        Slot *e = map_find(h->engine, eh);
+        oh = e->value;
+        map_remove(h->engine, e);
+        if (map_set(tombs, eh, oh) < 0)
+            return -1;
+        clear_bit(h->table, oh, h->bit);
+    }
+    /* Tomb keys read back signed once a removal's own hash was negative (as remove_blocks). */
+    if (ev->keys_neg)
+        tombs->is_signed = 1;
+    L->removed += n;
+    if (U64Map_len(tombs) > L->tombstones) {
+        PyObject *fresh = PyObject_CallNoArgs((PyObject *)&U64MapType);
+        if (fresh == NULL)
+            return -1;
+        if (PyObject_SetAttr(L->stream, s_tombs_old, (PyObject *)tombs) < 0 ||
+            PyObject_SetAttr(L->stream, s_tombs, fresh) < 0) {
+            Py_DECREF(fresh);
+            return -1;
+        }
+        Py_DECREF(L->tombs_old);
+        L->tombs_old = tombs; /* the reference L->tombs held */
+        L->tombs = (U64Map *)fresh;
+    }
+    return 1;
+}
+
+/* Apply one AllBlocksCleared (PrefixIndex._drop_stream_state with no orphans); 1 or -1. */
+static int
+lane_clear(Lane *L)
+{
+    Py_ssize_t i;
+    PyObject *queue;
+    for (i = 0; i < L->nholders; i++) {
+        int rc = lane_load(&L->h[i]);
+        if (rc <= 0)
+            return rc;
+    }
+    for (i = 0; i < L->nholders; i++) {
+        LaneHolder *h = &L->h[i];
+        size_t j;
+        if (h->table != h->engine) {
+            if (h->engine->has_zero)
+                clear_bit(h->table, h->engine->zero.value, h->bit);
+            for (j = 0; j <= h->engine->mask; j++)
+                if (h->engine->slots[j].key != 0)
+                    clear_bit(h->table, h->engine->slots[j].value, h->bit);
+        }
+        if (map_clear(h->engine) < 0)
+            return -1;
+        PyDict_Clear(h->dups);
+        PyDict_Clear(h->shared);
+    }
+    /* Empty already but for orphans that were placed or dropped and not yet compacted away. */
+    queue = PyObject_GetAttr(L->stream, s_orphan_queue);
+    if (queue == NULL)
+        return -1;
+    if (PyObject_Length(queue) != 0) {
+        PyObject *r = PyObject_CallMethodNoArgs(queue, s_clear);
+        if (r == NULL) {
+            Py_DECREF(queue);
+            return -1;
+        }
+        Py_DECREF(r);
+    }
+    Py_DECREF(queue);
+    if (map_clear(L->tombs) < 0 || map_clear(L->tombs_old) < 0)
+        return -1;
+    L->tombs->is_signed = 0;
+    L->tombs_old->is_signed = 0;
+    L->clears++;
+    return 1;
+}
+
+/* Apply one scanned event; 1 applied, 0 not handled, -1 error. */
+static int
+lane_event(Lane *L, const LaneEvent *ev, cur end, LaneScan *S)
+{
+    cur p = ev->at[K_TYPE], tag;
+    Py_ssize_t len;
+    if (!ev->usable || p == NULL || !mp_str(&p, end, &tag, &len))
+        return 0;
+    if (len == 11 && memcmp(tag, "BlockStored", 11) == 0)
+        return lane_store(L, ev, end, S);
+    if (len == 12 && memcmp(tag, "BlockRemoved", 12) == 0)
+        return lane_remove(L, ev, end, S);
+    if (len == 16 && memcmp(tag, "AllBlocksCleared", 16) == 0)
+        return lane_clear(L);
+    return 0;
+}
+
+/* One call's scratch: a module buffer reused while nobody else uses it (no call below runs
+ * Python code that could re-enter, but a strange stream object could), else its own. */
+static unsigned char *lane_buffer = NULL;
+static size_t lane_buffer_size = 0;
+static int lane_buffer_busy = 0;
+#define LANE_KEEP ((size_t)1 << 20) /* the largest buffer kept between calls */
+
+static void *
+scratch_get(size_t bytes, int *owned)
+{
+    void *p;
+    *owned = 0;
+    if (!lane_buffer_busy && bytes <= LANE_KEEP) {
+        if (bytes > lane_buffer_size) {
+            size_t size = lane_buffer_size ? lane_buffer_size : 16384;
+            unsigned char *grown;
+            while (size < bytes)
+                size *= 2;
+            grown = PyMem_Realloc(lane_buffer, size);
+            if (grown == NULL)
+                return PyErr_NoMemory();
+            lane_buffer = grown;
+            lane_buffer_size = size;
+        }
+        lane_buffer_busy = 1;
+        return lane_buffer;
+    }
+    *owned = 1;
+    p = PyMem_Malloc(bytes);
+    return p != NULL ? p : PyErr_NoMemory();
+}
+
+static void
+scratch_put(void *p, int owned)
+{
+    if (owned)
+        PyMem_Free(p);
+    else if (p != NULL)
+        lane_buffer_busy = 0;
+}
+
+static const char *const ingest_names[] = {"payload", "stream", "root_seed", "tombstones"};
+
+/* ingest_events(payload, stream, root_seed, tombstones) -> (applied, events, ts, stored,
+ * removed, clears); events is -1 when the payload is not one the lane reads. */
+static PyObject *
+ingest_events(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs,
+              PyObject *kwnames)
+{
+    PyObject *a[4], *out = NULL, *v;
+    Py_buffer view;
+    Lane L;
+    LaneScan S;
+    cur p, end;
+    Py_ssize_t n, nevents = -1, i, applied = 0, pos = 0, len;
+    double ts = 0.0;
+    uint64_t u;
+    void *scratch = NULL;
+    size_t tok_bytes;
+    int neg, rc, owned = 0, recording = 1;
+    if (parse_args("ingest_events", args, nargs, kwnames, ingest_names, 4, 4, a) < 0)
+        return NULL;
+    memset(&L, 0, sizeof(L));
+    L.stream = a[1];
+    if (key_from(a[2], &L.root, &neg) < 0)
+        return NULL;
+    L.tombstones = PyLong_AsSsize_t(a[3]);
+    if (L.tombstones == -1 && PyErr_Occurred())
+        return NULL;
+    if (PyObject_GetBuffer(a[0], &view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    p = (cur)view.buf;
+    end = p + view.len;
+    len = view.len;
+    /* The batch: [ts, [events...], rank?, ...]. */
+    n = mp_container(&p, end, 0);
+    if (n < 2 || xxh3_seeded == NULL || len > ((Py_ssize_t)1 << 26))
+        goto result;
+    if (p < end && *p == 0xcb && end - p >= 9) {
+        union { uint64_t u; double d; } cv;
+        cv.u = get_be(p + 1, 8);
+        ts = cv.d;
+        p += 9;
+    }
+    else if (p < end && *p == 0xca && end - p >= 5) {
+        union { uint32_t u; float f; } cv;
+        cv.u = (uint32_t)get_be(p + 1, 4);
+        ts = (double)cv.f;
+        p += 5;
+    }
+    else if (mp_int(&p, end, &u, &neg))
+        ts = neg ? (double)(int64_t)u : (double)u;
+    else
+        goto result;
+    nevents = mp_container(&p, end, 0);
+    if (nevents < 0 || nevents > end - p)
+        goto bad;
+    /* Every token, hash or event takes at least one byte of the payload. */
+    tok_bytes = ((size_t)len * 4 + 15) & ~(size_t)15;
+    scratch = scratch_get(tok_bytes + (size_t)len * 16 + (size_t)nevents * sizeof(LaneEvent),
+                          &owned);
+    if (scratch == NULL)
+        goto fail;
+    S.tokens = (unsigned char *)scratch;
+    S.keys = (uint64_t *)(S.tokens + tok_bytes);
+    S.ours = S.keys + len;
+    S.events = (LaneEvent *)(S.ours + len);
+    S.ntok = S.nkeys = S.nevents = 0;
+    for (i = 0; i < nevents; i++) {
+        if (recording) {
+            LaneEvent *ev = &S.events[S.nevents++];
+            if (!scan_event(&p, end, ev, &S))
+                goto bad;
+            recording = ev->usable;
+        }
+        else if (!mp_skip(&p, end, 2))
+            goto bad;
+    }
+    /* The rank, nil or an int (not a bool); then anything. */
+    if (n >= 3) {
+        if (mp_is_nil(p, end))
+            p++;
+        else if (!mp_int(&p, end, &u, &neg))
+            goto bad;
+    }
+    for (i = 3; i < n; i++)
+        if (!mp_skip(&p, end, 1))
+            goto bad;
+    if (p != end)
+        goto bad;
+    if (nevents == 0)
+        goto result;
+    /* The stream: a known block size, no orphans waiting. */
+    v = PyObject_GetAttr(L.stream, s_block_size);
+    if (v == NULL)
+        goto fail;
+    if (!PyLong_CheckExact(v)) {
+        Py_DECREF(v);
+        goto result;
+    }
+    L.block_size = PyLong_AsSsize_t(v);
+    Py_DECREF(v);
+    if (L.block_size <= 0) {
+        if (PyErr_Occurred())
+            goto fail;
+        goto result;
+    }
+    for (i = 0; i < 2; i++) {
+        v = PyObject_GetAttr(L.stream, i == 0 ? s_waiting : s_orphan_blocks);
+        if (v == NULL)
+            goto fail;
+        rc = PyDict_CheckExact(v) && PyDict_GET_SIZE(v) == 0;
+        Py_DECREF(v);
+        if (!rc)
+            goto result;
+    }
+    L.by_medium = PyObject_GetAttr(L.stream, s_by_medium);
+    if (L.by_medium == NULL)
+        goto fail;
+    L.holders = PyObject_GetAttr(L.stream, s_holders);
+    if (L.holders == NULL)
+        goto fail;
+    if (!PyDict_CheckExact(L.by_medium) || !PyDict_CheckExact(L.holders) ||
+        PyDict_GET_SIZE(L.holders) > LANE_HOLDERS)
+        goto result;
+    while (PyDict_Next(L.holders, &pos, NULL, &v))
+        L.h[L.nholders++].obj = v;
+    L.tombs = attr_map(L.stream, s_tombs);
+    if (L.tombs == NULL)
+        goto check;
+    L.tombs_old = attr_map(L.stream, s_tombs_old);
+    if (L.tombs_old == NULL)
+        goto check;
+    /* The events, in order, up to the first the lane does not handle. */
+    for (applied = 0; applied < S.nevents; applied++) {
+        rc = lane_event(&L, &S.events[applied], end, &S);
+        if (rc < 0)
+            goto fail;
+        if (rc == 0)
+            break;
+    }
+    goto result;
+bad:
+    nevents = -1;
+    goto result;
+check:
+    if (PyErr_Occurred())
+        goto fail;
+result:
+    out = Py_BuildValue("(nndnnn)", applied, nevents, ts, L.stored, L.removed, L.clears);
+fail:
+    scratch_put(scratch, owned);
+    lane_release(&L);
+    PyBuffer_Release(&view);
+    return out;
+}
+
+/* ---------------------------------------------------------------- walks */
+
+static const char *const walk_names[] = {"blocks", "hashes", "allowed"};
+
+static int
+walk_emit(PyObject *out, uint64_t bits, Py_ssize_t depth)
+{
+    PyObject *b = PyLong_FromUnsignedLongLong(bits), *d;
+    if (b == NULL)
+        return -1;
+    d = PyLong_FromSsize_t(depth);
+    if (d == NULL) {
+        Py_DECREF(b);
+        return -1;
+    }
+    return append_steal(out, pair(b, d));
+}
+
+static PyObject *
+walk(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    PyObject *a[3], *seq, *out;
+    PyObject **items;
+    U64Map *blocks;
+    uint64_t alive = 0, allowed, mask;
+    Py_ssize_t count, depth = 1;
+    if (parse_args("walk", args, nargs, kwnames, walk_names, 3, 3, a) < 0)
+        return NULL;
+    if (check_map(a[0], "blocks") < 0 || u64_from(a[2], &allowed, "allowed") < 0)
+        return NULL;
+    blocks = (U64Map *)a[0];
+    seq = PySequence_Fast(a[1], "hashes must be a sequence");
+    if (seq == NULL)
+        return NULL;
+    out = PyList_New(0);
+    if (out == NULL)
+        goto done;
+    items = PySequence_Fast_ITEMS(seq);
+    count = PySequence_Fast_GET_SIZE(seq);
+    if (count > 0) {
+        if (lookup_or_zero(blocks, items[0], &alive) < 0)
+            goto fail;
+        alive &= allowed;
+    }
+    while (alive && depth < count) {
+        if (lookup_or_zero(blocks, items[depth], &mask) < 0)
+            goto fail;
+        mask &= alive;
+        if (mask != alive) {
+            if (walk_emit(out, alive ^ mask, depth) < 0)
+                goto fail;
+            alive = mask;
+        }
+        depth++;
+    }
+    if (alive && walk_emit(out, alive, depth) < 0)
+        goto fail;
+    goto done;
+fail:
+    Py_CLEAR(out);
+done:
+    Py_DECREF(seq);
+    return out;
+}
+
+static const char *const extend_names[] = {"blocks", "hashes", "depth", "mask"};
+
+static PyObject *
+extend(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    PyObject *a[4], *seq, *out = NULL;
+    PyObject **items;
+    U64Map *blocks;
+    uint64_t mask, v;
+    Py_ssize_t count, depth;
+    int overflow;
+    if (parse_args("extend", args, nargs, kwnames, extend_names, 4, 4, a) < 0)
+        return NULL;
+    if (check_map(a[0], "blocks") < 0 || u64_from(a[3], &mask, "mask") < 0)
+        return NULL;
+    if (!PyLong_Check(a[2])) {
+        PyErr_Format(PyExc_TypeError, "depth must be an int, not %.100s",
+                     Py_TYPE(a[2])->tp_name);
+        return NULL;
+    }
+    blocks = (U64Map *)a[0];
+    seq = PySequence_Fast(a[1], "hashes must be a sequence");
+    if (seq == NULL)
+        return NULL;
+    items = PySequence_Fast_ITEMS(seq);
+    count = PySequence_Fast_GET_SIZE(seq);
+    depth = (Py_ssize_t)PyLong_AsLongLongAndOverflow(a[2], &overflow);
+    if (overflow > 0) { /* past the end already */
+        Py_INCREF(a[2]);
+        out = a[2];
+        goto done;
+    }
+    if (overflow < 0)
+        depth = -count - 1;
+    else if (depth == -1 && PyErr_Occurred())
+        goto done;
+    /* A negative depth indexes from the end, as in the reference. */
+    while (depth < count) {
+        Py_ssize_t at = depth < 0 ? depth + count : depth;
+        if (at < 0) {
+            PyErr_SetString(PyExc_IndexError, "hashes index out of range");
+            goto done;
+        }
+        if (lookup_or_zero(blocks, items[at], &v) < 0)
+            goto done;
+        if (!(v & mask))
+            break;
+        depth++;
+    }
+    out = PyLong_FromSsize_t(depth);
+done:
+    Py_DECREF(seq);
+    return out;
+}
+
+/* ---------------------------------------------------------------- module */
+
+#define FASTCALL(f) (PyCFunction)(void (*)(void))(f), METH_FASTCALL | METH_KEYWORDS
+
+static PyMethodDef module_methods[] = {
+    {"init_xxh3", init_xxh3, METH_O,
+     "init_xxh3(address): the address of XXH3_64bits_withSeed, for chain_hashes."},
+    {"chain_hashes", FASTCALL(chain_hashes),
+     "chain_hashes(packed, block_size, seed): chained xxh3 of full blocks, 60 bits each."},
+    {"pack_msgpack_tokens", FASTCALL(pack_msgpack_tokens),
+     "pack_msgpack_tokens(raw): a msgpack array of uint32 ints as packed uint32 LE, or None."},
+    {"pack_json_tokens", FASTCALL(pack_json_tokens),
+     "pack_json_tokens(raw): a JSON array of uint32 ints as packed uint32 LE, or None."},
+    {"pack_json_member", FASTCALL(pack_json_member),
+     "pack_json_member(body, key): (packed tokens, start, end) of a top-level int array "
+     "member of a JSON object, or None."},
+    {"store_chain", FASTCALL(store_chain),
+     "store_chain(blocks, engine, bit, engine_hashes, ours): store fresh blocks of a holder."},
+    {"remove_blocks", FASTCALL(remove_blocks),
+     "remove_blocks(blocks, engine, tombs, bit, engine_hashes): the unknown engine hashes."},
+    {"drop_holder", FASTCALL(drop_holder),
+     "drop_holder(blocks, engine, bit): clear a holder's bit everywhere, empty its map."},
+    {"ingest_events", FASTCALL(ingest_events),
+     "ingest_events(payload, stream, root_seed, tombstones): apply a batch's leading events "
+     "to an index stream; (applied, events, ts, stored, removed, clears)."},
+    {"walk", FASTCALL(walk), "walk(blocks, hashes, allowed): (bits, depth) per match group."},
+    {"extend", FASTCALL(extend),
+     "extend(blocks, hashes, depth, mask): the first depth no holder of mask has."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "kvevents.index._blocktable",
+    .m_doc = "The prefix index's storage primitives in C (see _blocktable_py for the spec).",
+    .m_size = -1,
+    .m_methods = module_methods,
+};
+
+PyMODINIT_FUNC
+PyInit__blocktable(void)
+{
+    PyObject *m;
+    if (PyType_Ready(&U64MapType) < 0 || lane_intern() < 0)
+        return NULL;
+    m = PyModule_Create(&module_def);
+    if (m == NULL)
+        return NULL;
+    Py_INCREF(&U64MapType);
+    if (PyModule_AddObject(m, "U64Map", (PyObject *)&U64MapType) < 0) {
+        Py_DECREF(&U64MapType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    if (PyModule_AddStringConstant(m, "IMPLEMENTATION", "c") < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

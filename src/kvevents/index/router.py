@@ -1,0 +1,438 @@
+"""Routing policies over the prefix index, each decision explainable. Pure and in-process.
+
+A *target* is one (worker, rank): attention-DP ranks are routed to separately. A policy gets
+the index's :class:`~kvevents.index.prefix.MatchResult` for a request, the targets and their
+:class:`Load`, and returns a :class:`Decision` that names the winner and, for every target,
+the matched blocks, the load terms and the score that decided.
+
+Policies:
+
+- ``longest_prefix``: most matched blocks wins; ties go to the lower load, then target order.
+- ``prefix_load``: a cost model in blocks, lowest wins (the shape Dynamo's KV router uses):
+  ``cost = prefill_weight * (request_blocks - matched_blocks + queued_blocks) + active_blocks``
+  — the prefill work this request would add on top of the prefill already queued there,
+  plus the decode load (KV blocks held by running requests).
+- ``round_robin`` and ``random`` (seeded): baselines that ignore the cache.
+
+Degraded targets. A target whose event stream is not trustworthy (the subscriber reported an
+unrecoverable loss, so the index may still list blocks the engine evicted) is marked with
+:meth:`Router.mark_degraded`. It stays routable, but its matched blocks count as zero: a
+phantom prefix hit must not attract traffic. Every decision names degraded targets and why.
+
+Loads are not measured here: the caller (a simulation, or a service fed by engines' load
+reports) keeps them in a :class:`LoadBook`.
+"""
+
+from __future__ import annotations
+
+import random as _random
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple, Protocol
+
+from kvevents.index.prefix import MatchResult, PrefixIndex
+
+__all__ = [
+    "POLICIES",
+    "Decision",
+    "Load",
+    "LoadBook",
+    "LongestPrefix",
+    "Policy",
+    "PrefixLoad",
+    "RandomChoice",
+    "RoundRobin",
+    "RouteInputs",
+    "Router",
+    "TargetScore",
+    "make_policy",
+]
+
+Target = tuple[str, int]
+
+
+class Load(NamedTuple):
+    """Load of one target, in KV blocks."""
+
+    queued_blocks: int = 0  #: prefill blocks waiting or being computed
+    active_blocks: int = 0  #: blocks held by running (decoding) requests
+
+
+class TargetScore(NamedTuple):
+    """How one target scored: inputs (matched blocks, load) and the terms of its score."""
+
+    worker_id: str
+    rank: int
+    matched_blocks: int
+    request_blocks: int
+    score: float  #: higher wins
+    load: Load
+    terms: Mapping[str, float]
+    degraded: str | None = None  #: why its matched blocks were not trusted, if they were not
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A routing decision and everything needed to explain it."""
+
+    winner: Target | None  #: None when there was no target
+    policy: str
+    scores: tuple[TargetScore, ...]  #: one per target, in target order
+    request_tokens: int = 0
+
+    @property
+    def matched(self) -> dict[Target, int]:
+        """Matched blocks per target."""
+        return {(s.worker_id, s.rank): s.matched_blocks for s in self.scores}
+
+    @property
+    def winner_score(self) -> TargetScore | None:
+        """The winner's row of :attr:`scores`."""
+        for row in self.scores:
+            if (row.worker_id, row.rank) == self.winner:
+                return row
+        return None
+
+    def to_dict(self) -> dict[str, object]:
+        """JSON-ready form (the ``decision`` of ``POST /query``)."""
+        return {
+            "policy": self.policy,
+            "winner": None
+            if self.winner is None
+            else {"worker_id": self.winner[0], "rank": self.winner[1]},
+            "request_tokens": self.request_tokens,
+            "scores": [
+                {
+                    "worker_id": s.worker_id,
+                    "rank": s.rank,
+                    "matched_blocks": s.matched_blocks,
+                    "request_blocks": s.request_blocks,
+                    "score": s.score,
+                    "queued_blocks": s.load.queued_blocks,
+                    "active_blocks": s.load.active_blocks,
+                    "terms": dict(s.terms),
+                    "degraded": s.degraded,
+                }
+                for s in self.scores
+            ],
+        }
+
+    def explain(self) -> str:
+        """A small table: one line per target, the winner marked."""
+        lines = [f"policy {self.policy}: winner {self._name(self.winner)}"]
+        for s in self.scores:
+            mark = "  <- winner" if (s.worker_id, s.rank) == self.winner else ""
+            if s.degraded:
+                mark = f" (degraded: {s.degraded}){mark}"
+            terms = " ".join(f"{k}={v:g}" for k, v in s.terms.items())
+            lines.append(
+                f"  {self._name((s.worker_id, s.rank))}: matched {s.matched_blocks}/"
+                f"{s.request_blocks} blocks, queued {s.load.queued_blocks}, active "
+                f"{s.load.active_blocks}, score {s.score:g} {terms}{mark}".rstrip()
+            )
+        return "\n".join(lines)
+
+    @staticmethod
+    def _name(target: Target | None) -> str:
+        return "none" if target is None else f"{target[0]}/rank{target[1]}"
+
+
+class LoadBook:
+    """Per-target load, kept by whoever knows it (a simulation, engine load reports)."""
+
+    def __init__(self) -> None:
+        self._loads: dict[Target, Load] = {}
+
+    def get(self, worker_id: str, rank: int = 0) -> Load:
+        return self._loads.get((worker_id, rank), _IDLE)
+
+    def set(
+        self,
+        worker_id: str,
+        rank: int = 0,
+        *,
+        queued_blocks: int | None = None,
+        active_blocks: int | None = None,
+    ) -> None:
+        """Replace one or both terms of a target's load."""
+        old = self.get(worker_id, rank)
+        self._loads[(worker_id, rank)] = Load(
+            old.queued_blocks if queued_blocks is None else queued_blocks,
+            old.active_blocks if active_blocks is None else active_blocks,
+        )
+
+    def add(
+        self, worker_id: str, rank: int = 0, *, queued_blocks: int = 0, active_blocks: int = 0
+    ) -> None:
+        """Add to (or, with negative numbers, take from) a target's load; never below 0."""
+        old = self.get(worker_id, rank)
+        self._loads[(worker_id, rank)] = Load(
+            max(0, old.queued_blocks + queued_blocks), max(0, old.active_blocks + active_blocks)
+        )
+
+    def remove(self, worker_id: str, rank: int | None = None) -> None:
+        """Forget a worker's (or one rank's) load."""
+        for key in [k for k in self._loads if k[0] == worker_id and rank in (None, k[1])]:
+            del self._loads[key]
+
+    def many(self, targets: Sequence[Target]) -> list[Load]:
+        """The loads of ``targets``, in order."""
+        get = self._loads.get
+        return [get(t, _IDLE) for t in targets]
+
+    def snapshot(self) -> dict[Target, Load]:
+        return dict(self._loads)
+
+
+_IDLE = Load()
+_row = TargetScore._make
+
+
+@dataclass(frozen=True)
+class RouteInputs:
+    """What a policy sees: per target, matched and request blocks, and load."""
+
+    targets: Sequence[Target]
+    matched: Sequence[int]
+    request_blocks: Sequence[int]
+    loads: Sequence[Load]
+    request_tokens: int
+    degraded: Sequence[str | None] = ()  #: per target, why it is degraded (empty: none is)
+
+
+class Policy(Protocol):
+    """A routing policy: a name and a choice over targets."""
+
+    name: str
+
+    def choose(self, inputs: RouteInputs) -> Decision: ...
+
+
+def _decision(
+    name: str,
+    inputs: RouteInputs,
+    scores: Sequence[float],
+    terms: Sequence[Mapping[str, float]],
+    winner: int | None,
+) -> Decision:
+    degraded = inputs.degraded or [None] * len(inputs.targets)
+    rows = tuple(
+        TargetScore(t[0], t[1], m, r, s, ld, tm, d)
+        for t, m, r, s, ld, tm, d in zip(
+            inputs.targets,
+            inputs.matched,
+            inputs.request_blocks,
+            scores,
+            inputs.loads,
+            terms,
+            degraded,
+            strict=True,
+        )
+    )
+    chosen = None if winner is None else inputs.targets[winner]
+    return Decision(chosen, name, rows, inputs.request_tokens)
+
+
+def _best(keys: Sequence[tuple[float, ...]]) -> int | None:
+    """Index of the largest key, the first one on ties."""
+    if not keys:
+        return None
+    return max(range(len(keys)), key=lambda i: (keys[i], -i))
+
+
+@dataclass
+class LongestPrefix:
+    """Most matched blocks wins; ties: lower total load, then target order."""
+
+    name: str = "longest_prefix"
+
+    def choose(self, inputs: RouteInputs) -> Decision:
+        scores = [float(m) for m in inputs.matched]
+        keys = [
+            (s, -float(ld.queued_blocks + ld.active_blocks))
+            for s, ld in zip(scores, inputs.loads, strict=True)
+        ]
+        terms = [{"matched_blocks": s} for s in scores]
+        return _decision(self.name, inputs, scores, terms, _best(keys))
+
+
+@dataclass
+class PrefixLoad:
+    """Lowest ``prefill_weight * (new + queued) + active`` blocks wins; ties: more matched."""
+
+    prefill_weight: float = 1.0
+    name: str = "prefix_load"
+
+    def choose(self, inputs: RouteInputs) -> Decision:
+        # One pass building the rows directly: this runs for every routed request, once per
+        # target, and is most of a decision's cost.
+        weight = self.prefill_weight
+        targets = inputs.targets
+        degraded = inputs.degraded or [None] * len(targets)
+        rows: list[TargetScore] = []
+        winner: int | None = None
+        best = (0.0, 0.0)
+        for i, (target, m, r, load, why) in enumerate(
+            zip(targets, inputs.matched, inputs.request_blocks, inputs.loads, degraded, strict=True)
+        ):
+            queued, active = load
+            new = r - m if r > m else 0
+            prefill = weight * (new + queued)
+            cost = prefill + active
+            terms = {
+                "new_blocks": new,
+                "prefill_cost": prefill,
+                "decode_cost": active,
+                "cost": cost,
+            }
+            rows.append(_row((target[0], target[1], m, r, -cost, load, terms, why)))
+            if winner is None or (-cost, m) > best:  # the first one wins ties
+                winner, best = i, (-cost, m)
+        chosen = None if winner is None else targets[winner]
+        return Decision(chosen, self.name, tuple(rows), inputs.request_tokens)
+
+
+@dataclass
+class RoundRobin:
+    """Targets in turn, ignoring the cache (a baseline)."""
+
+    name: str = "round_robin"
+    _next: int = field(default=0, repr=False)
+
+    def choose(self, inputs: RouteInputs) -> Decision:
+        count = len(inputs.targets)
+        winner = None if not count else self._next % count
+        self._next += 1
+        scores = [1.0 if i == winner else 0.0 for i in range(count)]
+        return _decision(self.name, inputs, scores, [{}] * count, winner)
+
+
+@dataclass
+class RandomChoice:
+    """A uniformly random target from a seeded generator (a baseline)."""
+
+    seed: int = 0
+    name: str = "random"
+    _rng: _random.Random = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._rng = _random.Random(self.seed)
+
+    def choose(self, inputs: RouteInputs) -> Decision:
+        count = len(inputs.targets)
+        winner = self._rng.randrange(count) if count else None
+        scores = [1.0 if i == winner else 0.0 for i in range(count)]
+        return _decision(self.name, inputs, scores, [{}] * count, winner)
+
+
+#: Policy names accepted by :func:`make_policy` and ``POST /query``.
+POLICIES: dict[str, Callable[..., Policy]] = {
+    "longest_prefix": lambda **_: LongestPrefix(),
+    "prefix_load": lambda prefill_weight=1.0, **_: PrefixLoad(prefill_weight),
+    "round_robin": lambda **_: RoundRobin(),
+    "random": lambda seed=0, **_: RandomChoice(seed),
+}
+
+
+def make_policy(name: str, *, seed: int = 0, prefill_weight: float = 1.0) -> Policy:
+    """A policy by name; ``ValueError`` naming the known ones otherwise."""
+    factory = POLICIES.get(name)
+    if factory is None:
+        raise ValueError(f"unknown routing policy {name!r}; known: {', '.join(sorted(POLICIES))}")
+    return factory(seed=seed, prefill_weight=prefill_weight)
+
+
+class Router:
+    """Routes requests over a :class:`PrefixIndex` with a policy and a :class:`LoadBook`.
+
+    Pure and in-process: ``route`` reads the index and the loads and changes nothing but the
+    state of stateful baselines (round-robin position, random generator). A simulation
+    updates ``loads`` itself as requests start and finish.
+    """
+
+    def __init__(
+        self,
+        index: PrefixIndex,
+        policy: str | Policy = "prefix_load",
+        *,
+        loads: LoadBook | None = None,
+        seed: int = 0,
+        prefill_weight: float = 1.0,
+    ) -> None:
+        self.index = index
+        self.loads = loads if loads is not None else LoadBook()
+        self._seed = seed
+        self._prefill_weight = prefill_weight
+        self._policies: dict[str, Policy] = {}
+        self.policy = self._policy(policy)
+        self.degraded: dict[Target, str] = {}
+
+    def mark_degraded(self, worker_id: str, rank: int, reason: str) -> None:
+        """Stop trusting this target's matched blocks (it stays routable) until healthy."""
+        self.degraded[(worker_id, rank)] = reason
+
+    def mark_healthy(self, worker_id: str, rank: int | None = None) -> None:
+        """Trust the target again (every rank of the worker when ``rank`` is None)."""
+        for target in [t for t in self.degraded if t[0] == worker_id]:
+            if rank is None or target[1] == rank:
+                del self.degraded[target]
+
+    def _policy(self, policy: str | Policy | None) -> Policy:
+        if policy is None:
+            return self.policy
+        if not isinstance(policy, str):
+            self._policies[policy.name] = policy
+            return policy
+        if policy not in self._policies:
+            self._policies[policy] = make_policy(
+                policy, seed=self._seed, prefill_weight=self._prefill_weight
+            )
+        return self._policies[policy]
+
+    def route(
+        self,
+        token_ids: Sequence[int] | None = None,
+        *,
+        block_hashes: Sequence[int] | None = None,
+        block_size: int | None = None,
+        lora: str | int | None = None,
+        targets: Sequence[Target] | None = None,
+        policy: str | Policy | None = None,
+    ) -> Decision:
+        """Match the request (tokens, or precomputed block hashes) and decide."""
+        if (token_ids is None) == (block_hashes is None):
+            raise ValueError("route() takes exactly one of token_ids and block_hashes")
+        if token_ids is not None:
+            match = self.index.match(token_ids, lora=lora)
+        else:
+            assert block_hashes is not None
+            match = self.index.match_hashes(block_hashes, block_size=block_size)
+        return self.decide(match, targets=targets, policy=policy)
+
+    def decide(
+        self,
+        match: MatchResult,
+        *,
+        targets: Sequence[Target] | None = None,
+        policy: str | Policy | None = None,
+    ) -> Decision:
+        """Decide from a match already made (e.g. to compare policies on one request)."""
+        chosen = self._policy(policy)
+        targets = self.index.targets() if targets is None else list(targets)
+        sizes = self.index.stream_block_size
+        request = match.request_blocks
+        streams = match.streams
+        matched = [streams.get(t, 0) for t in targets]
+        degraded: list[str | None] = []
+        if self.degraded:
+            degraded = [self.degraded.get(t) for t in targets]
+            matched = [0 if why else m for m, why in zip(matched, degraded, strict=True)]
+        inputs = RouteInputs(
+            targets=targets,
+            matched=matched,
+            request_blocks=[request.get(sizes(*t) or 0, 0) for t in targets],
+            loads=self.loads.many(targets),
+            request_tokens=match.request_tokens,
+            degraded=degraded,
+        )
+        return chosen.choose(inputs)

@@ -1,0 +1,579 @@
+"""The engine-side publisher (WIRE.md sections 2, 3, 5 and 6).
+
+``create_publisher(config, rank)`` returns a :class:`NullPublisher` when events are off, else a
+:class:`ZmqPublisher` for that attention-DP rank. See ``docs/publisher.md``.
+
+How a batch travels: ``publish()`` encodes it on the caller's thread (msgspec, microseconds),
+allocates its sequence number and hands the three frames, non-blocking, to an inproc queue. A
+forwarder thread running ``zmq.proxy_steerable`` in C, without the GIL, moves them to the PUB
+socket, so delivery does not wait for any Python thread however busy the engine keeps the GIL.
+The proxy copies every message to a capture pipe that a Python service thread drains into the
+replay ring and the counters; that thread also serves replays and sends heartbeats.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import itertools
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, fields
+from types import TracebackType
+from typing import Any, ClassVar
+
+import msgspec
+import zmq
+
+from kvevents._libzmq import Send3, sender_for
+from kvevents.config import KVEventsConfig, RankEndpoints, check_layout, rank_endpoints
+from kvevents.errors import LayoutError, PublisherClosed, PublisherError
+from kvevents.events import KVEventBatch
+from kvevents.publish.carry import RemovalCarry
+from kvevents.publish.replay import ReplayRing
+from kvevents.publish.threads import Forwarder, Service
+from kvevents.ratelimit import RateLimitedWarning
+from kvevents.security import CurveServer, start_authenticator
+from kvevents.wire import encode_batch, pack_seq
+
+__all__ = [
+    "NullPublisher",
+    "Publisher",
+    "PublisherOptions",
+    "PublisherStats",
+    "ShutdownReport",
+    "ZmqPublisher",
+    "create_publisher",
+]
+
+logger = logging.getLogger("kvevents.publish.publisher")
+_names = itertools.count()
+_JOIN_TIMEOUT = 10.0
+
+
+@dataclass(frozen=True)
+class PublisherOptions:
+    """Publisher settings that are not part of ``KVEventsConfig``.
+
+    Kept outside the config so that every config TensorRT-LLM accepts keeps its meaning.
+    """
+
+    heartbeat_interval: float | None = None
+    """Seconds without a publish after which an empty batch is sent; None: no heartbeats."""
+    replay_buffer_bytes: int = 256 * 2**20
+    """Payload byte budget of the replay ring (with ``buffer_steps``, whichever binds first).
+    256 MiB holds about 6,500 prefills of 8,192 tokens, or 10,000 typical 16-block batches
+    many times over."""
+    linger: float = 2.0
+    """Seconds ``shutdown()`` may spend publishing what is queued and flushing the socket."""
+    max_concurrent_replays: int = 8
+    """Replies sent at the same time; later requests wait in a queue."""
+    max_waiting_replays: int = 64
+    """Requests that may wait; beyond it a request gets only the end marker (counted)."""
+    start_timeout: float = 10.0
+    """Seconds ``start()`` waits for the socket threads to bind."""
+    curve: CurveServer | None = None
+    """Encrypt and authenticate the PUB and replay sockets with CurveZMQ (``docs/security.md``);
+    None: the plain wire every engine speaks."""
+
+    def __post_init__(self) -> None:
+        if self.heartbeat_interval is not None and self.heartbeat_interval <= 0:
+            raise ValueError(
+                f"heartbeat_interval must be > 0 or None, got {self.heartbeat_interval}"
+            )
+        for name in ("replay_buffer_bytes", "max_concurrent_replays", "max_waiting_replays"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.linger < 0 or self.start_timeout <= 0:
+            raise ValueError("linger must be >= 0 and start_timeout > 0")
+
+
+@dataclass(frozen=True)
+class PublisherStats:
+    """What a publisher did since it started. Every loss has a counter."""
+
+    #: Fields that are levels (Prometheus gauges); every other number only grows.
+    GAUGES: ClassVar[frozenset[str]] = frozenset(
+        {"next_seq", "pending_carry", "queue_depth", "replay_active", "ring_batches", "ring_bytes"}
+    )
+
+    enqueued: int = 0
+    """Batches accepted into the queue (heartbeats included)."""
+    published: int = 0
+    """Batches handed to the PUB socket."""
+    dropped_queue_full: int = 0
+    """Batches dropped because ``max_queue_size`` batches were waiting (each is a seq gap)."""
+    dropped_encode_error: int = 0
+    """Batches that could not be encoded (each is a seq gap)."""
+    dropped_send_error: int = 0
+    """Batches the queue refused with an error other than 'full' (each is a seq gap)."""
+    carried_events: int = 0
+    """Removals and clears of dropped batches delivered in a later batch instead."""
+    pending_carry: int = 0
+    """Removals and clears waiting for the next accepted batch."""
+    replay_requests: int = 0
+    """Replay requests received, malformed ones included."""
+    replay_batches_served: int = 0
+    """Batches sent in replay replies (end markers excluded)."""
+    replay_malformed: int = 0
+    """Requests that could not be read; each got the end marker."""
+    replay_rejected: int = 0
+    """Requests beyond the wait queue; each got only the end marker."""
+    replay_clients_lost: int = 0
+    """Replies cut short because the client disconnected."""
+    replay_active: int = 0
+    """Replies in progress."""
+    queue_depth: int = 0
+    """Batches accepted but not yet seen leaving the queue (the count lags slightly)."""
+    bytes_sent: int = 0
+    """Bytes of all frames handed to the PUB socket."""
+    heartbeats: int = 0
+    """Empty batches sent because the engine was idle."""
+    ring_batches: int = 0
+    """Batches held for replay."""
+    ring_bytes: int = 0
+    """Payload bytes held for replay."""
+    next_seq: int = 0
+    """The sequence number the next batch will get."""
+    auth_rejected: int = 0
+    """CURVE handshakes refused because the client key is not on the allow-list."""
+    handshake_failed: int = 0
+    """CURVE handshakes that failed (a peer without keys or with the wrong server key)."""
+
+    @property
+    def dropped(self) -> int:
+        """Batches lost inside the publisher, all causes."""
+        return self.dropped_queue_full + self.dropped_encode_error + self.dropped_send_error
+
+    def as_dict(self) -> dict[str, int]:
+        """The counters by name (for metrics)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True)
+class ShutdownReport:
+    """What ``shutdown()`` achieved."""
+
+    published: int
+    """Batches handed to the PUB socket over the publisher's life."""
+    undelivered: int
+    """Accepted batches that had not reached the PUB socket when the linger ran out."""
+    flush_complete: bool
+    """False when the socket linger ran out with data possibly still queued for a subscriber
+    (inferred from the time the final flush took)."""
+    duration: float
+    """Seconds ``shutdown()`` took."""
+    stats: PublisherStats
+    """The final counters."""
+
+
+class Publisher(abc.ABC):
+    """What an engine needs: ``start``, ``publish``, ``stats``, ``shutdown``; a context manager."""
+
+    rank: int
+    endpoint: str | None = None
+    replay_endpoint: str | None = None
+
+    @abc.abstractmethod
+    def start(self) -> None:
+        """Bind the sockets (idempotent)."""
+
+    @abc.abstractmethod
+    def publish(self, batch: KVEventBatch) -> int | None:
+        """Queue a batch without blocking; its sequence number (None for the null publisher)."""
+
+    @abc.abstractmethod
+    def stats(self) -> PublisherStats:
+        """A snapshot of the counters."""
+
+    @abc.abstractmethod
+    def shutdown(self, timeout: float | None = None) -> ShutdownReport:
+        """Publish what is queued, flush within the linger, close (idempotent)."""
+
+    def __enter__(self) -> Publisher:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.shutdown()
+
+
+class NullPublisher(Publisher):
+    """Discards every batch: what ``create_publisher`` returns when events are off."""
+
+    def __init__(self, rank: int = 0) -> None:
+        self.rank = rank
+
+    def start(self) -> None:
+        """Nothing to bind."""
+
+    def publish(self, batch: KVEventBatch) -> None:
+        """Discard the batch."""
+        return None
+
+    def stats(self) -> PublisherStats:
+        """All zeros."""
+        return PublisherStats()
+
+    def shutdown(self, timeout: float | None = None) -> ShutdownReport:
+        """Nothing to flush."""
+        return ShutdownReport(0, 0, True, 0.0, PublisherStats())
+
+
+def create_publisher(
+    config: KVEventsConfig,
+    rank: int = 0,
+    *,
+    world_size: int = 1,
+    options: PublisherOptions | None = None,
+) -> Publisher:
+    """The publisher ``config`` asks for, for attention-DP rank ``rank`` of ``world_size``.
+
+    Checks the whole endpoint layout (every rank fails the same way) but creates no socket:
+    call ``start()`` or use it as a context manager.
+    """
+    if not config.publishing:
+        return NullPublisher(rank)
+    return ZmqPublisher(config, rank, world_size=world_size, options=options)
+
+
+class ZmqPublisher(Publisher):
+    """Publishes one rank's batches on a PUB socket, with a replay ROUTER when configured."""
+
+    def __init__(
+        self,
+        config: KVEventsConfig,
+        rank: int = 0,
+        *,
+        world_size: int = 1,
+        options: PublisherOptions | None = None,
+    ) -> None:
+        if not 0 <= rank < world_size:
+            raise LayoutError(
+                f"rank {rank} is outside world size {world_size}",
+                endpoint=config.endpoint,
+                rank=rank,
+                rule="rank",
+            )
+        check_layout(config, world_size)
+        self.config = config
+        self.rank = rank
+        self.endpoints: RankEndpoints = rank_endpoints(config, rank)
+        self.options = options or PublisherOptions()
+        self._topic = config.topic.encode()
+        self._lock = threading.Lock()  # guards the queue socket, seq and caller-side counters
+        self._state_lock = threading.Lock()
+        self._control_lock = threading.Lock()
+        self._state = "new"
+        self._accepting = True
+        self._report: ShutdownReport | None = None
+        self._counts = dict.fromkeys(
+            ("enqueued", "dropped_queue_full", "dropped_encode_error", "dropped_send_error"), 0
+        )
+        self._carried_events = 0
+        self._heartbeats = 0
+        self._next_seq = 0
+        self._last_activity = time.monotonic()
+        self._carry = RemovalCarry()
+        self._warn = RateLimitedWarning(logger)
+        self._context: zmq.Context[Any] | None = None
+        self._push: zmq.Socket[Any] | None = None
+        self._send3: Send3 | None = None
+        self._control: zmq.Socket[Any] | None = None
+        self._wake: zmq.Socket[Any] | None = None
+        self._forwarder: Forwarder | None = None
+        self._service: Service | None = None
+        self._authenticator: Any = None
+
+    def __repr__(self) -> str:
+        return f"<ZmqPublisher rank={self.rank} {self.endpoint or self.endpoints.publish} {self._state}>"
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        """Bind the PUB (and replay) sockets in their threads; re-raise a ``BindError`` here."""
+        with self._state_lock:
+            if self._state == "started":
+                return
+            if self._state == "closed":
+                raise PublisherClosed(f"publisher for rank {self.rank} was shut down")
+            try:
+                self._open()
+            except BaseException:
+                self._teardown(linger_ms=0)
+                self.endpoint = self.replay_endpoint = None
+                raise
+            self._state = "started"
+
+    def _open(self) -> None:
+        context: zmq.Context[Any] = zmq.Context()
+        self._context = context
+        base = f"inproc://kvevents-pub-{os.getpid()}-{next(_names)}"
+        roles = ("frontend", "capture", "control", "wake", "monitor-publish", "monitor-replay")
+        names = {role: f"{base}-{role}" for role in roles}
+        # The ZAP handler must answer before the first CURVE socket binds.
+        self._authenticator = start_authenticator(context, self.options.curve)
+        self._control = self._caller_socket(zmq.PAIR, names["control"])
+        self._wake = self._caller_socket(zmq.PAIR, names["wake"])
+        self._service = self._new_service(context, names)
+        self._service.start()
+        self.replay_endpoint = self._service.ready.wait(
+            self.options.start_timeout, "replay service"
+        )
+        self._forwarder = Forwarder(
+            context,
+            endpoints=names,
+            endpoint=self.endpoints.publish,
+            rank=self.rank,
+            hwm=self.config.hwm,
+            queue_size=self.config.max_queue_size,
+            curve=self.options.curve,
+        )
+        self._forwarder.start()
+        self.endpoint = self._forwarder.ready.wait(self.options.start_timeout, "forwarder")
+        push = self._caller_socket(zmq.PUSH, None)
+        # With the frontend's RCVHWM of 1, exactly max_queue_size batches can wait.
+        push.setsockopt(zmq.SNDHWM, max(1, self.config.max_queue_size - 1))
+        push.connect(names["frontend"])
+        self._push = push
+        self._send3 = sender_for(push)
+
+    def _caller_socket(self, kind: int, connect: str | None) -> zmq.Socket[Any]:
+        assert self._context is not None
+        socket: zmq.Socket[Any] = self._context.socket(kind)
+        socket.setsockopt(zmq.LINGER, 0)
+        if connect is not None:
+            socket.connect(connect)
+        return socket
+
+    def _new_service(self, context: zmq.Context[Any], names: dict[str, str]) -> Service:
+        ring = None
+        if self.endpoints.replay is not None:
+            ring = ReplayRing(self.config.buffer_steps, self.options.replay_buffer_bytes)
+        return Service(
+            context,
+            endpoints=names,
+            replay_endpoint=self.endpoints.replay,
+            rank=self.rank,
+            topic=self._topic,
+            ring=ring,
+            max_active=self.options.max_concurrent_replays,
+            max_waiting=self.options.max_waiting_replays,
+            heartbeat_interval=self.options.heartbeat_interval,
+            heartbeat=self._send_heartbeat,
+            last_activity=lambda: self._last_activity,
+            curve=self.options.curve,
+        )
+
+    def shutdown(self, timeout: float | None = None) -> ShutdownReport:
+        """Stop accepting, publish what is queued within ``timeout`` (default: the linger).
+
+        Later ``publish()`` calls raise :class:`PublisherClosed`. Never raises because the
+        queue is full; what could not be delivered is in the report.
+        """
+        with self._state_lock:
+            if self._report is not None:
+                return self._report
+            began = time.monotonic()
+            if self._state == "new":
+                self._state = "closed"
+                self._report = ShutdownReport(0, 0, True, 0.0, self.stats())
+                return self._report
+            self._report = self._close(began, self.options.linger if timeout is None else timeout)
+            self._state = "closed"
+            return self._report
+
+    def _close(self, began: float, budget: float) -> ShutdownReport:
+        assert self._service is not None
+        with self._lock:
+            self._accepting = False
+            accepted = self._counts["enqueued"]
+        self._service.wait_published(accepted, budget)
+        with self._lock:
+            if self._carry and self._send3 is not None:
+                # Removals carried from dropped batches must not die with the publisher.
+                heartbeat = KVEventBatch(ts=time.time(), events=[], data_parallel_rank=self.rank)
+                self._publish_locked(self._send3, heartbeat)
+            accepted = self._counts["enqueued"]
+            push, self._push, self._send3 = self._push, None, None
+        self._service.wait_published(accepted, max(0.0, began + budget - time.monotonic()))
+        linger_ms = max(0, int((began + budget - time.monotonic()) * 1000))
+        published = self._service.published
+        flush_started = time.monotonic()
+        self._teardown(linger_ms, push)
+        flush_time = time.monotonic() - flush_started
+        stats = self.stats()
+        if stats.dropped or accepted > published:
+            logger.warning(
+                "publisher rank %d shut down: %d batches dropped, %d undelivered",
+                self.rank,
+                stats.dropped,
+                accepted - published,
+            )
+        return ShutdownReport(
+            published=published,
+            undelivered=accepted - published,
+            flush_complete=linger_ms == 0 or flush_time < linger_ms / 1000 * 0.9,
+            duration=time.monotonic() - began,
+            stats=stats,
+        )
+
+    def _teardown(self, linger_ms: int, push: zmq.Socket[Any] | None = None) -> None:
+        if push is not None:
+            push.close(0)
+        forwarder, service = self._forwarder, self._service
+        if forwarder is not None and forwarder.is_alive():
+            forwarder.close_linger_ms = linger_ms
+            forwarder.resume("stop")
+            self._send_control(b"TERMINATE")
+            forwarder.join(_JOIN_TIMEOUT)
+        if service is not None and service.is_alive() and self._wake is not None:
+            with contextlib.suppress(zmq.Again):
+                self._wake.send(b"stop", zmq.NOBLOCK)
+            service.join(_JOIN_TIMEOUT)
+        for socket in (self._push, self._control, self._wake):
+            if socket is not None:
+                socket.close(0)
+        self._push = self._control = self._wake = None
+        if self._authenticator is not None:
+            self._authenticator.stop()  # its sockets would keep term() waiting
+            self._authenticator = None
+        if self._context is not None:
+            self._context.term()  # waits for the PUB socket's linger: the final flush
+            self._context = None
+
+    def _send_control(self, command: bytes) -> None:
+        with self._control_lock:
+            control = self._control
+            if control is None:
+                return
+            while control.poll(0):
+                control.recv()  # libzmq 4.3 answers each command; nobody needs the answers
+            with contextlib.suppress(zmq.Again):
+                # Non-blocking: a PAIR whose peer has already closed would block forever.
+                control.send(command, zmq.NOBLOCK)
+
+    # ------------------------------------------------------------------ publishing
+
+    def publish(self, batch: KVEventBatch) -> int:
+        """Queue ``batch`` without blocking; return its sequence number.
+
+        A batch without ``data_parallel_rank`` gets this publisher's rank. When the queue is
+        full the batch is dropped and counted (its sequence number becomes a gap) and its
+        removals and clears are carried into the next accepted batch. Raises
+        :class:`PublisherClosed` after ``shutdown()``, :class:`PublisherError` before ``start()``.
+        """
+        if batch.data_parallel_rank is None:
+            batch = msgspec.structs.replace(batch, data_parallel_rank=self.rank)
+        with self._lock:
+            send3 = self._send3
+            if send3 is None or not self._accepting:
+                raise self._not_accepting()
+            return self._publish_locked(send3, batch)
+
+    def _publish_locked(self, send3: Send3, batch: KVEventBatch) -> int:
+        seq = self._next_seq
+        self._next_seq = seq + 1
+        self._last_activity = time.monotonic()
+        carried = self._carry.take() if self._carry else None
+        if carried:
+            batch = msgspec.structs.replace(batch, events=[*carried, *batch.events])
+        try:
+            payload = encode_batch(batch)
+        except (msgspec.EncodeError, TypeError, ValueError, OverflowError) as exc:
+            self._drop("dropped_encode_error", seq, carried or (), str(exc))
+            return seq
+        try:
+            send3(self._topic, pack_seq(seq), payload)
+        except zmq.Again:
+            self._drop("dropped_queue_full", seq, batch.events, "queue full")
+            return seq
+        except zmq.ZMQError as exc:
+            self._drop("dropped_send_error", seq, batch.events, str(exc))
+            return seq
+        self._counts["enqueued"] += 1
+        if carried:
+            self._carried_events += len(carried)
+        return seq
+
+    def _drop(self, cause: str, seq: int, carry: Any, reason: str) -> None:
+        self._counts[cause] += 1
+        self._carry.absorb(carry)
+        self._warn(
+            cause,
+            "publisher rank %d dropped batch seq %d (%s); removals and clears carried forward",
+            self.rank,
+            seq,
+            reason,
+        )
+
+    def _not_accepting(self) -> PublisherError:
+        if self._state == "new":
+            return PublisherError(f"publisher for rank {self.rank} is not started")
+        return PublisherClosed(f"publisher for rank {self.rank} is shut down")
+
+    def _send_heartbeat(self) -> None:
+        try:
+            self.publish(KVEventBatch(ts=time.time(), events=[]))
+        except PublisherError:
+            return
+        self._heartbeats += 1
+
+    # ------------------------------------------------------------------ introspection
+
+    def stats(self) -> PublisherStats:
+        """A snapshot of the counters (safe from any thread)."""
+        service = self._service
+        server = service.server if service is not None else None
+        ring = service.ring if service is not None else None
+        replay = server.counters if server is not None else None
+        published = service.published if service is not None else 0
+        return PublisherStats(
+            **self._counts,
+            published=published,
+            carried_events=self._carried_events,
+            pending_carry=len(self._carry),
+            replay_requests=replay.requests if replay else 0,
+            replay_batches_served=replay.batches_served if replay else 0,
+            replay_malformed=replay.malformed if replay else 0,
+            replay_rejected=replay.rejected if replay else 0,
+            replay_clients_lost=replay.clients_lost if replay else 0,
+            replay_active=server.active if server is not None else 0,
+            queue_depth=max(0, self._counts["enqueued"] - published),
+            bytes_sent=service.bytes_sent if service is not None else 0,
+            heartbeats=self._heartbeats,
+            ring_batches=len(ring) if ring is not None else 0,
+            ring_bytes=ring.nbytes if ring is not None else 0,
+            next_seq=self._next_seq,
+            **_handshake_counts(service),
+        )
+
+    # ------------------------------------------------------------------ test seams
+
+    def _pause_forwarding(self, timeout: float = 10.0) -> None:
+        """Stop moving batches to the PUB socket (tests fill the queue deterministically)."""
+        forwarder = self._forwarder
+        if forwarder is None or self._state != "started":
+            raise PublisherError(f"publisher for rank {self.rank} is not running")
+        forwarder.command = "pause"
+        self._send_control(b"TERMINATE")
+        if not forwarder.paused.wait(timeout):
+            raise PublisherError(f"forwarder of rank {self.rank} did not pause within {timeout}s")
+
+    def _resume_forwarding(self) -> None:
+        if self._forwarder is not None:
+            self._forwarder.resume("run")
+
+
+def _handshake_counts(service: Service | None) -> dict[str, int]:
+    watch = service.handshakes if service is not None else None
+    if watch is None:
+        return {}
+    return {"auth_rejected": watch.auth_rejected, "handshake_failed": watch.handshake_failed}

@@ -1,0 +1,310 @@
+"""Routing evaluation: a trace routed over a simulated cluster, one policy at a time.
+
+A :class:`PolicyRun` replays trace rows in virtual time over a
+:class:`~kvevents.sim.cluster.Cluster`. Engines are independent machines, so each keeps its own
+virtual clock: before a request arriving at ``t`` is routed, every engine with work is
+stepped until its clock reaches ``t`` (an idle one jumps to ``t``), and the cluster is synced
+so the index holds every event published until then (minus ``staleness`` seconds, on
+purpose). Then the router decides from the index, and the request is queued on the winner.
+Nothing depends on wall time or thread timing: the same inputs give the same decisions,
+whatever the transport, the load of the machine or the injected drops.
+
+Policies: the router's (``prefix_load``, ``longest_prefix``, ``round_robin``, ``random``) and
+``oracle``, which applies ``prefix_load``'s cost model to the engines' true cache state
+(:meth:`~kvevents.sim.engine.SimulatedEngine.cached_prefix_blocks`) instead of the index.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvevents.index.router import PrefixLoad, RouteInputs, Router
+from kvevents.sim.cluster import Accuracy, Cluster, ClusterConfig, FeedCounters
+from kvevents.sim.engine import Request, SimulatedEngine
+from kvevents.sim.trace import TraceRow, trace_request
+
+__all__ = [
+    "KV_AWARE",
+    "POLICY_NAMES",
+    "PolicyReport",
+    "PolicyRun",
+    "SimulationConfig",
+    "percentile",
+    "run_policy",
+]
+
+#: Every policy :func:`run_policy` knows, the oracle last.
+POLICY_NAMES = ("prefix_load", "longest_prefix", "round_robin", "random", "oracle")
+#: The policies that read the index.
+KV_AWARE = ("prefix_load", "longest_prefix")
+
+Target = tuple[str, int]
+
+
+@dataclass(frozen=True)
+class SimulationConfig:
+    """A cluster's shape plus how the run reads its index.
+
+    ``staleness``: seconds of virtual time the index lags the engines (0: it holds every
+    event published before the request arrived). ``check_every``: compare the index with
+    the engines' true cache every that many arrivals (0: only at the end).
+    """
+
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    staleness: float = 0.0
+    check_every: int = 0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.staleness < 0 or self.check_every < 0:
+            raise ValueError("staleness and check_every must be >= 0")
+
+
+@dataclass(frozen=True)
+class PolicyReport:
+    """What one policy achieved on a trace. Times are virtual seconds."""
+
+    policy: str
+    requests: int  #: requests routed and accepted
+    rejected: int  #: requests no rank could ever hold
+    input_tokens: int
+    cached_tokens: int  #: prompt tokens served from cache (any tier)
+    ttft_mean: float | None
+    ttft_p50: float | None
+    ttft_p99: float | None
+    per_target: dict[str, int]  #: requests per "worker/rank"
+    accuracy: Accuracy  #: the index against ground truth at the end
+    checks: int  #: accuracy checks during the run
+    exact_checks: int  #: of which the index was exact
+    feed: FeedCounters
+    steps: int
+    virtual_seconds: float
+    wall_seconds: float
+
+    @property
+    def reuse(self) -> float:
+        """Share of input tokens served from cache."""
+        return self.cached_tokens / self.input_tokens if self.input_tokens else 0.0
+
+    @property
+    def balance(self) -> float:
+        """Max over mean requests per target (1.0 is perfectly even)."""
+        counts = list(self.per_target.values())
+        mean = sum(counts) / len(counts) if counts else 0.0
+        return max(counts) / mean if mean else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "policy": self.policy,
+            "requests": self.requests,
+            "rejected": self.rejected,
+            "input_tokens": self.input_tokens,
+            "cached_tokens": self.cached_tokens,
+            "reuse": self.reuse,
+            "ttft_mean": self.ttft_mean,
+            "ttft_p50": self.ttft_p50,
+            "ttft_p99": self.ttft_p99,
+            "per_target": dict(self.per_target),
+            "balance": self.balance,
+            "accuracy": self.accuracy.to_dict(),
+            "checks": self.checks,
+            "exact_checks": self.exact_checks,
+            "feed": self.feed.to_dict(),
+            "steps": self.steps,
+            "virtual_seconds": self.virtual_seconds,
+            "wall_seconds": self.wall_seconds,
+        }
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """Nearest-rank percentile ``q`` in [0, 100] of ``values`` (None when empty)."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = max(1, -(-len(ordered) * q // 100))
+    return ordered[min(len(ordered), int(rank)) - 1]
+
+
+class PolicyRun:
+    """One policy over one cluster: route, submit, step; see the module docstring."""
+
+    def __init__(
+        self, cluster: Cluster, policy: str, config: SimulationConfig, *, live: bool = False
+    ) -> None:
+        if policy not in POLICY_NAMES:
+            raise ValueError(f"unknown policy {policy!r}; known: {', '.join(POLICY_NAMES)}")
+        self.cluster = cluster
+        self.policy = policy
+        self.live = live
+        self.config = config
+        cluster.staleness = config.staleness
+        self.router = Router(
+            cluster.index, "prefix_load" if policy == "oracle" else policy, seed=config.seed
+        )
+        self._cost_model = PrefixLoad()
+        self._targets = cluster.targets()
+        self._uses_load = policy in ("prefix_load", "longest_prefix", "oracle")
+        self.arrivals: dict[str, float] = {}
+        self.routed: Counter[Target] = Counter()
+        self.rejected = 0
+        self.steps = 0
+        self.checks = 0
+        self.exact_checks = 0
+        self._submitted = 0
+        self._start_time = cluster.config.engine_config().start_time
+
+    # ------------------------------------------------------------------ time
+
+    def advance(self, t: float) -> None:
+        """Step every engine with work until its virtual clock reaches ``t``."""
+        for engine in self.cluster.engines.values():
+            while engine.has_work() and engine.now < t:
+                engine.step()
+                self.steps += 1
+
+    def drain(self) -> None:
+        """Step every engine until all requests are done."""
+        for engine in self.cluster.engines.values():
+            while engine.has_work():
+                engine.step()
+                self.steps += 1
+
+    # ------------------------------------------------------------------ requests
+
+    def submit(self, request: Request, arrival: float) -> Target | None:
+        """Route ``request`` arriving at virtual ``arrival`` and queue it on the winner."""
+        self.advance(arrival)
+        cutoff = self._start_time + arrival - self.config.staleness
+        if self.live:  # route on whatever has arrived, as a real router would
+            self.cluster.pump(cutoff if self.config.staleness else None)
+        else:
+            self.cluster.sync(cutoff if self.config.staleness else None)
+        target = self.route(request)
+        if target is None:
+            return None
+        engine = self.cluster.engines[target[0]]
+        engine.advance_to(arrival)
+        if engine.submit(request, rank=target[1]) is None:
+            self.rejected += 1
+            return None
+        self.arrivals[request.request_id] = arrival
+        self.routed[target] += 1
+        self._submitted += 1
+        every = self.config.check_every
+        if every and self._submitted % every == 0 and not (self.config.staleness or self.live):
+            self.check()
+        return target
+
+    def route(self, request: Request) -> Target | None:
+        if self._uses_load:
+            self._update_loads()
+        if self.policy == "oracle":
+            return self._oracle(request)
+        return self.router.route(request.token_ids, targets=self._targets).winner
+
+    def _update_loads(self) -> None:
+        loads = self.router.loads
+        for worker, rank, engine in self.cluster.engine_ranks():
+            load = engine.load(rank)
+            loads.set(
+                worker, rank, queued_blocks=load.queued_blocks, active_blocks=load.active_blocks
+            )
+
+    def _oracle(self, request: Request) -> Target | None:
+        engines = self.cluster.engines
+        first: SimulatedEngine = next(iter(engines.values()))
+        hashes = first.block_hashes(request.token_ids)
+        matched = [
+            engines[w].cached_prefix_blocks(block_hashes=hashes, rank=r) for w, r in self._targets
+        ]
+        inputs = RouteInputs(
+            targets=self._targets,
+            matched=matched,
+            request_blocks=[len(hashes)] * len(self._targets),
+            loads=[self.router.loads.get(w, r) for w, r in self._targets],
+            request_tokens=len(request.token_ids),
+        )
+        return self._cost_model.choose(inputs).winner
+
+    def check(self) -> bool:
+        """Compare the index with ground truth now (counts into the report)."""
+        exact = self.cluster.accuracy().exact
+        self.checks += 1
+        self.exact_checks += exact
+        return exact
+
+    # ------------------------------------------------------------------ report
+
+    def reuse(self) -> tuple[int, int]:
+        """(cached, input) prompt tokens over every engine so far."""
+        cached = total = 0
+        for engine in self.cluster.engines.values():
+            m = engine.metrics()
+            cached += m.cached_tokens + m.cpu_cached_tokens
+            total += m.input_tokens
+        return cached, total
+
+    def finish(self, wall_seconds: float) -> PolicyReport:
+        """Drain, sync everything, compare with ground truth and summarise."""
+        self.drain()
+        self.cluster.sync()
+        accuracy = self.cluster.accuracy()
+        input_tokens = cached = 0
+        ttfts = []
+        virtual = 0.0
+        for engine in self.cluster.engines.values():
+            m = engine.metrics()
+            input_tokens += m.input_tokens
+            cached += m.cached_tokens + m.cpu_cached_tokens
+            virtual = max(virtual, engine.now)
+            for record in engine.finished_requests:
+                ttfts.append(record.first_token_at - self.arrivals[record.request_id])
+        return PolicyReport(
+            policy=self.policy,
+            requests=self._submitted,
+            rejected=self.rejected,
+            input_tokens=input_tokens,
+            cached_tokens=cached,
+            ttft_mean=sum(ttfts) / len(ttfts) if ttfts else None,
+            ttft_p50=percentile(ttfts, 50),
+            ttft_p99=percentile(ttfts, 99),
+            per_target={f"{w}/{r}": self.routed[(w, r)] for w, r in self._targets},
+            accuracy=accuracy,
+            checks=self.checks,
+            exact_checks=self.exact_checks,
+            feed=self.cluster.feed_counters(),
+            steps=self.steps,
+            virtual_seconds=virtual,
+            wall_seconds=wall_seconds,
+        )
+
+
+Progress = Callable[[str, int, int], None]
+
+
+def run_policy(
+    rows: Sequence[TraceRow],
+    policy: str,
+    config: SimulationConfig | None = None,
+    *,
+    progress: Progress | None = None,
+) -> PolicyReport:
+    """Route every row of ``rows`` with ``policy`` over a fresh cluster; report.
+
+    ``progress(policy, done, total)`` is called now and then (every 1% of the rows).
+    """
+    config = config or SimulationConfig()
+    began = time.monotonic()
+    order = sorted(range(len(rows)), key=lambda i: rows[i].timestamp)
+    every = max(1, len(rows) // 100)
+    with Cluster(config.cluster) as cluster:
+        run = PolicyRun(cluster, policy, config)
+        for done, i in enumerate(order, 1):
+            run.submit(trace_request(rows[i], i), rows[i].arrival)
+            if progress is not None and (done % every == 0 or done == len(rows)):
+                progress(policy, done, len(rows))
+        return run.finish(time.monotonic() - began)

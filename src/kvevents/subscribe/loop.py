@@ -1,0 +1,512 @@
+"""The subscriber's I/O thread: it owns every socket, runs the cursors, decodes and hands out.
+
+One SUB per stream (sequences are comparable only within a stream, and a SUB connected to
+several endpoints cannot tell which one a message came from), one wake-up PAIR for commands
+from other threads, and the replay client's DEALERs, all on one poller.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import os
+import queue
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+import zmq
+
+from kvevents.errors import DecodeError
+from kvevents.events import AllBlocksCleared
+from kvevents.security import apply_client
+from kvevents.subscribe._recv import Recv, receiver_for
+from kvevents.subscribe.cursor import (
+    Action,
+    Cursor,
+    Deliver,
+    Duplicate,
+    Gap,
+    ReplayDone,
+    Restart,
+    Unrecoverable,
+)
+from kvevents.subscribe.replay import ReplayBatch, ReplayClient, ReplayEvent
+from kvevents.subscribe.streams import (
+    STREAM_COUNTERS,
+    Delivery,
+    Item,
+    StreamKey,
+    StreamReset,
+    StreamSpec,
+    StreamStats,
+    StreamStatus,
+    SubscriberOptions,
+)
+from kvevents.wire import Applied, decode_batch, parse_live
+
+log = logging.getLogger("kvevents.subscribe.subscriber")
+
+# Live messages read from one SUB before looking at the others: fairness across streams.
+_READ_BURST = 256
+# Items handed to consumers in one go at most: a turn over many busy streams must not hold
+# the first item back for long (256 typical batches take about 2 ms to read and decode).
+_HAND_OVER_AT = 256
+# Upper bound of one poll, so a missed wake-up can never hang the thread for long.
+_MAX_POLL_MS = 1000
+
+T = TypeVar("T")
+_wake_names = itertools.count()
+_NOBLOCK = int(zmq.NOBLOCK)
+_RCVMORE = int(zmq.RCVMORE)
+
+
+class Outbox(Generic[T]):
+    """A bounded hand-off from the I/O thread to consumers; closing wakes everyone.
+
+    ``listener`` (if set) is called after a put that made the outbox non-empty: the asyncio
+    side uses it to wake its event loop without polling.
+    """
+
+    def __init__(self, maxsize: int) -> None:
+        self._items: deque[T] = deque()
+        self._maxsize = maxsize
+        self._lock = threading.Lock()
+        self._not_empty = threading.Condition(self._lock)
+        self._not_full = threading.Condition(self._lock)
+        self.closed = False
+        self.listener: Callable[[], None] | None = None
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def put_many(self, items: list[T]) -> bool:
+        """Add ``items`` in order, waiting for room as needed; one wake-up for the lot.
+
+        The I/O thread hands over everything one poll turn produced at once: consumers wake
+        once per burst instead of once per item, so the two threads trade the GIL far less.
+        """
+        with self._lock:
+            was_empty = not self._items
+            for item in items:
+                while len(self._items) >= self._maxsize and not self.closed:
+                    # Full: whoever consumes must be awake now, not after the whole burst
+                    # (an asyncio consumer only wakes through the listener).
+                    self._wake_consumers()
+                    self._not_full.wait()
+                if self.closed:
+                    return False
+                self._items.append(item)
+            self._not_empty.notify()
+        if was_empty and self.listener is not None:
+            self.listener()
+        return True
+
+    def _wake_consumers(self) -> None:
+        self._not_empty.notify()
+        if self.listener is not None:
+            self.listener()  # thread-safe and non-blocking (it schedules on the event loop)
+
+    def get(self, timeout: float | None) -> tuple[bool, T | None]:
+        """``(True, item)``, or ``(False, None)`` on timeout or when closed and empty."""
+        with self._lock:
+            if not self._items and not self.closed:
+                self._not_empty.wait_for(lambda: self._items or self.closed, timeout)
+            if not self._items:
+                return False, None
+            item = self._items.popleft()
+            self._not_full.notify()
+            return True, item
+
+    def close(self) -> None:
+        """No more puts; consumers drain what is left, then see the closed state."""
+        with self._lock:
+            self.closed = True
+            self._not_empty.notify_all()
+            self._not_full.notify_all()
+        if self.listener is not None:
+            self.listener()
+
+
+@dataclass
+class _Stream:
+    spec: StreamSpec
+    cursor: Cursor
+    sub: zmq.Socket[bytes]
+    recv: Recv
+    ticket: int = 0
+    state: str = "new"
+    # Per kind of warning ("gap", "restart", ...): when it was last logged, how many held back.
+    warned: dict[str, tuple[float, int]] = field(default_factory=dict)
+    counts: dict[str, int] = field(default_factory=dict)
+    last_seq: int | None = None
+    last_ts: float | None = None
+
+    def add(self, name: str, amount: int = 1) -> None:
+        self.counts[name] = self.counts.get(name, 0) + amount
+
+
+class Loop:
+    """The body of the I/O thread. Other threads only call :meth:`command` and read stats."""
+
+    def __init__(self, specs: list[StreamSpec], options: SubscriberOptions, outbox: Outbox[Item]):
+        self.options = options
+        self.outbox = outbox
+        self.streams: dict[StreamKey, _Stream] = {}
+        self.callback_errors = 0
+        self._initial = specs
+        self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._wake_endpoint = f"inproc://kvevents-subscriber-{os.getpid()}-{next(_wake_names)}"
+        self._wake_lock = threading.Lock()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self._waker = self._ctx.socket(zmq.PAIR)
+        self._waker.setsockopt(zmq.LINGER, 0)
+        self._waker.bind(self._wake_endpoint)
+        self._by_socket: dict[zmq.Socket[bytes], _Stream] = {}
+        self._running = True
+        # Items of the current poll turn, handed to the outbox together at its end.
+        self._pending: list[Item] = []
+
+    # ------------------------------------------------------------------ other threads
+
+    def command(self, name: str, arg: Any = None) -> None:
+        """Queue a command for the I/O thread and wake it."""
+        self._commands.put((name, arg))
+        with self._wake_lock:  # the waker socket is shared by every caller thread
+            self._waker.send(b"", zmq.NOBLOCK)
+
+    def close_waker(self) -> None:
+        """Close the caller side once the I/O thread has stopped, then the context."""
+        with self._wake_lock:
+            self._waker.close(linger=0)
+        self._ctx.term()
+
+    # ------------------------------------------------------------------ I/O thread
+
+    def run(self, ready: threading.Event, failure: list[BaseException]) -> None:
+        """Connect, report ready (or the error), then serve until told to stop."""
+        poller = zmq.Poller()
+        wake = self._ctx.socket(zmq.PAIR)
+        wake.setsockopt(zmq.LINGER, 0)
+        wake.connect(self._wake_endpoint)
+        poller.register(wake, zmq.POLLIN)
+        self.poller = poller
+        self.replays = ReplayClient(self._ctx, poller, options=self.options.replay)
+        try:
+            for spec in self._initial:
+                self._add(spec)
+        except BaseException as exc:
+            failure.append(exc)
+            self._running = False
+        ready.set()
+        try:
+            while self._running:
+                self._step(wake)
+        finally:
+            self._teardown(wake)
+
+    def _step(self, wake: zmq.Socket[bytes]) -> None:
+        due = self.replays.timeout()
+        ms = _MAX_POLL_MS if due is None else min(_MAX_POLL_MS, math.ceil(due * 1000))
+        for sock, _ in self.poller.poll(ms):
+            if sock is wake:
+                self._on_wake(wake)
+            elif sock in self._by_socket:
+                self._read_live(self._by_socket[sock])
+            else:
+                self._on_replay_events(self.replays.handle(sock))
+        self._on_replay_events(self.replays.tick())
+        self._hand_over()
+
+    def _hand_over(self) -> None:
+        if self._pending:
+            pending, self._pending = self._pending, []
+            self.outbox.put_many(pending)
+
+    def _on_wake(self, wake: zmq.Socket[bytes]) -> None:
+        while True:
+            try:
+                wake.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+        while True:
+            try:
+                name, arg = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if name == "stop":
+                self._running = False
+            elif name == "add":
+                self._add(arg)
+            elif name == "remove":
+                self._remove(arg)
+
+    def _teardown(self, wake: zmq.Socket[bytes]) -> None:
+        self.replays.close()
+        for stream in list(self.streams.values()):
+            stream.sub.close(linger=0)
+        self.streams.clear()
+        self._by_socket.clear()
+        wake.close(linger=0)
+
+    # ------------------------------------------------------------------ streams
+
+    def _add(self, spec: StreamSpec) -> None:
+        if spec.key in self.streams:
+            log.warning("stream %s rank %d is already subscribed", spec.worker_id, spec.rank)
+            return
+        sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RCVHWM, self.options.rcvhwm)
+        sub.setsockopt(zmq.SUBSCRIBE, spec.topic.encode())
+        apply_client(sub, spec.curve or self.options.curve)
+        try:
+            sub.connect(spec.endpoint)
+        except zmq.ZMQError as exc:
+            sub.close(linger=0)
+            raise ValueError(
+                f"cannot connect to {spec.endpoint} for worker {spec.worker_id!r} "
+                f"rank {spec.rank}: {exc}"
+            ) from exc
+        cursor = Cursor(
+            can_replay=spec.replay_endpoint is not None,
+            max_buffered=self.options.max_buffered,
+            window=self.options.duplicate_window,
+        )
+        stream = _Stream(
+            spec, cursor, sub, receiver_for(sub), counts=dict.fromkeys(STREAM_COUNTERS, 0)
+        )
+        self.streams[spec.key] = stream
+        self._by_socket[sub] = stream
+        self.poller.register(sub, zmq.POLLIN)
+
+    def _remove(self, key: tuple[str, int | None]) -> None:
+        worker_id, rank = key
+        for stream_key in [k for k in self.streams if k[0] == worker_id]:
+            if rank is not None and stream_key[1] != rank:
+                continue
+            stream = self.streams.pop(stream_key)
+            self.replays.cancel(stream_key)
+            self.poller.unregister(stream.sub)
+            del self._by_socket[stream.sub]
+            stream.sub.close(linger=0)
+            self._emit(StreamReset(stream.spec, "removed"))
+
+    # ------------------------------------------------------------------ messages
+
+    def _read_live(self, stream: _Stream) -> None:
+        # The hot path of the whole subscriber: locals, and a shortcut for the common case
+        # (a well-formed message delivered in order on a live stream).
+        recv, cursor, counts = stream.recv, stream.cursor, stream.counts
+        for _ in range(_READ_BURST):
+            frames = recv()
+            if frames is None:
+                return
+            counts["received"] += 1
+            if len(frames) == 3 and len(frames[1]) == 8:
+                seq = int.from_bytes(frames[1], "big")
+                if stream.state == "live" and cursor.accept(seq, frames[2]):
+                    self._deliver_payload(stream, seq, frames[2])
+                    continue
+                actions = cursor.on_live(seq, frames[2])
+            else:
+                try:
+                    msg = parse_live(frames)  # says what is wrong
+                except DecodeError as exc:
+                    self._decode_failed(stream, exc)
+                    continue
+                actions = cursor.on_live(msg.seq, msg.payload)
+            if len(actions) == 1 and type(actions[0]) is Deliver and stream.state == "live":
+                self._deliver(stream, actions[0])  # changes neither the state nor the streams
+                continue
+            self._apply(stream, actions)
+            if stream.spec.key not in self.streams:
+                return
+
+    def _on_replay_events(self, events: list[ReplayEvent]) -> None:
+        for event in events:
+            stream = self.streams.get(event.key)  # type: ignore[call-overload]
+            if stream is None or event.ticket != stream.ticket:
+                continue  # a removed stream, or a replay that was replaced
+            if isinstance(event, ReplayBatch):
+                actions = stream.cursor.on_replay(event.seq, event.payload)
+                if any(type(a) is Deliver and a.seq == event.seq for a in actions):
+                    stream.add("replayed")
+            else:
+                actions = stream.cursor.on_replay_end(event.ok)
+            self._apply(stream, actions)
+
+    def _apply(self, stream: _Stream, actions: list[Action]) -> None:
+        for action in actions:
+            if type(action) is Deliver:
+                self._deliver(stream, action)
+            elif isinstance(action, Gap):
+                self._gap(stream, action)
+            elif isinstance(action, ReplayDone):
+                self.replays.cancel(stream.spec.key)
+            elif isinstance(action, Duplicate):
+                stream.add("duplicates")
+            elif isinstance(action, Restart):
+                self._restart(stream, action)
+            elif isinstance(action, Unrecoverable):
+                self._unrecoverable(stream, action)
+        if stream.cursor.state != stream.state:
+            self._status(stream)
+
+    def _deliver(self, stream: _Stream, action: Deliver) -> None:
+        self._deliver_payload(stream, action.seq, action.payload)
+
+    def _deliver_payload(self, stream: _Stream, seq: int, payload: bytes) -> None:
+        on_payload = self.options.on_payload
+        if on_payload is not None:
+            try:
+                applied = on_payload(stream.spec, seq, payload)
+            except DecodeError as exc:
+                self._decode_failed(stream, exc)
+                return
+            except Exception:
+                self.callback_errors += 1
+                key = stream.spec.key
+                log.exception("worker %s rank %s: on_payload failed on seq %d", *key, seq)
+                applied = Applied(stream.last_ts or 0.0, 0)
+            if applied is not None:
+                self._account(stream, seq, applied)
+                return
+        try:
+            decoded = decode_batch(payload, seq=seq)
+        except DecodeError as exc:
+            self._decode_failed(stream, exc)
+            return
+        batch = decoded.batch
+        clears = not stream.cursor.complete and any(
+            isinstance(e, AllBlocksCleared) for e in batch.events
+        )  # only an incomplete stream needs to know
+        self._account(
+            stream, seq, Applied(batch.ts, len(batch.events), len(decoded.skipped), clears)
+        )
+        self._emit(Delivery(stream.spec, seq, batch))
+
+    def _account(self, stream: _Stream, seq: int, applied: Applied) -> None:
+        """The stats of a delivered batch (or one the on_payload consumer applied)."""
+        counts = stream.counts
+        counts["delivered"] += 1
+        counts["events"] += applied.events
+        if applied.skipped:
+            counts["skipped_events"] += applied.skipped
+        stream.last_seq = seq
+        stream.last_ts = applied.ts
+        if applied.clears and not stream.cursor.complete:
+            # Everything before a cache reset is void: the view is whole again from here.
+            stream.cursor.mark_complete()
+
+    def _gap(self, stream: _Stream, gap: Gap) -> None:
+        spec = stream.spec
+        stream.add("gaps")
+        stream.add("replays")
+        assert spec.replay_endpoint is not None  # the cursor only asks when it can replay
+        stream.ticket = self.replays.request(
+            spec.key, spec.replay_endpoint, gap.start, curve=spec.curve or self.options.curve
+        )
+        if gap.start == 0 and stream.last_seq is None:
+            # Joining a stream that already started is routine, not a loss: no warning.
+            log.info(
+                "worker %s rank %d: joined at seq %d, replaying from 0",
+                spec.worker_id,
+                spec.rank,
+                gap.end,
+            )
+            return
+        self._warn(stream, "gap", "missing seq %d..%d, replaying", gap.start, gap.end - 1)
+
+    def _restart(self, stream: _Stream, restart: Restart) -> None:
+        self.replays.cancel(stream.spec.key)
+        stream.ticket = 0
+        stream.add("restarts")
+        self._warn(
+            stream,
+            "restart",
+            "restarted (seq %d after %s); rebuilding",
+            restart.seq,
+            stream.last_seq,
+        )
+        self._emit(StreamReset(stream.spec, "restart"))
+
+    def _unrecoverable(self, stream: _Stream, lost: Unrecoverable) -> None:
+        stream.add("unrecoverable")
+        stream.add("missing", lost.end - lost.start)
+        spec = stream.spec
+        self._warn(
+            stream,
+            "unrecoverable",
+            "seq %d..%d cannot be recovered (%s); stream incomplete",
+            lost.start,
+            lost.end - 1,
+            "replay did not have them" if spec.replay_endpoint else "no replay endpoint",
+        )
+        stream.state = "incomplete"
+        self._publish_status(StreamStatus(spec, "incomplete", (lost.start, lost.end)))
+
+    def _status(self, stream: _Stream) -> None:
+        stream.state = stream.cursor.state
+        if stream.state != "new":
+            self._publish_status(StreamStatus(stream.spec, stream.state))
+
+    def _decode_failed(self, stream: _Stream, exc: DecodeError) -> None:
+        stream.add("decode_errors")
+        self._warn(stream, "decode", "undecodable message skipped: %s", exc)
+
+    # ------------------------------------------------------------------ output
+
+    def _emit(self, item: Delivery | StreamReset) -> None:
+        callback = self.options.callback
+        if callback is None:
+            self._pending.append(item)
+            if len(self._pending) >= _HAND_OVER_AT:
+                self._hand_over()
+            return
+        try:
+            callback(item)
+        except Exception:
+            self.callback_errors += 1
+            log.exception("subscriber callback failed on %r", type(item).__name__)
+
+    def _publish_status(self, status: StreamStatus) -> None:
+        if self.options.on_status is not None:
+            try:
+                self.options.on_status(status)
+            except Exception:
+                self.callback_errors += 1
+                log.exception("subscriber status callback failed")
+        if self.options.status_items:
+            self._pending.append(status)
+
+    def _warn(self, stream: _Stream, kind: str, fmt: str, *args: object) -> None:
+        """At most one warning per stream and kind per ``gap_log_interval`` seconds: a lossy
+        link or a flapping publisher must not flood the log."""
+        now = self.options.wall_clock()
+        last, held = stream.warned.get(kind, (-math.inf, 0))
+        if now - last < self.options.gap_log_interval:
+            stream.warned[kind] = (last, held + 1)
+            return
+        spec = stream.spec
+        extra = f" ({held} similar warnings suppressed)" if held else ""
+        log.warning("worker %s rank %d: " + fmt + "%s", spec.worker_id, spec.rank, *args, extra)
+        stream.warned[kind] = (now, 0)
+
+    # ------------------------------------------------------------------ stats
+
+    def stream_stats(self, stream: _Stream) -> StreamStats:
+        """A snapshot of one stream's counters (read from another thread: approximate)."""
+        counts = dict(stream.counts)
+        lag = None if stream.last_ts is None else self.options.wall_clock() - stream.last_ts
+        return StreamStats(
+            worker_id=stream.spec.worker_id,
+            rank=stream.spec.rank,
+            state=stream.cursor.state,
+            last_seq=stream.last_seq,
+            lag=lag,
+            **counts,
+        )

@@ -1,0 +1,291 @@
+"""The subscriber's data: which streams to read, what it hands out, what it counts.
+
+Pure records, no sockets. :class:`StreamSpec` names one (worker, rank) stream;
+:func:`worker_streams` expands a worker's base endpoints into all its ranks (WIRE.md section
+5). :class:`Delivery`, :class:`StreamReset` and :class:`StreamStatus` are the items a
+subscriber hands out; :class:`StreamStats` and :class:`SubscriberStats` are frozen counters.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, ClassVar, TypeAlias
+
+import msgspec
+
+from kvevents.errors import LayoutError
+from kvevents.events import KVEventBatch
+from kvevents.wire import Applied
+from kvevents.wire.endpoints import parse_endpoint, rank_endpoint
+
+if TYPE_CHECKING:  # records only: importing them here must not load zmq
+    from kvevents.security import CurveClient
+
+__all__ = [
+    "STREAM_COUNTERS",
+    "Delivery",
+    "Item",
+    "ReplayOptions",
+    "StreamCounters",
+    "StreamKey",
+    "StreamReset",
+    "StreamSpec",
+    "StreamStats",
+    "StreamStatus",
+    "SubscriberOptions",
+    "SubscriberStats",
+    "worker_streams",
+]
+
+StreamKey: TypeAlias = tuple[str, int]
+
+
+@dataclass(frozen=True)
+class ReplayOptions:
+    """Timeouts and limits of the replay client (seconds)."""
+
+    # Generous enough that a replay server stalled by a busy host is retried, not abandoned.
+    idle_timeout: float = 5.0
+    total_timeout: float = 60.0
+    max_attempts: int = 4
+    max_concurrent: int = 4
+    backoff_initial: float = 0.05
+    backoff_max: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1 or self.max_concurrent < 1:
+            raise ValueError("max_attempts and max_concurrent must be >= 1")
+        if min(self.idle_timeout, self.total_timeout) <= 0:
+            raise ValueError("idle_timeout and total_timeout must be > 0")
+
+
+def _check_connectable(endpoint: str, rank: int) -> None:
+    parsed = parse_endpoint(endpoint)
+    if parsed.scheme != "tcp":
+        return
+    if parsed.host == "*":
+        raise LayoutError(
+            f"endpoint {endpoint!r} for rank {rank}: a subscriber connects, so it needs the "
+            "publisher's host, not '*'",
+            endpoint=endpoint,
+            rank=rank,
+            rule="host",
+        )
+    if parsed.port == 0:
+        raise LayoutError(
+            f"endpoint {endpoint!r} for rank {rank}: port 0 cannot be connected to; use the "
+            "port the publisher bound",
+            endpoint=endpoint,
+            rank=rank,
+            rule="port",
+        )
+
+
+@dataclass(frozen=True)
+class StreamSpec:
+    """One stream: the rank ``rank`` of worker ``worker_id``.
+
+    ``endpoint`` is the rank's PUB endpoint and ``replay_endpoint`` its ROUTER (None: no
+    replay, every gap is unrecoverable). ``topic`` filters by byte prefix, like ZeroMQ does.
+    ``curve``: read a CURVE publisher (both sockets); None: ``SubscriberOptions.curve``.
+    """
+
+    worker_id: str
+    rank: int
+    endpoint: str
+    replay_endpoint: str | None = None
+    topic: str = ""
+    curve: CurveClient | None = None
+
+    def __post_init__(self) -> None:
+        if self.rank < 0:
+            raise LayoutError(
+                f"rank must be >= 0, got {self.rank}",
+                endpoint=self.endpoint,
+                rank=self.rank,
+                rule="rank",
+            )
+        _check_connectable(self.endpoint, self.rank)
+        if self.replay_endpoint is not None:
+            _check_connectable(self.replay_endpoint, self.rank)
+
+    @property
+    def key(self) -> StreamKey:
+        """``(worker_id, rank)``: what identifies the stream inside a subscriber."""
+        return (self.worker_id, self.rank)
+
+
+def worker_streams(
+    worker_id: str,
+    endpoint: str,
+    replay_endpoint: str | None = None,
+    *,
+    ranks: int | Iterable[int] = 1,
+    topic: str = "",
+    curve: CurveClient | None = None,
+) -> list[StreamSpec]:
+    """Every rank's stream of one worker, from its base endpoints (rank r: port + r).
+
+    ``ranks`` is a count (ranks 0..n-1) or the explicit ranks to read.
+    """
+    numbers = range(ranks) if isinstance(ranks, int) else list(ranks)
+    return [
+        StreamSpec(
+            worker_id=worker_id,
+            rank=rank,
+            endpoint=rank_endpoint(endpoint, rank),
+            replay_endpoint=None
+            if replay_endpoint is None
+            else rank_endpoint(replay_endpoint, rank),
+            topic=topic,
+            curve=curve,
+        )
+        for rank in numbers
+    ]
+
+
+# A msgspec struct rather than a frozen dataclass: one is made per batch, and it builds in a
+# tenth of the time (35 ns against 300 ns measured). Immutable, positional or keyword arguments.
+class Delivery(msgspec.Struct, frozen=True, gc=False):
+    """Batch ``seq`` of ``stream``: apply it. Per stream, deliveries come in sequence order."""
+
+    stream: StreamSpec
+    seq: int
+    batch: KVEventBatch
+
+
+@dataclass(frozen=True, slots=True)
+class StreamReset:
+    """Drop everything held for ``stream``; the deliveries that follow rebuild it.
+
+    ``reason``: ``"restart"`` (the publisher restarted; it is rebuilt by a replay from 0)
+    or ``"removed"`` (the stream was removed from the subscriber; nothing follows).
+    """
+
+    stream: StreamSpec
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class StreamStatus:
+    """The stream's state changed: ``"live"``, ``"replaying"`` or ``"incomplete"``.
+
+    ``missing`` is the sequence range ``[start, end)`` lost for good when the state is
+    ``"incomplete"`` because of it.
+    """
+
+    stream: StreamSpec
+    state: str
+    missing: tuple[int, int] | None = None
+
+
+Item: TypeAlias = Delivery | StreamReset | StreamStatus
+
+
+@dataclass(frozen=True, kw_only=True)
+class StreamCounters:
+    """The running counters of a stream; :class:`SubscriberStats` holds their sums.
+
+    ``received``: live messages read. ``delivered``: batches handed out (live or replayed).
+    ``duplicates``: repeated batches ignored. ``gaps``: holes found, a late join included.
+    ``replays``: replay requests started. ``replayed``: batches delivered from a replay.
+    ``unrecoverable``: holes that could not be filled; ``missing``: batches in them.
+    ``restarts``: publisher restarts seen. ``decode_errors``: messages that could not be
+    read at all. ``skipped_events``: events skipped inside otherwise good batches.
+    ``events``: events delivered.
+    """
+
+    received: int = 0
+    delivered: int = 0
+    duplicates: int = 0
+    gaps: int = 0
+    replays: int = 0
+    replayed: int = 0
+    unrecoverable: int = 0
+    missing: int = 0
+    restarts: int = 0
+    decode_errors: int = 0
+    skipped_events: int = 0
+    events: int = 0
+
+
+#: The names of :class:`StreamCounters`, in order.
+STREAM_COUNTERS = tuple(f.name for f in fields(StreamCounters))
+
+
+@dataclass(frozen=True, kw_only=True)
+class StreamStats(StreamCounters):
+    """One stream since it was added: its counters, plus where it stands.
+
+    ``state``: ``"new"``, ``"live"``, ``"replaying"`` or ``"incomplete"``. ``last_seq``: the
+    last delivered sequence. ``lag``: seconds from the ``ts`` of the last delivered batch to
+    now (None before one).
+    """
+
+    #: Fields that are levels (Prometheus gauges); every other number only grows.
+    GAUGES: ClassVar[frozenset[str]] = frozenset({"lag", "last_seq"})
+
+    worker_id: str
+    rank: int
+    state: str
+    last_seq: int | None
+    lag: float | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class SubscriberStats(StreamCounters):
+    """Totals over every stream, plus what belongs to the subscriber itself.
+
+    ``streams``: streams read now; ``incomplete``: how many are incomplete; ``queued``: items
+    waiting for the consumer; ``callback_errors``: exceptions raised by callbacks; ``max_lag``:
+    the largest stream lag. The counters sum :class:`StreamStats` over current streams.
+    """
+
+    #: Fields that are levels (Prometheus gauges); every other number only grows.
+    GAUGES: ClassVar[frozenset[str]] = frozenset({"incomplete", "max_lag", "queued", "streams"})
+
+    streams: int
+    incomplete: int
+    queued: int
+    callback_errors: int
+    max_lag: float | None
+
+
+@dataclass(frozen=True)
+class SubscriberOptions:
+    """Tuning knobs of a subscriber.
+
+    ``queue_size``: items waiting for the consumer; when full the I/O thread waits, ZeroMQ
+    buffers up to ``rcvhwm`` messages per stream and then drops, which shows up as gaps that
+    are replayed. ``callback``: called on the I/O thread with every item instead of queueing
+    it (keep it quick). ``on_status``: called on the I/O thread with every
+    :class:`StreamStatus`; ``status_items`` also queues them. ``max_buffered``: live messages
+    held per stream during a replay. ``duplicate_window``: delivered batches remembered per
+    stream to tell a duplicate from a restart. ``gap_log_interval``: at most one gap warning
+    per stream per that many seconds. ``wall_clock``: the clock ``lag`` is measured with.
+    ``curve``: the CURVE client of every stream whose spec has none (``docs/security.md``).
+    ``on_payload``: called on the I/O thread
+    with ``(stream, seq, payload)`` of every batch due for delivery, before decoding; a
+    consumer that applies the payload itself returns an :class:`Applied` and no
+    :class:`Delivery` is made, one that returns None gets the usual delivery (the index
+    service applies payloads this way). A ``DecodeError`` it raises counts as undecodable.
+    """
+
+    queue_size: int = 10_000
+    rcvhwm: int = 100_000
+    replay: ReplayOptions = field(default_factory=ReplayOptions)
+    max_buffered: int = 100_000
+    duplicate_window: int = 1024
+    callback: Callable[[Delivery | StreamReset], None] | None = None
+    on_status: Callable[[StreamStatus], None] | None = None
+    status_items: bool = False
+    gap_log_interval: float = 5.0
+    wall_clock: Callable[[], float] = time.time
+    curve: CurveClient | None = None
+    on_payload: Callable[[StreamSpec, int, bytes], Applied | None] | None = None
+
+    def __post_init__(self) -> None:
+        if self.queue_size < 1 or self.rcvhwm < 0:
+            raise ValueError("queue_size must be >= 1 and rcvhwm >= 0")

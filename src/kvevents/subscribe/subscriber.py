@@ -1,0 +1,293 @@
+"""The router-side subscriber: many engines, every rank, one ordered and honest feed.
+
+A :class:`Subscriber` reads any number of (worker, rank) streams on one background I/O thread
+and hands out, per stream in sequence order:
+
+- :class:`Delivery` ``(stream, seq, batch)``: apply the batch;
+- :class:`StreamReset` ``(stream, reason)``: drop everything held for the stream (the
+  publisher restarted, or the stream was removed); the deliveries that follow rebuild it.
+
+Gaps are replayed, late joins replay from 0, duplicates are dropped, restarts reset the
+stream. What cannot be recovered is delivered around, counted, marks the stream
+``"incomplete"`` in :meth:`Subscriber.stream_stats`, and is reported as a
+:class:`StreamStatus` (to ``SubscriberOptions.on_status``, and to the queue with
+``status_items=True``). See docs/subscriber.md for what a consumer should do with each.
+
+Consume with :meth:`Subscriber.get`, by iterating (blocking, until :meth:`Subscriber.close`),
+with ``async for`` over an :class:`AsyncSubscriber`, or with ``SubscriberOptions.callback``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import AsyncIterator, Iterable, Iterator
+from types import TracebackType
+
+from kvevents.errors import SubscriberClosed
+from kvevents.subscribe.loop import Loop, Outbox
+from kvevents.subscribe.streams import (
+    STREAM_COUNTERS,
+    Delivery,
+    Item,
+    StreamKey,
+    StreamReset,
+    StreamSpec,
+    StreamStats,
+    StreamStatus,
+    SubscriberOptions,
+    SubscriberStats,
+    worker_streams,
+)
+
+__all__ = [
+    "AsyncSubscriber",
+    "Delivery",
+    "StreamReset",
+    "StreamSpec",
+    "StreamStats",
+    "StreamStatus",
+    "Subscriber",
+    "SubscriberOptions",
+    "SubscriberStats",
+    "worker_streams",
+]
+
+_START_TIMEOUT = 30.0
+
+
+class Subscriber:
+    """Reads many streams on one I/O thread; see the module docstring.
+
+    Construction has no side effect; :meth:`start` (or ``with``) connects. ``get`` and
+    iteration may be used from any one consumer thread at a time.
+    """
+
+    def __init__(
+        self, streams: Iterable[StreamSpec] = (), *, options: SubscriberOptions | None = None
+    ) -> None:
+        self.options = options or SubscriberOptions()
+        self._outbox: Outbox[Item] = Outbox(self.options.queue_size)
+        self._specs: dict[StreamKey, StreamSpec] = {}
+        self._lock = threading.Lock()
+        self._loop: Loop | None = None
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        for spec in streams:
+            self._register(spec)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        """Start the I/O thread and connect every stream; idempotent."""
+        with self._lock:
+            if self._closed:
+                raise SubscriberClosed("subscriber was closed; create a new one")
+            if self._thread is not None:
+                return
+            loop = Loop(list(self._specs.values()), self.options, self._outbox)
+            ready = threading.Event()
+            failure: list[BaseException] = []
+            thread = threading.Thread(
+                target=loop.run, args=(ready, failure), name="kvevents-subscriber", daemon=True
+            )
+            thread.start()
+            ready.wait(_START_TIMEOUT)
+            if failure:
+                thread.join()
+                loop.close_waker()
+                raise failure[0]
+            self._loop, self._thread = loop, thread
+
+    def close(self) -> None:
+        """Stop the I/O thread and close every socket; items already queued stay readable."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            loop, thread = self._loop, self._thread
+        self._outbox.close()
+        if loop is not None and thread is not None:
+            loop.command("stop")
+            thread.join()
+            loop.close_waker()
+
+    def __enter__(self) -> Subscriber:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ streams
+
+    def add_stream(self, spec: StreamSpec) -> None:
+        """Start reading ``spec``; ValueError if its (worker, rank) is already read."""
+        with self._lock:
+            self._register(spec)
+            if self._loop is not None:
+                self._loop.command("add", spec)
+
+    def remove_stream(self, worker_id: str, rank: int | None = None) -> None:
+        """Stop reading a worker's rank (every rank when None); a ``StreamReset`` follows."""
+        with self._lock:
+            keys = [k for k in self._specs if k[0] == worker_id and rank in (None, k[1])]
+            if not keys:
+                raise KeyError(f"no stream for worker {worker_id!r} rank {rank}")
+            for key in keys:
+                del self._specs[key]
+            if self._loop is not None:
+                self._loop.command("remove", (worker_id, rank))
+
+    def streams(self) -> list[StreamSpec]:
+        """The streams currently read."""
+        with self._lock:
+            return list(self._specs.values())
+
+    def _register(self, spec: StreamSpec) -> None:
+        if spec.key in self._specs:
+            raise ValueError(f"worker {spec.worker_id!r} rank {spec.rank} is already subscribed")
+        self._specs[spec.key] = spec
+
+    # ------------------------------------------------------------------ consuming
+
+    def get(self, timeout: float | None = None) -> Item | None:
+        """The next item; None after ``timeout`` seconds; SubscriberClosed once closed and drained."""
+        ok, item = self._outbox.get(timeout)
+        if ok:
+            return item
+        if self._outbox.closed:
+            raise SubscriberClosed("subscriber was closed")
+        return None
+
+    def get_nowait(self) -> Item | None:
+        """The next item if one is waiting, else None."""
+        return self.get(0)
+
+    def __iter__(self) -> Iterator[Item]:
+        """Every item, blocking, until the subscriber is closed and drained."""
+        while True:
+            ok, item = self._outbox.get(None)
+            if not ok:
+                return
+            yield item  # type: ignore[misc]
+
+    # ------------------------------------------------------------------ stats
+
+    def stream_stats(self) -> dict[tuple[str, int], StreamStats]:
+        """Counters of every stream read now, by (worker_id, rank)."""
+        loop = self._loop
+        if loop is None:
+            return {}
+        return {key: loop.stream_stats(s) for key, s in list(loop.streams.items())}
+
+    def stats(self) -> SubscriberStats:
+        """Totals over every stream, plus queue depth and callback errors."""
+        per_stream = list(self.stream_stats().values())
+        lags = [s.lag for s in per_stream if s.lag is not None]
+
+        totals = {name: sum(getattr(s, name) for s in per_stream) for name in STREAM_COUNTERS}
+        loop = self._loop
+        return SubscriberStats(
+            streams=len(per_stream),
+            incomplete=sum(1 for s in per_stream if s.state == "incomplete"),
+            **totals,
+            queued=len(self._outbox),
+            callback_errors=0 if loop is None else loop.callback_errors,
+            max_lag=max(lags) if lags else None,
+        )
+
+
+class AsyncSubscriber:
+    """The asyncio face of :class:`Subscriber`: ``async for item in sub``, ``await aclose()``.
+
+    The I/O thread is the same; only waiting for items happens on the event loop.
+    """
+
+    def __init__(
+        self, streams: Iterable[StreamSpec] = (), *, options: SubscriberOptions | None = None
+    ) -> None:
+        self.sync = Subscriber(streams, options=options)
+        self._ready: asyncio.Event | None = None
+
+    def start(self) -> None:
+        """Start the I/O thread (connecting is quick; this does not block for long)."""
+        self.sync.start()
+
+    async def aclose(self) -> None:
+        """Close the subscriber; waiting for the I/O thread happens off the event loop."""
+        await asyncio.get_running_loop().run_in_executor(None, self.sync.close)
+
+    async def __aenter__(self) -> AsyncSubscriber:
+        self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def add_stream(self, spec: StreamSpec) -> None:
+        """See :meth:`Subscriber.add_stream`."""
+        self.sync.add_stream(spec)
+
+    def remove_stream(self, worker_id: str, rank: int | None = None) -> None:
+        """See :meth:`Subscriber.remove_stream`."""
+        self.sync.remove_stream(worker_id, rank)
+
+    def stats(self) -> SubscriberStats:
+        """See :meth:`Subscriber.stats`."""
+        return self.sync.stats()
+
+    def stream_stats(self) -> dict[tuple[str, int], StreamStats]:
+        """See :meth:`Subscriber.stream_stats`."""
+        return self.sync.stream_stats()
+
+    async def get(self, timeout: float | None = None) -> Item | None:
+        """The next item; None after ``timeout``; SubscriberClosed once closed and drained."""
+        try:
+            return await asyncio.wait_for(self._next(), timeout)
+        except asyncio.TimeoutError:
+            return None
+
+    def __aiter__(self) -> AsyncIterator[Item]:
+        return self
+
+    async def __anext__(self) -> Item:
+        try:
+            return await self._next()
+        except SubscriberClosed:
+            raise StopAsyncIteration from None
+
+    async def _next(self) -> Item:
+        ready = self._event()
+        outbox = self.sync._outbox
+        while True:
+            ok, item = outbox.get(0)
+            if ok:
+                return item  # type: ignore[return-value]
+            if outbox.closed:
+                raise SubscriberClosed("subscriber was closed")
+            ready.clear()
+            ok, item = outbox.get(0)  # a put between the check and clear() must not be lost
+            if ok:
+                return item  # type: ignore[return-value]
+            await ready.wait()
+
+    def _event(self) -> asyncio.Event:
+        if self._ready is None:
+            loop = asyncio.get_running_loop()
+            event = asyncio.Event()
+
+            def wake() -> None:
+                # A closed event loop raises RuntimeError: nobody is waiting any more.
+                with contextlib.suppress(RuntimeError):
+                    loop.call_soon_threadsafe(event.set)
+
+            self._ready = event
+            self.sync._outbox.listener = wake
+        return self._ready
