@@ -18,7 +18,8 @@ import pytest
 import zmq
 
 from kvevents.events import BlockStored, KVEventBatch
-from kvevents.testing.peers import RawPublisher, heartbeat, typical_batch
+from kvevents.testing.fixtures import heartbeat, typical_batch
+from kvevents.testing.peers import RawPublisher
 from kvevents.testing.publisher import connectable, local_config, started_publisher
 from kvevents.testing.sockets import Deadline
 

@@ -34,7 +34,7 @@ from kvevents.security import (
     save_keypair,
 )
 from kvevents.subscribe.subscriber import Delivery, StreamSpec, Subscriber, SubscriberOptions
-from kvevents.testing.peers import heartbeat, typical_batch
+from kvevents.testing.fixtures import heartbeat, typical_batch
 from kvevents.testing.publisher import started_publisher, wait_subscribed
 from kvevents.testing.sockets import Deadline, wait_for
 from kvevents.wire import parse_replay_reply, replay_request_frames

@@ -17,8 +17,9 @@ from kvevents.publish.publisher import PublisherOptions, create_publisher
 from kvevents.service.core import IndexService
 from kvevents.service.http import Server, create_app
 from kvevents.sim.cluster import Cluster, ClusterConfig
-from kvevents.sim.engine import Request, SimulatedEngine
+from kvevents.sim.engine import SimulatedEngine
 from kvevents.sim.faults import DropRule
+from kvevents.sim.records import Request
 from kvevents.sim.simulate import PolicyRun, SimulationConfig
 from kvevents.sim.trace import default_trace_path
 from kvevents.testing.publisher import local_config

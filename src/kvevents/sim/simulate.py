@@ -22,9 +22,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvevents.index.router import PrefixLoad, RouteInputs, Router
+from kvevents.index.router import PrefixLoad, RouteInputs, Router, Target
 from kvevents.sim.cluster import Accuracy, Cluster, ClusterConfig, FeedCounters
-from kvevents.sim.engine import Request, SimulatedEngine
+from kvevents.sim.engine import SimulatedEngine
+from kvevents.sim.records import Request
 from kvevents.sim.trace import TraceRow, trace_request
 
 __all__ = [
@@ -41,8 +42,6 @@ __all__ = [
 POLICY_NAMES = ("prefix_load", "longest_prefix", "round_robin", "random", "oracle")
 #: The policies that read the index.
 KV_AWARE = ("prefix_load", "longest_prefix")
-
-Target = tuple[str, int]
 
 
 @dataclass(frozen=True)

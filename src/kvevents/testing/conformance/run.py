@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
+from kvevents.subscribe.streams import StreamKey
 from kvevents.testing.conformance.stage import (
     Consumer,
     NotObservable,
@@ -39,7 +40,6 @@ from kvevents.testing.conformance.stage import (
     Scenario,
     Stage,
     StreamDef,
-    StreamKey,
     StreamRegistration,
     Truth,
     u64,
@@ -55,7 +55,6 @@ __all__ = [
     "ScenarioResult",
     "Stage",
     "StreamDef",
-    "StreamKey",
     "StreamRegistration",
     "Truth",
     "format_report",
