@@ -145,3 +145,50 @@ def test_usage_errors_exit_2_with_one_line(capsys: pytest.CaptureFixture[str]) -
     assert main(["listen", "--worker", "nope"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "expected ID=ENDPOINT" in err
+
+
+def test_version_names_the_native_accelerators(capsys: pytest.CaptureFixture[str]) -> None:
+    """``kvevents --version`` prints the version and which index tables and receive path run."""
+    from kvevents import __version__
+    from kvevents.index import table
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"kvevents {__version__} (index tables: ")
+    assert ("index tables: C;" in out) == (table.IMPLEMENTATION == "c")
+
+
+def test_a_missing_extra_names_every_package_at_once(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A command whose extras are missing lists all the packages in one error, exit 1."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    gone = {"starlette", "uvicorn", "xxhash"}
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name in gone else real(name, *a)
+    )
+    assert main(["serve"]) == 1
+    err = capsys.readouterr().err
+    assert "'xxhash', 'starlette', 'uvicorn'" in err
+    assert "pip install 'kvevents[service]'" in err
+
+
+def test_the_pure_python_index_is_announced_once(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Running on the fallback tables without having asked for them prints one note."""
+    from kvevents import cli
+    from kvevents.index import table
+
+    monkeypatch.delenv("KVEVENTS_PURE_PYTHON", raising=False)
+    monkeypatch.setattr(table, "IMPLEMENTATION", "python")
+    monkeypatch.setattr(table, "FALLBACK_REASON", "no compiler")
+    cli._warn_if_slow()
+    assert capsys.readouterr().err.count("pure-Python tables (no compiler)") == 1
+    monkeypatch.setattr(table, "IMPLEMENTATION", "c")
+    cli._warn_if_slow()
+    assert capsys.readouterr().err == ""
