@@ -66,12 +66,24 @@ def render(rows: list[Row], header: str) -> str:
 
 def main(argv: list[str]) -> int:
     names = argv or sorted(p.stem[len("bench_") :] for p in HERE.glob("bench_*.py"))
+    known = sorted(p.stem[len("bench_") :] for p in HERE.glob("bench_*.py"))
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        print(f"unknown benchmark {unknown[0]!r} (choose from {', '.join(known)})", file=sys.stderr)
+        return 2
     rows: list[Row] = []
+    done: list[str] = []
     for name in names:
         print(f"== bench_{name}", flush=True)
-        module = importlib.import_module(f"bench_{name}")
-        got = module.run()
+        try:
+            got = importlib.import_module(f"bench_{name}").run()
+        except KeyboardInterrupt:
+            finished = ", ".join(done) or "none"
+            print(f"interrupted during bench_{name}; finished: {finished}; nothing recorded",
+                  file=sys.stderr)  # fmt: skip
+            return 130
         rows += got
+        done.append(name)
         print(render(got, ""), flush=True)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     header = f"# Benchmark results\n\nRecorded {stamp} by `make bench` on: {machine()}."

@@ -128,7 +128,7 @@ def test_summary_lists_every_stream() -> None:
     assert record["streams"][0]["missing"] == 5
     text = text_line(record)
     assert text.splitlines()[0] == "summary: 3 batches shown in 2.0s"
-    assert "a/0: incomplete" in text and "5 lost in 1 holes" in text
+    assert "a/0: incomplete" in text and "5 lost in 1 hole," in text
 
 
 def test_live_table_shows_each_stream() -> None:
@@ -192,3 +192,36 @@ def test_the_pure_python_index_is_announced_once(
     monkeypatch.setattr(table, "IMPLEMENTATION", "c")
     cli._warn_if_slow()
     assert capsys.readouterr().err == ""
+
+
+def test_counts_agree_with_their_nouns() -> None:
+    """Text output says 1 batch / 2 batches / 1 stream / 0 gaps, never "1 streams"."""
+    from kvevents.cli.common import plural
+
+    assert [plural(1, "batch"), plural(2, "batch"), plural(1, "stream"), plural(0, "gap")] == [
+        "1 batch",
+        "2 batches",
+        "1 stream",
+        "0 gaps",
+    ]
+
+
+def test_a_stream_without_batches_says_so() -> None:
+    """The summary of a stream that delivered nothing says "no batch yet", not "last seq None"."""
+    text = text_line(stats_record({("a", 0): stats(last_seq=None, delivered=0)}, 0, 1.0))
+    assert "no batch yet" in text and "None" not in text
+
+
+def test_full_prints_every_event_in_text_mode_too() -> None:
+    """--full without --json lists each event of a batch on its own line."""
+    stored = BlockStored(
+        block_hashes=[7, 8], parent_block_hash=None, token_ids=list(range(32)), block_size=16
+    )
+    removed = BlockRemoved(block_hashes=[5])
+    (record,) = ListenView(full=True).records(Delivery(SPEC, 0, batch(stored, removed)))
+    lines = text_line(record).splitlines()
+    assert len(lines) == 3
+    assert "BlockStored 2 blocks" in lines[1] and "hashes=[7, 8]" in lines[1]
+    assert "BlockRemoved" in lines[2] and "hashes=[5]" in lines[2]
+    (brief,) = ListenView().records(Delivery(SPEC, 1, batch(stored)))
+    assert len(text_line(brief).splitlines()) == 1
