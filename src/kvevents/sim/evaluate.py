@@ -96,6 +96,8 @@ def _row(ev: Evaluation, r: PolicyReport) -> list[str]:
     counts = r.per_target.values()
     return [
         r.policy,
+        str(r.requests),
+        str(r.rejected),
         f"{r.reuse:.1%}",
         "-" if ratio is None else f"{ratio:.1%}",
         f"{_ms(r.ttft_mean)} / {_ms(r.ttft_p50)} / {_ms(r.ttft_p99)}",
@@ -109,11 +111,13 @@ def _row(ev: Evaluation, r: PolicyReport) -> list[str]:
 
 _HEADERS = [
     "policy",
+    "requests",
+    "rejected",
     "prefix reuse",
     "vs oracle",
     "TTFT ms mean / p50 / p99",
     "requests per worker (max/mean)",
-    "index vs truth (holders)",
+    "index fidelity (holders)",
     "gaps/replays/lost",
     "wall s",
 ]
