@@ -20,8 +20,11 @@ EXAMPLES = """examples:
   kvevents simulate --staleness 2                route on an index that lags 2 virtual seconds
 
 The trace defaults to $KVEVENTS_TRACE, else the synthetic Mooncake trace.
-Reuse is the share of prompt tokens served from cache; the oracle routes on the engines'
-true cache state with the same cost model as prefix_load.
+Reuse is the share of prompt tokens served from cache. Two references are printed under the
+policies: the infinite-cache bound (every block ever computed still cached) and the pooled-cache
+reference (one engine holding the whole cluster's cache); "vs pooled" compares with the latter.
+The oracle routes on the engines' true caches with prefix_load's cost model: next to
+prefix_load it measures index fidelity, not routing quality.
 """
 
 
@@ -169,6 +172,7 @@ def _evaluate(rows: Any, policies: Any, config: Any) -> tuple[Any, str | None]:
     """Every policy's report, or on Ctrl-C those that finished and the one interrupted."""
     from kvevents.sim.evaluate import Evaluation
     from kvevents.sim.simulate import run_policy
+    from kvevents.sim.yardsticks import yardsticks
 
     reports = []
     with _progress(len(policies) * len(rows)) as report:
@@ -177,7 +181,11 @@ def _evaluate(rows: Any, policies: Any, config: Any) -> tuple[Any, str | None]:
                 reports.append(run_policy(rows, policy, config, progress=report))
             except KeyboardInterrupt:
                 return Evaluation(len(rows), config, tuple(reports)), policy
-    return Evaluation(len(rows), config, tuple(reports)), None
+    try:
+        marks = yardsticks(rows, config.cluster)
+    except KeyboardInterrupt:
+        return Evaluation(len(rows), config, tuple(reports)), "the yardsticks"
+    return Evaluation(len(rows), config, tuple(reports), marks), None
 
 
 def _header(path: str, rows: int, config: Any) -> str:

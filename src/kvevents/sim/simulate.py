@@ -17,7 +17,7 @@ Policies: the router's (``prefix_load``, ``longest_prefix``, ``round_robin``, ``
 from __future__ import annotations
 
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -76,6 +76,7 @@ class PolicyReport:
     ttft_p50: float | None
     ttft_p99: float | None
     per_target: dict[str, int]  #: requests per "worker/rank"
+    busy: dict[str, float]  #: virtual seconds each worker spent stepping
     accuracy: Accuracy  #: the index against ground truth at the end
     checks: int  #: accuracy checks during the run
     exact_checks: int  #: of which the index was exact
@@ -92,9 +93,12 @@ class PolicyReport:
     @property
     def balance(self) -> float:
         """Max over mean requests per target (1.0 is perfectly even)."""
-        counts = list(self.per_target.values())
-        mean = sum(counts) / len(counts) if counts else 0.0
-        return max(counts) / mean if mean else 0.0
+        return _max_over_mean(list(self.per_target.values()))
+
+    @property
+    def busy_balance(self) -> float:
+        """Max over mean busy time per worker (1.0 is perfectly even)."""
+        return _max_over_mean(list(self.busy.values()))
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -109,6 +113,8 @@ class PolicyReport:
             "ttft_p99": self.ttft_p99,
             "per_target": dict(self.per_target),
             "balance": self.balance,
+            "busy": dict(self.busy),
+            "busy_balance": self.busy_balance,
             "accuracy": self.accuracy.to_dict(),
             "checks": self.checks,
             "exact_checks": self.exact_checks,
@@ -117,6 +123,11 @@ class PolicyReport:
             "virtual_seconds": self.virtual_seconds,
             "wall_seconds": self.wall_seconds,
         }
+
+
+def _max_over_mean(values: list[float] | list[int]) -> float:
+    mean = sum(values) / len(values) if values else 0.0
+    return max(values) / mean if mean else 0.0
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -151,6 +162,7 @@ class PolicyRun:
         self.routed: Counter[Target] = Counter()
         self.rejected = 0
         self.steps = 0
+        self.busy: defaultdict[str, float] = defaultdict(float)
         self.checks = 0
         self.exact_checks = 0
         self._submitted = 0
@@ -160,17 +172,21 @@ class PolicyRun:
 
     def advance(self, t: float) -> None:
         """Step every engine with work until its virtual clock reaches ``t``."""
-        for engine in self.cluster.engines.values():
+        for worker, engine in self.cluster.engines.items():
             while engine.has_work() and engine.now < t:
-                engine.step()
-                self.steps += 1
+                self._step(worker, engine)
 
     def drain(self) -> None:
         """Step every engine until all requests are done."""
-        for engine in self.cluster.engines.values():
+        for worker, engine in self.cluster.engines.items():
             while engine.has_work():
-                engine.step()
-                self.steps += 1
+                self._step(worker, engine)
+
+    def _step(self, worker: str, engine: SimulatedEngine) -> None:
+        before = engine.now
+        engine.step()
+        self.steps += 1
+        self.busy[worker] += engine.now - before
 
     # ------------------------------------------------------------------ requests
 
@@ -272,6 +288,7 @@ class PolicyRun:
             ttft_p50=percentile(ttfts, 50),
             ttft_p99=percentile(ttfts, 99),
             per_target={f"{w}/{r}": self.routed[(w, r)] for w, r in self._targets},
+            busy={worker: self.busy[worker] for worker in self.cluster.engines},
             accuracy=accuracy,
             checks=self.checks,
             exact_checks=self.exact_checks,
