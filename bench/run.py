@@ -73,18 +73,19 @@ def main(argv: list[str]) -> int:
         return 2
     rows: list[Row] = []
     done: list[str] = []
-    for name in names:
-        print(f"== bench_{name}", flush=True)
-        try:
+    try:
+        for name in names:
+            current = name
+            print(f"== bench_{name}", flush=True)
             got = importlib.import_module(f"bench_{name}").run()
-        except KeyboardInterrupt:
-            finished = ", ".join(done) or "none"
-            print(f"interrupted during bench_{name}; finished: {finished}; nothing recorded",
-                  file=sys.stderr)  # fmt: skip
-            return 130
-        rows += got
-        done.append(name)
-        print(render(got, ""), flush=True)
+            rows += got
+            done.append(name)
+            print(render(got, ""), flush=True)
+    except KeyboardInterrupt:
+        finished = ", ".join(done) or "none"
+        print(f"interrupted during bench_{current}; finished: {finished}; nothing recorded",
+              file=sys.stderr)  # fmt: skip
+        return 130
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     header = f"# Benchmark results\n\nRecorded {stamp} by `make bench` on: {machine()}."
     if not argv:
