@@ -7,11 +7,14 @@ the matched blocks, the load terms and the score that decided.
 
 Policies:
 
-- ``longest_prefix``: most matched blocks wins; ties go to the lower load, then target order.
+- ``longest_prefix``: most matched blocks wins; ties go to the lower load, then to a seeded
+  random choice among the tied targets.
 - ``prefix_load``: a cost model in blocks, lowest wins (the shape Dynamo's KV router uses):
   ``cost = prefill_weight * (request_blocks - matched_blocks + queued_blocks) + active_blocks``
   — the prefill work this request would add on top of the prefill already queued there,
-  plus the decode load (KV blocks held by running requests).
+  plus the decode load (KV blocks held by running requests). Ties go to the target with more
+  matched blocks, then to a seeded random choice (never to the first target: that makes the
+  lowest-numbered engine a hot spot whenever the cluster is idle).
 - ``round_robin`` and ``random`` (seeded): baselines that ignore the cache.
 
 Degraded targets. A target whose event stream is not trustworthy (the subscriber reported an
@@ -79,6 +82,7 @@ class Decision:
     policy: str
     scores: tuple[TargetScore, ...]  #: one per target, in target order
     request_tokens: int = 0
+    tied: int = 1  #: targets that shared the best score (the winner drawn among them)
 
     @property
     def matched(self) -> dict[Target, int]:
@@ -101,6 +105,7 @@ class Decision:
             if self.winner is None
             else {"worker_id": self.winner[0], "rank": self.winner[1]},
             "request_tokens": self.request_tokens,
+            "tied": self.tied,
             "scores": [
                 {
                     "worker_id": s.worker_id,
@@ -119,7 +124,8 @@ class Decision:
 
     def explain(self) -> str:
         """A small table: one line per target, the winner marked."""
-        lines = [f"policy {self.policy}: winner {self._name(self.winner)}"]
+        tie = f" (drawn among {self.tied} tied targets)" if self.tied > 1 else ""
+        lines = [f"policy {self.policy}: winner {self._name(self.winner)}{tie}"]
         for s in self.scores:
             mark = "  <- winner" if (s.worker_id, s.rank) == self.winner else ""
             if s.degraded:
@@ -214,6 +220,7 @@ def _decision(
     scores: Sequence[float],
     terms: Sequence[Mapping[str, float]],
     winner: int | None,
+    tied: int = 1,
 ) -> Decision:
     degraded = inputs.degraded or [None] * len(inputs.targets)
     rows = tuple(
@@ -230,21 +237,30 @@ def _decision(
         )
     )
     chosen = None if winner is None else inputs.targets[winner]
-    return Decision(chosen, name, rows, inputs.request_tokens)
+    return Decision(chosen, name, rows, inputs.request_tokens, tied if chosen else 0)
 
 
-def _best(keys: Sequence[tuple[float, ...]]) -> int | None:
-    """Index of the largest key, the first one on ties."""
+def _best(keys: Sequence[tuple[float, ...]], rng: _random.Random) -> tuple[int | None, int]:
+    """Index of the largest key, and how many targets share it. Ties are broken by ``rng``,
+    uniformly: taking the first would send every tie to the lowest-numbered target (a hot
+    spot: with idle engines and no cached prefix, every target ties)."""
     if not keys:
-        return None
-    return max(range(len(keys)), key=lambda i: (keys[i], -i))
+        return None, 0
+    top = max(keys)
+    tied = [i for i, key in enumerate(keys) if key == top]
+    return (tied[0] if len(tied) == 1 else rng.choice(tied)), len(tied)
 
 
 @dataclass
 class LongestPrefix:
-    """Most matched blocks wins; ties: lower total load, then target order."""
+    """Most matched blocks wins; ties: lower total load, then a seeded random choice."""
 
+    seed: int = 0
     name: str = "longest_prefix"
+    _rng: _random.Random = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._rng = _random.Random(self.seed)
 
     def choose(self, inputs: RouteInputs) -> Decision:
         scores = [float(m) for m in inputs.matched]
@@ -253,15 +269,22 @@ class LongestPrefix:
             for s, ld in zip(scores, inputs.loads, strict=True)
         ]
         terms = [{"matched_blocks": s} for s in scores]
-        return _decision(self.name, inputs, scores, terms, _best(keys))
+        winner, tied = _best(keys, self._rng)
+        return _decision(self.name, inputs, scores, terms, winner, tied)
 
 
 @dataclass
 class PrefixLoad:
-    """Lowest ``prefill_weight * (new + queued) + active`` blocks wins; ties: more matched."""
+    """Lowest ``prefill_weight * (new + queued) + active`` blocks wins; ties: more matched,
+    then a seeded random choice."""
 
     prefill_weight: float = 1.0
+    seed: int = 0
     name: str = "prefix_load"
+    _rng: _random.Random = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._rng = _random.Random(self.seed)
 
     def choose(self, inputs: RouteInputs) -> Decision:
         # One pass building the rows directly: this runs for every routed request, once per
@@ -272,6 +295,7 @@ class PrefixLoad:
         rows: list[TargetScore] = []
         winner: int | None = None
         best = (0.0, 0.0)
+        tied = 0
         for i, (target, m, r, load, why) in enumerate(
             zip(targets, inputs.matched, inputs.request_blocks, inputs.loads, degraded, strict=True)
         ):
@@ -286,10 +310,17 @@ class PrefixLoad:
                 "cost": cost,
             }
             rows.append(_row((target[0], target[1], m, r, -cost, load, terms, why)))
-            if winner is None or (-cost, m) > best:  # the first one wins ties
-                winner, best = i, (-cost, m)
+            key = (-cost, m)
+            if winner is None or key > best:
+                winner, best, tied = i, key, 1
+            elif key == best:
+                # Reservoir sampling: each of the tied targets ends up chosen with
+                # probability 1/tied, in one pass.
+                tied += 1
+                if self._rng.randrange(tied) == 0:
+                    winner = i
         chosen = None if winner is None else targets[winner]
-        return Decision(chosen, self.name, tuple(rows), inputs.request_tokens)
+        return Decision(chosen, self.name, tuple(rows), inputs.request_tokens, tied)
 
 
 @dataclass
@@ -327,8 +358,8 @@ class RandomChoice:
 
 #: Policy names accepted by :func:`make_policy` and ``POST /query``.
 POLICIES: dict[str, Callable[..., Policy]] = {
-    "longest_prefix": lambda **_: LongestPrefix(),
-    "prefix_load": lambda prefill_weight=1.0, **_: PrefixLoad(prefill_weight),
+    "longest_prefix": lambda seed=0, **_: LongestPrefix(seed),
+    "prefix_load": lambda prefill_weight=1.0, seed=0, **_: PrefixLoad(prefill_weight, seed),
     "round_robin": lambda **_: RoundRobin(),
     "random": lambda seed=0, **_: RandomChoice(seed),
 }

@@ -434,8 +434,13 @@ class SimulatedEngine:
     # ------------------------------------------------------------------ load
 
     def _queued_blocks(self, rank: int) -> int:
+        """Prefill still to compute, in blocks: waiting prompts whole, and the part of running
+        prompts not computed yet (chunked prefill spreads a long prompt over many steps)."""
         bs = self.config.block_size
-        return sum(-(-len(s.tokens) // bs) for s in self._waiting[rank])
+        waiting = sum(-(-len(s.tokens) // bs) for s in self._waiting[rank])
+        pending = sum(-(-(s.prompt_len - s.computed) // bs) for s in self._running[rank]
+                      if s.computed < s.prompt_len)  # fmt: skip
+        return waiting + pending
 
     def _load_blocks(self, rank: int) -> int:
         return self._queued_blocks(rank) + self.caches[rank].used_blocks

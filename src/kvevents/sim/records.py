@@ -30,7 +30,7 @@ class RankLoad:
     waiting_requests: int
     running_requests: int
     queued_blocks: int
-    """Blocks the waiting prompts will need."""
+    """Prefill still to compute, in blocks: waiting prompts, and running prompts' rest."""
     active_blocks: int
     """Blocks referenced by running requests."""
     free_blocks: int
