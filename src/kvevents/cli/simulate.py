@@ -80,6 +80,15 @@ def add_parser(sub: Any) -> None:
         "0: at the end only; with --staleness the index lags by design: at the end only)",
     )
     p.add_argument("--transport", choices=("zmq", "direct"), default="zmq", help=argparse.SUPPRESS)
+    p.add_argument(
+        "--chart", metavar="PATH.svg", help="also write reuse and TTFT charts as an SVG file"
+    )
+    p.add_argument(
+        "--sweep",
+        action="store_true",
+        help="run every policy on 4, 8 and 16 engines with small (a quarter of --capacity) and "
+        "large (--capacity) caches; the table (and --chart) show reuse against the pooled cache",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON document")
     p.add_argument("--markdown", action="store_true", help="print the table as Markdown")
     p.set_defaults(run=run)
@@ -125,6 +134,8 @@ def run(args: argparse.Namespace) -> int:
     from kvevents.sim.simulate import SimulationConfig
     from kvevents.sim.trace import default_trace_path, load_trace
 
+    if args.chart and not args.chart.endswith(".svg"):
+        raise UsageError(f"--chart {args.chart!r}: the chart is SVG; name the file *.svg")
     if args.staleness and args.check_every:
         raise UsageError(
             "--check-every needs --staleness 0: an index that lags by design differs from the "
@@ -152,6 +163,8 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
     )
     began = time.monotonic()
+    if args.sweep:
+        return _sweep(args, rows, config)
     result, interrupted = _evaluate(rows, args.policies, config)
     if interrupted is not None:
         done = ", ".join(r.policy for r in result.reports) or "none"
@@ -165,7 +178,39 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(_header(path, result.rows, config))
         print(format_table(result, markdown=args.markdown))
+    if args.chart:
+        from kvevents.sim.charts import evaluation_svg
+
+        with open(args.chart, "w", encoding="utf-8") as out:
+            out.write(evaluation_svg(result))
+        print(f"chart written to {args.chart}", file=sys.stderr)
     return 0 if interrupted is None else 130
+
+
+def _sweep(args: argparse.Namespace, rows: Any, config: Any) -> int:
+    from kvevents.sim.charts import sweep_svg
+    from kvevents.sim.sweep import format_sweep, sweep, sweep_series
+
+    policies = [p for p in args.policies if p != "oracle"]  # index fidelity is not swept
+    capacities = (max(1, args.capacity // 4), args.capacity)
+
+    def progress(what: str) -> None:
+        print(f"simulate: {what}", file=sys.stderr, flush=True)
+
+    try:
+        points = sweep(rows, policies, config, capacities=capacities, progress=progress)
+    except KeyboardInterrupt:
+        print("kvevents simulate: sweep interrupted; nothing to report", file=sys.stderr)
+        return 130
+    if args.json:
+        print(json.dumps({"sweep": [p.to_dict() for p in points]}, indent=2))
+    else:
+        print(format_sweep(points, markdown=args.markdown))
+    if args.chart:
+        with open(args.chart, "w", encoding="utf-8") as out:
+            out.write(sweep_svg(sweep_series(points), "prefix reuse by cluster size"))
+        print(f"chart written to {args.chart}", file=sys.stderr)
+    return 0
 
 
 def _evaluate(rows: Any, policies: Any, config: Any) -> tuple[Any, str | None]:

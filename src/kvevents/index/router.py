@@ -37,6 +37,7 @@ from kvevents.index.prefix import MatchResult, PrefixIndex
 
 __all__ = [
     "POLICIES",
+    "BoundedPrefix",
     "Decision",
     "Load",
     "LoadBook",
@@ -274,12 +275,46 @@ class LongestPrefix:
 
 
 @dataclass
+class BoundedPrefix:
+    """Longest prefix among the targets whose load stays within a bound; ties: lower load,
+    then a seeded random choice.
+
+    A target is eligible when its load (queued + active blocks) is at most
+    ``(1 + slack) * mean load`` of all targets: the "bounded loads" rule of consistent hashing,
+    which keeps a hot prefix from piling every request on the engine that caches it while
+    leaving the cache to decide everywhere else. The least loaded target is always eligible.
+    """
+
+    slack: float = 0.25
+    seed: int = 0
+    name: str = "bounded_prefix"
+    _rng: _random.Random = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._rng = _random.Random(self.seed)
+
+    def choose(self, inputs: RouteInputs) -> Decision:
+        loads = [float(ld.queued_blocks + ld.active_blocks) for ld in inputs.loads]
+        bound = (1 + self.slack) * sum(loads) / len(loads) if loads else 0.0
+        eligible = [load <= bound for load in loads]
+        scores = [float(m) if ok else -1.0 for m, ok in zip(inputs.matched, eligible, strict=True)]
+        keys = [(s, -load) for s, load in zip(scores, loads, strict=True)]
+        terms = [
+            {"matched_blocks": float(m), "load_blocks": load, "load_bound": bound, "eligible": ok}
+            for m, load, ok in zip(inputs.matched, loads, eligible, strict=True)
+        ]
+        winner, tied = _best(keys, self._rng)
+        return _decision(self.name, inputs, scores, terms, winner, tied)
+
+
+@dataclass
 class PrefixLoad:
     """Lowest ``prefill_weight * (new + queued) + active`` blocks wins; ties: more matched,
     then a seeded random choice."""
 
     prefill_weight: float = 1.0
     seed: int = 0
+    load_weight: float = 1.0
     name: str = "prefix_load"
     _rng: _random.Random = field(init=False, repr=False)
 
@@ -289,7 +324,7 @@ class PrefixLoad:
     def choose(self, inputs: RouteInputs) -> Decision:
         # One pass building the rows directly: this runs for every routed request, once per
         # target, and is most of a decision's cost.
-        weight = self.prefill_weight
+        weight, load_weight = self.prefill_weight, self.load_weight
         targets = inputs.targets
         degraded = inputs.degraded or [None] * len(targets)
         rows: list[TargetScore] = []
@@ -301,12 +336,13 @@ class PrefixLoad:
         ):
             queued, active = load
             new = r - m if r > m else 0
-            prefill = weight * (new + queued)
-            cost = prefill + active
+            prefill = weight * (new + load_weight * queued)
+            decode = load_weight * active
+            cost = prefill + decode
             terms = {
                 "new_blocks": new,
                 "prefill_cost": prefill,
-                "decode_cost": active,
+                "decode_cost": decode,
                 "cost": cost,
             }
             rows.append(_row((target[0], target[1], m, r, -cost, load, terms, why)))
@@ -359,18 +395,23 @@ class RandomChoice:
 #: Policy names accepted by :func:`make_policy` and ``POST /query``.
 POLICIES: dict[str, Callable[..., Policy]] = {
     "longest_prefix": lambda seed=0, **_: LongestPrefix(seed),
-    "prefix_load": lambda prefill_weight=1.0, seed=0, **_: PrefixLoad(prefill_weight, seed),
+    "prefix_load": lambda prefill_weight=1.0, seed=0, load_weight=1.0, **_: PrefixLoad(
+        prefill_weight, seed, load_weight
+    ),
+    "bounded_prefix": lambda seed=0, **_: BoundedPrefix(seed=seed),
     "round_robin": lambda **_: RoundRobin(),
     "random": lambda seed=0, **_: RandomChoice(seed),
 }
 
 
-def make_policy(name: str, *, seed: int = 0, prefill_weight: float = 1.0) -> Policy:
+def make_policy(
+    name: str, *, seed: int = 0, prefill_weight: float = 1.0, load_weight: float = 1.0
+) -> Policy:
     """A policy by name; ``ValueError`` naming the known ones otherwise."""
     factory = POLICIES.get(name)
     if factory is None:
         raise ValueError(f"unknown routing policy {name!r}; known: {', '.join(sorted(POLICIES))}")
-    return factory(seed=seed, prefill_weight=prefill_weight)
+    return factory(seed=seed, prefill_weight=prefill_weight, load_weight=load_weight)
 
 
 class Router:
@@ -389,11 +430,13 @@ class Router:
         loads: LoadBook | None = None,
         seed: int = 0,
         prefill_weight: float = 1.0,
+        load_weight: float = 1.0,
     ) -> None:
         self.index = index
         self.loads = loads if loads is not None else LoadBook()
         self._seed = seed
         self._prefill_weight = prefill_weight
+        self._load_weight = load_weight
         self._policies: dict[str, Policy] = {}
         self.policy = self._policy(policy)
         self.degraded: dict[Target, str] = {}
@@ -416,7 +459,10 @@ class Router:
             return policy
         if policy not in self._policies:
             self._policies[policy] = make_policy(
-                policy, seed=self._seed, prefill_weight=self._prefill_weight
+                policy,
+                seed=self._seed,
+                prefill_weight=self._prefill_weight,
+                load_weight=self._load_weight,
             )
         return self._policies[policy]
 

@@ -39,9 +39,16 @@ __all__ = [
 ]
 
 #: Every policy :func:`run_policy` knows, the oracle last.
-POLICY_NAMES = ("prefix_load", "longest_prefix", "round_robin", "random", "oracle")
+POLICY_NAMES = (
+    "prefix_load",
+    "longest_prefix",
+    "bounded_prefix",
+    "round_robin",
+    "random",
+    "oracle",
+)
 #: The policies that read the index.
-KV_AWARE = ("prefix_load", "longest_prefix")
+KV_AWARE = ("prefix_load", "longest_prefix", "bounded_prefix")
 
 
 @dataclass(frozen=True)
@@ -57,6 +64,8 @@ class SimulationConfig:
     staleness: float = 0.0
     check_every: int = 0
     seed: int = 0
+    prefill_weight: float = 1.0  #: the router's cost weights (``prefix_load``)
+    load_weight: float = 1.0
 
     def __post_init__(self) -> None:
         if self.staleness < 0 or self.check_every < 0:
@@ -84,6 +93,8 @@ class PolicyReport:
     steps: int
     virtual_seconds: float
     wall_seconds: float
+    #: every request's time to first token, queueing included (for charts; not in to_dict)
+    ttfts: tuple[float, ...] = field(default=(), repr=False)
 
     @property
     def reuse(self) -> float:
@@ -153,11 +164,15 @@ class PolicyRun:
         self.config = config
         cluster.staleness = config.staleness
         self.router = Router(
-            cluster.index, "prefix_load" if policy == "oracle" else policy, seed=config.seed
+            cluster.index,
+            "prefix_load" if policy == "oracle" else policy,
+            seed=config.seed,
+            prefill_weight=config.prefill_weight,
+            load_weight=config.load_weight,
         )
-        self._cost_model = PrefixLoad()
+        self._cost_model = PrefixLoad(config.prefill_weight, config.seed, config.load_weight)
         self._targets = cluster.targets()
-        self._uses_load = policy in ("prefix_load", "longest_prefix", "oracle")
+        self._uses_load = policy in (*KV_AWARE, "oracle")
         self.arrivals: dict[str, float] = {}
         self.routed: Counter[Target] = Counter()
         self.rejected = 0
@@ -296,6 +311,7 @@ class PolicyRun:
             steps=self.steps,
             virtual_seconds=virtual,
             wall_seconds=wall_seconds,
+            ttfts=tuple(ttfts),
         )
 
 
