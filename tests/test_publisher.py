@@ -16,6 +16,7 @@ from kvevents import BindError, KVEventsConfig, PublisherClosed, PublisherError
 from kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from kvevents.publish.publisher import PublisherOptions, ZmqPublisher
 from kvevents.testing.publisher import (
+    PausablePublisher,
     connect_subscriber,
     local_config,
     paused_forwarding,
@@ -173,7 +174,7 @@ def test_topic_frame_and_filtering(ctx: zmq.Context[Any]) -> None:
 
 def test_queue_full_drops_are_gaps_and_removals_survive(ctx: zmq.Context[Any]) -> None:
     """Drops consume seqs (gaps); their removals and clears arrive in the next accepted batch."""
-    with started_publisher(local_config(max_queue_size=4)) as pub:
+    with started_publisher(local_config(max_queue_size=4), pausable=True) as pub:
         sub = connect_subscriber(ctx, pub.endpoint or "")
         probe = wait_subscribed(pub, sub)
         with paused_forwarding(pub):
@@ -250,9 +251,9 @@ def test_lifecycle_idempotent_and_closed() -> None:
 
 def test_shutdown_reports_undelivered_when_stuck() -> None:
     """Batches that cannot leave within the linger are reported, never raised."""
-    pub = ZmqPublisher(local_config(max_queue_size=8))
+    pub = PausablePublisher(local_config(max_queue_size=8))
     pub.start()
-    pub._pause_forwarding()
+    pub.pause_forwarding()
     for i in range(20):
         pub.publish(_batch(i))
     report = pub.shutdown(timeout=0.05)

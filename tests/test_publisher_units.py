@@ -141,3 +141,26 @@ def test_stats_fields_documented() -> None:
     stats = PublisherStats(dropped_queue_full=2, dropped_send_error=1)
     assert stats.dropped == 3
     assert set(stats.as_dict()) >= {"enqueued", "published", "queue_depth", "bytes_sent"}
+
+
+def test_peer_buckets_refill_at_the_rate_and_cap_at_the_burst() -> None:
+    """A peer gets `burst` requests at once, then `rate` per second; other peers are apart."""
+    from kvevents.publish.admission import PeerBuckets
+
+    buckets = PeerBuckets(rate=2.0, burst=3)
+    assert [buckets.allow("a", now=0.0) for _ in range(4)] == [True, True, True, False]
+    assert buckets.allow("b", now=0.0)  # another peer has its own bucket
+    assert buckets.allow("a", now=0.5) and not buckets.allow("a", now=0.5)  # one token in 0.5 s
+    assert [buckets.allow("a", now=100.0) for _ in range(4)] == [True, True, True, False]
+
+
+def test_options_reject_replay_limits_that_disable_a_bound() -> None:
+    """A zero timeout, rate or per-peer share is refused, naming the option."""
+    for name, value in (
+        ("replay_send_timeout", 0),
+        ("replay_rate", 0),
+        ("max_replays_per_peer", 0),
+        ("replay_burst", 0),
+    ):
+        with pytest.raises(ValueError, match=name):
+            PublisherOptions(**{name: value})

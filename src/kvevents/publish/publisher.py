@@ -22,7 +22,7 @@ import threading
 import time
 from dataclasses import dataclass, fields
 from types import TracebackType
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import msgspec
 import zmq
@@ -32,7 +32,7 @@ from kvevents.config import KVEventsConfig, RankEndpoints, check_layout, rank_en
 from kvevents.errors import LayoutError, PublisherClosed, PublisherError
 from kvevents.events import KVEventBatch
 from kvevents.publish.carry import RemovalCarry
-from kvevents.publish.replay import ReplayRing
+from kvevents.publish.replay import ReplayLimits, ReplayRing
 from kvevents.publish.threads import Forwarder, Service
 from kvevents.ratelimit import RateLimitedWarning
 from kvevents.security import CurveServer, start_authenticator
@@ -51,6 +51,9 @@ __all__ = [
 logger = logging.getLogger("kvevents.publish.publisher")
 _names = itertools.count()
 _JOIN_TIMEOUT = 10.0
+
+#: A publisher's life: ``start()`` goes from new to started, ``shutdown()`` to closed (final).
+PublisherState = Literal["new", "started", "closed"]
 
 
 @dataclass(frozen=True)
@@ -71,7 +74,19 @@ class PublisherOptions:
     max_concurrent_replays: int = 8
     """Replies sent at the same time; later requests wait in a queue."""
     max_waiting_replays: int = 64
-    """Requests that may wait; beyond it a request gets only the end marker (counted)."""
+    """Requests that may wait; beyond it a request gets only the end marker (counted). One peer
+    may have at most an eighth of them waiting."""
+    max_replays_per_peer: int = 2
+    """Reply slots one peer (remote address: an IP for tcp, a process for ipc) may hold at
+    once; its further requests wait while other peers' requests take the free slots."""
+    replay_send_timeout: float = 5.0
+    """Seconds a reply may make no progress (its client reads nothing) before it is abandoned
+    and its slot given back (``replay_timed_out``)."""
+    replay_rate: float = 10.0
+    """Replay requests per second one peer may make on average (a token bucket); beyond it a
+    request gets only the end marker at once (``replay_rate_limited``)."""
+    replay_burst: int = 20
+    """Replay requests one peer may make at once before ``replay_rate`` applies."""
     start_timeout: float = 10.0
     """Seconds ``start()`` waits for the socket threads to bind."""
     curve: CurveServer | None = None
@@ -83,11 +98,31 @@ class PublisherOptions:
             raise ValueError(
                 f"heartbeat_interval must be > 0 or None, got {self.heartbeat_interval}"
             )
-        for name in ("replay_buffer_bytes", "max_concurrent_replays", "max_waiting_replays"):
+        for name in (
+            "replay_buffer_bytes",
+            "max_concurrent_replays",
+            "max_waiting_replays",
+            "max_replays_per_peer",
+            "replay_burst",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.linger < 0 or self.start_timeout <= 0:
-            raise ValueError("linger must be >= 0 and start_timeout > 0")
+        for name in ("start_timeout", "replay_send_timeout", "replay_rate"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.linger < 0:
+            raise ValueError(f"linger must be >= 0, got {self.linger}")
+
+    def replay_limits(self) -> ReplayLimits:
+        """The bounds of the replay server these options ask for."""
+        return ReplayLimits(
+            max_active=self.max_concurrent_replays,
+            max_waiting=self.max_waiting_replays,
+            per_peer=self.max_replays_per_peer,
+            send_timeout=self.replay_send_timeout,
+            rate=self.replay_rate,
+            burst=self.replay_burst,
+        )
 
 
 @dataclass(frozen=True)
@@ -96,7 +131,16 @@ class PublisherStats:
 
     #: Fields that are levels (Prometheus gauges); every other number only grows.
     GAUGES: ClassVar[frozenset[str]] = frozenset(
-        {"next_seq", "pending_carry", "queue_depth", "replay_active", "ring_batches", "ring_bytes"}
+        {
+            "next_seq",
+            "pending_carry",
+            "queue_depth",
+            "replay_active",
+            "replay_waiting",
+            "replay_peers",
+            "ring_batches",
+            "ring_bytes",
+        }
     )
 
     enqueued: int = 0
@@ -120,11 +164,20 @@ class PublisherStats:
     replay_malformed: int = 0
     """Requests that could not be read; each got the end marker."""
     replay_rejected: int = 0
-    """Requests beyond the wait queue; each got only the end marker."""
+    """Requests beyond the wait queue (or the peer's part of it); each got only the end marker."""
+    replay_rate_limited: int = 0
+    """Requests over their peer's rate; each got only the end marker."""
+    replay_timed_out: int = 0
+    """Replies abandoned because the client read nothing for ``replay_send_timeout``."""
     replay_clients_lost: int = 0
-    """Replies cut short because the client disconnected."""
+    """Replies cut short because the client disconnected, and end markers a client had no room
+    for."""
     replay_active: int = 0
     """Replies in progress."""
+    replay_waiting: int = 0
+    """Requests waiting for a reply slot."""
+    replay_peers: int = 0
+    """Peers the replay rate limiter keeps a bucket for (bounded)."""
     queue_depth: int = 0
     """Batches accepted but not yet seen leaving the queue (the count lags slightly)."""
     bytes_sent: int = 0
@@ -271,7 +324,7 @@ class ZmqPublisher(Publisher):
         self._lock = threading.Lock()  # guards the queue socket, seq and caller-side counters
         self._state_lock = threading.Lock()
         self._control_lock = threading.Lock()
-        self._state = "new"
+        self._state: PublisherState = "new"
         self._accepting = True
         self._report: ShutdownReport | None = None
         self._counts = dict.fromkeys(
@@ -327,15 +380,7 @@ class ZmqPublisher(Publisher):
         self.replay_endpoint = self._service.ready.wait(
             self.options.start_timeout, "replay service"
         )
-        self._forwarder = Forwarder(
-            context,
-            endpoints=names,
-            endpoint=self.endpoints.publish,
-            rank=self.rank,
-            hwm=self.config.hwm,
-            queue_size=self.config.max_queue_size,
-            curve=self.options.curve,
-        )
+        self._forwarder = self._new_forwarder(context, names)
         self._forwarder.start()
         self.endpoint = self._forwarder.ready.wait(self.options.start_timeout, "forwarder")
         push = self._caller_socket(zmq.PUSH, None)
@@ -353,6 +398,16 @@ class ZmqPublisher(Publisher):
             socket.connect(connect)
         return socket
 
+    def _new_forwarder(self, context: zmq.Context[Any], names: dict[str, str]) -> Forwarder:
+        return Forwarder(
+            context,
+            endpoints=names,
+            endpoint=self.endpoints.publish,
+            rank=self.rank,
+            hwm=self.config.hwm,
+            curve=self.options.curve,
+        )
+
     def _new_service(self, context: zmq.Context[Any], names: dict[str, str]) -> Service:
         ring = None
         if self.endpoints.replay is not None:
@@ -364,8 +419,7 @@ class ZmqPublisher(Publisher):
             rank=self.rank,
             topic=self._topic,
             ring=ring,
-            max_active=self.options.max_concurrent_replays,
-            max_waiting=self.options.max_waiting_replays,
+            limits=self.options.replay_limits(),
             heartbeat_interval=self.options.heartbeat_interval,
             heartbeat=self._send_heartbeat,
             last_activity=lambda: self._last_activity,
@@ -430,8 +484,7 @@ class ZmqPublisher(Publisher):
             push.close(0)
         forwarder, service = self._forwarder, self._service
         if forwarder is not None and forwarder.is_alive():
-            forwarder.close_linger_ms = linger_ms
-            forwarder.resume("stop")
+            forwarder.prepare_stop(linger_ms)
             self._send_control(b"TERMINATE")
             forwarder.join(_JOIN_TIMEOUT)
         if service is not None and service.is_alive() and self._wake is not None:
@@ -544,8 +597,12 @@ class ZmqPublisher(Publisher):
             replay_batches_served=replay.batches_served if replay else 0,
             replay_malformed=replay.malformed if replay else 0,
             replay_rejected=replay.rejected if replay else 0,
+            replay_rate_limited=replay.rate_limited if replay else 0,
+            replay_timed_out=replay.timed_out if replay else 0,
             replay_clients_lost=replay.clients_lost if replay else 0,
             replay_active=server.active if server is not None else 0,
+            replay_waiting=server.waiting if server is not None else 0,
+            replay_peers=server.peers_tracked if server is not None else 0,
             queue_depth=max(0, self._counts["enqueued"] - published),
             bytes_sent=service.bytes_sent if service is not None else 0,
             heartbeats=self._heartbeats,
@@ -554,22 +611,6 @@ class ZmqPublisher(Publisher):
             next_seq=self._next_seq,
             **_handshake_counts(service),
         )
-
-    # ------------------------------------------------------------------ test seams
-
-    def _pause_forwarding(self, timeout: float = 10.0) -> None:
-        """Stop moving batches to the PUB socket (tests fill the queue deterministically)."""
-        forwarder = self._forwarder
-        if forwarder is None or self._state != "started":
-            raise PublisherError(f"publisher for rank {self.rank} is not running")
-        forwarder.command = "pause"
-        self._send_control(b"TERMINATE")
-        if not forwarder.paused.wait(timeout):
-            raise PublisherError(f"forwarder of rank {self.rank} did not pause within {timeout}s")
-
-    def _resume_forwarding(self) -> None:
-        if self._forwarder is not None:
-            self._forwarder.resume("run")
 
 
 def _handshake_counts(service: Service | None) -> dict[str, int]:
