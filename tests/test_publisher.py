@@ -14,7 +14,7 @@ import zmq
 
 from kvevents import BindError, KVEventsConfig, PublisherClosed, PublisherError
 from kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
-from kvevents.publish.publisher import PublisherOptions, ZmqPublisher
+from kvevents.publish.publisher import PublisherOptions, ZmqPublisher, create_publisher
 from kvevents.testing.publisher import (
     PausablePublisher,
     connect_subscriber,
@@ -84,6 +84,16 @@ def test_rank_tag_and_explicit_rank_kept(ctx: zmq.Context[Any]) -> None:
         pub.publish(KVEventBatch(ts=1.0, events=[], data_parallel_rank=7))
         got = _receive(sub, 2)
     assert [b.data_parallel_rank for _, _, b in got] == [1, 7]
+
+
+def test_rank_without_world_size_publishes(ctx: zmq.Context[Any]) -> None:
+    """create_publisher(config, rank=1), as vLLM's and SGLang's factories call it, publishes."""
+    with create_publisher(local_config(), rank=1) as pub:
+        sub = connect_subscriber(ctx, pub.endpoint or "")
+        wait_subscribed(pub, sub)
+        pub.publish(_batch(1))
+        got = _receive(sub, 1)
+    assert [b.data_parallel_rank for _, _, b in got] == [1]
 
 
 def _free_port_pair() -> int:

@@ -136,6 +136,22 @@ def test_factory_checks_layout_without_side_effects() -> None:
     assert publisher.endpoint is None and publisher.endpoints.publish == "tcp://*:5558"
 
 
+def test_rank_without_world_size_gives_a_publisher() -> None:
+    """vLLM's and SGLang's factories pass only a rank: that rank's publisher is built, its
+    layout checked as far as it is known (ranks 0..rank)."""
+    config = KVEventsConfig(enable_kv_cache_events=True, replay_endpoint="tcp://*:5600")
+    publisher = create_publisher(config, rank=1)
+    assert isinstance(publisher, ZmqPublisher)
+    assert (publisher.endpoints.publish, publisher.endpoints.replay) == (
+        "tcp://*:5558",
+        "tcp://*:5601",
+    )
+    with pytest.raises(ValueError, match="exceed 65535"):
+        create_publisher(KVEventsConfig(enable_kv_cache_events=True, endpoint="tcp://*:65535"), 1)
+    with pytest.raises(ValueError, match="rank -1 is negative"):
+        create_publisher(config, rank=-1)
+
+
 def test_stats_fields_documented() -> None:
     """Every stats counter is exposed by name for metrics."""
     stats = PublisherStats(dropped_queue_full=2, dropped_send_error=1)

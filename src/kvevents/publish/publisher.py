@@ -284,13 +284,14 @@ def create_publisher(
     config: KVEventsConfig,
     rank: int = 0,
     *,
-    world_size: int = 1,
+    world_size: int | None = None,
     options: PublisherOptions | None = None,
 ) -> Publisher:
     """The publisher ``config`` asks for, for attention-DP rank ``rank`` of ``world_size``.
 
     Checks the whole endpoint layout (every rank fails the same way) but creates no socket:
-    call ``start()`` or use it as a context manager.
+    call ``start()`` or use it as a context manager. Without ``world_size`` (engines whose
+    factories pass only a rank) the layout is checked for ranks ``0..rank``, all that is known.
     """
     if not config.publishing:
         return NullPublisher(rank)
@@ -305,17 +306,11 @@ class ZmqPublisher(Publisher):
         config: KVEventsConfig,
         rank: int = 0,
         *,
-        world_size: int = 1,
+        world_size: int | None = None,
         options: PublisherOptions | None = None,
     ) -> None:
-        if not 0 <= rank < world_size:
-            raise LayoutError(
-                f"rank {rank} is outside world size {world_size}",
-                endpoint=config.endpoint,
-                rank=rank,
-                rule="rank",
-            )
-        check_layout(config, world_size)
+        _check_rank(config, rank, world_size)
+        check_layout(config, rank + 1 if world_size is None else world_size)
         self.config = config
         self.rank = rank
         self.endpoints: RankEndpoints = rank_endpoints(config, rank)
@@ -610,6 +605,14 @@ class ZmqPublisher(Publisher):
             ring_bytes=ring.nbytes if ring is not None else 0,
             next_seq=self._next_seq,
             **_handshake_counts(service),
+        )
+
+
+def _check_rank(config: KVEventsConfig, rank: int, world_size: int | None) -> None:
+    if rank < 0 or (world_size is not None and rank >= world_size):
+        where = "negative" if rank < 0 else f"outside world size {world_size}"
+        raise LayoutError(
+            f"rank {rank} is {where}", endpoint=config.endpoint, rank=rank, rule="rank"
         )
 
 

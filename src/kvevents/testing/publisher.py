@@ -64,7 +64,7 @@ def started_publisher(
     config: KVEventsConfig | None = None,
     rank: int = 0,
     *,
-    world_size: int = 1,
+    world_size: int | None = None,
     options: PublisherOptions | None = None,
     pausable: bool = False,
 ) -> Iterator[ZmqPublisher]:
