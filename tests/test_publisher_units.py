@@ -180,3 +180,15 @@ def test_options_reject_replay_limits_that_disable_a_bound() -> None:
     ):
         with pytest.raises(ValueError, match=name):
             PublisherOptions(**{name: value})
+
+
+def test_every_replay_server_counter_reaches_stats() -> None:
+    """Each ReplayCounters field has a replay_<name> counter in PublisherStats: none is lost."""
+    from dataclasses import fields
+
+    from kvevents.publish.replay import ReplayCounters
+
+    published = set(PublisherStats().as_dict())
+    missing = [f.name for f in fields(ReplayCounters) if f"replay_{f.name}" not in published]
+    assert missing == []
+    assert {"replay_active", "replay_waiting", "replay_peers"} <= PublisherStats.GAUGES
