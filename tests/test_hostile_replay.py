@@ -119,7 +119,8 @@ def test_fuzzed_requests_all_get_answers_in_order(ctx: zmq.Context[Any]) -> None
     """Seeded random requests from several peers: each gets one reply, in order, end marker
     last; readable ones get exactly the buffered tail; live loses nothing; state stays bounded."""
     rng = random.Random(SEED)
-    options = PublisherOptions()
+    # Replies pile up until all requests are sent: no deadline may cut one meanwhile.
+    options = PublisherOptions(replay_send_timeout=60.0)
     with started_publisher(local_config(buffer_steps=_RING), options=options) as pub:
         sub = connect_subscriber(ctx, pub.endpoint or "", rcvhwm=0)
         first_live = wait_subscribed(pub, sub) + 1

@@ -239,7 +239,8 @@ def _end_markers(dealers: list[zmq.Socket[Any]], each: int, timeout: float = 30.
 
 def test_never_reading_clients_leave_slots_to_another_peer(ctx: zmq.Context[Any]) -> None:
     """Eight clients of one peer that ask and never read hold only its share of the slots."""
-    with started_publisher(local_config(buffer_steps=3000)) as pub:
+    options = PublisherOptions(replay_send_timeout=60.0)  # the hogs must stay stuck meanwhile
+    with started_publisher(local_config(buffer_steps=3000), options=options) as pub:
         seqs = _publish(pub, 2000, tokens=_HOG_TOKENS)
         endpoint = pub.replay_endpoint or ""
         hogs = [_hog(ctx, endpoint) for _ in range(8)]
