@@ -153,7 +153,7 @@ class ReplayLimits:
 
     @property
     def per_peer_waiting(self) -> int:
-        """Requests one peer may have waiting: an eighth of the queue, so it never fills it."""
+        """Requests one peer may have waiting: an eighth of the queue, so it cannot fill it alone."""
         return max(1, self.max_waiting // 8)
 
 
@@ -182,7 +182,7 @@ class ReplayServer:
         self._clock = clock
         self._buckets = PeerBuckets(limits.rate, limits.burst)
         self._active: list[_Session] = []
-        self._waiting: dict[str, deque[_Session]] = {}  # per peer, peers in round-robin order
+        self._waiting: dict[str, deque[_Session]] = {}  # per peer, oldest request first
         self._waiting_count = 0
         self._active_per_peer: dict[str, int] = {}
         # When each peer with active or waiting requests last got a slot (a tick, not a time).
