@@ -301,3 +301,21 @@ def test_server_rate_limits_per_peer_with_the_end_marker() -> None:
     while server.busy:
         server.pump()
     assert router.seqs_to(b"q") == [4, END_SEQ] and server.counters.rate_limited == 2
+
+
+def test_server_reads_a_flood_a_bounded_bite_at_a_time() -> None:
+    """accept_requests() stops after a bounded number of requests, so the service thread drains
+    the capture pipe (the ring) between two bites of a flood; every request is still answered."""
+    server, router, _ = _server(rate=1.0, burst=1)
+    for i in range(1000):
+        router.request(b"c%d" % i, "p", [b"", b"bad"] if i % 2 else replay_request_frames(4))
+    bites = 0
+    while server.accept_requests():
+        bites += 1
+        assert 0 < len(router.inbox) < 1000
+    while server.busy:
+        server.pump()
+    assert bites >= 3 and server.counters.requests == 1000
+    assert sorted({f[0] for f in router.sent if unpack_seq(f[3]) == END_SEQ}) == sorted(
+        b"c%d" % i for i in range(1000)
+    )
