@@ -116,8 +116,7 @@ def _live_until(pub: ZmqPublisher, sub: zmq.Socket[Any], count: int) -> list[int
 
 
 def test_fuzzed_requests_all_get_answers_in_order(ctx: zmq.Context[Any]) -> None:
-    """Seeded random requests from several peers: each gets one reply, in order, end marker
-    last; readable ones get exactly the buffered tail; live loses nothing; state stays bounded."""
+    """Seeded random requests: one reply each, in order, end last; live whole; state bounded."""
     rng = random.Random(SEED)
     # Replies pile up until all requests are sent: no deadline may cut one meanwhile.
     options = PublisherOptions(replay_send_timeout=60.0)
@@ -160,8 +159,7 @@ def test_fuzzed_requests_all_get_answers_in_order(ctx: zmq.Context[Any]) -> None
 
 
 def test_flood_with_never_reading_clients_keeps_service_and_live(ctx: zmq.Context[Any]) -> None:
-    """Never-reading clients, a request flood and oversized frames at once: another peer still
-    gets its whole reply, every live batch arrives, and the server's state stays bounded."""
+    """Hogs, a flood and a giant frame at once: another peer served, live whole, state bounded."""
     options = PublisherOptions(replay_send_timeout=60.0)
     with started_publisher(local_config(buffer_steps=_RING), options=options) as pub:
         sub = connect_subscriber(ctx, pub.endpoint or "", rcvhwm=0)

@@ -139,8 +139,7 @@ def test_factory_checks_layout_without_side_effects() -> None:
 
 
 def test_rank_without_world_size_gives_a_publisher() -> None:
-    """vLLM's and SGLang's factories pass only a rank: that rank's publisher is built, its
-    layout checked as far as it is known (ranks 0..rank)."""
+    """A rank without a world size (vLLM's, SGLang's call) builds; layout checked for 0..rank."""
     config = KVEventsConfig(enable_kv_cache_events=True, replay_endpoint="tcp://*:5600")
     publisher = create_publisher(config, rank=1)
     assert isinstance(publisher, ZmqPublisher)
@@ -304,8 +303,7 @@ def test_server_rate_limits_per_peer_with_the_end_marker() -> None:
 
 
 def test_server_reads_a_flood_a_bounded_bite_at_a_time() -> None:
-    """accept_requests() stops after a bounded number of requests, so the service thread drains
-    the capture pipe (the ring) between two bites of a flood; every request is still answered."""
+    """A flood is read in bounded bites (the ring drains in between); every request answered."""
     server, router, _ = _server(rate=1.0, burst=1)
     for i in range(1000):
         router.request(b"c%d" % i, "p", [b"", b"bad"] if i % 2 else replay_request_frames(4))

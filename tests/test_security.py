@@ -282,8 +282,7 @@ def test_key_files_round_trip_with_a_private_secret(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("which", ["engine.key", "engine.key_secret"])
 def test_save_refuses_a_dangling_symlink(tmp_path: Path, which: str) -> None:
-    """A symlink where a key file goes, even dangling, is refused: nothing is written through it
-    and no half pair is left."""
+    """A symlink at a key file's name, even dangling, is refused: nothing written, no half pair."""
     target = tmp_path / "elsewhere" / "planted"
     target.parent.mkdir()
     (tmp_path / "keys").mkdir()
