@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from kvevents.index.router import DEFAULT_POLICY
 from kvevents.publish.publisher import PublisherOptions, create_publisher
 from kvevents.service.core import IndexService
 from kvevents.service.http import Server, create_app
@@ -96,20 +97,21 @@ def test_drop_rule_is_seeded_and_disarmed_until_armed() -> None:
 
 
 def test_kv_aware_routing_on_an_exact_index_matches_the_oracle() -> None:
-    """With no lag, prefix_load over the index decides like the oracle over true caches."""
+    """With no lag, the default policy over the index decides like the oracle over true caches
+    (same policy, same seed, the engines' caches instead of the index)."""
     config = SimulationConfig(
         ClusterConfig(workers=3, block_size=16, capacity_blocks=64, transport="direct"),
         check_every=10,
     )
     decisions = {}
-    for policy in ("prefix_load", "oracle"):
+    for policy in (DEFAULT_POLICY, "oracle"):
         with Cluster(config.cluster) as cluster:
             run = PolicyRun(cluster, policy, config)
             picks = [run.submit(r, i * 0.01) for i, r in enumerate(workload(80))]
             report = run.finish(0.0)
         decisions[policy] = picks
         assert report.accuracy.exact and report.exact_checks == report.checks == 8
-    assert decisions["prefix_load"] == decisions["oracle"]
+    assert decisions[DEFAULT_POLICY] == decisions["oracle"]
 
 
 def test_staleness_holds_batches_back_until_the_cutoff() -> None:
@@ -215,7 +217,7 @@ def test_demo_runs_headless_and_prints_a_summary() -> None:
     assert done.returncode == 0, done.stderr
     out = done.stdout
     assert "demo summary" in out
-    for policy in ("prefix_load", "round_robin"):
+    for policy in (DEFAULT_POLICY, "round_robin"):
         line = next(x for x in out.splitlines() if x.strip().startswith(policy))
         assert "index exact" in line and "requests" in line
     assert out.count("blocks per worker (index/engine): w0 ") == 2

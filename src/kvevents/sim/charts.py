@@ -149,28 +149,34 @@ def evaluation_svg(ev: Evaluation) -> str:
 
 
 def sweep_svg(points: Mapping[str, Sequence[tuple[int, float]]], title: str) -> str:
-    """Lines of reuse against engine count, one per series name (e.g. "prefix_load, large")."""
+    """Lines of reuse against engine count, one per series name (e.g. "prefix_load, 4096
+    blocks"); series whose name starts with "pooled" are references, drawn dashed. The legend
+    sits to the right of the plot."""
+    legend_w = 220
     out = _frame(0, title, "prefix reuse")
     left, bottom, top, right = _PAD, _PANEL_H - _PAD, 40, _PANEL_W - 10
     xs = sorted({x for series in points.values() for x, _ in series})
     ceiling = max([y for series in points.values() for _, y in series] + [0.01]) * 1.1
     if not xs:
-        return _svg(_PANEL_W, out)
+        return _svg(_PANEL_W + legend_w, out)
+    out += _y_ticks(0, top, ceiling)
 
     def at(x: int, y: float) -> tuple[float, float]:
         slot = xs.index(x) / max(1, len(xs) - 1)
-        return left + 20 + slot * (right - left - 40), bottom - y / ceiling * (bottom - top)
+        return left + 30 + slot * (right - left - 60), bottom - y / ceiling * (bottom - top)
 
     for x in xs:
         out.append(_text(at(x, 0)[0], bottom + 16, f"{x} engines"))
     for i, (name, series) in enumerate(points.items()):
         colour = PALETTE[i % len(PALETTE)]
-        coords = [at(x, y) for x, y in sorted(series)]
+        coords = " ".join(f"{a:.1f},{b:.1f}" for a, b in (at(x, y) for x, y in sorted(series)))
+        dash = ' stroke-dasharray="6,4"' if name.startswith("pooled") else ""
         out.append(
-            f'<polyline points="{" ".join(f"{a:.1f},{b:.1f}" for a, b in coords)}" fill="none" '
-            f'stroke="{colour}" stroke-width="2"/>'
+            f'<polyline points="{coords}" fill="none" stroke="{colour}" stroke-width="2"{dash}/>'
         )
+        y = top + 16 * i
         out.append(
-            _text(right - 4, top + 14 * (i + 1), name, anchor="end", extra=f'fill="{colour}"')
+            _line(_PANEL_W + 4, y - 4, _PANEL_W + 24, y - 4, colour, f'stroke-width="2"{dash}')
         )
-    return _svg(_PANEL_W, out)
+        out.append(_text(_PANEL_W + 30, y, name, anchor="start"))
+    return _svg(_PANEL_W + legend_w, out)
