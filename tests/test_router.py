@@ -77,7 +77,7 @@ def test_prefix_load_breaks_ties_by_matched_blocks_then_at_random() -> None:
     router.loads.set("b", queued_blocks=4)
     decision = router.route([9] * 32)  # all equal: drawn among the three
     assert decision.tied == 3 and decision.winner in {("a", 0), ("b", 0), ("c", 0)}
-    assert "drawn among 3 tied targets" in decision.explain()
+    assert "3 targets tie" in decision.reason and "drawn at random" in decision.explain()
 
 
 @pytest.mark.parametrize("policy", ["prefix_load", "longest_prefix"])
@@ -151,7 +151,9 @@ def test_decision_explains_itself() -> None:
     router.loads.set("a", queued_blocks=1, active_blocks=2)
     decision = router.route(PROMPT)
     text = decision.explain()
-    assert text.splitlines()[0] == "policy prefix_load: winner b/rank0"
+    assert text.splitlines()[0] == (
+        "policy prefix_load: winner b/rank0: lowest cost 2 = prefill 2 (2 new blocks) + decode 0"
+    )
     assert "a/rank0: matched 2/8 blocks, queued 1, active 2" in text
     assert "<- winner" in text.splitlines()[2]
     data = decision.to_dict()
@@ -193,3 +195,17 @@ def test_degraded_target_stays_routable() -> None:
     router.mark_degraded("a", 0, "lagging")
     winners = {router.route(PROMPT).winner for _ in range(3)}
     assert winners == {("a", 0), ("b", 0), ("c", 0)}
+
+
+def test_decisions_say_in_words_what_decided() -> None:
+    """Each KV-aware decision carries a reason naming the term that decided it."""
+    router = make_router("longest_prefix")
+    assert router.route(PROMPT).reason == "most matched blocks (6)"
+    router.loads.set("a", queued_blocks=5)
+    router.loads.set("b", queued_blocks=2)
+    decision = router.route([9] * 32)  # nothing matched anywhere: c is the least loaded
+    assert decision.winner == ("c", 0)
+    assert decision.reason == "3 targets match 0 blocks: the least loaded (0 blocks)"
+    cost = make_router("prefix_load").route(PROMPT)
+    assert cost.reason == "lowest cost 2 = prefill 2 (2 new blocks) + decode 0"
+    assert cost.to_dict()["reason"] == cost.reason and cost.reason in cost.explain()

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import random as _random
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple, Protocol
 
 from kvevents.index.prefix import MatchResult, PrefixIndex
@@ -91,6 +91,7 @@ class Decision:
     scores: tuple[TargetScore, ...]  #: one per target, in target order
     request_tokens: int = 0
     tied: int = 1  #: targets that shared the best score (the winner drawn among them)
+    reason: str = ""  #: what decided, in words (e.g. "most matched blocks (6)")
 
     @property
     def matched(self) -> dict[Target, int]:
@@ -114,6 +115,7 @@ class Decision:
             else {"worker_id": self.winner[0], "rank": self.winner[1]},
             "request_tokens": self.request_tokens,
             "tied": self.tied,
+            "reason": self.reason,
             "scores": [
                 {
                     "worker_id": s.worker_id,
@@ -132,8 +134,11 @@ class Decision:
 
     def explain(self) -> str:
         """A small table: one line per target, the winner marked."""
-        tie = f" (drawn among {self.tied} tied targets)" if self.tied > 1 else ""
-        lines = [f"policy {self.policy}: winner {self._name(self.winner)}{tie}"]
+        if self.reason:
+            why = f": {self.reason}"
+        else:
+            why = f" (drawn among {self.tied} tied targets)" if self.tied > 1 else ""
+        lines = [f"policy {self.policy}: winner {self._name(self.winner)}{why}"]
         for s in self.scores:
             mark = "  <- winner" if (s.worker_id, s.rank) == self.winner else ""
             if s.degraded:
@@ -276,9 +281,27 @@ class LongestPrefix:
             (s, -float(ld.queued_blocks + ld.active_blocks))
             for s, ld in zip(scores, inputs.loads, strict=True)
         ]
-        terms = [{"matched_blocks": s} for s in scores]
+        terms = [
+            {"matched_blocks": s, "load_blocks": -k[1]} for s, k in zip(scores, keys, strict=True)
+        ]
         winner, tied = _best(keys, self._rng)
-        return _decision(self.name, inputs, scores, terms, winner, tied)
+        decision = _decision(self.name, inputs, scores, terms, winner, tied)
+        return replace(decision, reason=_prefix_reason(keys, winner, tied))
+
+
+def _prefix_reason(keys: Sequence[tuple[float, float]], winner: int | None, tied: int) -> str:
+    """What decided a longest-prefix choice, in words."""
+    if winner is None:
+        return "no target"
+    matched, load = keys[winner][0], -keys[winner][1]
+    same_match = sum(1 for k in keys if k[0] == matched)
+    if tied > 1:
+        return (
+            f"{tied} targets tie on {matched:g} matched blocks and load {load:g}: drawn at random"
+        )
+    if same_match > 1:
+        return f"{same_match} targets match {matched:g} blocks: the least loaded ({load:g} blocks)"
+    return f"most matched blocks ({matched:g})"
 
 
 @dataclass
@@ -330,7 +353,16 @@ class PrefixLoad:
                 if self._rng.randrange(tied) == 0:
                     winner = i
         chosen = None if winner is None else targets[winner]
-        return Decision(chosen, self.name, tuple(rows), inputs.request_tokens, tied)
+        reason = "no target" if winner is None else _cost_reason(rows[winner].terms, tied)
+        return Decision(chosen, self.name, tuple(rows), inputs.request_tokens, tied, reason)
+
+
+def _cost_reason(terms: Mapping[str, float], tied: int) -> str:
+    why = (
+        f"lowest cost {terms['cost']:g} = prefill {terms['prefill_cost']:g} "
+        f"({terms['new_blocks']:g} new blocks) + decode {terms['decode_cost']:g}"
+    )
+    return f"{why}; {tied} targets tie: drawn at random" if tied > 1 else why
 
 
 @dataclass
