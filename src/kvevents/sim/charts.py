@@ -79,7 +79,11 @@ def _reuse_panel(ev: Evaluation, ox: float) -> list[str]:
             f'<rect x="{x:.1f}" y="{bottom - h:.1f}" width="{width * 0.7:.1f}" height="{h:.1f}" '
             f'fill="{PALETTE[i % len(PALETTE)]}"><title>{escape(report.policy)}</title></rect>'
         )
-        out.append(_text(x + width * 0.35, bottom - h - 4, f"{report.reuse:.1%}"))
+        # Inside the bar when it is tall enough: above it is where the reference labels go.
+        inside = h > 20
+        label_y, colour = (bottom - h + 15, "white") if inside else (bottom - h - 4, "black")
+        value = f"{report.reuse:.1%}"
+        out.append(_text(x + width * 0.35, label_y, value, extra=f'fill="{colour}"'))
         cx, cy = x + width * 0.35, bottom + 12
         rotate = f'transform="rotate(-25 {cx:.1f} {cy:.1f})"'
         out.append(_text(cx, cy, report.policy, anchor="end", extra=rotate))
@@ -98,7 +102,8 @@ def _reference_lines(ox: float, infinite: float, pooled: float, scale: float) ->
         (lower, max(lower - 4, upper + 14), "pooled cache", pooled),
     ):
         out.append(_line(left, y, right, y, "#555", 'stroke-dasharray="5,4"'))
-        out.append(_text(right - 2, label_y, f"{name} {value:.1%}", anchor="end"))
+        halo = 'stroke="white" stroke-width="3" paint-order="stroke"'  # readable over a bar
+        out.append(_text(right - 2, label_y, f"{name} {value:.1%}", anchor="end", extra=halo))
     return out
 
 
