@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import queue
-import sys
-import types
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,64 +13,43 @@ import pytest
 
 from kvevents.errors import DecodeError
 from kvevents.events import AllBlocksCleared, KVEventBatch
-from kvevents.index._table_py import pack_json_tokens
+from kvevents.index import table
+from kvevents.index._table_py import pack_json_member, pack_json_tokens
 from kvevents.index.keys import block_hashes
 from kvevents.index.prefix import PrefixIndex
-from kvevents.service import http as service_http
+from kvevents.service import query as service_query
 from kvevents.service.core import IndexService, WorkerRegistration
 from kvevents.service.http import Server, serve
+from kvevents.subscribe.streams import (
+    Delivery,
+    Item,
+    StreamReset,
+    StreamSpec,
+    StreamStats,
+    StreamStatus,
+    SubscriberStats,
+    worker_streams,
+)
 from kvevents.testing.index import batch, engine_hashes, store_event
 from kvevents.testing.sockets import wait_for
 from kvevents.wire import Applied, encode_batch
 
 BS = 4
 PROMPT = list(range(100, 124))  # 6 blocks
-
-
-@dataclass(frozen=True)
-class Spec:
-    worker_id: str
-    rank: int
-    endpoint: str
-    replay_endpoint: str | None = None
-    topic: str = ""
-
-
-@dataclass(frozen=True)
-class Delivery:
-    stream: Spec
-    seq: int
-    batch: KVEventBatch
-
-
-@dataclass(frozen=True)
-class StreamReset:
-    stream: Spec
-    reason: str
-
-
-@dataclass(frozen=True)
-class FeedStats:
-    streams: int
-
-
-@dataclass(frozen=True)
-class StreamStats:
-    state: str
-    gaps: int = 0
+LOCAL = "tcp://127.0.0.1:6000"
 
 
 @dataclass
 class FakeFeed:
     """An in-process feed with the Subscriber's methods; tests push items into it."""
 
-    items: queue.Queue[Any] = field(default_factory=queue.Queue)
-    specs: list[Spec] = field(default_factory=list)
+    items: queue.Queue[Item] = field(default_factory=queue.Queue)
+    specs: list[StreamSpec] = field(default_factory=list)
     removed: list[tuple[str, int | None]] = field(default_factory=list)
     started: bool = False
     closed: bool = False
 
-    def add_stream(self, spec: Spec) -> None:
+    def add_stream(self, spec: StreamSpec) -> None:
         self.specs.append(spec)
 
     def remove_stream(self, worker_id: str, rank: int | None = None) -> None:
@@ -87,27 +64,34 @@ class FakeFeed:
     def close(self) -> None:
         self.closed = True
 
-    def get(self, timeout: float | None = None) -> Any:
+    def get(self, timeout: float | None = None) -> Item | None:
         try:
             return self.items.get(timeout=timeout)
         except queue.Empty:
             return None
 
-    def stats(self) -> FeedStats:
-        return FeedStats(len(self.specs))
+    def stats(self) -> SubscriberStats:
+        return SubscriberStats(
+            streams=len(self.specs), incomplete=0, queued=0, callback_errors=0, max_lag=None
+        )
 
     def stream_stats(self) -> dict[tuple[str, int], StreamStats]:
-        return {(s.worker_id, s.rank): StreamStats("live") for s in self.specs}
+        return {
+            s.key: StreamStats(
+                worker_id=s.worker_id, rank=s.rank, state="live", last_seq=None, lag=None
+            )
+            for s in self.specs
+        }
 
     def deliver(self, worker_id: str, rank: int, item: KVEventBatch, seq: int = 0) -> None:
         self.items.put(Delivery(self.spec(worker_id, rank), seq, item))
 
-    def spec(self, worker_id: str, rank: int) -> Spec:
+    def spec(self, worker_id: str, rank: int) -> StreamSpec:
         return next(s for s in self.specs if (s.worker_id, s.rank) == (worker_id, rank))
 
 
-def fake_specs(reg: WorkerRegistration) -> list[Spec]:
-    return [Spec(reg.worker_id, r, f"{reg.endpoint}+{r}", reg.replay_endpoint) for r in reg.ranks]
+def fake_specs(reg: WorkerRegistration) -> list[StreamSpec]:
+    return worker_streams(reg.worker_id, reg.endpoint, reg.replay_endpoint, ranks=reg.ranks)
 
 
 def make_service(feed: FakeFeed) -> IndexService:
@@ -141,7 +125,7 @@ def client(server: tuple[Server, IndexService]) -> Iterator[httpx.Client]:
 def test_service_applies_deliveries_and_resets(feed: FakeFeed) -> None:
     """Deliveries are applied in order by the consumer thread; a StreamReset empties a stream."""
     with make_service(feed) as service:
-        service.register(WorkerRegistration("a", "tcp://h:5557", BS, ranks=(0, 1)))
+        service.register(WorkerRegistration("a", "tcp://127.0.0.1:5557", BS, ranks=(0, 1)))
         assert [(s.worker_id, s.rank) for s in feed.specs] == [("a", 0), ("a", 1)]
         feed.deliver("a", 1, batch(store_event(PROMPT, BS, end_block=2)))
         feed.deliver("a", 1, batch(store_event(PROMPT, BS, start_block=2)), seq=1)
@@ -156,7 +140,7 @@ def test_service_applies_deliveries_and_resets(feed: FakeFeed) -> None:
 def test_consumer_survives_a_bad_item(feed: FakeFeed) -> None:
     """An item that cannot be applied is counted and logged; the next one still applies."""
     with make_service(feed) as service:
-        service.register(WorkerRegistration("a", "tcp://h:5557", BS))
+        service.register(WorkerRegistration("a", "tcp://127.0.0.1:5557", BS))
         feed.items.put(Delivery(feed.spec("a", 0), 0, None))  # type: ignore[arg-type]
         feed.deliver("a", 0, batch(store_event(PROMPT, BS)), seq=1)
         applied(service, 1)
@@ -167,7 +151,7 @@ def test_consumer_survives_a_bad_item(feed: FakeFeed) -> None:
 def test_unregister_stops_the_stream_and_drops_the_blocks(feed: FakeFeed) -> None:
     """Unregistering removes the feed stream and every block of the worker."""
     with make_service(feed) as service:
-        service.register(WorkerRegistration("a", "tcp://h:5557", BS))
+        service.register(WorkerRegistration("a", "tcp://127.0.0.1:5557", BS))
         feed.deliver("a", 0, batch(store_event(PROMPT, BS)))
         applied(service, 1)
         assert service.unregister("a") is True
@@ -179,7 +163,7 @@ def test_unregister_stops_the_stream_and_drops_the_blocks(feed: FakeFeed) -> Non
 def test_items_of_unregistered_workers_are_ignored(feed: FakeFeed) -> None:
     """A delivery still queued after unregister does not bring the worker back."""
     with make_service(feed) as service:
-        service.register(WorkerRegistration("a", "tcp://h:5557", BS))
+        service.register(WorkerRegistration("a", "tcp://127.0.0.1:5557", BS))
         spec = feed.spec("a", 0)
         service.unregister("a")
         feed.items.put(Delivery(spec, 0, batch(store_event(PROMPT, BS))))
@@ -193,14 +177,14 @@ def test_payloads_are_applied_straight_from_the_wire(feed: FakeFeed) -> None:
     reports it; a payload of an unregistered worker is left to the delivery path (None); an
     unreadable one raises DecodeError and changes nothing."""
     service = make_service(feed)
-    service.register(WorkerRegistration("a", "tcp://h:5557", BS))
+    service.register(WorkerRegistration("a", "tcp://127.0.0.1:5557", BS))
     spec = feed.spec("a", 0)
     payload = encode_batch(batch(store_event(PROMPT, BS), ts=7.0))
     assert service.apply_payload(spec, 0, payload) == Applied(7.0, 1)
     assert service.query(PROMPT)["scores"] == {"a": {"0": 6}}
     cleared = encode_batch(batch(AllBlocksCleared(), ts=8.0))
     assert service.apply_payload(spec, 1, cleared) == Applied(8.0, 1, clears=True)
-    assert service.apply_payload(Spec("b", 0, "tcp://h:1"), 0, payload) is None
+    assert service.apply_payload(StreamSpec("b", 0, "tcp://127.0.0.1:1"), 0, payload) is None
     with pytest.raises(DecodeError):
         service.apply_payload(spec, 2, b"\xc1")
     assert service.stats().deliveries == 2 and service.index.targets() == [("a", 0)]
@@ -213,7 +197,7 @@ def test_a_failing_payload_apply_is_counted_and_raised(
     """An index bug while applying a payload is counted (apply_errors) and raised to the
     subscriber, which logs it with the stream and goes on."""
     service = make_service(feed)
-    service.register(WorkerRegistration("a", "tcp://h:5557", BS))
+    service.register(WorkerRegistration("a", "tcp://127.0.0.1:5557", BS))
 
     def broken(*args: object, **kwargs: object) -> None:
         raise RuntimeError("index bug")
@@ -247,11 +231,13 @@ def test_register_query_and_unregister_over_http(
     _, service = server
     reply = client.post(
         "/register",
-        json={"instance_id": 7, "endpoint": "tcp://h:5557", "block_size": BS, "dp_size": 2},
+        json={"instance_id": 7, "endpoint": "tcp://127.0.0.1:5557", "block_size": BS, "dp_size": 2},
     )
     assert reply.status_code == 200, reply.text
     assert reply.json() == {"worker_id": "7", "ranks": [0, 1], "streams": 2}
-    client.post("/register", json={"worker_id": "b", "endpoint": "tcp://h:6000", "block_size": BS})
+    client.post(
+        "/register", json={"worker_id": "b", "endpoint": "tcp://127.0.0.1:6000", "block_size": BS}
+    )
     feed.deliver("7", 1, batch(store_event(PROMPT, BS)))
     feed.deliver("b", 0, batch(store_event(PROMPT, BS, end_block=2)))
     applied(service, 2)
@@ -273,13 +259,13 @@ def test_register_query_and_unregister_over_http(
 def test_bad_requests_say_what_is_wrong(client: httpx.Client) -> None:
     """Malformed bodies get a 400 naming the field or the rule."""
     wrong_type = client.post(
-        "/register", json={"worker_id": "a", "endpoint": "e", "block_size": "x"}
+        "/register", json={"worker_id": "a", "endpoint": LOCAL, "block_size": "x"}
     )
     assert wrong_type.status_code == 400
     assert "$.block_size" in wrong_type.json()["error"]
-    zero = client.post("/register", json={"worker_id": "a", "endpoint": "e", "block_size": 0})
-    assert zero.json() == {"error": "block_size must be positive, got 0"}
-    nameless = client.post("/register", json={"endpoint": "e", "block_size": 4})
+    zero = client.post("/register", json={"worker_id": "a", "endpoint": LOCAL, "block_size": 0})
+    assert zero.json() == {"error": "/register: Expected `int` >= 1 - at `$.block_size`"}
+    nameless = client.post("/register", json={"endpoint": LOCAL, "block_size": 4})
     assert nameless.json()["error"] == "worker_id (or instance_id) is required"
     policy = client.post("/query", json={"token_ids": [1], "policy": "best"})
     assert policy.status_code == 400 and "unknown routing policy 'best'" in policy.json()["error"]
@@ -294,10 +280,8 @@ def lean(
 ) -> Iterator[tuple[httpx.Client, IndexService]]:
     """A server whose lean /query decodes token_ids as a list, or packs them from the JSON
     text (what it does when the native block table is there)."""
-    if request.param == "json":
-        monkeypatch.setattr(service_http, "_json_packer", lambda: pack_json_tokens)
-    else:
-        monkeypatch.setattr(service_http, "_json_packer", lambda: None)
+    packers = (pack_json_tokens, pack_json_member) if request.param == "json" else (None, None)
+    monkeypatch.setattr(service_query, "json_packers", lambda: packers)
     service = make_service(feed)
     with (
         serve("127.0.0.1", 0, service=service) as running,
@@ -308,11 +292,10 @@ def lean(
 
 def test_lean_query_packs_json_only_with_native_primitives(monkeypatch: pytest.MonkeyPatch) -> None:
     """token_ids are packed from the JSON text by a native block table, never the Python one."""
-    native = types.SimpleNamespace(IMPLEMENTATION="c", pack_json_tokens=pack_json_tokens)
-    monkeypatch.setitem(sys.modules, "kvevents.index.table", native)
-    assert service_http._json_packer() is pack_json_tokens
-    monkeypatch.setattr(native, "IMPLEMENTATION", "python")
-    assert service_http._json_packer() is None
+    monkeypatch.setattr(table, "IMPLEMENTATION", "c")
+    assert service_query.json_packers() == (table.pack_json_tokens, table.pack_json_member)
+    monkeypatch.setattr(table, "IMPLEMENTATION", "python")
+    assert service_query.json_packers() == (None, None)
 
 
 def test_lean_query_answers_like_the_service(
@@ -321,7 +304,7 @@ def test_lean_query_answers_like_the_service(
     """POST /query answers exactly what IndexService.query answers for the same token list."""
     client, service = lean
     for worker, end in [("a", 6), ("b", 2)]:
-        client.post("/register", json={"worker_id": worker, "endpoint": "e", "block_size": BS})
+        client.post("/register", json={"worker_id": worker, "endpoint": LOCAL, "block_size": BS})
         feed.deliver(worker, 0, batch(store_event(PROMPT, BS, end_block=end)))
     feed.deliver("b", 0, batch(store_event(PROMPT, BS, lora_name="x")))
     applied(service, 3)
@@ -386,13 +369,16 @@ def test_workers_dump_and_metrics(
 ) -> None:
     """/workers shows per-rank index state and stream health; /dump and /metrics the index."""
     _, service = server
-    client.post("/register", json={"worker_id": "a", "endpoint": "tcp://h:1", "block_size": BS})
+    client.post(
+        "/register", json={"worker_id": "a", "endpoint": "tcp://127.0.0.1:1", "block_size": BS}
+    )
     feed.deliver("a", 0, batch(store_event(PROMPT, BS, medium="CPU"), ts=1.0))
     applied(service, 1)
     (worker,) = client.get("/workers").json()["workers"]
     assert worker["worker_id"] == "a" and worker["block_size"] == BS
     (rank,) = worker["ranks"]
-    assert rank["tiers"] == {"CPU": 6} and rank["stream"] == {"state": "live", "gaps": 0}
+    assert rank["tiers"] == {"CPU": 6}
+    assert rank["stream"]["state"] == "live" and rank["stream"]["gaps"] == 0
     assert rank["batches"] == 1 and rank["lag_seconds"] > 0
     dump = client.get("/dump").json()
     (holder,) = dump["holders"]
@@ -443,25 +429,20 @@ def test_a_feed_that_pushes_gets_no_consumer_thread(feed: FakeFeed) -> None:
     """pushes=True: the service never polls the feed; items arrive through consume()."""
     service = IndexService(PrefixIndex(), feed=feed, stream_specs=fake_specs, pushes=True)
     with service:
-        service.register(WorkerRegistration("w", "tcp://h:1", BS))
+        service.register(WorkerRegistration("w", "tcp://127.0.0.1:1", BS))
         feed.deliver("w", 0, batch(store_event(PROMPT, BS)))
         assert service._thread is None and feed.items.qsize() == 1  # nobody took it
         service.consume(feed.items.get_nowait())
         assert service.query(PROMPT)["scores"] == {"w": {"0": 6}}
 
 
-@dataclass(frozen=True)
-class StreamStatus:
-    stream: Spec
-    state: str
-    missing: tuple[int, int] | None = None
-
-
 def test_incomplete_stream_is_degraded_until_whole_again(feed: FakeFeed) -> None:
     """After an unrecoverable loss a worker's matches are not trusted, and routing moves."""
     with make_service(feed) as service:
         for worker in ("a", "b"):
-            service.register(WorkerRegistration(worker, f"tcp://{worker}:5557", BS))
+            service.register(
+                WorkerRegistration(worker, f"tcp://127.0.0.1:{5557 + 10 * ord(worker)}", BS)
+            )
         feed.deliver("a", 0, batch(store_event(PROMPT, BS)), seq=0)
         applied(service, 1)
         assert service.query(PROMPT)["decision"]["winner"]["worker_id"] == "a"
@@ -481,7 +462,7 @@ def test_incomplete_stream_is_degraded_until_whole_again(feed: FakeFeed) -> None
 def test_joining_after_the_ring_moved_on_is_not_degraded(feed: FakeFeed) -> None:
     """A hole from seq 0 hides only old stores (no phantom blocks): routing keeps trusting it."""
     with make_service(feed) as service:
-        service.register(WorkerRegistration("a", "tcp://a:5557", BS))
+        service.register(WorkerRegistration("a", "tcp://127.0.0.1:5557", BS))
         feed.items.put(StreamStatus(feed.spec("a", 0), "incomplete", (0, 40)))
         feed.items.put(StreamStatus(feed.spec("a", 0), "incomplete", (50, 51)))
         wait_for(lambda: service.router.degraded, 10.0, what="the later loss to degrade")

@@ -1,0 +1,273 @@
+"""The ASGI app of the index service: routes, authentication, JSON errors.
+
+Endpoints follow the shape users know from Dynamo's standalone KV indexer and the Mooncake KV
+indexer API, so it can be swapped in:
+
+- ``POST /register`` ``{worker_id | instance_id, endpoint, replay_endpoint?, block_size,
+  ranks? | dp_size?, topic?, model_name?}``: index the worker's ranks and subscribe to them.
+  ``endpoint`` and ``replay_endpoint`` are base endpoints (rank r uses base port + r).
+- ``POST /unregister`` ``{worker_id | instance_id, rank? | dp_rank?}``: forget it entirely.
+- ``POST /query`` ``{token_ids | block_hashes, policy?, block_size?, lora_name?}``: matched
+  blocks per worker, rank and tier, and an explained routing decision (:mod:`.query`).
+- ``GET /dump``: every holder's blocks, streamed; ``GET /workers``: workers with their stream
+  health; ``GET /metrics``: Prometheus text; ``GET /health``: 200 while the feed is sound.
+
+Every error is JSON ``{"error": ...}`` with a 4xx status naming what is wrong; a registration
+names the refused ``field`` too. The mutating endpoints need the bearer token when one is set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+from prometheus_client import CollectorRegistry, generate_latest
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from kvevents.errors import LayoutError
+from kvevents.service.access import EndpointPolicy, EndpointRefused, TokenCheck
+from kvevents.service.collector import ServiceCollector
+from kvevents.service.core import IndexService, StreamRefused, WorkerRegistration
+from kvevents.service.dump import dump_chunks
+from kvevents.service.limits import HttpLimits, read_body
+from kvevents.service.memory import IdleTrim, release_free_memory
+from kvevents.service.query import LeanQuery, QueryReader
+from kvevents.service.schema import (
+    BadRequest,
+    RegisterBody,
+    UnregisterBody,
+    decode,
+    registration,
+    worker_id,
+)
+
+__all__ = ["MUTATING", "AppOptions", "Guard", "create_app"]
+
+#: The endpoints that change the service's state: they need the token when one is set.
+MUTATING = frozenset({"/register", "/unregister"})
+# Seconds between checks whether a burst of batches is over (then free memory is trimmed).
+_TRIM_TICK = 0.25
+_register_decoder = msgspec.json.Decoder(RegisterBody)
+_unregister_decoder = msgspec.json.Decoder(UnregisterBody)
+
+
+@dataclass(frozen=True)
+class AppOptions:
+    """Who may do what, and what a client may cost (see docs/security.md)."""
+
+    auth: TokenCheck = field(default_factory=TokenCheck)
+    endpoints: EndpointPolicy = field(default_factory=EndpointPolicy)
+    limits: HttpLimits = field(default_factory=HttpLimits)
+
+
+def _json(value: Any, status: int = 200) -> Response:
+    return Response(msgspec.json.encode(value), status, media_type="application/json")
+
+
+class _Api:
+    """The HTTP handlers over one service."""
+
+    def __init__(
+        self, service: IndexService, options: AppOptions, collectors: Sequence[Any]
+    ) -> None:
+        self.service = service
+        self.options = options
+        self.registry = CollectorRegistry()
+        self.registry.register(ServiceCollector(service))
+        for collector in collectors:
+            self.registry.register(collector)
+        self._dumping = asyncio.Lock()
+
+    async def _body(self, request: Request) -> bytes:
+        body = await read_body(request.scope, request.receive, self.options.limits)
+        if body is None:
+            raise BadRequest("the client closed the connection before its body arrived")
+        return body
+
+    async def register(self, request: Request) -> Response:
+        reg = registration(decode(await self._body(request), _register_decoder, "/register"))
+        self._check_endpoints(reg)
+        try:
+            specs = await run_in_threadpool(self.service.register, reg)
+        except LayoutError as exc:
+            name = "replay_endpoint" if exc.endpoint == reg.replay_endpoint else "endpoint"
+            raise _Refused(400, str(exc), field=name, endpoint=exc.endpoint) from None
+        except StreamRefused as exc:
+            raise _Refused(
+                422, str(exc), field="endpoint", endpoint=exc.endpoint, rank=exc.rank
+            ) from None
+        return _json({"worker_id": reg.worker_id, "ranks": list(reg.ranks), "streams": len(specs)})
+
+    def _check_endpoints(self, reg: WorkerRegistration) -> None:
+        policy = self.options.endpoints
+        try:
+            policy.check("endpoint", reg.endpoint, reg.ranks)
+            if reg.replay_endpoint is not None:
+                policy.check("replay_endpoint", reg.replay_endpoint, reg.ranks)
+        except EndpointRefused as exc:
+            raise _Refused(403, str(exc), field=exc.field, endpoint=exc.endpoint) from None
+
+    async def unregister(self, request: Request) -> Response:
+        body = decode(await self._body(request), _unregister_decoder, "/unregister")
+        worker = worker_id(body)
+        rank = body.rank if body.rank is not None else body.dp_rank
+        if not await run_in_threadpool(self.service.unregister, worker, rank):
+            return _json({"error": f"unknown worker {worker!r} (rank {rank})"}, 404)
+        return _json({"worker_id": worker, "removed": True})
+
+    async def query(self, request: Request) -> Response:
+        raise BadRequest("/query is answered before routing")  # LeanQuery takes every POST
+
+    async def dump(self, request: Request) -> Response:
+        if self._dumping.locked():
+            return _json({"error": "a dump is already being sent; try again when it ends"}, 429)
+        return StreamingResponse(self._dump_stream(), media_type="application/json")
+
+    async def _dump_stream(self) -> AsyncIterator[bytes]:
+        async with self._dumping:
+            async for chunk in dump_chunks(self.service):
+                yield chunk
+
+    async def workers(self, request: Request) -> Response:
+        return _json({"workers": await run_in_threadpool(self.service.workers_view)})
+
+    async def health(self, request: Request) -> Response:
+        return _json({"status": "ok", "workers": len(self.service.workers())})
+
+    async def metrics(self, request: Request) -> Response:
+        text = await run_in_threadpool(generate_latest, self.registry)
+        return Response(text, media_type="text/plain; version=0.0.4")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        self.service.start()
+        trimmer = asyncio.create_task(self._trim_when_idle())
+        try:
+            yield
+        finally:
+            trimmer.cancel()
+            self.service.close()
+
+    async def _trim_when_idle(self) -> None:
+        """After a burst of batches, hand the memory it passed through back to the OS."""
+        idle = IdleTrim()
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(_TRIM_TICK)
+            if idle.due(self.service.stats().deliveries):
+                await loop.run_in_executor(None, release_free_memory)
+
+
+class _Refused(BadRequest):
+    """A refused request with more JSON members than ``error`` (``field``, ``endpoint``...)."""
+
+    def __init__(self, status: int, message: str, **details: Any) -> None:
+        super().__init__(message, status)
+        self.details = details
+
+
+async def _bad_request(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, BadRequest)
+    details = exc.details if isinstance(exc, _Refused) else {}
+    response = _json({"error": str(exc), **details}, exc.status)
+    if exc.status in (408, 413):  # the body was not read whole: the connection is spent
+        response.headers["connection"] = "close"
+    return response
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 404:
+        message = f"no such endpoint: {request.method} {request.url.path}"
+    else:
+        message = f"{request.url.path}: {exc.detail}"
+    return Response(
+        msgspec.json.encode({"error": message}),
+        exc.status_code,
+        headers=exc.headers,
+        media_type="application/json",
+    )
+
+
+async def _server_error(request: Request, exc: Exception) -> Response:
+    return _json({"error": f"internal error: {type(exc).__name__}"}, 500)
+
+
+class Guard:
+    """ASGI layer refusing requests without the bearer token where one is needed (401)."""
+
+    def __init__(self, app: ASGIApp, auth: TokenCheck) -> None:
+        self.app = app
+        self.auth = auth
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and self.auth.required(scope["path"] in MUTATING):
+            given = next((v for k, v in scope["headers"] if k == b"authorization"), None)
+            if not self.auth.accepts(given):
+                await _unauthorized(scope, send)
+                return
+        await self.app(scope, receive, send)
+
+
+async def _unauthorized(scope: Scope, send: Send) -> None:
+    payload = msgspec.json.encode(
+        {"error": f"{scope['path']}: a valid 'Authorization: Bearer <token>' header is required"}
+    )
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", b"%d" % len(payload)),
+        (b"www-authenticate", b"Bearer"),
+    ]
+    await send({"type": "http.response.start", "status": 401, "headers": headers})
+    await send({"type": "http.response.body", "body": payload})
+
+
+def create_app(
+    service: IndexService,
+    *,
+    collectors: Sequence[Any] = (),
+    options: AppOptions | None = None,
+) -> Starlette:
+    """The ASGI app. Its lifespan starts the service and closes it at shutdown.
+
+    ``collectors`` (prometheus-client collectors, e.g. ``kvevents.metrics.subscriber_collector``)
+    are served by ``GET /metrics`` next to the index's own metrics. ``options``: the token,
+    the endpoint hosts registrations may name (default: loopback only), the client limits.
+    """
+    options = options if options is not None else AppOptions()
+    api = _Api(service, options, collectors)
+    routes = [
+        Route("/register", api.register, methods=["POST"]),
+        Route("/unregister", api.unregister, methods=["POST"]),
+        # Answered by LeanQuery; the route still gives other methods their 405.
+        Route("/query", api.query, methods=["POST"]),
+        Route("/dump", api.dump, methods=["GET"]),
+        Route("/workers", api.workers, methods=["GET"]),
+        Route("/metrics", api.metrics, methods=["GET"]),
+        Route("/health", api.health, methods=["GET"]),
+    ]
+    reader = QueryReader(service)
+    return Starlette(
+        routes=routes,
+        middleware=[
+            Middleware(Guard, auth=options.auth),
+            Middleware(LeanQuery, reader=reader, limits=options.limits),
+        ],
+        exception_handlers={
+            BadRequest: _bad_request,
+            HTTPException: _http_error,
+            Exception: _server_error,
+        },
+        lifespan=api.lifespan,
+    )
