@@ -25,12 +25,13 @@ An end-of-replay marker arriving on the live socket is a restart too: the publis
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TypeAlias
+from typing import Literal, TypeAlias
 
 __all__ = [
     "END_SEQ",
     "Action",
     "Cursor",
+    "CursorState",
     "Deliver",
     "Duplicate",
     "Gap",
@@ -88,6 +89,8 @@ class Unrecoverable:
 
 
 Action: TypeAlias = Deliver | Gap | ReplayDone | Restart | Duplicate | Unrecoverable
+#: Where a stream's sequence stands (see :attr:`Cursor.state`).
+CursorState: TypeAlias = Literal["new", "replaying", "incomplete", "live"]
 
 
 class Cursor:
@@ -122,7 +125,7 @@ class Cursor:
         return self._next
 
     @property
-    def state(self) -> str:
+    def state(self) -> CursorState:
         """``"new"``, ``"replaying"``, ``"incomplete"`` or ``"live"``."""
         if self._next is None:
             return "new"

@@ -11,12 +11,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, ClassVar, TypeAlias
+from typing import TYPE_CHECKING, ClassVar, Literal, TypeAlias
 
 import msgspec
 
 from kvevents.errors import LayoutError
 from kvevents.events import KVEventBatch
+from kvevents.subscribe.cursor import CursorState
 from kvevents.wire import Applied
 from kvevents.wire.endpoints import parse_endpoint, rank_endpoint
 
@@ -26,12 +27,16 @@ if TYPE_CHECKING:  # records only: importing them here must not load zmq
 __all__ = [
     "STREAM_COUNTERS",
     "Delivery",
+    "FeedHealth",
+    "FeedState",
     "Item",
     "ReplayOptions",
+    "ResetReason",
     "StreamCounters",
     "StreamKey",
     "StreamReset",
     "StreamSpec",
+    "StreamState",
     "StreamStats",
     "StreamStatus",
     "SubscriberOptions",
@@ -40,6 +45,18 @@ __all__ = [
 ]
 
 StreamKey: TypeAlias = tuple[str, int]
+#: Where a stream stands: the cursor's states, plus ``"failed"`` (the stream hit an error of
+#: its own and was detached; remove and add it again).
+StreamState: TypeAlias = Literal[CursorState, "failed"]
+#: Why a :class:`StreamReset` was sent.
+ResetReason: TypeAlias = Literal["restart", "removed"]
+#: The I/O thread's health: serving, stuck on work for too long, or not running.
+FeedState: TypeAlias = Literal["ok", "stalled", "dead"]
+
+
+#: The subscriber's default socket limit: 8,192 covers 8,000 streams (a SUB each) plus the
+#: replay DEALERs and the wake-up pair, about twice the 4,096 streams it is meant to serve.
+DEFAULT_MAX_SOCKETS = 8192
 
 
 @dataclass(frozen=True)
@@ -62,7 +79,10 @@ class ReplayOptions:
 
 
 def _check_connectable(endpoint: str, rank: int) -> None:
-    parsed = parse_endpoint(endpoint)
+    try:
+        parsed = parse_endpoint(endpoint)
+    except LayoutError as exc:
+        raise LayoutError(str(exc), endpoint=endpoint, rank=rank, rule=exc.rule) from None
     if parsed.scheme != "tcp":
         return
     if parsed.host == "*":
@@ -165,19 +185,20 @@ class StreamReset:
     """
 
     stream: StreamSpec
-    reason: str
+    reason: ResetReason
 
 
 @dataclass(frozen=True, slots=True)
 class StreamStatus:
-    """The stream's state changed: ``"live"``, ``"replaying"`` or ``"incomplete"``.
+    """The stream's state changed: ``"live"``, ``"replaying"``, ``"incomplete"`` or
+    ``"failed"`` (detached after an error of its own: remove it and add it again).
 
     ``missing`` is the sequence range ``[start, end)`` lost for good when the state is
     ``"incomplete"`` because of it.
     """
 
     stream: StreamSpec
-    state: str
+    state: StreamState
     missing: tuple[int, int] | None = None
 
 
@@ -194,7 +215,8 @@ class StreamCounters:
     ``unrecoverable``: holes that could not be filled; ``missing``: batches in them.
     ``restarts``: publisher restarts seen. ``decode_errors``: messages that could not be
     read at all. ``skipped_events``: events skipped inside otherwise good batches.
-    ``events``: events delivered.
+    ``events``: events delivered. ``failures``: errors of the stream's own that detached it
+    (its state is then ``"failed"``).
     """
 
     received: int = 0
@@ -209,6 +231,7 @@ class StreamCounters:
     decode_errors: int = 0
     skipped_events: int = 0
     events: int = 0
+    failures: int = 0
 
 
 #: The names of :class:`StreamCounters`, in order.
@@ -219,7 +242,7 @@ STREAM_COUNTERS = tuple(f.name for f in fields(StreamCounters))
 class StreamStats(StreamCounters):
     """One stream since it was added: its counters, plus where it stands.
 
-    ``state``: ``"new"``, ``"live"``, ``"replaying"`` or ``"incomplete"``. ``last_seq``: the
+    ``state``: ``"new"``, ``"live"``, ``"replaying"``, ``"incomplete"`` or ``"failed"``. ``last_seq``: the
     last delivered sequence. ``lag``: seconds from the ``ts`` of the last delivered batch to
     now (None before one).
     """
@@ -229,7 +252,7 @@ class StreamStats(StreamCounters):
 
     worker_id: str
     rank: int
-    state: str
+    state: StreamState
     last_seq: int | None
     lag: float | None
 
@@ -238,19 +261,42 @@ class StreamStats(StreamCounters):
 class SubscriberStats(StreamCounters):
     """Totals over every stream, plus what belongs to the subscriber itself.
 
-    ``streams``: streams read now; ``incomplete``: how many are incomplete; ``queued``: items
-    waiting for the consumer; ``callback_errors``: exceptions raised by callbacks; ``max_lag``:
-    the largest stream lag. The counters sum :class:`StreamStats` over current streams.
+    ``streams``: streams read now; ``incomplete``: how many are incomplete; ``failed``: how
+    many are failed (detached); ``queued``: items waiting for the consumer;
+    ``callback_errors``: exceptions raised by callbacks; ``add_errors``: streams that could
+    not be added (:class:`~kvevents.errors.StreamAddError`); ``max_lag``: the largest stream
+    lag. The counters sum :class:`StreamStats` over current streams.
     """
 
     #: Fields that are levels (Prometheus gauges); every other number only grows.
-    GAUGES: ClassVar[frozenset[str]] = frozenset({"incomplete", "max_lag", "queued", "streams"})
+    GAUGES: ClassVar[frozenset[str]] = frozenset(
+        {"failed", "incomplete", "max_lag", "queued", "streams"}
+    )
 
     streams: int
     incomplete: int
+    failed: int = 0
     queued: int
     callback_errors: int
+    add_errors: int = 0
     max_lag: float | None
+
+
+@dataclass(frozen=True)
+class FeedHealth:
+    """Whether the subscriber's I/O thread is serving (``Subscriber.health()``).
+
+    ``state``: ``"ok"``; ``"stalled"`` when the thread has been inside one turn of work for
+    more than ``SubscriberOptions.stall_after`` seconds (most often: the outbox is full
+    because the consumer is not reading); ``"dead"`` when the thread is not running (not
+    started, closed, or died: ``error`` says why). ``alive``: the thread is running.
+    ``stalled_for``: seconds the current turn has lasted while it had work; 0.0 when idle.
+    """
+
+    state: FeedState
+    alive: bool
+    stalled_for: float = 0.0
+    error: str | None = None
 
 
 @dataclass(frozen=True)
@@ -271,6 +317,11 @@ class SubscriberOptions:
     consumer that applies the payload itself returns an :class:`Applied` and no
     :class:`Delivery` is made, one that returns None gets the usual delivery (the index
     service applies payloads this way). A ``DecodeError`` it raises counts as undecodable.
+    ``add_timeout``: seconds :meth:`Subscriber.add_stream` waits for the I/O thread to set a
+    stream up. ``stall_after``: seconds one turn of the I/O thread may last before
+    :meth:`Subscriber.health` says ``"stalled"``. ``max_sockets``: the ZeroMQ context's socket
+    limit (libzmq's default, 1023, is exhausted by about 1,020 streams); it bounds the
+    streams read at once to ``max_sockets - replay.max_concurrent - 2``.
     """
 
     queue_size: int = 10_000
@@ -285,7 +336,14 @@ class SubscriberOptions:
     wall_clock: Callable[[], float] = time.time
     curve: CurveClient | None = None
     on_payload: Callable[[StreamSpec, int, bytes], Applied | None] | None = None
+    add_timeout: float = 10.0
+    stall_after: float = 10.0
+    max_sockets: int = DEFAULT_MAX_SOCKETS
 
     def __post_init__(self) -> None:
         if self.queue_size < 1 or self.rcvhwm < 0:
             raise ValueError("queue_size must be >= 1 and rcvhwm >= 0")
+        if self.add_timeout <= 0 or self.stall_after <= 0:
+            raise ValueError("add_timeout and stall_after must be > 0")
+        if self.max_sockets < self.replay.max_concurrent + 3:
+            raise ValueError("max_sockets must leave room for a stream, the replays and 2 more")
