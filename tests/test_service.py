@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import queue
 from collections.abc import Iterator
@@ -11,22 +12,26 @@ from typing import Any
 import httpx
 import pytest
 
-from kvevents.errors import DecodeError
+from kvevents.errors import DecodeError, StreamAddError
 from kvevents.events import AllBlocksCleared, KVEventBatch
 from kvevents.index import table
 from kvevents.index._table_py import pack_json_member, pack_json_tokens
 from kvevents.index.keys import block_hashes
-from kvevents.index.prefix import PrefixIndex
+from kvevents.index.prefix import IndexStats, PrefixIndex
+from kvevents.metrics import field_docs
+from kvevents.service import dump as service_dump
 from kvevents.service import query as service_query
-from kvevents.service.core import IndexService, WorkerRegistration
+from kvevents.service.core import IndexService, ServiceStats, StreamRefused, WorkerRegistration
 from kvevents.service.http import Server, serve
 from kvevents.subscribe.streams import (
     Delivery,
+    FeedHealth,
     Item,
     StreamReset,
     StreamSpec,
     StreamStats,
     StreamStatus,
+    SubscriberOptions,
     SubscriberStats,
     worker_streams,
 )
@@ -48,6 +53,7 @@ class FakeFeed:
     removed: list[tuple[str, int | None]] = field(default_factory=list)
     started: bool = False
     closed: bool = False
+    state: FeedHealth = field(default_factory=lambda: FeedHealth("ok", True))
 
     def add_stream(self, spec: StreamSpec) -> None:
         self.specs.append(spec)
@@ -82,6 +88,9 @@ class FakeFeed:
             )
             for s in self.specs
         }
+
+    def health(self) -> FeedHealth:
+        return self.state
 
     def deliver(self, worker_id: str, rank: int, item: KVEventBatch, seq: int = 0) -> None:
         self.items.put(Delivery(self.spec(worker_id, rank), seq, item))
@@ -467,3 +476,238 @@ def test_joining_after_the_ring_moved_on_is_not_degraded(feed: FakeFeed) -> None
         feed.items.put(StreamStatus(feed.spec("a", 0), "incomplete", (50, 51)))
         wait_for(lambda: service.router.degraded, 10.0, what="the later loss to degrade")
         assert service.router.degraded == {("a", 0): "lost seq 50..50"}
+
+
+# ----------------------------------------------------------------- hostile registrations
+
+
+@dataclass
+class RefusingFeed(FakeFeed):
+    """A FakeFeed whose add_stream refuses endpoints on ``refused_port``, as the Subscriber
+    does when a socket cannot be set up (StreamAddError)."""
+
+    refused_port: int = 7000
+
+    def add_stream(self, spec: StreamSpec) -> None:
+        if spec.endpoint.endswith(f":{self.refused_port}"):
+            raise StreamAddError(
+                worker_id=spec.worker_id, rank=spec.rank, endpoint=spec.endpoint, reason="no room"
+            )
+        super().add_stream(spec)
+
+
+def _register(client: httpx.Client, worker: str, endpoint: str, **more: Any) -> httpx.Response:
+    return client.post(
+        "/register", json={"worker_id": worker, "endpoint": endpoint, "block_size": BS, **more}
+    )
+
+
+def test_a_stream_the_feed_refuses_is_a_422_and_the_others_run_on() -> None:
+    """A registration whose stream cannot be added answers 422 naming the endpoint and rank;
+    nothing of it stays registered and the workers registered before keep being fed."""
+    feed = RefusingFeed()
+    with (
+        serve("127.0.0.1", 0, service=make_service(feed)) as running,
+        httpx.Client(base_url=running.url, timeout=10.0) as client,
+    ):
+        assert _register(client, "a", LOCAL).status_code == 200
+        refused = _register(client, "b", "tcp://127.0.0.1:6999", ranks=2)  # rank 1 on 7000
+        assert refused.status_code == 422
+        body = refused.json()
+        assert body["field"] == "endpoint" and body["endpoint"] == "tcp://127.0.0.1:7000"
+        assert body["rank"] == 1 and "no room" in body["error"]
+        assert [s.key for s in feed.specs] == [("a", 0)]  # b's rank 0 was rolled back
+        assert [w["worker_id"] for w in client.get("/workers").json()["workers"]] == ["a"]
+        feed.deliver("a", 0, batch(store_event(PROMPT, BS)))
+        wait_for(lambda: client.post("/query", json={"token_ids": PROMPT}).json()["scores"],
+                 10.0, what="a's blocks")  # fmt: skip
+        assert client.get("/health").status_code == 200
+        assert "kvevents_service_refused_registrations_total 1.0" in client.get("/metrics").text
+
+
+def test_a_real_subscriber_out_of_sockets_refuses_one_worker_only() -> None:
+    """With the default feed, a stream past the subscriber's socket limit is a 422 and the
+    subscriber's I/O thread, the other worker and /health all stay fine."""
+    options = SubscriberOptions(max_sockets=7)  # room for one stream (and replays)
+    service = IndexService(PrefixIndex(), subscriber_options=options)
+    with (
+        serve("127.0.0.1", 0, service=service) as running,
+        httpx.Client(base_url=running.url, timeout=20.0) as client,
+    ):
+        assert _register(client, "a", "tcp://127.0.0.1:6100").status_code == 200
+        refused = _register(client, "b", "tcp://127.0.0.1:6200")
+        assert refused.status_code == 422, refused.text
+        assert refused.json()["endpoint"] == "tcp://127.0.0.1:6200"
+        assert client.get("/health").json() == {"status": "ok", "workers": 1}
+        assert service.feed.health().alive
+        assert _register(client, "c", "tcp://127.0.0.1:6300").status_code == 422  # still answers
+
+
+@pytest.mark.parametrize(
+    ("feed_health", "status"),
+    [
+        (FeedHealth("dead", False, 0.0, "the I/O thread died: boom"), "dead"),
+        (FeedHealth("stalled", True, 12.5), "stalled"),
+    ],
+)
+def test_health_reports_a_dead_or_stalled_feed(
+    feed: FakeFeed, client: httpx.Client, feed_health: FeedHealth, status: str
+) -> None:
+    """/health is a 503 naming the feed's state and reason when it is not serving."""
+    assert client.get("/health").status_code == 200
+    feed.state = feed_health
+    reply = client.get("/health")
+    assert reply.status_code == 503
+    assert reply.json() == {
+        "status": status,
+        "workers": 0,
+        "stalled_for": feed_health.stalled_for,
+        "error": feed_health.error,
+    }
+
+
+def test_reregistering_with_a_bad_endpoint_keeps_the_old_registration(
+    client: httpx.Client, server: tuple[Server, IndexService], feed: FakeFeed
+) -> None:
+    """A re-registration that is refused (bad endpoint, port range, feed refusal) answers
+    4xx and leaves the worker as it was: same streams, same blocks."""
+    _, service = server
+    assert _register(client, "a", LOCAL).status_code == 200
+    feed.deliver("a", 0, batch(store_event(PROMPT, BS)))
+    applied(service, 1)
+    bad = [
+        ({"endpoint": "bogus"}, 400, "scheme must be one of"),
+        ({"endpoint": "tcp://127.0.0.1:65535", "ranks": 2}, 400, "exceeds 65535"),
+        ({"endpoint": "tcp://127.0.0.1:0"}, 400, "port 0 cannot be connected to"),
+        ({"endpoint": LOCAL, "replay_endpoint": "tcp://*:5600"}, 400, "not '*'"),
+    ]
+    for body, status, error in bad:
+        reply = client.post("/register", json={"worker_id": "a", "block_size": 8, **body})
+        assert reply.status_code == status, (body, reply.text)
+        assert error in reply.json()["error"] and "field" in reply.json(), reply.json()
+        (worker,) = client.get("/workers").json()["workers"]
+        assert (worker["endpoint"], worker["block_size"]) == (LOCAL, BS)
+        assert [s.key for s in feed.specs] == [("a", 0)]
+        assert service.query(PROMPT)["scores"] == {"a": {"0": 6}}
+
+
+def test_a_replacement_the_feed_refuses_restores_the_old_registration() -> None:
+    """When the feed refuses the new streams of a re-registration, the old ones come back."""
+    feed = RefusingFeed()
+    service = make_service(feed)
+    service.register(WorkerRegistration("a", LOCAL, BS))
+    with pytest.raises(StreamRefused):
+        service.register(WorkerRegistration("a", "tcp://127.0.0.1:7000", 8))
+    assert service.workers() == [WorkerRegistration("a", LOCAL, BS)]
+    assert [(s.key, s.endpoint) for s in feed.specs] == [(("a", 0), LOCAL)]
+    assert service.stats().refused_registrations == 1 and service.stats().registrations == 1
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "error"),
+    [
+        ("/register", {"ranks": 2**62}, "Expected `int` <= 1024 - at `$.ranks`"),
+        ("/register", {"dp_size": 2**62}, "Expected `int` <= 1024 - at `$.dp_size`"),
+        ("/register", {"ranks": 0}, "at `$.ranks`"),
+        ("/register", {"ranks": []}, "ranks must be a count >= 1 or a non-empty list"),
+        ("/register", {"ranks": [2**63]}, "Expected `int` <= 65535 - at `$.ranks[0]`"),
+        ("/register", {"ranks": [-1]}, "Expected `int` >= 0 - at `$.ranks[0]`"),
+        ("/register", {"block_size": 2**70}, "Expected `int` <= 1048576 - at `$.block_size`"),
+        ("/register", {"block_size": -1}, "Expected `int` >= 1 - at `$.block_size`"),
+        ("/register", {"worker_id": "w" * 300}, "length <= 256 - at `$.worker_id`"),
+        ("/register", {"worker_id": ""}, "length >= 1 - at `$.worker_id`"),
+        ("/register", {"instance_id": 2**64}, "at `$.instance_id`"),
+        ("/register", {"endpoint": "tcp://127.0.0.1:1" + "0" * 2000}, "at `$.endpoint`"),
+        ("/unregister", {"rank": -1}, "Expected `int` >= 0 - at `$.rank`"),
+        ("/unregister", {"dp_rank": 2**70}, "at `$.dp_rank`"),
+        ("/query", {"token_ids": [1, 2, 3], "block_size": -1}, "at `$.block_size`"),
+        ("/query", {"block_hashes": [1], "block_size": 0}, "at `$.block_size`"),
+        ("/query", {"block_hashes": [2**64]}, "block hash at `$.block_hashes[0]` is over"),
+        ("/query", {"block_hashes": [-1]}, "Expected `int` >= 0 - at `$.block_hashes[0]`"),
+        ("/query", {"token_ids": [1], "lora_id": -5}, "at `$.lora_id`"),
+    ],
+)
+def test_numbers_out_of_range_are_400_naming_field_and_rule(
+    client: httpx.Client, path: str, body: dict[str, Any], error: str
+) -> None:
+    """Every numeric field has bounds: out of them is a 400 naming the field and the rule,
+    never a 500 (ranks 2**62 was a MemoryError, a huge rank an unhandled LayoutError)."""
+    base = {"worker_id": "a", "endpoint": LOCAL, "block_size": BS} if path == "/register" else {}
+    if path == "/unregister":
+        base = {"worker_id": "a"}
+    reply = client.post(path, json={**base, **body})
+    assert reply.status_code == 400, reply.text
+    assert reply.headers["content-type"] == "application/json"
+    assert error in reply.json()["error"], reply.json()
+    assert client.get("/health").status_code == 200
+
+
+def test_deep_nesting_and_unknown_routes_get_json_errors(client: httpx.Client) -> None:
+    """Deeply nested JSON is a 400 (not a RecursionError 500); unknown routes and methods
+    answer JSON too."""
+    deep = b"[" * 100_000 + b"]" * 100_000
+    for path in ("/register", "/unregister", "/query"):
+        reply = client.post(
+            path, content=b'{"token_ids": ' + deep + b', "worker_id": ' + deep + b"}"
+        )
+        assert reply.status_code == 400, (path, reply.text)
+        assert "error" in reply.json()
+    huge = b'{"worker_id": "a", "endpoint": "%s", "block_size": 1e400}' % LOCAL.encode()
+    reply = client.post("/register", content=huge)
+    assert reply.json() == {"error": "/register: Number out of range - at `$.block_size`"}
+    missing = client.get("/nope")
+    assert missing.status_code == 404
+    assert missing.json() == {"error": "no such endpoint: GET /nope"}
+    wrong = client.get("/register")
+    assert wrong.status_code == 405 and "Method Not Allowed" in wrong.json()["error"]
+
+
+def test_metrics_cover_every_service_counter_with_its_documentation(
+    client: httpx.Client,
+) -> None:
+    """Every ServiceStats and IndexStats field reaches /metrics, its HELP text the field's
+    own documentation rather than its name."""
+    text = client.get("/metrics").text
+    for record, prefix in ((ServiceStats, "kvevents_service"), (IndexStats, "kvevents_index")):
+        docs = field_docs(record)
+        for f in dataclasses.fields(record):
+            suffix = "" if f.name in getattr(record, "GAUGES", ()) else "_total"
+            assert f"# HELP {prefix}_{f.name}{suffix} {docs[f.name]}\n" in text, f.name
+    assert (
+        "# HELP kvevents_service_ignored_total feed items of workers (or ranks) no longer "
+        "registered, not applied" in text
+    )
+
+
+def test_dump_streams_every_holder_and_encodes_off_the_lock(
+    client: httpx.Client,
+    server: tuple[Server, IndexService],
+    feed: FakeFeed,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """GET /dump is the index's dump (same document), and no piece of it is encoded while
+    the index lock is held (a query may run between any two pieces)."""
+    _, service = server
+    for worker in ("a", "b"):
+        assert _register(client, worker, f"tcp://127.0.0.1:{6000 + ord(worker)}").status_code == 200
+    feed.deliver("a", 0, batch(store_event(PROMPT, BS)))
+    feed.deliver("b", 0, batch(store_event(PROMPT, BS, end_block=2, medium="CPU")))
+    applied(service, 2)
+    encoded: list[bool] = []
+
+    def members(pairs: list[tuple[int, int]]) -> bytes:
+        free = service.lock.acquire(blocking=False)
+        if free:
+            service.lock.release()
+        encoded.append(free)
+        return real(pairs)
+
+    real = service_dump._members
+    monkeypatch.setattr(service_dump, "_members", members)
+    monkeypatch.setattr(service_dump, "CHUNK_PAIRS", 4)  # several pieces per holder
+    dump = client.get("/dump").json()
+    want = [{**h, "blocks": sorted(h["blocks"])} for h in service.index.dump()]
+    got = [{**h, "blocks": sorted(h["blocks"])} for h in dump["holders"]]
+    assert got == want and len(got) == 2
+    assert dump["stats"]["entries"] == 8
+    assert len(encoded) == 3 and all(encoded)  # 6 pairs in 2 pieces, then 2 in 1

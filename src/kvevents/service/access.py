@@ -19,7 +19,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvevents.errors import LayoutError
 from kvevents.wire.endpoints import parse_endpoint, rank_endpoint
 
 __all__ = [
@@ -117,15 +116,10 @@ class EndpointPolicy:
         return EndpointPolicy(self.hosts, self.forbidden_ports | {port})
 
     def check(self, field_name: str, endpoint: str, ranks: Iterable[int]) -> None:
-        """Raise :class:`EndpointRefused` (or ``LayoutError``) unless every rank's endpoint
-        derived from the base ``endpoint`` may be connected to."""
+        """Raise :class:`EndpointRefused` unless every rank's endpoint derived from the base
+        ``endpoint`` may be connected to (``LayoutError`` if one breaks a layout rule)."""
         for rank in ranks:
-            try:
-                self._check_one(field_name, rank_endpoint(endpoint, rank))
-            except LayoutError as exc:
-                raise EndpointRefused(
-                    f"{field_name}: {exc}", field=field_name, endpoint=endpoint
-                ) from None
+            self._check_one(field_name, rank_endpoint(endpoint, rank))
 
     def _check_one(self, field_name: str, endpoint: str) -> None:
         parsed = parse_endpoint(endpoint)

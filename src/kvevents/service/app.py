@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -100,9 +101,8 @@ class _Api:
         self._check_endpoints(reg)
         try:
             specs = await run_in_threadpool(self.service.register, reg)
-        except LayoutError as exc:
-            name = "replay_endpoint" if exc.endpoint == reg.replay_endpoint else "endpoint"
-            raise _Refused(400, str(exc), field=name, endpoint=exc.endpoint) from None
+        except LayoutError as exc:  # a spec builder stricter with the pair than each alone
+            raise _Refused(400, str(exc), field="endpoint", endpoint=exc.endpoint) from None
         except StreamRefused as exc:
             raise _Refused(
                 422, str(exc), field="endpoint", endpoint=exc.endpoint, rank=exc.rank
@@ -110,13 +110,24 @@ class _Api:
         return _json({"worker_id": reg.worker_id, "ranks": list(reg.ranks), "streams": len(specs)})
 
     def _check_endpoints(self, reg: WorkerRegistration) -> None:
-        policy = self.options.endpoints
-        try:
-            policy.check("endpoint", reg.endpoint, reg.ranks)
-            if reg.replay_endpoint is not None:
-                policy.check("replay_endpoint", reg.replay_endpoint, reg.ranks)
-        except EndpointRefused as exc:
-            raise _Refused(403, str(exc), field=exc.field, endpoint=exc.endpoint) from None
+        """400 for an endpoint that breaks a layout rule, 403 for one not allowed; both name
+        the field. Checked before the service is touched: a refusal changes nothing."""
+        named = [("endpoint", reg.endpoint), ("replay_endpoint", reg.replay_endpoint)]
+        for name, endpoint in named:
+            if endpoint is None:
+                continue
+            try:
+                # One field at a time through the service's own spec builder, so that a
+                # layout error names the field it comes from.
+                probe = dataclasses.replace(reg, endpoint=endpoint, replay_endpoint=None)
+                self.service.stream_specs(probe)
+                self.options.endpoints.check(name, endpoint, reg.ranks)
+            except LayoutError as exc:
+                raise _Refused(
+                    400, f"{name}: {exc}", field=name, endpoint=endpoint, rule=exc.rule
+                ) from None
+            except EndpointRefused as exc:
+                raise _Refused(403, str(exc), field=name, endpoint=endpoint) from None
 
     async def unregister(self, request: Request) -> Response:
         body = decode(await self._body(request), _unregister_decoder, "/unregister")
@@ -143,7 +154,14 @@ class _Api:
         return _json({"workers": await run_in_threadpool(self.service.workers_view)})
 
     async def health(self, request: Request) -> Response:
-        return _json({"status": "ok", "workers": len(self.service.workers())})
+        health = self.service.health()
+        body: dict[str, Any] = {"status": health.state, "workers": len(self.service.workers())}
+        if health.state == "ok":
+            return _json(body)
+        # A load balancer or orchestrator reads the status code: a feed that stopped or
+        # stalled means the index is going stale, so the service is not healthy.
+        body.update(stalled_for=round(health.stalled_for, 3), error=health.error)
+        return _json(body, 503)
 
     async def metrics(self, request: Request) -> Response:
         text = await run_in_threadpool(generate_latest, self.registry)

@@ -11,6 +11,7 @@ The HTTP API over it (``kvevents serve``) is :mod:`kvevents.service.http`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -25,6 +26,7 @@ from kvevents.index.prefix import HolderKey, IndexStats, PrefixIndex
 from kvevents.index.router import Router
 from kvevents.subscribe.streams import (
     Delivery,
+    FeedHealth,
     Item,
     StreamKey,
     StreamSpec,
@@ -57,6 +59,7 @@ class Feed(Protocol):
     def get(self, timeout: float | None = None) -> Item | None: ...
     def stats(self) -> SubscriberStats: ...
     def stream_stats(self) -> dict[StreamKey, StreamStats]: ...
+    def health(self) -> FeedHealth: ...
 
 
 class StreamRefused(ValueError):
@@ -172,6 +175,7 @@ class IndexService:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._started = False
+        self._consumer_error: str | None = None
         self._counts = {f.name: 0 for f in dataclasses.fields(ServiceStats)}
 
     @property
@@ -231,6 +235,7 @@ class IndexService:
                 if self._stop.is_set():
                     return
                 log.exception("the feed failed; the index stops consuming it")
+                self._consumer_error = "the feed failed; the index stopped consuming it"
                 return
             if item is not None:
                 self.consume(item)
@@ -336,7 +341,9 @@ class IndexService:
                 self.feed.add_stream(spec)
             except (SubscriberError, ValueError) as exc:
                 for done in added:
-                    self.feed.remove_stream(done.worker_id, done.rank)
+                    # The feed may have dropped a stream it could not keep: nothing to undo.
+                    with contextlib.suppress(KeyError):
+                        self.feed.remove_stream(done.worker_id, done.rank)
                 self._forget(reg, None)
                 raise StreamRefused(spec.worker_id, spec.rank, spec.endpoint, str(exc)) from exc
             added.append(spec)
@@ -418,6 +425,13 @@ class IndexService:
     def index_stats(self) -> IndexStats:
         with self.lock:
             return self.index.stats()
+
+    def health(self) -> FeedHealth:
+        """Whether the feed is serving: the feed's own health, or ``"dead"`` when the
+        service's consumer thread stopped on a feed error."""
+        if self._consumer_error is not None:
+            return FeedHealth("dead", False, 0.0, self._consumer_error)
+        return self.feed.health()
 
     def stream_health(self) -> dict[StreamKey, StreamStats]:
         """The feed's per-stream stats."""

@@ -69,14 +69,15 @@ class _LimitedProtocol(HttpToolsProtocol):
             self.transport.close()
 
     def data_received(self, data: bytes) -> None:
-        if self._header_timer is not None:
-            self._header_bytes += len(data)
-            if self._header_bytes > self.limits.max_header_bytes:
-                self._disarm()
-                self.transport.write(_HEADERS_TOO_LARGE)
-                self.transport.close()
-                return
         super().data_received(data)
+        if self._header_timer is None:
+            return
+        # Headers still incomplete after this data, so all of it was request line and headers.
+        self._header_bytes += len(data)
+        if self._header_bytes > self.limits.max_header_bytes:
+            self._disarm()
+            self.transport.write(_HEADERS_TOO_LARGE)
+            self.transport.close()
 
     def on_headers_complete(self) -> None:
         self._disarm()
