@@ -132,7 +132,7 @@ class EndpointPolicy:
             raise self._refused(field_name, endpoint, f"host {parsed.host}")
         if parsed.port in self.forbidden_ports:
             raise EndpointRefused(
-                f"{field_name}: endpoint {endpoint!r} is this service's own HTTP port",
+                f"endpoint {endpoint!r} is this service's own HTTP port - at `$.{field_name}`",
                 field=field_name,
                 endpoint=endpoint,
             )
@@ -148,8 +148,8 @@ class EndpointPolicy:
 
     def _refused(self, field_name: str, endpoint: str, what: str) -> EndpointRefused:
         return EndpointRefused(
-            f"{field_name}: endpoint {endpoint!r}: {what} not allowed "
-            f"(allowed: {', '.join(self.hosts)}; see --allow-endpoint-host)",
+            f"endpoint {endpoint!r}: {what} not allowed (allowed: {', '.join(self.hosts)}; "
+            f"see --allow-endpoint-host) - at `$.{field_name}`",
             field=field_name,
             endpoint=endpoint,
         )

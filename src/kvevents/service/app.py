@@ -124,7 +124,7 @@ class _Api:
                 self.options.endpoints.check(name, endpoint, reg.ranks)
             except LayoutError as exc:
                 raise _Refused(
-                    400, f"{name}: {exc}", field=name, endpoint=endpoint, rule=exc.rule
+                    400, f"{exc} - at `$.{name}`", field=name, endpoint=endpoint, rule=exc.rule
                 ) from None
             except EndpointRefused as exc:
                 raise _Refused(403, str(exc), field=name, endpoint=endpoint) from None
