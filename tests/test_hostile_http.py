@@ -244,6 +244,7 @@ def _past_the_cap(running: Server, cap: int) -> None:
             sock.close()
     with httpx.Client(base_url=running.url, timeout=10.0) as client:
         assert client.get("/health").status_code == 200
+        assert "kvevents_http_connections_refused_total 1.0" in client.get("/metrics").text
 
 
 # ----------------------------------------------------------------- fuzz
@@ -321,3 +322,31 @@ def test_seeded_fuzz_never_gets_a_5xx(guarded: tuple[Server, httpx.Client], feed
         return scores.get("keep") == {"0": 6}
 
     wait_for(kept, 10.0, interval=0.01, what="the blocks of the worker registered before")
+
+
+def test_every_refusal_is_counted_in_metrics(guarded: tuple[Server, httpx.Client]) -> None:
+    """Each kind of refused request or cut-off connection has its kvevents_http_* counter."""
+    running, client = guarded
+    client.post("/register", json={})  # 401
+    _register(client, "a", "tcp://10.0.0.1:1")  # 403
+    client.post("/query", content=b"{")  # 400
+    client.get("/nope")  # 404
+    client.post("/query", content=b"x" * (LIMITS.max_body_bytes + 1))  # 413
+    with _connect(running) as slow:
+        slow.sendall(b"POST /query HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n")
+        assert _read_all(slow).startswith(b"HTTP/1.1 408")
+    with _connect(running) as huge:
+        huge.sendall(b"GET / HTTP/1.1\r\n" + b"X: " + b"a" * (LIMITS.max_header_bytes + 1))
+        assert _read_all(huge).startswith(b"HTTP/1.1 431")
+    with _connect(running) as idle:
+        assert _read_all(idle) == b""
+    counts = {
+        line.split()[0]: float(line.split()[1])
+        for line in client.get("/metrics").text.splitlines()
+        if line.startswith("kvevents_http_")
+    }
+    for name in ("unauthorized", "forbidden_endpoints", "bad_requests", "not_found",
+                 "bodies_too_large", "body_timeouts", "headers_too_large"):  # fmt: skip
+        assert counts[f"kvevents_http_{name}_total"] == 1.0, (name, counts)
+    assert counts["kvevents_http_header_timeouts_total"] >= 1.0
+    assert counts["kvevents_http_connections_refused_total"] == 0.0

@@ -23,6 +23,7 @@ from kvevents.service import dump as service_dump
 from kvevents.service import query as service_query
 from kvevents.service.core import IndexService, ServiceStats, StreamRefused, WorkerRegistration
 from kvevents.service.http import Server, serve
+from kvevents.service.limits import HttpStats
 from kvevents.subscribe.streams import (
     Delivery,
     FeedHealth,
@@ -665,10 +666,12 @@ def test_deep_nesting_and_unknown_routes_get_json_errors(client: httpx.Client) -
 def test_metrics_cover_every_service_counter_with_its_documentation(
     client: httpx.Client,
 ) -> None:
-    """Every ServiceStats and IndexStats field reaches /metrics, its HELP text the field's
+    """Every ServiceStats, IndexStats and HttpStats field reaches /metrics, its HELP text the field's
     own documentation rather than its name."""
     text = client.get("/metrics").text
-    for record, prefix in ((ServiceStats, "kvevents_service"), (IndexStats, "kvevents_index")):
+    records = [(ServiceStats, "kvevents_service"), (IndexStats, "kvevents_index"),
+               (HttpStats, "kvevents_http")]  # fmt: skip
+    for record, prefix in records:
         docs = field_docs(record)
         for f in dataclasses.fields(record):
             suffix = "" if f.name in getattr(record, "GAUGES", ()) else "_total"

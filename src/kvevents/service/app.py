@@ -37,11 +37,12 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvevents.errors import LayoutError
+from kvevents.metrics import StatsCollector
 from kvevents.service.access import EndpointPolicy, EndpointRefused, TokenCheck
 from kvevents.service.collector import ServiceCollector
 from kvevents.service.core import IndexService, StreamRefused, WorkerRegistration
 from kvevents.service.dump import dump_chunks
-from kvevents.service.limits import HttpLimits, read_body
+from kvevents.service.limits import STATUS_FIELDS, HttpCounters, HttpLimits, read_body
 from kvevents.service.memory import IdleTrim, release_free_memory
 from kvevents.service.query import LeanQuery, QueryReader
 from kvevents.service.schema import (
@@ -80,12 +81,18 @@ class _Api:
     """The HTTP handlers over one service."""
 
     def __init__(
-        self, service: IndexService, options: AppOptions, collectors: Sequence[Any]
+        self,
+        service: IndexService,
+        options: AppOptions,
+        collectors: Sequence[Any],
+        counters: HttpCounters,
     ) -> None:
         self.service = service
         self.options = options
+        self.counters = counters
         self.registry = CollectorRegistry()
         self.registry.register(ServiceCollector(service))
+        self.registry.register(StatsCollector("kvevents_http", lambda: [({}, counters.stats())]))
         for collector in collectors:
             self.registry.register(collector)
         self._dumping = asyncio.Lock()
@@ -167,6 +174,35 @@ class _Api:
         text = await run_in_threadpool(generate_latest, self.registry)
         return Response(text, media_type="text/plain; version=0.0.4")
 
+    async def bad_request(self, request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, BadRequest)
+        self.count_refusal(exc.status)
+        details = exc.details if isinstance(exc, _Refused) else {}
+        response = _json({"error": str(exc), **details}, exc.status)
+        if exc.status in (408, 413):  # the body was not read whole: the connection is spent
+            response.headers["connection"] = "close"
+        return response
+
+    async def http_error(self, request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        self.count_refusal(exc.status_code)
+        if exc.status_code == 404:
+            message = f"no such endpoint: {request.method} {request.url.path}"
+        else:
+            message = f"{request.url.path}: {exc.detail}"
+        return Response(
+            msgspec.json.encode({"error": message}),
+            exc.status_code,
+            headers=exc.headers,
+            media_type="application/json",
+        )
+
+    def count_refusal(self, status: int) -> None:
+        """Count a refused request by its status (a field of HttpStats)."""
+        name = STATUS_FIELDS.get(status)
+        if name is not None:
+            self.counters.add(name)
+
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
         self.service.start()
@@ -195,29 +231,6 @@ class _Refused(BadRequest):
         self.details = details
 
 
-async def _bad_request(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, BadRequest)
-    details = exc.details if isinstance(exc, _Refused) else {}
-    response = _json({"error": str(exc), **details}, exc.status)
-    if exc.status in (408, 413):  # the body was not read whole: the connection is spent
-        response.headers["connection"] = "close"
-    return response
-
-
-async def _http_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, HTTPException)
-    if exc.status_code == 404:
-        message = f"no such endpoint: {request.method} {request.url.path}"
-    else:
-        message = f"{request.url.path}: {exc.detail}"
-    return Response(
-        msgspec.json.encode({"error": message}),
-        exc.status_code,
-        headers=exc.headers,
-        media_type="application/json",
-    )
-
-
 async def _server_error(request: Request, exc: Exception) -> Response:
     return _json({"error": f"internal error: {type(exc).__name__}"}, 500)
 
@@ -225,14 +238,16 @@ async def _server_error(request: Request, exc: Exception) -> Response:
 class Guard:
     """ASGI layer refusing requests without the bearer token where one is needed (401)."""
 
-    def __init__(self, app: ASGIApp, auth: TokenCheck) -> None:
+    def __init__(self, app: ASGIApp, auth: TokenCheck, counters: HttpCounters) -> None:
         self.app = app
         self.auth = auth
+        self.counters = counters
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and self.auth.required(scope["path"] in MUTATING):
             given = next((v for k, v in scope["headers"] if k == b"authorization"), None)
             if not self.auth.accepts(given):
+                self.counters.add("unauthorized")
                 await _unauthorized(scope, send)
                 return
         await self.app(scope, receive, send)
@@ -256,15 +271,19 @@ def create_app(
     *,
     collectors: Sequence[Any] = (),
     options: AppOptions | None = None,
+    counters: HttpCounters | None = None,
 ) -> Starlette:
     """The ASGI app. Its lifespan starts the service and closes it at shutdown.
 
     ``collectors`` (prometheus-client collectors, e.g. ``kvevents.metrics.subscriber_collector``)
     are served by ``GET /metrics`` next to the index's own metrics. ``options``: the token,
     the endpoint hosts registrations may name (default: loopback only), the client limits.
+    ``counters`` (default: new ones) count what was refused; ``app.state.http_counters``
+    holds them, for the server to count the connections it cuts off.
     """
     options = options if options is not None else AppOptions()
-    api = _Api(service, options, collectors)
+    counters = counters if counters is not None else HttpCounters()
+    api = _Api(service, options, collectors, counters)
     routes = [
         Route("/register", api.register, methods=["POST"]),
         Route("/unregister", api.unregister, methods=["POST"]),
@@ -276,16 +295,18 @@ def create_app(
         Route("/health", api.health, methods=["GET"]),
     ]
     reader = QueryReader(service)
-    return Starlette(
+    app = Starlette(
         routes=routes,
         middleware=[
-            Middleware(Guard, auth=options.auth),
-            Middleware(LeanQuery, reader=reader, limits=options.limits),
+            Middleware(Guard, auth=options.auth, counters=counters),
+            Middleware(LeanQuery, reader=reader, limits=options.limits, count=api.count_refusal),
         ],
         exception_handlers={
-            BadRequest: _bad_request,
-            HTTPException: _http_error,
+            BadRequest: api.bad_request,
+            HTTPException: api.http_error,
             Exception: _server_error,
         },
         lifespan=api.lifespan,
     )
+    app.state.http_counters = counters
+    return app

@@ -8,14 +8,16 @@ or sends an endless body, holds sockets and memory for as long as it likes.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import sys
+import threading
 from dataclasses import dataclass
 
 from starlette.types import Receive, Scope
 
 from kvevents.service.schema import BadRequest
 
-__all__ = ["HttpLimits", "read_body"]
+__all__ = ["STATUS_FIELDS", "HttpCounters", "HttpLimits", "HttpStats", "read_body"]
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,53 @@ class HttpLimits:
             raise ValueError("max_body_bytes, max_connections and max_header_bytes must be >= 1")
         if min(self.header_timeout, self.body_timeout) <= 0:
             raise ValueError("header_timeout and body_timeout must be > 0")
+
+
+@dataclass(frozen=True)
+class HttpStats:
+    """What the HTTP side refused or cut off, by kind (``kvevents_http_*`` metrics)."""
+
+    bad_requests: int = 0  #: requests refused with 400 (malformed, out of range, layout rule)
+    unauthorized: int = 0  #: requests refused with 401 (no or wrong bearer token)
+    forbidden_endpoints: int = 0  #: registrations refused with 403 (endpoint host not allowed)
+    not_found: int = 0  #: requests for an unknown route or with a wrong method (404, 405)
+    body_timeouts: int = 0  #: requests whose body did not arrive in time (408)
+    bodies_too_large: int = 0  #: requests whose body was over the size limit (413)
+    headers_too_large: int = 0  #: connections whose request headers were over the limit (431)
+    header_timeouts: int = 0  #: connections closed for not sending request headers in time
+    connections_refused: int = 0  #: connections closed at accept, over the connection cap
+
+
+class HttpCounters:
+    """The running counts behind :class:`HttpStats`; shared by the app and the server.
+
+    Incremented on the event loop thread; :meth:`stats` may be called from any thread.
+    """
+
+    def __init__(self) -> None:
+        self._counts = {f.name: 0 for f in dataclasses.fields(HttpStats)}
+        self._lock = threading.Lock()
+
+    def add(self, name: str) -> None:
+        """Count one ``name`` (a field of :class:`HttpStats`)."""
+        with self._lock:
+            self._counts[name] += 1
+
+    def stats(self) -> HttpStats:
+        with self._lock:
+            return HttpStats(**self._counts)
+
+
+#: The HttpStats field counting each refusal status of a request.
+STATUS_FIELDS = {
+    400: "bad_requests",
+    401: "unauthorized",
+    403: "forbidden_endpoints",
+    404: "not_found",
+    405: "not_found",
+    408: "body_timeouts",
+    413: "bodies_too_large",
+}
 
 
 def _declared_length(scope: Scope) -> int | None:

@@ -140,10 +140,17 @@ async def json_response(send: Send, status: int, payload: bytes, close: bool = F
 class LeanQuery:
     """ASGI layer answering ``POST /query`` itself; everything else goes on to ``app``."""
 
-    def __init__(self, app: ASGIApp, reader: QueryReader, limits: HttpLimits) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        reader: QueryReader,
+        limits: HttpLimits,
+        count: Callable[[int], None] = lambda status: None,
+    ) -> None:
         self.app = app
         self.reader = reader
         self.limits = limits
+        self.count = count  # of each refusal, by status
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] != "/query" or scope["method"] != "POST":
@@ -155,6 +162,7 @@ class LeanQuery:
                 return  # the client went away
             status, payload = 200, _encoder.encode(self.reader.answer(body))
         except BadRequest as exc:
+            self.count(exc.status)
             error = _encoder.encode({"error": str(exc)})
             # 408 and 413 leave a body unread on the connection: it cannot be reused.
             await json_response(send, exc.status, error, close=exc.status != 400)

@@ -23,7 +23,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from kvevents.service.app import AppOptions, create_app
 from kvevents.service.core import IndexService
-from kvevents.service.limits import HttpLimits
+from kvevents.service.limits import HttpCounters, HttpLimits
 
 __all__ = ["Server", "serve"]
 
@@ -40,16 +40,18 @@ class _LimitedProtocol(HttpToolsProtocol):
     """
 
     limits: HttpLimits = HttpLimits()
+    counters: HttpCounters = HttpCounters()
 
     @classmethod
-    def with_limits(cls, limits: HttpLimits) -> type[_LimitedProtocol]:
-        return type("LimitedProtocol", (cls,), {"limits": limits})
+    def with_limits(cls, limits: HttpLimits, counters: HttpCounters) -> type[_LimitedProtocol]:
+        return type("LimitedProtocol", (cls,), {"limits": limits, "counters": counters})
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._header_bytes = 0
         self._header_timer: asyncio.TimerHandle | None = None
         if len(self.connections) > self.limits.max_connections:
+            self.counters.add("connections_refused")
             transport.close()  # over the cap: refused before it costs more than the accept
             return
         self._arm()
@@ -66,6 +68,7 @@ class _LimitedProtocol(HttpToolsProtocol):
     def _expired(self) -> None:
         self._header_timer = None
         if not self.transport.is_closing():
+            self.counters.add("header_timeouts")
             self.transport.close()
 
     def data_received(self, data: bytes) -> None:
@@ -76,6 +79,7 @@ class _LimitedProtocol(HttpToolsProtocol):
         self._header_bytes += len(data)
         if self._header_bytes > self.limits.max_header_bytes:
             self._disarm()
+            self.counters.add("headers_too_large")
             self.transport.write(_HEADERS_TOO_LARGE)
             self.transport.close()
 
@@ -122,7 +126,7 @@ class Server:
             lifespan="on",
             access_log=False,
             proxy_headers=False,
-            http=_LimitedProtocol.with_limits(limits),
+            http=_LimitedProtocol.with_limits(limits, _counters_of(app)),
             timeout_keep_alive=max(1, min(5, int(limits.header_timeout))),
         )
         self._server = uvicorn.Server(config)
@@ -180,6 +184,12 @@ class Server:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _counters_of(app: Starlette) -> HttpCounters:
+    """The app's counters (``create_app`` sets them), or new ones nobody reads."""
+    counters = getattr(app.state, "http_counters", None)
+    return counters if isinstance(counters, HttpCounters) else HttpCounters()
 
 
 def _bound_socket(host: str, port: int) -> socket.socket:
