@@ -13,8 +13,9 @@ from typing import Any
 import httpx
 import pytest
 
+from kvevents.errors import LayoutError
 from kvevents.index.prefix import PrefixIndex
-from kvevents.service.access import EndpointPolicy, EndpointRefused, TokenCheck, load_token
+from kvevents.service.access import EndpointPolicy, TokenCheck, load_token
 from kvevents.service.core import IndexService, WorkerRegistration
 from kvevents.service.http import AppOptions, HttpLimits, Server, serve
 from kvevents.subscribe.streams import StreamSpec, worker_streams
@@ -153,10 +154,11 @@ def test_the_allow_list_takes_addresses_cidrs_names_and_ipc() -> None:
                      "ipc:///run/kv"):  # fmt: skip
         policy.check("endpoint", endpoint, [0])
     for endpoint in ("tcp://11.0.0.1:1", "tcp://127.0.0.1:1", "tcp://engine-b:1", "inproc://x"):
-        with pytest.raises(EndpointRefused):
+        with pytest.raises(LayoutError) as refused:
             policy.check("endpoint", endpoint, [0])
+        assert refused.value.rule == "allowed_host" and "at `$.endpoint`" in str(refused.value)
     EndpointPolicy(("*",)).check("endpoint", "tcp://203.0.113.9:1", [0, 1])
-    with pytest.raises(EndpointRefused, match="own HTTP port"):
+    with pytest.raises(LayoutError, match="own HTTP port"):
         EndpointPolicy(("*",)).with_forbidden_port(8090).check("e", "tcp://h:8089", [0, 1])
 
 

@@ -21,7 +21,7 @@ from kvevents.index.prefix import IndexStats, PrefixIndex
 from kvevents.metrics import field_docs
 from kvevents.service import dump as service_dump
 from kvevents.service import query as service_query
-from kvevents.service.core import IndexService, ServiceStats, StreamRefused, WorkerRegistration
+from kvevents.service.core import IndexService, ServiceStats, WorkerRegistration
 from kvevents.service.http import Server, serve
 from kvevents.service.limits import HttpStats
 from kvevents.subscribe.streams import (
@@ -597,7 +597,7 @@ def test_a_replacement_the_feed_refuses_restores_the_old_registration() -> None:
     feed = RefusingFeed()
     service = make_service(feed)
     service.register(WorkerRegistration("a", LOCAL, BS))
-    with pytest.raises(StreamRefused):
+    with pytest.raises(StreamAddError, match="no room"):
         service.register(WorkerRegistration("a", "tcp://127.0.0.1:7000", 8))
     assert service.workers() == [WorkerRegistration("a", LOCAL, BS)]
     assert [(s.key, s.endpoint) for s in feed.specs] == [(("a", 0), LOCAL)]

@@ -19,13 +19,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvevents.errors import LayoutError
 from kvevents.wire.endpoints import parse_endpoint, rank_endpoint
 
 __all__ = [
+    "ACCESS_RULES",
     "DEFAULT_ALLOWED_HOSTS",
     "TOKEN_ENV",
     "EndpointPolicy",
-    "EndpointRefused",
     "TokenCheck",
     "load_token",
 ]
@@ -36,17 +37,10 @@ TOKEN_ENV = "KVEVENTS_AUTH_TOKEN"
 DEFAULT_ALLOWED_HOSTS = ("127.0.0.0/8", "::1", "localhost")
 #: The allow-list entry that admits ``ipc://`` endpoints (local Unix sockets).
 IPC = "ipc"
+#: The ``LayoutError.rule`` of an endpoint refused by the policy (not malformed: forbidden).
+ACCESS_RULES = frozenset({"allowed_host", "own_port"})
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
-
-
-class EndpointRefused(ValueError):
-    """An endpoint of a registration is not allowed (``field`` names the body field)."""
-
-    def __init__(self, message: str, *, field: str, endpoint: str) -> None:
-        super().__init__(message)
-        self.field = field
-        self.endpoint = endpoint
 
 
 def load_token(path: str | None, environ: dict[str, str] | None = None) -> str | None:
@@ -116,8 +110,9 @@ class EndpointPolicy:
         return EndpointPolicy(self.hosts, self.forbidden_ports | {port})
 
     def check(self, field_name: str, endpoint: str, ranks: Iterable[int]) -> None:
-        """Raise :class:`EndpointRefused` unless every rank's endpoint derived from the base
-        ``endpoint`` may be connected to (``LayoutError`` if one breaks a layout rule)."""
+        """Raise ``LayoutError`` unless every rank's endpoint derived from the base
+        ``endpoint`` may be connected to: its ``rule`` is one of :data:`ACCESS_RULES` when the
+        policy forbids it, a layout rule when it is malformed."""
         for rank in ranks:
             self._check_one(field_name, rank_endpoint(endpoint, rank))
 
@@ -126,15 +121,16 @@ class EndpointPolicy:
         if parsed.scheme != "tcp":
             if parsed.scheme == IPC and IPC in self._entries:
                 return
-            raise self._refused(field_name, endpoint, f"{parsed.scheme}:// endpoints")
+            raise _refused(field_name, endpoint, f"{parsed.scheme}:// endpoints", self.hosts)
         host = parsed.host.strip("[]").lower()
         if not self._host_allowed(host):
-            raise self._refused(field_name, endpoint, f"host {parsed.host}")
+            raise _refused(field_name, endpoint, f"host {parsed.host}", self.hosts)
         if parsed.port in self.forbidden_ports:
-            raise EndpointRefused(
+            raise LayoutError(
                 f"endpoint {endpoint!r} is this service's own HTTP port - at `$.{field_name}`",
-                field=field_name,
                 endpoint=endpoint,
+                rank=None,
+                rule="own_port",
             )
 
     def _host_allowed(self, host: str) -> bool:
@@ -146,10 +142,12 @@ class EndpointPolicy:
             return True
         return any(not isinstance(e, str) and address in e for e in self._entries)
 
-    def _refused(self, field_name: str, endpoint: str, what: str) -> EndpointRefused:
-        return EndpointRefused(
-            f"endpoint {endpoint!r}: {what} not allowed (allowed: {', '.join(self.hosts)}; "
-            f"see --allow-endpoint-host) - at `$.{field_name}`",
-            field=field_name,
-            endpoint=endpoint,
-        )
+
+def _refused(field_name: str, endpoint: str, what: str, hosts: tuple[str, ...]) -> LayoutError:
+    return LayoutError(
+        f"endpoint {endpoint!r}: {what} not allowed (allowed: {', '.join(hosts)}; "
+        f"see --allow-endpoint-host) - at `$.{field_name}`",
+        endpoint=endpoint,
+        rank=None,
+        rule="allowed_host",
+    )

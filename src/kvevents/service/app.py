@@ -36,11 +36,11 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kvevents.errors import LayoutError
+from kvevents.errors import LayoutError, StreamAddError
 from kvevents.metrics import StatsCollector
-from kvevents.service.access import EndpointPolicy, EndpointRefused, TokenCheck
+from kvevents.service.access import ACCESS_RULES, EndpointPolicy, TokenCheck
 from kvevents.service.collector import ServiceCollector
-from kvevents.service.core import IndexService, StreamRefused, WorkerRegistration
+from kvevents.service.core import IndexService, WorkerRegistration
 from kvevents.service.dump import dump_chunks
 from kvevents.service.limits import STATUS_FIELDS, HttpCounters, HttpLimits, read_body
 from kvevents.service.memory import IdleTrim, release_free_memory
@@ -110,7 +110,7 @@ class _Api:
             specs = await run_in_threadpool(self.service.register, reg)
         except LayoutError as exc:  # a spec builder stricter with the pair than each alone
             raise _Refused(400, str(exc), field="endpoint", endpoint=exc.endpoint) from None
-        except StreamRefused as exc:
+        except StreamAddError as exc:
             raise _Refused(
                 422, str(exc), field="endpoint", endpoint=exc.endpoint, rank=exc.rank
             ) from None
@@ -130,11 +130,11 @@ class _Api:
                 self.service.stream_specs(probe)
                 self.options.endpoints.check(name, endpoint, reg.ranks)
             except LayoutError as exc:
+                if exc.rule in ACCESS_RULES:  # forbidden here, though well-formed
+                    raise _Refused(403, str(exc), field=name, endpoint=endpoint) from None
                 raise _Refused(
                     400, f"{exc} - at `$.{name}`", field=name, endpoint=endpoint, rule=exc.rule
                 ) from None
-            except EndpointRefused as exc:
-                raise _Refused(403, str(exc), field=name, endpoint=endpoint) from None
 
     async def unregister(self, request: Request) -> Response:
         body = decode(await self._body(request), _unregister_decoder, "/unregister")

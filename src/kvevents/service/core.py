@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 import msgspec
 
-from kvevents.errors import DecodeError, SubscriberError
+from kvevents.errors import DecodeError, StreamAddError, SubscriberError
 from kvevents.index.prefix import HolderKey, IndexStats, PrefixIndex
 from kvevents.index.router import Router
 from kvevents.subscribe.streams import (
@@ -42,7 +42,6 @@ __all__ = [
     "Feed",
     "IndexService",
     "ServiceStats",
-    "StreamRefused",
     "WorkerRegistration",
 ]
 
@@ -60,20 +59,6 @@ class Feed(Protocol):
     def stats(self) -> SubscriberStats: ...
     def stream_stats(self) -> dict[StreamKey, StreamStats]: ...
     def health(self) -> FeedHealth: ...
-
-
-class StreamRefused(ValueError):
-    """A registration's stream could not be added to the feed; nothing was changed.
-
-    ``worker_id``, ``rank`` and ``endpoint`` name the stream, ``reason`` says why.
-    """
-
-    def __init__(self, worker_id: str, rank: int, endpoint: str, reason: str) -> None:
-        super().__init__(f"worker {worker_id!r} rank {rank} ({endpoint}): {reason}")
-        self.worker_id = worker_id
-        self.rank = rank
-        self.endpoint = endpoint
-        self.reason = reason
 
 
 @dataclasses.dataclass(frozen=True)
@@ -312,8 +297,9 @@ class IndexService:
         """Index a worker's ranks and subscribe to them; re-registering replaces.
 
         Everything is checked before anything changes: endpoints that break a rule raise
-        ``LayoutError`` and a stream the feed refuses raises :class:`StreamRefused`, and in
-        both cases a worker registered before keeps its old registration and streams.
+        ``LayoutError`` and a stream the feed refuses raises
+        :class:`~kvevents.errors.StreamAddError`, and in both cases a worker registered before
+        keeps its old registration and streams.
         """
         specs = self._stream_specs(reg)
         with self._changes:
@@ -322,7 +308,7 @@ class IndexService:
                 self._drop(old, None)
             try:
                 self._add(reg, specs)
-            except StreamRefused:
+            except StreamAddError:
                 self._counts["refused_registrations"] += 1
                 if old is not None:
                     self._add(old, self._stream_specs(old))
@@ -331,7 +317,7 @@ class IndexService:
         return specs
 
     def _add(self, reg: WorkerRegistration, specs: list[StreamSpec]) -> None:
-        """Register ``reg`` in the index and the feed, or (StreamRefused) not at all."""
+        """Register ``reg`` in the index and the feed, or (StreamAddError) not at all."""
         with self.lock:
             self.index.register_worker(reg.worker_id, block_size=reg.block_size, ranks=reg.ranks)
             self._workers[reg.worker_id] = reg
@@ -340,12 +326,13 @@ class IndexService:
             try:
                 self.feed.add_stream(spec)
             except (SubscriberError, ValueError) as exc:
+                refused = exc if isinstance(exc, StreamAddError) else _add_error(spec, exc)
                 for done in added:
                     # The feed may have dropped a stream it could not keep: nothing to undo.
                     with contextlib.suppress(KeyError):
                         self.feed.remove_stream(done.worker_id, done.rank)
                 self._forget(reg, None)
-                raise StreamRefused(spec.worker_id, spec.rank, spec.endpoint, str(exc)) from exc
+                raise refused from exc
             added.append(spec)
 
     def unregister(self, worker_id: str, rank: int | None = None) -> bool:
@@ -485,6 +472,13 @@ class IndexService:
             for key, size in self.holders()
         ]
         return {"holders": holders, "stats": _builtins(self.index_stats())}
+
+
+def _add_error(spec: StreamSpec, exc: Exception) -> StreamAddError:
+    """A feed's own refusal (a duplicate stream: ValueError) as the Subscriber reports one."""
+    return StreamAddError(
+        worker_id=spec.worker_id, rank=spec.rank, endpoint=spec.endpoint, reason=str(exc)
+    )
 
 
 def _holder_header(key: HolderKey, block_size: int | None) -> dict[str, Any]:
