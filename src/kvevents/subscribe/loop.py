@@ -109,6 +109,7 @@ class Loop:
         # Before the first socket: libzmq fixes the limit when it creates its socket table.
         self._ctx.set(zmq.MAX_SOCKETS, options.max_sockets)
         self._max_streams = options.max_sockets - options.replay.max_concurrent - _OWN_SOCKETS
+        self._limits = options.decode_limits
         self._waker = self._ctx.socket(zmq.PAIR)
         self._waker.setsockopt(zmq.LINGER, 0)
         self._waker.bind(self._wake_endpoint)
@@ -166,7 +167,12 @@ class Loop:
         wake.connect(self._wake_endpoint)
         poller.register(wake, zmq.POLLIN)
         self.poller = poller
-        self.replays = ReplayClient(self._ctx, poller, options=self.options.replay)
+        self.replays = ReplayClient(
+            self._ctx,
+            poller,
+            options=self.options.replay,
+            max_message_size=self.options.max_message_size,
+        )
         for spec in self._initial:
             try:
                 self._add(spec)
@@ -263,6 +269,7 @@ class Loop:
         try:
             sub.setsockopt(zmq.LINGER, 0)
             sub.setsockopt(zmq.RCVHWM, self.options.rcvhwm)
+            sub.setsockopt(zmq.MAXMSGSIZE, self.options.max_message_size)
             sub.setsockopt(zmq.SUBSCRIBE, spec.topic.encode())
             apply_client(sub, spec.curve or self.options.curve)
             sub.connect(spec.endpoint)
@@ -411,16 +418,19 @@ class Loop:
                 self._account(stream, seq, applied)
                 return
         try:
-            decoded = decode_batch(payload, seq=seq)
+            decoded = decode_batch(payload, seq=seq, limits=self._limits)
         except DecodeError as exc:
             self._decode_failed(stream, exc)
+            return
+        except Exception as exc:  # a decoder bug must cost this payload only
+            self._decode_failed(stream, DecodeError(f"decoder failed: {exc!r}", seq=seq))
             return
         batch = decoded.batch
         clears = not stream.cursor.complete and any(
             isinstance(e, AllBlocksCleared) for e in batch.events
         )  # only an incomplete stream needs to know
         self._account(
-            stream, seq, Applied(batch.ts, len(batch.events), len(decoded.skipped), clears)
+            stream, seq, Applied(batch.ts, len(batch.events), decoded.skipped_count, clears)
         )
         self._emit(Delivery(stream.spec, seq, batch))
 

@@ -113,8 +113,12 @@ class ReplayClient:
         *,
         options: ReplayOptions | None = None,
         clock: Callable[[], float] = time.monotonic,
+        max_message_size: int = -1,
     ) -> None:
         self._context = context
+        # ZeroMQ's MAXMSGSIZE of every DEALER (-1: no limit): a reply frame over it drops
+        # the connection, which the idle timeout then handles like a silent server.
+        self._max_message_size = max_message_size
         self._poller = poller
         self.options = options or ReplayOptions()
         self._clock = clock
@@ -237,6 +241,7 @@ class ReplayClient:
         sock = self._context.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, 0)  # the server sends the whole reply at once
+        sock.setsockopt(zmq.MAXMSGSIZE, self._max_message_size)
         apply_client(sock, replay.curve)
         sock.connect(replay.endpoint)
         sock.send_multipart(replay_request_frames(replay.next_seq))

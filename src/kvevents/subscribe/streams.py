@@ -18,7 +18,7 @@ import msgspec
 from kvevents.errors import LayoutError
 from kvevents.events import KVEventBatch
 from kvevents.subscribe.cursor import CursorState
-from kvevents.wire import Applied
+from kvevents.wire import DEFAULT_LIMITS, Applied, DecodeLimits
 from kvevents.wire.endpoints import parse_endpoint, rank_endpoint
 
 if TYPE_CHECKING:  # records only: importing them here must not load zmq
@@ -53,6 +53,11 @@ ResetReason: TypeAlias = Literal["restart", "removed"]
 #: The I/O thread's health: serving, stuck on work for too long, or not running.
 FeedState: TypeAlias = Literal["ok", "stalled", "dead"]
 
+
+#: The largest message a subscriber accepts by default (``SubscriberOptions.max_message_size``):
+#: 8 MiB holds about 180 prefills of 8k tokens (45 KB each: 5 bytes a token, 9 a block hash)
+#: in one batch, twenty times what a step of 64k batched tokens can store.
+DEFAULT_MAX_MESSAGE_SIZE = 8 * 1024 * 1024
 
 #: The subscriber's default socket limit: 8,192 covers 8,000 streams (a SUB each) plus the
 #: replay DEALERs and the wake-up pair, about twice the 4,096 streams it is meant to serve.
@@ -322,6 +327,11 @@ class SubscriberOptions:
     :meth:`Subscriber.health` says ``"stalled"``. ``max_sockets``: the ZeroMQ context's socket
     limit (libzmq's default, 1023, is exhausted by about 1,020 streams); it bounds the
     streams read at once to ``max_sockets - replay.max_concurrent - 2``.
+    ``max_message_size``: the largest frame a SUB or replay socket accepts (ZeroMQ's
+    ``MAXMSGSIZE``; a peer sending more is disconnected, which shows as a gap, replayed or
+    reported unrecoverable). ``max_events_per_batch`` and ``max_tokens_per_event``: events
+    past the first ``max_events_per_batch`` of a batch, and events with more tokens, are
+    skipped and counted in ``skipped_events`` (the rest of the batch is delivered).
     """
 
     queue_size: int = 10_000
@@ -339,11 +349,25 @@ class SubscriberOptions:
     add_timeout: float = 10.0
     stall_after: float = 10.0
     max_sockets: int = DEFAULT_MAX_SOCKETS
+    max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE
+    max_events_per_batch: int = DEFAULT_LIMITS.max_events
+    max_tokens_per_event: int = DEFAULT_LIMITS.max_tokens
 
     def __post_init__(self) -> None:
         if self.queue_size < 1 or self.rcvhwm < 0:
             raise ValueError("queue_size must be >= 1 and rcvhwm >= 0")
         if self.add_timeout <= 0 or self.stall_after <= 0:
             raise ValueError("add_timeout and stall_after must be > 0")
+        if self.max_message_size < 1024:
+            raise ValueError("max_message_size must be >= 1024 bytes")
+        if min(self.max_events_per_batch, self.max_tokens_per_event) < 1:
+            raise ValueError("max_events_per_batch and max_tokens_per_event must be >= 1")
         if self.max_sockets < self.replay.max_concurrent + 3:
             raise ValueError("max_sockets must leave room for a stream, the replays and 2 more")
+
+    @property
+    def decode_limits(self) -> DecodeLimits:
+        """The decoder's limits these options set."""
+        return DecodeLimits(
+            max_events=self.max_events_per_batch, max_tokens=self.max_tokens_per_event
+        )
