@@ -59,6 +59,12 @@ FeedState: TypeAlias = Literal["ok", "stalled", "dead"]
 #: in one batch, twenty times what a step of 64k batched tokens can store.
 DEFAULT_MAX_MESSAGE_SIZE = 8 * 1024 * 1024
 
+#: Payload bytes a subscriber queues for its consumer by default: decoded, a batch takes
+#: about 14 times its payload, so this is about 450 MB of objects at most.
+DEFAULT_QUEUE_BYTES = 32 * 1024 * 1024
+#: Payload bytes one stream holds while a replay fills the hole before them.
+DEFAULT_MAX_BUFFERED_BYTES = 16 * 1024 * 1024
+
 #: The subscriber's default socket limit: 8,192 covers 8,000 streams (a SUB each) plus the
 #: replay DEALERs and the wake-up pair, about twice the 4,096 streams it is meant to serve.
 DEFAULT_MAX_SOCKETS = 8192
@@ -221,7 +227,8 @@ class StreamCounters:
     ``restarts``: publisher restarts seen. ``decode_errors``: messages that could not be
     read at all. ``skipped_events``: events skipped inside otherwise good batches.
     ``events``: events delivered. ``failures``: errors of the stream's own that detached it
-    (its state is then ``"failed"``).
+    (its state is then ``"failed"``). ``shed``: batches dropped because the consumer was
+    behind (``SubscriberOptions.queue_bytes``); each run of them is replayed.
     """
 
     received: int = 0
@@ -237,6 +244,7 @@ class StreamCounters:
     skipped_events: int = 0
     events: int = 0
     failures: int = 0
+    shed: int = 0
 
 
 #: The names of :class:`StreamCounters`, in order.
@@ -268,23 +276,35 @@ class SubscriberStats(StreamCounters):
 
     ``streams``: streams read now; ``incomplete``: how many are incomplete; ``failed``: how
     many are failed (detached); ``queued``: items waiting for the consumer;
+    ``queued_bytes``: the payload bytes of those items;
     ``callback_errors``: exceptions raised by callbacks; ``add_errors``: streams that could
     not be added (:class:`~kvevents.errors.StreamAddError`); ``max_lag``: the largest stream
-    lag. The counters sum :class:`StreamStats` over current streams.
+    lag. The counters sum :class:`StreamStats` over current streams. ``replay_*``: what the
+    replay client did: requests sent, resumes (a fresh request after a skip or silence),
+    timeouts (idle or total), trimmed replies (the server's ring had moved on), malformed
+    reply messages, replays completed and failed.
     """
 
     #: Fields that are levels (Prometheus gauges); every other number only grows.
     GAUGES: ClassVar[frozenset[str]] = frozenset(
-        {"failed", "incomplete", "max_lag", "queued", "streams"}
+        {"failed", "incomplete", "max_lag", "queued", "queued_bytes", "streams"}
     )
 
     streams: int
     incomplete: int
     failed: int = 0
     queued: int
+    queued_bytes: int = 0
     callback_errors: int
     add_errors: int = 0
     max_lag: float | None
+    replay_requests: int = 0
+    replay_resumes: int = 0
+    replay_timeouts: int = 0
+    replay_trimmed: int = 0
+    replay_malformed: int = 0
+    replay_completed: int = 0
+    replay_failed: int = 0
 
 
 @dataclass(frozen=True)
@@ -310,10 +330,14 @@ class SubscriberOptions:
 
     ``queue_size``: items waiting for the consumer; when full the I/O thread waits, ZeroMQ
     buffers up to ``rcvhwm`` messages per stream and then drops, which shows up as gaps that
-    are replayed. ``callback``: called on the I/O thread with every item instead of queueing
-    it (keep it quick). ``on_status``: called on the I/O thread with every
-    :class:`StreamStatus`; ``status_items`` also queues them. ``max_buffered``: live messages
-    held per stream during a replay. ``duplicate_window``: delivered batches remembered per
+    are replayed. ``queue_bytes``: payload bytes waiting for the consumer; past it batches
+    are shed (counted in ``shed``), the stream reported ``"incomplete"`` and rebuilt by a
+    replay from the first shed batch once the queue is half empty. ``callback``: called on
+    the I/O thread with every item instead of queueing it (keep it quick). ``on_status``:
+    called on the I/O thread with every :class:`StreamStatus`; ``status_items`` also queues
+    them. ``max_buffered``: live messages held per stream during a replay, and
+    ``max_buffered_bytes`` their payload bytes (past either the replay is abandoned and the
+    hole reported unrecoverable). ``duplicate_window``: delivered batches remembered per
     stream to tell a duplicate from a restart. ``gap_log_interval``: at most one gap warning
     per stream per that many seconds. ``wall_clock``: the clock ``lag`` is measured with.
     ``curve``: the CURVE client of every stream whose spec has none (``docs/security.md``).
@@ -335,9 +359,11 @@ class SubscriberOptions:
     """
 
     queue_size: int = 10_000
+    queue_bytes: int = DEFAULT_QUEUE_BYTES
     rcvhwm: int = 100_000
     replay: ReplayOptions = field(default_factory=ReplayOptions)
     max_buffered: int = 100_000
+    max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES
     duplicate_window: int = 1024
     callback: Callable[[Delivery | StreamReset], None] | None = None
     on_status: Callable[[StreamStatus], None] | None = None
@@ -358,6 +384,8 @@ class SubscriberOptions:
             raise ValueError("queue_size must be >= 1 and rcvhwm >= 0")
         if self.add_timeout <= 0 or self.stall_after <= 0:
             raise ValueError("add_timeout and stall_after must be > 0")
+        if self.queue_bytes < 1 or self.max_buffered_bytes < 1:
+            raise ValueError("queue_bytes and max_buffered_bytes must be >= 1")
         if self.max_message_size < 1024:
             raise ValueError("max_message_size must be >= 1024 bytes")
         if min(self.max_events_per_batch, self.max_tokens_per_event) < 1:
