@@ -10,18 +10,34 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from kvevents.subscribe.streams import ReplayOptions
+
 try:
     import resource
 except ImportError:  # not on Windows: the limit cannot be read there, so it is not checked
     resource = None  # type: ignore[assignment]
 
-__all__ = ["FDS_PER_SOCKET", "FD_HEADROOM", "fds_needed", "make_room"]
+__all__ = ["FDS_PER_SOCKET", "FD_HEADROOM", "fds_needed", "make_room", "room_for_stream"]
 
 FDS_PER_SOCKET = 2
 # Descriptors the rest of the process may hold: files, logs, other contexts, an HTTP server.
 FD_HEADROOM = 256
 
 Limits = tuple[int, int]
+# Sockets of a subscriber that are not a stream's: the wake-up pair.
+_OWN_SOCKETS = 2
+
+
+def room_for_stream(streams: int, max_sockets: int, replay: ReplayOptions) -> str | None:
+    """None when a subscriber reading ``streams`` streams can open one more, else why not
+    (its socket limit, or the descriptors the process may have)."""
+    limit = max_sockets - replay.max_concurrent - _OWN_SOCKETS
+    if streams >= limit:
+        return (
+            f"the subscriber reads {streams} streams, its limit with "
+            f"max_sockets={max_sockets} (SubscriberOptions.max_sockets)"
+        )
+    return make_room(fds_needed(streams + 1 + replay.max_concurrent + _OWN_SOCKETS))
 
 
 def fds_needed(sockets: int) -> int:

@@ -15,18 +15,14 @@ import os
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
 
 import zmq
 
 from kvevents.errors import DecodeError, StreamAddError
 from kvevents.events import AllBlocksCleared
-from kvevents.security import apply_client
-from kvevents.subscribe._recv import Recv, receiver_for
 from kvevents.subscribe.commands import AddFailed, AddRequest, Command, RemoveStreams, Stop
 from kvevents.subscribe.cursor import (
     Action,
-    Cursor,
     Deliver,
     Duplicate,
     Gap,
@@ -34,18 +30,18 @@ from kvevents.subscribe.cursor import (
     Restart,
     Unrecoverable,
 )
-from kvevents.subscribe.fdlimit import fds_needed, make_room
+from kvevents.subscribe.fdlimit import room_for_stream
+from kvevents.subscribe.handover import Handover
+from kvevents.subscribe.live import LiveStream, open_stream
 from kvevents.subscribe.outbox import Outbox
 from kvevents.subscribe.replay import ReplayBatch, ReplayClient, ReplayEvent
 from kvevents.subscribe.streams import (
-    STREAM_COUNTERS,
     Delivery,
     FeedHealth,
     Item,
     StreamKey,
     StreamReset,
     StreamSpec,
-    StreamState,
     StreamStats,
     StreamStatus,
     SubscriberOptions,
@@ -56,37 +52,10 @@ log = logging.getLogger("kvevents.subscribe.subscriber")
 
 # Live messages read from one SUB before looking at the others: fairness across streams.
 _READ_BURST = 256
-# Items handed to consumers in one go at most: a turn over many busy streams must not hold
-# the first item back for long (256 typical batches take about 2 ms to read and decode).
-_HAND_OVER_AT = 256
 # Upper bound of one poll, so a missed wake-up can never hang the thread for long.
 _MAX_POLL_MS = 1000
 
-# Sockets that are not a stream's: the wake-up pair.
-_OWN_SOCKETS = 2
 _wake_names = itertools.count()
-_NOBLOCK = int(zmq.NOBLOCK)
-_RCVMORE = int(zmq.RCVMORE)
-
-
-@dataclass
-class _LiveStream:
-    """One stream as the I/O thread holds it: its socket, its cursor, its counters."""
-
-    spec: StreamSpec
-    cursor: Cursor
-    sub: zmq.Socket[bytes]
-    recv: Recv
-    ticket: int = 0
-    state: StreamState = "new"
-    # Per kind of warning ("gap", "restart", ...): when it was last logged, how many held back.
-    warned: dict[str, tuple[float, int]] = field(default_factory=dict)
-    counts: dict[str, int] = field(default_factory=dict)
-    last_seq: int | None = None
-    last_ts: float | None = None
-
-    def add(self, name: str, amount: int = 1) -> None:
-        self.counts[name] = self.counts.get(name, 0) + amount
 
 
 class Loop:
@@ -95,7 +64,7 @@ class Loop:
     def __init__(self, specs: list[StreamSpec], options: SubscriberOptions, outbox: Outbox[Item]):
         self.options = options
         self.outbox = outbox
-        self.streams: dict[StreamKey, _LiveStream] = {}
+        self.streams: dict[StreamKey, LiveStream] = {}
         self.callback_errors = 0
         # Why the thread died (None while it runs or after a clean stop).
         self.error: str | None = None
@@ -108,23 +77,28 @@ class Loop:
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         # Before the first socket: libzmq fixes the limit when it creates its socket table.
         self._ctx.set(zmq.MAX_SOCKETS, options.max_sockets)
-        self._max_streams = options.max_sockets - options.replay.max_concurrent - _OWN_SOCKETS
+        self._limits = options.decode_limits
         self._waker = self._ctx.socket(zmq.PAIR)
         self._waker.setsockopt(zmq.LINGER, 0)
         self._waker.bind(self._wake_endpoint)
-        self._by_socket: dict[zmq.Socket[bytes], _LiveStream] = {}
+        self._by_socket: dict[zmq.Socket[bytes], LiveStream] = {}
         self._running = True
-        # Items of the current poll turn, handed to the outbox together at its end.
-        self._pending: list[Item] = []
+        self._turn = Handover(outbox, options.queue_bytes)
+        outbox.on_low = self.wake
 
     # ------------------------------------------------------------------ other threads
 
     def command(self, command: Command) -> None:
         """Queue a command for the I/O thread and wake it."""
         self._commands.put(command)
+        self.wake()
+
+    def wake(self) -> None:
+        """Make the I/O thread run a turn now (the outbox calls it when it has room again)."""
         # Again: wake-ups are pending already, or the thread is gone (health says which).
         with self._wake_lock, contextlib.suppress(zmq.Again):  # one waker for every caller
-            self._waker.send(b"", zmq.NOBLOCK)
+            if not self._waker.closed:
+                self._waker.send(b"", zmq.NOBLOCK)
 
     def add(self, spec: StreamSpec) -> str | None:
         """Have the I/O thread set ``spec`` up: None once done, else why it was not."""
@@ -166,7 +140,12 @@ class Loop:
         wake.connect(self._wake_endpoint)
         poller.register(wake, zmq.POLLIN)
         self.poller = poller
-        self.replays = ReplayClient(self._ctx, poller, options=self.options.replay)
+        self.replays = ReplayClient(
+            self._ctx,
+            poller,
+            options=self.options.replay,
+            max_message_size=self.options.max_message_size,
+        )
         for spec in self._initial:
             try:
                 self._add(spec)
@@ -203,13 +182,9 @@ class Loop:
             else:
                 self._on_replay_events(self.replays.handle(sock))
         self._on_replay_events(self.replays.tick())
-        self._hand_over()
+        self._turn.flush()
+        self._after_shedding()
         self.busy_since = None
-
-    def _hand_over(self) -> None:
-        if self._pending:
-            pending, self._pending = self._pending, []
-            self.outbox.put_many(pending)
 
     def _on_wake(self, wake: zmq.Socket[bytes]) -> None:
         while True:
@@ -256,39 +231,14 @@ class Loop:
         if spec.key in self.streams:
             raise AddFailed("already subscribed")
         self._check_room()
-        try:
-            sub = self._ctx.socket(zmq.SUB)
-        except zmq.ZMQError as exc:
-            raise AddFailed(f"cannot open a socket: {exc}") from exc
-        try:
-            sub.setsockopt(zmq.LINGER, 0)
-            sub.setsockopt(zmq.RCVHWM, self.options.rcvhwm)
-            sub.setsockopt(zmq.SUBSCRIBE, spec.topic.encode())
-            apply_client(sub, spec.curve or self.options.curve)
-            sub.connect(spec.endpoint)
-        except (zmq.ZMQError, ValueError, TypeError) as exc:
-            sub.close(linger=0)
-            raise AddFailed(f"cannot connect: {exc}") from exc
-        cursor = Cursor(
-            can_replay=spec.replay_endpoint is not None,
-            max_buffered=self.options.max_buffered,
-            window=self.options.duplicate_window,
-        )
-        stream = _LiveStream(
-            spec, cursor, sub, receiver_for(sub), counts=dict.fromkeys(STREAM_COUNTERS, 0)
-        )
+        stream = open_stream(self._ctx, spec, self.options)
+        sub = stream.sub
         self.streams[spec.key] = stream
         self._by_socket[sub] = stream
         self.poller.register(sub, zmq.POLLIN)
 
     def _check_room(self) -> None:
-        if len(self.streams) >= self._max_streams:
-            raise AddFailed(
-                f"the subscriber reads {len(self.streams)} streams, its limit with "
-                f"max_sockets={self.options.max_sockets} (SubscriberOptions.max_sockets)"
-            )
-        sockets = len(self.streams) + 1 + self.options.replay.max_concurrent + _OWN_SOCKETS
-        why = make_room(fds_needed(sockets))
+        why = room_for_stream(len(self.streams), self.options.max_sockets, self.options.replay)
         if why is not None:
             raise AddFailed(why)
 
@@ -300,14 +250,14 @@ class Loop:
             self._detach(stream)
             self._emit(StreamReset(stream.spec, "removed"))
 
-    def _detach(self, stream: _LiveStream) -> None:
+    def _detach(self, stream: LiveStream) -> None:
         """Close the stream's sockets (its replay's too); idempotent."""
         self.replays.cancel(stream.spec.key)
         if self._by_socket.pop(stream.sub, None) is not None:
             self.poller.unregister(stream.sub)
             stream.sub.close(linger=0)
 
-    def _stream_failed(self, stream: _LiveStream, exc: Exception) -> None:
+    def _stream_failed(self, stream: LiveStream, exc: Exception) -> None:
         """An error of the stream's own: it costs that stream only. It is detached (a broken
         socket would otherwise fail again on every turn), counted, logged once, and
         reported ``"failed"``; removing and adding it again starts it afresh."""
@@ -326,7 +276,7 @@ class Loop:
 
     # ------------------------------------------------------------------ messages
 
-    def _read_live(self, stream: _LiveStream) -> None:
+    def _read_live(self, stream: LiveStream) -> None:
         # The hot path of the whole subscriber: locals, and a shortcut for the common case
         # (a well-formed message delivered in order on a live stream).
         recv, cursor, counts = stream.recv, stream.cursor, stream.counts
@@ -365,7 +315,7 @@ class Loop:
             except Exception as exc:
                 self._stream_failed(stream, exc)
 
-    def _on_replay_event(self, stream: _LiveStream, event: ReplayEvent) -> None:
+    def _on_replay_event(self, stream: LiveStream, event: ReplayEvent) -> None:
         if isinstance(event, ReplayBatch):
             actions = stream.cursor.on_replay(event.seq, event.payload)
             if any(type(a) is Deliver and a.seq == event.seq for a in actions):
@@ -374,7 +324,7 @@ class Loop:
             actions = stream.cursor.on_replay_end(event.ok)
         self._apply(stream, actions)
 
-    def _apply(self, stream: _LiveStream, actions: list[Action]) -> None:
+    def _apply(self, stream: LiveStream, actions: list[Action]) -> None:
         for action in actions:
             if type(action) is Deliver:
                 self._deliver(stream, action)
@@ -388,13 +338,13 @@ class Loop:
                 self._restart(stream, action)
             elif isinstance(action, Unrecoverable):
                 self._unrecoverable(stream, action)
-        if stream.cursor.state != stream.state:
+        if stream.cursor.state != stream.state and stream.shed_from is None:
             self._status(stream)
 
-    def _deliver(self, stream: _LiveStream, action: Deliver) -> None:
+    def _deliver(self, stream: LiveStream, action: Deliver) -> None:
         self._deliver_payload(stream, action.seq, action.payload)
 
-    def _deliver_payload(self, stream: _LiveStream, seq: int, payload: bytes) -> None:
+    def _deliver_payload(self, stream: LiveStream, seq: int, payload: bytes) -> None:
         on_payload = self.options.on_payload
         if on_payload is not None:
             try:
@@ -410,21 +360,29 @@ class Loop:
             if applied is not None:
                 self._account(stream, seq, applied)
                 return
+        if stream.shed_from is not None or (
+            self.options.callback is None and self._turn.over_budget(len(payload))
+        ):
+            self._shed_one(stream, seq)
+            return
         try:
-            decoded = decode_batch(payload, seq=seq)
+            decoded = decode_batch(payload, seq=seq, limits=self._limits)
         except DecodeError as exc:
             self._decode_failed(stream, exc)
+            return
+        except Exception as exc:  # a decoder bug must cost this payload only
+            self._decode_failed(stream, DecodeError(f"decoder failed: {exc!r}", seq=seq))
             return
         batch = decoded.batch
         clears = not stream.cursor.complete and any(
             isinstance(e, AllBlocksCleared) for e in batch.events
         )  # only an incomplete stream needs to know
         self._account(
-            stream, seq, Applied(batch.ts, len(batch.events), len(decoded.skipped), clears)
+            stream, seq, Applied(batch.ts, len(batch.events), decoded.skipped_count, clears)
         )
-        self._emit(Delivery(stream.spec, seq, batch))
+        self._emit(Delivery(stream.spec, seq, batch), len(payload))
 
-    def _account(self, stream: _LiveStream, seq: int, applied: Applied) -> None:
+    def _account(self, stream: LiveStream, seq: int, applied: Applied) -> None:
         """The stats of a delivered batch (or one the on_payload consumer applied)."""
         counts = stream.counts
         counts["delivered"] += 1
@@ -437,14 +395,18 @@ class Loop:
             # Everything before a cache reset is void: the view is whole again from here.
             stream.cursor.mark_complete()
 
-    def _gap(self, stream: _LiveStream, gap: Gap) -> None:
+    def _request_replay(self, stream: LiveStream, start: int) -> None:
+        spec = stream.spec
+        assert spec.replay_endpoint is not None  # the cursor only asks when it can replay
+        stream.ticket = self.replays.request(
+            spec.key, spec.replay_endpoint, start, curve=spec.curve or self.options.curve
+        )
+
+    def _gap(self, stream: LiveStream, gap: Gap) -> None:
         spec = stream.spec
         stream.add("gaps")
         stream.add("replays")
-        assert spec.replay_endpoint is not None  # the cursor only asks when it can replay
-        stream.ticket = self.replays.request(
-            spec.key, spec.replay_endpoint, gap.start, curve=spec.curve or self.options.curve
-        )
+        self._request_replay(stream, gap.start)
         if gap.start == 0 and stream.last_seq is None:
             # Joining a stream that already started is routine, not a loss: no warning.
             log.info(
@@ -456,7 +418,7 @@ class Loop:
             return
         self._warn(stream, "gap", "missing seq %d..%d, replaying", gap.start, gap.end - 1)
 
-    def _restart(self, stream: _LiveStream, restart: Restart) -> None:
+    def _restart(self, stream: LiveStream, restart: Restart) -> None:
         self.replays.cancel(stream.spec.key)
         stream.ticket = 0
         stream.add("restarts")
@@ -469,7 +431,7 @@ class Loop:
         )
         self._emit(StreamReset(stream.spec, "restart"))
 
-    def _unrecoverable(self, stream: _LiveStream, lost: Unrecoverable) -> None:
+    def _unrecoverable(self, stream: LiveStream, lost: Unrecoverable) -> None:
         stream.add("unrecoverable")
         stream.add("missing", lost.end - lost.start)
         spec = stream.spec
@@ -484,23 +446,57 @@ class Loop:
         stream.state = "incomplete"
         self._publish_status(StreamStatus(spec, "incomplete", (lost.start, lost.end)))
 
-    def _status(self, stream: _LiveStream) -> None:
+    def _status(self, stream: LiveStream) -> None:
         stream.state = stream.cursor.state
         if stream.state != "new":
             self._publish_status(StreamStatus(stream.spec, stream.state))
 
-    def _decode_failed(self, stream: _LiveStream, exc: DecodeError) -> None:
+    def _decode_failed(self, stream: LiveStream, exc: DecodeError) -> None:
         stream.add("decode_errors")
         self._warn(stream, "decode", "undecodable message skipped: %s", exc)
 
+    # ------------------------------------------------------------------ shedding
+
+    def _shed_one(self, stream: LiveStream, seq: int) -> None:
+        """Drop batch ``seq`` instead of queueing it: counted, and the stream marked
+        incomplete until a replay from ``seq`` (once there is room) rebuilds it."""
+        if self._turn.shed(stream, seq):
+            self._warn(stream, "shed", "consumer behind (queue_bytes full): shed from %d", seq)
+            stream.state = "incomplete"
+            self._publish_status(StreamStatus(stream.spec, "incomplete"))
+
+    def _after_shedding(self) -> None:
+        """End of a turn: rewind the streams that shed; replay them once there is room."""
+        shed, self._turn.shed_this_turn = self._turn.shed_this_turn, []
+        for stream in shed:
+            start, stream.shed_from = stream.shed_from, None
+            if start is None or self.streams.get(stream.spec.key) is not stream:
+                continue
+            actions = stream.cursor.rewind(start)
+            if actions and isinstance(actions[0], Gap):
+                self.replays.cancel(stream.spec.key)
+                stream.ticket = 0  # the running replay's answers are stale now
+                self._turn.rebuilds[stream.spec.key] = actions[0]
+            else:
+                self._apply(stream, actions)
+        if self._turn.room_to_rebuild():
+            self._start_rebuilds()
+
+    def _start_rebuilds(self) -> None:
+        rebuilds, self._turn.rebuilds = self._turn.rebuilds, {}
+        for key, gap in rebuilds.items():
+            stream = self.streams.get(key)
+            if stream is None or stream.cursor.next_seq != gap.start:
+                continue  # removed, failed or restarted meanwhile: nothing to rebuild
+            stream.add("replays")
+            self._request_replay(stream, gap.start)
+
     # ------------------------------------------------------------------ output
 
-    def _emit(self, item: Delivery | StreamReset) -> None:
+    def _emit(self, item: Delivery | StreamReset, size: int = 0) -> None:
         callback = self.options.callback
         if callback is None:
-            self._pending.append(item)
-            if len(self._pending) >= _HAND_OVER_AT:
-                self._hand_over()
+            self._turn.add(item, size)
             return
         try:
             callback(item)
@@ -516,35 +512,16 @@ class Loop:
                 self.callback_errors += 1
                 log.exception("subscriber status callback failed")
         if self.options.status_items:
-            self._pending.append(status)
+            self._turn.add(status)
 
-    def _warn(self, stream: _LiveStream, kind: str, fmt: str, *args: object) -> None:
-        """At most one warning per stream and kind per ``gap_log_interval`` seconds: a lossy
-        link or a flapping publisher must not flood the log."""
-        now = self.options.wall_clock()
-        last, held = stream.warned.get(kind, (-math.inf, 0))
-        if now - last < self.options.gap_log_interval:
-            stream.warned[kind] = (last, held + 1)
-            return
-        spec = stream.spec
-        extra = f" ({held} similar warnings suppressed)" if held else ""
-        log.warning("worker %s rank %d: " + fmt + "%s", spec.worker_id, spec.rank, *args, extra)
-        stream.warned[kind] = (now, 0)
+    def _warn(self, stream: LiveStream, kind: str, fmt: str, *args: object) -> None:
+        stream.warn(self.options, kind, fmt, *args)
 
     # ------------------------------------------------------------------ stats
 
-    def stream_stats(self, stream: _LiveStream) -> StreamStats:
+    def stream_stats(self, stream: LiveStream) -> StreamStats:
         """A snapshot of one stream's counters (read from another thread: approximate)."""
-        counts = dict(stream.counts)
-        lag = None if stream.last_ts is None else self.options.wall_clock() - stream.last_ts
-        return StreamStats(
-            worker_id=stream.spec.worker_id,
-            rank=stream.spec.rank,
-            state="failed" if stream.state == "failed" else stream.cursor.state,
-            last_seq=stream.last_seq,
-            lag=lag,
-            **counts,
-        )
+        return stream.stats(self.options.wall_clock())
 
 
 def _add_error(spec: StreamSpec, reason: str) -> StreamAddError:

@@ -17,21 +17,32 @@ class Outbox(Generic[T]):
 
     ``listener`` (if set) is called after a put that made the outbox non-empty: the asyncio
     side uses it to wake its event loop without polling.
+
+    ``bytes`` is the sum of the sizes given with the items waiting (the subscriber gives
+    each delivery its payload's size). The outbox itself only waits on ``maxsize`` items;
+    the producer reads ``bytes`` to shed before it puts (a wait would only move the bytes
+    into ZeroMQ's queues, which are bounded in messages).
     """
 
     def __init__(self, maxsize: int) -> None:
         self._items: deque[T] = deque()
+        self._sizes: deque[int] = deque()
+        self.bytes = 0
         self._maxsize = maxsize
         self._lock = threading.Lock()
         self._not_empty = threading.Condition(self._lock)
         self._not_full = threading.Condition(self._lock)
         self.closed = False
         self.listener: Callable[[], None] | None = None
+        # Called (outside the lock) by the get that brings ``bytes`` down to ``low_water``:
+        # the producer waits for that to replay what it shed.
+        self.on_low: Callable[[], None] | None = None
+        self.low_water = 0
 
     def __len__(self) -> int:
         return len(self._items)
 
-    def put_many(self, items: list[T]) -> bool:
+    def put_many(self, items: list[T], sizes: list[int] | None = None) -> bool:
         """Add ``items`` in order, waiting for room as needed; one wake-up for the lot.
 
         The I/O thread hands over everything one poll turn produced at once: consumers wake
@@ -39,7 +50,7 @@ class Outbox(Generic[T]):
         """
         with self._lock:
             was_empty = not self._items
-            for item in items:
+            for index, item in enumerate(items):
                 while len(self._items) >= self._maxsize and not self.closed:
                     # Full: whoever consumes must be awake now, not after the whole burst
                     # (an asyncio consumer only wakes through the listener).
@@ -48,6 +59,9 @@ class Outbox(Generic[T]):
                 if self.closed:
                     return False
                 self._items.append(item)
+                size = 0 if sizes is None else sizes[index]
+                self._sizes.append(size)
+                self.bytes += size
             self._not_empty.notify()
         if was_empty and self.listener is not None:
             self.listener()
@@ -66,8 +80,13 @@ class Outbox(Generic[T]):
             if not self._items:
                 return False, None
             item = self._items.popleft()
+            size = self._sizes.popleft()
+            self.bytes -= size
             self._not_full.notify()
-            return True, item
+            crossed = self.bytes <= self.low_water < self.bytes + size
+        if crossed and self.on_low is not None:
+            self.on_low()
+        return True, item
 
     def close(self) -> None:
         """No more puts; consumers drain what is left, then see the closed state."""

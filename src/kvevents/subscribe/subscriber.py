@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import threading
 from collections.abc import AsyncIterator, Iterable, Iterator
 from types import TracebackType
@@ -225,15 +226,18 @@ class Subscriber:
 
         totals = {name: sum(getattr(s, name) for s in per_stream) for name in STREAM_COUNTERS}
         loop = self._loop
+        replay = {} if loop is None else dataclasses.asdict(loop.replays.counters)
         return SubscriberStats(
             streams=len(per_stream),
             incomplete=sum(1 for s in per_stream if s.state == "incomplete"),
             failed=sum(1 for s in per_stream if s.state == "failed"),
             **totals,
             queued=len(self._outbox),
+            queued_bytes=self._outbox.bytes,
             callback_errors=0 if loop is None else loop.callback_errors,
             add_errors=self._add_errors,
             max_lag=max(lags) if lags else None,
+            **{f"replay_{name}": value for name, value in replay.items()},
         )
 
 
