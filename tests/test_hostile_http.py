@@ -32,9 +32,9 @@ LIMITS = HttpLimits(
     max_connections=16,
     max_header_bytes=8 << 10,
 )
-# Generous: the service in this process holds a few MB of index; what it must never do is
-# keep what hostile requests sent.
-RSS_CEILING = 400 << 20
+# Memory growth allowed over the fuzz pass (in this process, which also runs the service):
+# nothing a refused request sent may be kept.
+RSS_GROWTH_CEILING = 64 << 20
 
 
 def _specs(reg: WorkerRegistration) -> list[StreamSpec]:
@@ -302,6 +302,7 @@ def test_seeded_fuzz_never_gets_a_5xx(guarded: tuple[Server, httpx.Client], feed
     feed.deliver("keep", 0, batch(store_event(PROMPT, BS)))
     service_stats = client.get("/metrics")
     assert service_stats.status_code == 200
+    rss_before = _rss()
     rng = random.Random(20261201)
     routes = [("POST", "/register"), ("POST", "/unregister"), ("POST", "/query"),
               ("GET", "/dump"), ("GET", "/workers"), ("GET", "/metrics"), ("GET", "/health"),
@@ -316,7 +317,7 @@ def test_seeded_fuzz_never_gets_a_5xx(guarded: tuple[Server, httpx.Client], feed
         assert reply.headers["content-type"].startswith(("application/json", "text/plain"))
     assert {400, 401, 405, 413} <= set(statuses), statuses
     assert client.get("/health").json()["status"] == "ok"
-    assert _rss() < RSS_CEILING
+    assert _rss() - rss_before < RSS_GROWTH_CEILING
     assert any(w["worker_id"] == "keep" for w in client.get("/workers").json()["workers"])
 
     def kept() -> bool:
