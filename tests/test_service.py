@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import queue
-from collections.abc import Iterator
+import threading
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +21,7 @@ from kvevents.index._table_py import pack_json_member, pack_json_tokens
 from kvevents.index.keys import block_hashes
 from kvevents.index.prefix import IndexStats, PrefixIndex
 from kvevents.metrics import field_docs
+from kvevents.service import app as service_app
 from kvevents.service import dump as service_dump
 from kvevents.service import query as service_query
 from kvevents.service.core import IndexService, ServiceStats, WorkerRegistration
@@ -714,3 +717,31 @@ def test_dump_streams_every_holder_and_encodes_off_the_lock(
     assert got == want and len(got) == 2
     assert dump["stats"]["entries"] == 8
     assert len(encoded) == 3 and all(encoded)  # 6 pairs in 2 pieces, then 2 in 1
+
+
+def test_one_dump_at_a_time(client: httpx.Client, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A second GET /dump while one is being sent is a 429, not a second copy of the index."""
+    entered, release = threading.Event(), threading.Event()
+
+    async def slow_dump(service: IndexService) -> AsyncIterator[bytes]:
+        yield b'{"holders":['
+        entered.set()
+        for _ in range(1000):  # bounded: 10 s
+            if release.is_set():
+                break
+            await asyncio.sleep(0.01)
+        yield b'],"stats":{}}'
+
+    monkeypatch.setattr(service_app, "dump_chunks", slow_dump)
+    first: list[httpx.Response] = []
+    reader = threading.Thread(target=lambda: first.append(client.get("/dump")))
+    reader.start()
+    try:
+        assert entered.wait(10.0)
+        with httpx.Client(base_url=str(client.base_url), timeout=10.0) as other:
+            second = other.get("/dump")
+        assert second.status_code == 429 and "already being sent" in second.json()["error"]
+    finally:
+        release.set()
+        reader.join(10.0)
+    assert first[0].json() == {"holders": [], "stats": {}}
