@@ -22,6 +22,7 @@ from kvevents.index.keys import block_hashes
 from kvevents.index.prefix import IndexStats, PrefixIndex
 from kvevents.metrics import field_docs
 from kvevents.service import app as service_app
+from kvevents.service import core as service_core
 from kvevents.service import dump as service_dump
 from kvevents.service import query as service_query
 from kvevents.service.core import IndexService, ServiceStats, WorkerRegistration
@@ -41,7 +42,7 @@ from kvevents.subscribe.streams import (
 )
 from kvevents.testing.index import batch, engine_hashes, store_event
 from kvevents.testing.sockets import wait_for
-from kvevents.wire import Applied, encode_batch
+from kvevents.wire import Applied, DecodedBatch, encode_batch
 
 BS = 4
 PROMPT = list(range(100, 124))  # 6 blocks
@@ -745,3 +746,39 @@ def test_one_dump_at_a_time(client: httpx.Client, monkeypatch: pytest.MonkeyPatc
         release.set()
         reader.join(10.0)
     assert first[0].json() == {"holders": [], "stats": {}}
+
+
+def test_a_large_payload_is_decoded_before_the_lock_is_taken(
+    feed: FakeFeed, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A payload over DECODE_OUTSIDE_LOCK is decoded with the index lock free and applied as
+    the fast lane applies it: same blocks, same Applied record."""
+    prompts = [list(range(i * 4096, (i + 1) * 4096)) for i in range(16)]  # 16 x 1024 blocks
+    big = batch(*(store_event(p, BS) for p in prompts), AllBlocksCleared(), ts=5.0)
+    big = batch(*big.events[-1:], *big.events[:-1], ts=5.0)  # the clear first
+    payload = encode_batch(big)
+    assert len(payload) > service_core.DECODE_OUTSIDE_LOCK
+    lane, outside = make_service(FakeFeed()), make_service(feed)
+    for service in (lane, outside):
+        service.register(WorkerRegistration("a", LOCAL, BS))
+    decoded_free: list[bool] = []
+    real = service_core.decode_batch_packed
+
+    def decode(data: bytes, *, seq: int | None = None) -> DecodedBatch:
+        free = outside.lock.acquire(blocking=False)
+        if free:
+            outside.lock.release()
+        decoded_free.append(free)
+        return real(data, seq=seq)
+
+    monkeypatch.setattr(service_core, "decode_batch_packed", decode)
+    want = lane.index.ingest_payload("a", 0, payload, seq=0)
+    got = outside.apply_payload(StreamSpec("a", 0, LOCAL), 0, payload)
+    assert decoded_free == [True]
+    assert got == want == Applied(5.0, 17, 0, True)
+    assert outside.index.snapshot() == lane.index.snapshot()
+    assert outside.query(prompts[3])["scores"] == {"a": {"0": 1024}}
+    assert outside.stats().deliveries == 1
+    small = encode_batch(batch(store_event(PROMPT, BS)))
+    assert outside.apply_payload(StreamSpec("a", 0, LOCAL), 1, small) == Applied(0.0, 1)
+    assert decoded_free == [True]  # small ones go to the index's own lane

@@ -17,11 +17,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import msgspec
 
 from kvevents.errors import DecodeError, StreamAddError, SubscriberError
+from kvevents.events import AllBlocksCleared
 from kvevents.index.prefix import HolderKey, IndexStats, PrefixIndex
 from kvevents.index.router import Router
 from kvevents.subscribe.streams import (
@@ -36,7 +37,7 @@ from kvevents.subscribe.streams import (
     SubscriberStats,
     worker_streams,
 )
-from kvevents.wire import Applied
+from kvevents.wire import Applied, DecodedBatch, decode_batch_packed
 
 __all__ = [
     "Feed",
@@ -46,6 +47,11 @@ __all__ = [
 ]
 
 log = logging.getLogger("kvevents.service.core")
+
+#: Payloads larger than this (bytes) are decoded before the index lock is taken. Typical
+#: batches are a few KB; a step storing thousands of blocks at once is the rare large one.
+DECODE_OUTSIDE_LOCK = 256 << 10
+_T = TypeVar("_T")
 
 
 class Feed(Protocol):
@@ -252,20 +258,45 @@ class IndexService:
     def apply_payload(self, stream: StreamSpec, seq: int, payload: bytes) -> Applied | None:
         """Apply one batch payload of ``stream`` straight from the wire (the default feed's
         ``on_payload``): no delivery object, no decoded tokens. None for a stream of a worker
-        no longer registered (the feed then delivers it, and :meth:`consume` ignores it)."""
+        no longer registered (the feed then delivers it, and :meth:`consume` ignores it).
+
+        A payload over :data:`DECODE_OUTSIDE_LOCK` bytes is decoded before the lock is taken:
+        the index's fast lane reads small batches in one C pass as it applies them, but a
+        large one it cannot take whole would be decoded in Python with every query waiting.
+        """
+        if len(payload) > DECODE_OUTSIDE_LOCK:
+            return self._apply_decoded(stream, decode_batch_packed(payload, seq=seq))
         with self.lock:
-            reg = self._workers.get(stream.worker_id)
-            if reg is None or stream.rank not in reg.ranks:
+            if not self._follows(stream):
                 return None
-            try:
-                applied = self.index.ingest_payload(stream.worker_id, stream.rank, payload, seq=seq)
-            except DecodeError:
-                raise
-            except Exception:
-                self._counts["apply_errors"] += 1  # the subscriber logs it, with the stream
-                raise
-            self._counts["deliveries"] += 1
-            return applied
+            key = stream.worker_id, stream.rank
+            return self._counted(lambda: self.index.ingest_payload(*key, payload, seq=seq))
+
+    def _apply_decoded(self, stream: StreamSpec, decoded: DecodedBatch) -> Applied | None:
+        batch = decoded.batch
+        with self.lock:
+            if not self._follows(stream):
+                return None
+            self._counted(lambda: self.index.ingest(stream.worker_id, stream.rank, batch))
+        cleared = any(type(e) is AllBlocksCleared for e in batch.events)
+        return Applied(batch.ts, len(batch.events), decoded.skipped_count, cleared)
+
+    def _follows(self, stream: StreamSpec) -> bool:
+        """Whether ``stream`` is a registered worker's rank (call with the lock held)."""
+        reg = self._workers.get(stream.worker_id)
+        return reg is not None and stream.rank in reg.ranks
+
+    def _counted(self, apply: Callable[[], _T]) -> _T:
+        """``apply()``, counted as a delivery or an apply error."""
+        try:
+            applied = apply()
+        except DecodeError:
+            raise
+        except Exception:
+            self._counts["apply_errors"] += 1  # the subscriber logs it, with the stream
+            raise
+        self._counts["deliveries"] += 1
+        return applied
 
     def on_status(self, status: StreamStatus) -> None:
         """A stream's state changed: an incomplete stream's matches stop being trusted.
