@@ -6,7 +6,9 @@ its own I/O thread). Workers are registered with :class:`WorkerRegistration`; a 
 is applied, a ``StreamReset`` resets that stream, a stream that lost events for good is
 degraded in routing until it is whole again. Queries take the same lock as the feed.
 
-The HTTP API over it (``kvevents serve``) is :mod:`kvevents.service.http`.
+The feed protocol, the records and the default feed are in :mod:`kvevents.service.feed`
+(re-exported here); the HTTP API over the service (``kvevents serve``) is
+:mod:`kvevents.service.http`.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -25,6 +27,13 @@ from kvevents.errors import DecodeError, StreamAddError, SubscriberError
 from kvevents.events import AllBlocksCleared
 from kvevents.index.prefix import HolderKey, IndexStats, PrefixIndex
 from kvevents.index.router import Router
+from kvevents.service.feed import (
+    Feed,
+    ServiceStats,
+    WorkerRegistration,
+    default_feed,
+    default_stream_specs,
+)
 from kvevents.subscribe.streams import (
     Delivery,
     FeedHealth,
@@ -34,8 +43,6 @@ from kvevents.subscribe.streams import (
     StreamStats,
     StreamStatus,
     SubscriberOptions,
-    SubscriberStats,
-    worker_streams,
 )
 from kvevents.wire import Applied, DecodedBatch, decode_batch_packed
 
@@ -52,78 +59,6 @@ log = logging.getLogger("kvevents.service.core")
 #: batches are a few KB; a step storing thousands of blocks at once is the rare large one.
 DECODE_OUTSIDE_LOCK = 256 << 10
 _T = TypeVar("_T")
-
-
-class Feed(Protocol):
-    """What the service needs from an event source (the Subscriber has all of it)."""
-
-    def add_stream(self, spec: StreamSpec) -> None: ...
-    def remove_stream(self, worker_id: str, rank: int | None = None) -> None: ...
-    def start(self) -> None: ...
-    def close(self) -> None: ...
-    def get(self, timeout: float | None = None) -> Item | None: ...
-    def stats(self) -> SubscriberStats: ...
-    def stream_stats(self) -> dict[StreamKey, StreamStats]: ...
-    def health(self) -> FeedHealth: ...
-
-
-@dataclasses.dataclass(frozen=True)
-class WorkerRegistration:
-    """A registered worker: where its ranks publish and how its blocks are sized."""
-
-    worker_id: str
-    endpoint: str
-    block_size: int
-    ranks: tuple[int, ...] = (0,)
-    replay_endpoint: str | None = None
-    topic: str = ""
-    model_name: str | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class ServiceStats:
-    """The feed consumer's and the registrations' counters."""
-
-    deliveries: int = 0  #: batches applied to the index
-    resets: int = 0  #: stream resets applied (a publisher restarted or a stream was removed)
-    ignored: int = 0  #: feed items of workers (or ranks) no longer registered, not applied
-    apply_errors: int = 0  #: feed items that raised while applied (logged; the feed goes on)
-    queries: int = 0  #: queries answered
-    registrations: int = 0  #: workers registered (a re-registration counts again)
-    refused_registrations: int = 0  #: registrations refused whole (a stream could not be added)
-
-
-def default_stream_specs(reg: WorkerRegistration) -> list[StreamSpec]:
-    """Stream specs of a worker's ranks from its base endpoints (rank r: base port + r)."""
-    return worker_streams(
-        reg.worker_id, reg.endpoint, reg.replay_endpoint, ranks=list(reg.ranks), topic=reg.topic
-    )
-
-
-def default_feed(
-    callback: Callable[[Item], None] | None = None,
-    options: SubscriberOptions | None = None,
-    on_status: Callable[[StreamStatus], None] | None = None,
-    on_payload: Callable[[StreamSpec, int, bytes], Applied | None] | None = None,
-) -> Feed:
-    """A ``kvevents.subscribe.subscriber.Subscriber`` with no streams yet.
-
-    ``options`` are used as given, except that with ``callback`` the subscriber calls it with
-    every item on its I/O thread instead of queueing the item, ``on_status`` (when given)
-    receives every stream state change, and ``on_payload`` (when given) applies batch
-    payloads before they are decoded into deliveries.
-    """
-    # Here, not at the top: the subscriber loads zmq, which a service with its own feed
-    # (tests, simulations) never needs.
-    from kvevents.subscribe.subscriber import Subscriber
-
-    base = options if options is not None else SubscriberOptions()
-    changes: dict[str, Any] = {"callback": callback}
-    if on_status is not None:
-        changes["on_status"] = on_status
-    if on_payload is not None:
-        changes["on_payload"] = on_payload
-    return Subscriber(options=dataclasses.replace(base, **changes))
 
 
 class IndexService:

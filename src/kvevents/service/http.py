@@ -7,6 +7,8 @@
 - :mod:`kvevents.service.schema`, :mod:`.access`, :mod:`.limits`, :mod:`.dump`: request
   bodies, who may do what, what a client may cost, the streamed dump.
 
+The service itself is :mod:`kvevents.service.core` (and :mod:`.feed`, what feeds it).
+
 This module is the face that gathers them.
 """
 
