@@ -311,8 +311,8 @@ class Soak:
         self.sample()
         rss_registered = self.rss[-1]
         self._each("go")
-        steady_until = time.monotonic() + self.seconds
         faults = self._faults()
+        steady_until = time.monotonic() + self.seconds
         while time.monotonic() < steady_until:
             self.lag_probe()
             self.sample()
