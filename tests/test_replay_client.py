@@ -231,3 +231,30 @@ def test_invalid_options_are_rejected() -> None:
         ReplayOptions(max_attempts=0)
     with pytest.raises(ValueError):
         ReplayOptions(idle_timeout=0)
+
+
+def test_a_replay_socket_that_cannot_be_opened_costs_that_replay_only(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    """A refused endpoint is retried after backoff, then the replay ends failed; no raise."""
+    client, _, clock = make(ctx, max_attempts=2, backoff_initial=0.5)
+    ticket = client.request(KEY, "tcp://_:5555", 3)  # libzmq refuses this name on connect
+    assert client.tick() == [] and client.active(KEY)  # first attempt failed: backing off
+    clock.now += 0.5
+    events = client.tick()
+    assert len(events) == 1 and isinstance(events[0], ReplayEnd)
+    assert (events[0].ok, events[0].ticket) == (False, ticket)
+    assert "cannot open a replay socket" in events[0].reason
+    assert client.counters.failed == 1 and client.counters.requests == 0
+    assert not client.active(KEY)
+
+
+def test_replay_counters_reach_the_subscriber_stats() -> None:
+    """Every replay client counter is a field of SubscriberStats (so of /metrics)."""
+    import dataclasses
+
+    from kvevents.subscribe.replay import ReplayClientCounters
+    from kvevents.subscribe.streams import SubscriberStats
+
+    names = {f"replay_{f.name}" for f in dataclasses.fields(ReplayClientCounters)}
+    assert names <= {f.name for f in dataclasses.fields(SubscriberStats)}

@@ -9,7 +9,9 @@
     │   ├── BindError                     a socket could not bind (.endpoint, .rank, .role)
     │   └── PublisherClosed               publish() after shutdown(): you closed it
     ├── SubscriberError
-    │   └── SubscriberClosed              the subscriber was closed: you closed it
+    │   ├── SubscriberClosed              the subscriber was closed: you closed it
+    │   └── StreamAddError                a stream could not be added; the others run on
+    │                                     (.worker_id, .rank, .endpoint, .reason)
     ├── TraceError (also ValueError)      a workload trace row cannot be read (.path, .line)
     └── SyncTimeout (also TimeoutError)   a simulated cluster's index did not catch up (.lagging)
 
@@ -27,6 +29,7 @@ __all__ = [
     "LayoutError",
     "PublisherClosed",
     "PublisherError",
+    "StreamAddError",
     "SubscriberClosed",
     "SubscriberError",
     "SyncTimeout",
@@ -87,6 +90,21 @@ class SubscriberError(KVEventsError):
 
 class SubscriberClosed(SubscriberError):
     """The subscriber was closed by its owner."""
+
+
+class StreamAddError(SubscriberError):
+    """A stream could not be added to a subscriber: ``reason`` says why (socket or file
+    descriptor limit, connect refused by ZeroMQ, I/O thread not running or not answering).
+    Every other stream of the subscriber keeps running."""
+
+    def __init__(self, *, worker_id: str, rank: int, endpoint: str, reason: str) -> None:
+        super().__init__(
+            f"cannot add the stream of worker {worker_id!r} rank {rank} ({endpoint}): {reason}"
+        )
+        self.worker_id = worker_id
+        self.rank = rank
+        self.endpoint = endpoint
+        self.reason = reason
 
 
 class TraceError(KVEventsError, ValueError):

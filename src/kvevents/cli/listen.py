@@ -85,6 +85,7 @@ def run(args: argparse.Namespace) -> int:
     view = ListenView(full=args.full)
     began = time.monotonic()
     deadline = None if args.duration is None else began + args.duration
+    status = 0
     with stop_on_sigterm(), Subscriber(specs, options=options) as sub:
         out = _output(args, sub.stream_stats)
         print(f"listening to {len(specs)} streams", file=sys.stderr, flush=True)
@@ -93,6 +94,9 @@ def run(args: argparse.Namespace) -> int:
                 item = sub.get(timeout=0.25)
                 if item is None:
                     out.refresh()
+                    if _feed_dead(sub):
+                        status = 1
+                        break
                     continue
                 for record in view.records(item):
                     out.emit(record)
@@ -100,4 +104,14 @@ def run(args: argparse.Namespace) -> int:
             pass
         out.emit(stats_record(sub.stream_stats(), view.batches, time.monotonic() - began))
         out.close()
-    return 0
+    return status
+
+
+def _feed_dead(sub: Any) -> bool:
+    """True (and said on stderr) when the subscriber's I/O thread stopped: nothing more comes,
+    so waiting on would only hide it."""
+    health = sub.health()
+    if health.state != "dead":
+        return False
+    print(f"kvevents listen: the subscriber stopped: {health.error}", file=sys.stderr, flush=True)
+    return True

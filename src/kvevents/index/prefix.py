@@ -484,7 +484,7 @@ class PrefixIndex:
         before = self._c.clears
         self.ingest(worker_id, rank, batch)
         cleared = self._c.clears != before
-        return Applied(batch.ts, len(batch.events), len(decoded.skipped), cleared)
+        return Applied(batch.ts, len(batch.events), decoded.skipped_count, cleared)
 
     def _ingest_rest(
         self, stream: _Stream, payload: bytes, seq: int | None, done: int, cleared: bool
@@ -505,7 +505,7 @@ class PrefixIndex:
         stream.batches += 1
         stream.last_ts = batch.ts
         cleared = cleared or self._c.clears != before
-        return Applied(batch.ts, len(batch.events), len(decoded.skipped), cleared)
+        return Applied(batch.ts, len(batch.events), decoded.skipped_count, cleared)
 
     def _store(self, stream: _Stream, event: _Stored) -> None:
         size = stream.block_size

@@ -15,6 +15,7 @@ from kvevents._lazy import lazy_exports
 if TYPE_CHECKING:
     from kvevents.subscribe.streams import (
         Delivery,
+        FeedHealth,
         ReplayOptions,
         StreamReset,
         StreamSpec,
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
 __all__ = [
     "AsyncSubscriber",
     "Delivery",
+    "FeedHealth",
     "ReplayOptions",
     "StreamReset",
     "StreamSpec",
@@ -45,6 +47,7 @@ __getattr__, __dir__ = lazy_exports(
     {
         "kvevents.subscribe.streams": [
             "Delivery",
+            "FeedHealth",
             "ReplayOptions",
             "StreamReset",
             "StreamSpec",

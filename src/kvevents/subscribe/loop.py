@@ -7,26 +7,22 @@ from other threads, and the replay client's DEALERs, all on one poller.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import math
 import os
 import queue
 import threading
-from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+import time
 
 import zmq
 
-from kvevents.errors import DecodeError
+from kvevents.errors import DecodeError, StreamAddError
 from kvevents.events import AllBlocksCleared
-from kvevents.security import apply_client
-from kvevents.subscribe._recv import Recv, receiver_for
+from kvevents.subscribe.commands import AddFailed, AddRequest, Command, RemoveStreams, Stop
 from kvevents.subscribe.cursor import (
     Action,
-    Cursor,
     Deliver,
     Duplicate,
     Gap,
@@ -34,10 +30,14 @@ from kvevents.subscribe.cursor import (
     Restart,
     Unrecoverable,
 )
+from kvevents.subscribe.fdlimit import room_for_stream
+from kvevents.subscribe.handover import Handover
+from kvevents.subscribe.live import LiveStream, open_stream
+from kvevents.subscribe.outbox import Outbox
 from kvevents.subscribe.replay import ReplayBatch, ReplayClient, ReplayEvent
 from kvevents.subscribe.streams import (
-    STREAM_COUNTERS,
     Delivery,
+    FeedHealth,
     Item,
     StreamKey,
     StreamReset,
@@ -52,101 +52,10 @@ log = logging.getLogger("kvevents.subscribe.subscriber")
 
 # Live messages read from one SUB before looking at the others: fairness across streams.
 _READ_BURST = 256
-# Items handed to consumers in one go at most: a turn over many busy streams must not hold
-# the first item back for long (256 typical batches take about 2 ms to read and decode).
-_HAND_OVER_AT = 256
 # Upper bound of one poll, so a missed wake-up can never hang the thread for long.
 _MAX_POLL_MS = 1000
 
-T = TypeVar("T")
 _wake_names = itertools.count()
-_NOBLOCK = int(zmq.NOBLOCK)
-_RCVMORE = int(zmq.RCVMORE)
-
-
-class Outbox(Generic[T]):
-    """A bounded hand-off from the I/O thread to consumers; closing wakes everyone.
-
-    ``listener`` (if set) is called after a put that made the outbox non-empty: the asyncio
-    side uses it to wake its event loop without polling.
-    """
-
-    def __init__(self, maxsize: int) -> None:
-        self._items: deque[T] = deque()
-        self._maxsize = maxsize
-        self._lock = threading.Lock()
-        self._not_empty = threading.Condition(self._lock)
-        self._not_full = threading.Condition(self._lock)
-        self.closed = False
-        self.listener: Callable[[], None] | None = None
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def put_many(self, items: list[T]) -> bool:
-        """Add ``items`` in order, waiting for room as needed; one wake-up for the lot.
-
-        The I/O thread hands over everything one poll turn produced at once: consumers wake
-        once per burst instead of once per item, so the two threads trade the GIL far less.
-        """
-        with self._lock:
-            was_empty = not self._items
-            for item in items:
-                while len(self._items) >= self._maxsize and not self.closed:
-                    # Full: whoever consumes must be awake now, not after the whole burst
-                    # (an asyncio consumer only wakes through the listener).
-                    self._wake_consumers()
-                    self._not_full.wait()
-                if self.closed:
-                    return False
-                self._items.append(item)
-            self._not_empty.notify()
-        if was_empty and self.listener is not None:
-            self.listener()
-        return True
-
-    def _wake_consumers(self) -> None:
-        self._not_empty.notify()
-        if self.listener is not None:
-            self.listener()  # thread-safe and non-blocking (it schedules on the event loop)
-
-    def get(self, timeout: float | None) -> tuple[bool, T | None]:
-        """``(True, item)``, or ``(False, None)`` on timeout or when closed and empty."""
-        with self._lock:
-            if not self._items and not self.closed:
-                self._not_empty.wait_for(lambda: self._items or self.closed, timeout)
-            if not self._items:
-                return False, None
-            item = self._items.popleft()
-            self._not_full.notify()
-            return True, item
-
-    def close(self) -> None:
-        """No more puts; consumers drain what is left, then see the closed state."""
-        with self._lock:
-            self.closed = True
-            self._not_empty.notify_all()
-            self._not_full.notify_all()
-        if self.listener is not None:
-            self.listener()
-
-
-@dataclass
-class _Stream:
-    spec: StreamSpec
-    cursor: Cursor
-    sub: zmq.Socket[bytes]
-    recv: Recv
-    ticket: int = 0
-    state: str = "new"
-    # Per kind of warning ("gap", "restart", ...): when it was last logged, how many held back.
-    warned: dict[str, tuple[float, int]] = field(default_factory=dict)
-    counts: dict[str, int] = field(default_factory=dict)
-    last_seq: int | None = None
-    last_ts: float | None = None
-
-    def add(self, name: str, amount: int = 1) -> None:
-        self.counts[name] = self.counts.get(name, 0) + amount
 
 
 class Loop:
@@ -155,28 +64,65 @@ class Loop:
     def __init__(self, specs: list[StreamSpec], options: SubscriberOptions, outbox: Outbox[Item]):
         self.options = options
         self.outbox = outbox
-        self.streams: dict[StreamKey, _Stream] = {}
+        self.streams: dict[StreamKey, LiveStream] = {}
         self.callback_errors = 0
+        # Why the thread died (None while it runs or after a clean stop).
+        self.error: str | None = None
+        # When the current turn of work began (None while waiting for work): stall detection.
+        self.busy_since: float | None = None
         self._initial = specs
-        self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._wake_endpoint = f"inproc://kvevents-subscriber-{os.getpid()}-{next(_wake_names)}"
         self._wake_lock = threading.Lock()
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        # Before the first socket: libzmq fixes the limit when it creates its socket table.
+        self._ctx.set(zmq.MAX_SOCKETS, options.max_sockets)
+        self._limits = options.decode_limits
         self._waker = self._ctx.socket(zmq.PAIR)
         self._waker.setsockopt(zmq.LINGER, 0)
         self._waker.bind(self._wake_endpoint)
-        self._by_socket: dict[zmq.Socket[bytes], _Stream] = {}
+        self._by_socket: dict[zmq.Socket[bytes], LiveStream] = {}
         self._running = True
-        # Items of the current poll turn, handed to the outbox together at its end.
-        self._pending: list[Item] = []
+        self._turn = Handover(outbox, options.queue_bytes)
+        outbox.on_low = self.wake
 
     # ------------------------------------------------------------------ other threads
 
-    def command(self, name: str, arg: Any = None) -> None:
+    def command(self, command: Command) -> None:
         """Queue a command for the I/O thread and wake it."""
-        self._commands.put((name, arg))
-        with self._wake_lock:  # the waker socket is shared by every caller thread
-            self._waker.send(b"", zmq.NOBLOCK)
+        self._commands.put(command)
+        self.wake()
+
+    def wake(self) -> None:
+        """Make the I/O thread run a turn now (the outbox calls it when it has room again)."""
+        # Again: wake-ups are pending already, or the thread is gone (health says which).
+        with self._wake_lock, contextlib.suppress(zmq.Again):  # one waker for every caller
+            if not self._waker.closed:
+                self._waker.send(b"", zmq.NOBLOCK)
+
+    def add(self, spec: StreamSpec) -> str | None:
+        """Have the I/O thread set ``spec`` up: None once done, else why it was not."""
+        request = AddRequest(spec)
+        self.command(request)
+        return request.wait(self.options.add_timeout)
+
+    def remove(self, worker_id: str, rank: int | None) -> None:
+        """Have the I/O thread drop a worker's rank (every rank when None)."""
+        self.command(RemoveStreams(worker_id, rank))
+
+    def stop(self) -> None:
+        """Have the I/O thread stop."""
+        self.command(Stop())
+
+    def health(self, alive: bool) -> FeedHealth:
+        """The I/O thread's health, ``alive`` telling whether the thread runs."""
+        if not alive:
+            return FeedHealth("dead", False, 0.0, self.error or "stopped")
+        since = self.busy_since
+        stalled_for = 0.0 if since is None else max(0.0, time.monotonic() - since)
+        if stalled_for > self.options.stall_after:
+            return FeedHealth("stalled", True, stalled_for)
+        return FeedHealth("ok", True, stalled_for)
 
     def close_waker(self) -> None:
         """Close the caller side once the I/O thread has stopped, then the context."""
@@ -194,37 +140,51 @@ class Loop:
         wake.connect(self._wake_endpoint)
         poller.register(wake, zmq.POLLIN)
         self.poller = poller
-        self.replays = ReplayClient(self._ctx, poller, options=self.options.replay)
-        try:
-            for spec in self._initial:
+        self.replays = ReplayClient(
+            self._ctx,
+            poller,
+            options=self.options.replay,
+            max_message_size=self.options.max_message_size,
+        )
+        for spec in self._initial:
+            try:
                 self._add(spec)
-        except BaseException as exc:
-            failure.append(exc)
-            self._running = False
+            except AddFailed as exc:
+                failure.append(_add_error(spec, str(exc)))
+                self._running = False
+                break
         ready.set()
         try:
             while self._running:
                 self._step(wake)
+        except BaseException as exc:
+            # Not one stream's failure (those are caught below): the thread cannot go on.
+            self.error = f"{type(exc).__name__}: {exc}"
+            log.critical("subscriber I/O thread died; no stream is read any more", exc_info=True)
         finally:
+            self.busy_since = None
             self._teardown(wake)
 
     def _step(self, wake: zmq.Socket[bytes]) -> None:
         due = self.replays.timeout()
         ms = _MAX_POLL_MS if due is None else min(_MAX_POLL_MS, math.ceil(due * 1000))
-        for sock, _ in self.poller.poll(ms):
+        ready = self.poller.poll(ms)
+        self.busy_since = time.monotonic()
+        for sock, _ in ready:
             if sock is wake:
                 self._on_wake(wake)
             elif sock in self._by_socket:
-                self._read_live(self._by_socket[sock])
+                stream = self._by_socket[sock]
+                try:
+                    self._read_live(stream)
+                except Exception as exc:
+                    self._stream_failed(stream, exc)
             else:
                 self._on_replay_events(self.replays.handle(sock))
         self._on_replay_events(self.replays.tick())
-        self._hand_over()
-
-    def _hand_over(self) -> None:
-        if self._pending:
-            pending, self._pending = self._pending, []
-            self.outbox.put_many(pending)
+        self._turn.flush()
+        self._after_shedding()
+        self.busy_since = None
 
     def _on_wake(self, wake: zmq.Socket[bytes]) -> None:
         while True:
@@ -234,20 +194,32 @@ class Loop:
                 break
         while True:
             try:
-                name, arg = self._commands.get_nowait()
+                command = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if name == "stop":
+            if isinstance(command, Stop):
                 self._running = False
-            elif name == "add":
-                self._add(arg)
-            elif name == "remove":
-                self._remove(arg)
+            elif isinstance(command, AddRequest):
+                self._answer(command)
+            else:
+                self._remove(command.worker_id, command.rank)
+
+    def _answer(self, request: AddRequest) -> None:
+        with request.lock:
+            if request.abandoned:
+                return  # the caller gave up and told its own caller the stream is not added
+            try:
+                self._add(request.spec)
+            except AddFailed as exc:
+                request.error = str(exc)
+            except Exception as exc:  # never let one stream's setup take the thread down
+                request.error = f"{type(exc).__name__}: {exc}"
+            request.done.set()
 
     def _teardown(self, wake: zmq.Socket[bytes]) -> None:
         self.replays.close()
         for stream in list(self.streams.values()):
-            stream.sub.close(linger=0)
+            self._detach(stream)
         self.streams.clear()
         self._by_socket.clear()
         wake.close(linger=0)
@@ -255,49 +227,56 @@ class Loop:
     # ------------------------------------------------------------------ streams
 
     def _add(self, spec: StreamSpec) -> None:
+        """Set ``spec`` up; :class:`AddFailed` (nothing left open) when it cannot be."""
         if spec.key in self.streams:
-            log.warning("stream %s rank %d is already subscribed", spec.worker_id, spec.rank)
-            return
-        sub = self._ctx.socket(zmq.SUB)
-        sub.setsockopt(zmq.LINGER, 0)
-        sub.setsockopt(zmq.RCVHWM, self.options.rcvhwm)
-        sub.setsockopt(zmq.SUBSCRIBE, spec.topic.encode())
-        apply_client(sub, spec.curve or self.options.curve)
-        try:
-            sub.connect(spec.endpoint)
-        except zmq.ZMQError as exc:
-            sub.close(linger=0)
-            raise ValueError(
-                f"cannot connect to {spec.endpoint} for worker {spec.worker_id!r} "
-                f"rank {spec.rank}: {exc}"
-            ) from exc
-        cursor = Cursor(
-            can_replay=spec.replay_endpoint is not None,
-            max_buffered=self.options.max_buffered,
-            window=self.options.duplicate_window,
-        )
-        stream = _Stream(
-            spec, cursor, sub, receiver_for(sub), counts=dict.fromkeys(STREAM_COUNTERS, 0)
-        )
+            raise AddFailed("already subscribed")
+        self._check_room()
+        stream = open_stream(self._ctx, spec, self.options)
+        sub = stream.sub
         self.streams[spec.key] = stream
         self._by_socket[sub] = stream
         self.poller.register(sub, zmq.POLLIN)
 
-    def _remove(self, key: tuple[str, int | None]) -> None:
-        worker_id, rank = key
+    def _check_room(self) -> None:
+        why = room_for_stream(len(self.streams), self.options.max_sockets, self.options.replay)
+        if why is not None:
+            raise AddFailed(why)
+
+    def _remove(self, worker_id: str, rank: int | None) -> None:
         for stream_key in [k for k in self.streams if k[0] == worker_id]:
             if rank is not None and stream_key[1] != rank:
                 continue
             stream = self.streams.pop(stream_key)
-            self.replays.cancel(stream_key)
-            self.poller.unregister(stream.sub)
-            del self._by_socket[stream.sub]
-            stream.sub.close(linger=0)
+            self._detach(stream)
             self._emit(StreamReset(stream.spec, "removed"))
+
+    def _detach(self, stream: LiveStream) -> None:
+        """Close the stream's sockets (its replay's too); idempotent."""
+        self.replays.cancel(stream.spec.key)
+        if self._by_socket.pop(stream.sub, None) is not None:
+            self.poller.unregister(stream.sub)
+            stream.sub.close(linger=0)
+
+    def _stream_failed(self, stream: LiveStream, exc: Exception) -> None:
+        """An error of the stream's own: it costs that stream only. It is detached (a broken
+        socket would otherwise fail again on every turn), counted, logged once, and
+        reported ``"failed"``; removing and adding it again starts it afresh."""
+        stream.add("failures")
+        self._detach(stream)
+        spec = stream.spec
+        log.error(
+            "worker %s rank %d: stream failed and was detached (remove and add it again): %s",
+            spec.worker_id,
+            spec.rank,
+            exc,
+            exc_info=exc,
+        )
+        stream.state = "failed"
+        self._publish_status(StreamStatus(spec, "failed"))
 
     # ------------------------------------------------------------------ messages
 
-    def _read_live(self, stream: _Stream) -> None:
+    def _read_live(self, stream: LiveStream) -> None:
         # The hot path of the whole subscriber: locals, and a shortcut for the common case
         # (a well-formed message delivered in order on a live stream).
         recv, cursor, counts = stream.recv, stream.cursor, stream.counts
@@ -329,17 +308,23 @@ class Loop:
     def _on_replay_events(self, events: list[ReplayEvent]) -> None:
         for event in events:
             stream = self.streams.get(event.key)  # type: ignore[call-overload]
-            if stream is None or event.ticket != stream.ticket:
+            if stream is None or event.ticket != stream.ticket or stream.state == "failed":
                 continue  # a removed stream, or a replay that was replaced
-            if isinstance(event, ReplayBatch):
-                actions = stream.cursor.on_replay(event.seq, event.payload)
-                if any(type(a) is Deliver and a.seq == event.seq for a in actions):
-                    stream.add("replayed")
-            else:
-                actions = stream.cursor.on_replay_end(event.ok)
-            self._apply(stream, actions)
+            try:
+                self._on_replay_event(stream, event)
+            except Exception as exc:
+                self._stream_failed(stream, exc)
 
-    def _apply(self, stream: _Stream, actions: list[Action]) -> None:
+    def _on_replay_event(self, stream: LiveStream, event: ReplayEvent) -> None:
+        if isinstance(event, ReplayBatch):
+            actions = stream.cursor.on_replay(event.seq, event.payload)
+            if any(type(a) is Deliver and a.seq == event.seq for a in actions):
+                stream.add("replayed")
+        else:
+            actions = stream.cursor.on_replay_end(event.ok)
+        self._apply(stream, actions)
+
+    def _apply(self, stream: LiveStream, actions: list[Action]) -> None:
         for action in actions:
             if type(action) is Deliver:
                 self._deliver(stream, action)
@@ -353,13 +338,13 @@ class Loop:
                 self._restart(stream, action)
             elif isinstance(action, Unrecoverable):
                 self._unrecoverable(stream, action)
-        if stream.cursor.state != stream.state:
+        if stream.cursor.state != stream.state and stream.shed_from is None:
             self._status(stream)
 
-    def _deliver(self, stream: _Stream, action: Deliver) -> None:
+    def _deliver(self, stream: LiveStream, action: Deliver) -> None:
         self._deliver_payload(stream, action.seq, action.payload)
 
-    def _deliver_payload(self, stream: _Stream, seq: int, payload: bytes) -> None:
+    def _deliver_payload(self, stream: LiveStream, seq: int, payload: bytes) -> None:
         on_payload = self.options.on_payload
         if on_payload is not None:
             try:
@@ -375,21 +360,29 @@ class Loop:
             if applied is not None:
                 self._account(stream, seq, applied)
                 return
+        if stream.shed_from is not None or (
+            self.options.callback is None and self._turn.over_budget(len(payload))
+        ):
+            self._shed_one(stream, seq)
+            return
         try:
-            decoded = decode_batch(payload, seq=seq)
+            decoded = decode_batch(payload, seq=seq, limits=self._limits)
         except DecodeError as exc:
             self._decode_failed(stream, exc)
+            return
+        except Exception as exc:  # a decoder bug must cost this payload only
+            self._decode_failed(stream, DecodeError(f"decoder failed: {exc!r}", seq=seq))
             return
         batch = decoded.batch
         clears = not stream.cursor.complete and any(
             isinstance(e, AllBlocksCleared) for e in batch.events
         )  # only an incomplete stream needs to know
         self._account(
-            stream, seq, Applied(batch.ts, len(batch.events), len(decoded.skipped), clears)
+            stream, seq, Applied(batch.ts, len(batch.events), decoded.skipped_count, clears)
         )
-        self._emit(Delivery(stream.spec, seq, batch))
+        self._emit(Delivery(stream.spec, seq, batch), len(payload))
 
-    def _account(self, stream: _Stream, seq: int, applied: Applied) -> None:
+    def _account(self, stream: LiveStream, seq: int, applied: Applied) -> None:
         """The stats of a delivered batch (or one the on_payload consumer applied)."""
         counts = stream.counts
         counts["delivered"] += 1
@@ -402,14 +395,18 @@ class Loop:
             # Everything before a cache reset is void: the view is whole again from here.
             stream.cursor.mark_complete()
 
-    def _gap(self, stream: _Stream, gap: Gap) -> None:
+    def _request_replay(self, stream: LiveStream, start: int) -> None:
+        spec = stream.spec
+        assert spec.replay_endpoint is not None  # the cursor only asks when it can replay
+        stream.ticket = self.replays.request(
+            spec.key, spec.replay_endpoint, start, curve=spec.curve or self.options.curve
+        )
+
+    def _gap(self, stream: LiveStream, gap: Gap) -> None:
         spec = stream.spec
         stream.add("gaps")
         stream.add("replays")
-        assert spec.replay_endpoint is not None  # the cursor only asks when it can replay
-        stream.ticket = self.replays.request(
-            spec.key, spec.replay_endpoint, gap.start, curve=spec.curve or self.options.curve
-        )
+        self._request_replay(stream, gap.start)
         if gap.start == 0 and stream.last_seq is None:
             # Joining a stream that already started is routine, not a loss: no warning.
             log.info(
@@ -421,7 +418,7 @@ class Loop:
             return
         self._warn(stream, "gap", "missing seq %d..%d, replaying", gap.start, gap.end - 1)
 
-    def _restart(self, stream: _Stream, restart: Restart) -> None:
+    def _restart(self, stream: LiveStream, restart: Restart) -> None:
         self.replays.cancel(stream.spec.key)
         stream.ticket = 0
         stream.add("restarts")
@@ -434,7 +431,7 @@ class Loop:
         )
         self._emit(StreamReset(stream.spec, "restart"))
 
-    def _unrecoverable(self, stream: _Stream, lost: Unrecoverable) -> None:
+    def _unrecoverable(self, stream: LiveStream, lost: Unrecoverable) -> None:
         stream.add("unrecoverable")
         stream.add("missing", lost.end - lost.start)
         spec = stream.spec
@@ -449,23 +446,57 @@ class Loop:
         stream.state = "incomplete"
         self._publish_status(StreamStatus(spec, "incomplete", (lost.start, lost.end)))
 
-    def _status(self, stream: _Stream) -> None:
+    def _status(self, stream: LiveStream) -> None:
         stream.state = stream.cursor.state
         if stream.state != "new":
             self._publish_status(StreamStatus(stream.spec, stream.state))
 
-    def _decode_failed(self, stream: _Stream, exc: DecodeError) -> None:
+    def _decode_failed(self, stream: LiveStream, exc: DecodeError) -> None:
         stream.add("decode_errors")
         self._warn(stream, "decode", "undecodable message skipped: %s", exc)
 
+    # ------------------------------------------------------------------ shedding
+
+    def _shed_one(self, stream: LiveStream, seq: int) -> None:
+        """Drop batch ``seq`` instead of queueing it: counted, and the stream marked
+        incomplete until a replay from ``seq`` (once there is room) rebuilds it."""
+        if self._turn.shed(stream, seq):
+            self._warn(stream, "shed", "consumer behind (queue_bytes full): shed from %d", seq)
+            stream.state = "incomplete"
+            self._publish_status(StreamStatus(stream.spec, "incomplete"))
+
+    def _after_shedding(self) -> None:
+        """End of a turn: rewind the streams that shed; replay them once there is room."""
+        shed, self._turn.shed_this_turn = self._turn.shed_this_turn, []
+        for stream in shed:
+            start, stream.shed_from = stream.shed_from, None
+            if start is None or self.streams.get(stream.spec.key) is not stream:
+                continue
+            actions = stream.cursor.rewind(start)
+            if actions and isinstance(actions[0], Gap):
+                self.replays.cancel(stream.spec.key)
+                stream.ticket = 0  # the running replay's answers are stale now
+                self._turn.rebuilds[stream.spec.key] = actions[0]
+            else:
+                self._apply(stream, actions)
+        if self._turn.room_to_rebuild():
+            self._start_rebuilds()
+
+    def _start_rebuilds(self) -> None:
+        rebuilds, self._turn.rebuilds = self._turn.rebuilds, {}
+        for key, gap in rebuilds.items():
+            stream = self.streams.get(key)
+            if stream is None or stream.cursor.next_seq != gap.start:
+                continue  # removed, failed or restarted meanwhile: nothing to rebuild
+            stream.add("replays")
+            self._request_replay(stream, gap.start)
+
     # ------------------------------------------------------------------ output
 
-    def _emit(self, item: Delivery | StreamReset) -> None:
+    def _emit(self, item: Delivery | StreamReset, size: int = 0) -> None:
         callback = self.options.callback
         if callback is None:
-            self._pending.append(item)
-            if len(self._pending) >= _HAND_OVER_AT:
-                self._hand_over()
+            self._turn.add(item, size)
             return
         try:
             callback(item)
@@ -481,32 +512,19 @@ class Loop:
                 self.callback_errors += 1
                 log.exception("subscriber status callback failed")
         if self.options.status_items:
-            self._pending.append(status)
+            self._turn.add(status)
 
-    def _warn(self, stream: _Stream, kind: str, fmt: str, *args: object) -> None:
-        """At most one warning per stream and kind per ``gap_log_interval`` seconds: a lossy
-        link or a flapping publisher must not flood the log."""
-        now = self.options.wall_clock()
-        last, held = stream.warned.get(kind, (-math.inf, 0))
-        if now - last < self.options.gap_log_interval:
-            stream.warned[kind] = (last, held + 1)
-            return
-        spec = stream.spec
-        extra = f" ({held} similar warnings suppressed)" if held else ""
-        log.warning("worker %s rank %d: " + fmt + "%s", spec.worker_id, spec.rank, *args, extra)
-        stream.warned[kind] = (now, 0)
+    def _warn(self, stream: LiveStream, kind: str, fmt: str, *args: object) -> None:
+        stream.warn(self.options, kind, fmt, *args)
 
     # ------------------------------------------------------------------ stats
 
-    def stream_stats(self, stream: _Stream) -> StreamStats:
+    def stream_stats(self, stream: LiveStream) -> StreamStats:
         """A snapshot of one stream's counters (read from another thread: approximate)."""
-        counts = dict(stream.counts)
-        lag = None if stream.last_ts is None else self.options.wall_clock() - stream.last_ts
-        return StreamStats(
-            worker_id=stream.spec.worker_id,
-            rank=stream.spec.rank,
-            state=stream.cursor.state,
-            last_seq=stream.last_seq,
-            lag=lag,
-            **counts,
-        )
+        return stream.stats(self.options.wall_clock())
+
+
+def _add_error(spec: StreamSpec, reason: str) -> StreamAddError:
+    return StreamAddError(
+        worker_id=spec.worker_id, rank=spec.rank, endpoint=spec.endpoint, reason=reason
+    )

@@ -40,7 +40,7 @@ from kvevents.wire import parse_replay_reply, replay_request_frames
 __all__ = [
     "ReplayBatch",
     "ReplayClient",
-    "ReplayCounters",
+    "ReplayClientCounters",
     "ReplayEnd",
     "ReplayEvent",
     "ReplayOptions",
@@ -76,8 +76,10 @@ ReplayEvent: TypeAlias = ReplayBatch | ReplayEnd
 
 
 @dataclass
-class ReplayCounters:
-    """What the client did, for stats: requests sent, resumes, timeouts, trimmed replies."""
+class ReplayClientCounters:
+    """What the client did (``SubscriberStats.replay_*``): requests sent, resumes, timeouts
+    (idle or total), trimmed replies (the server's ring had moved on), malformed reply
+    messages, replays completed and failed. Written by the owning thread only."""
 
     requests: int = 0
     resumes: int = 0
@@ -113,8 +115,12 @@ class ReplayClient:
         *,
         options: ReplayOptions | None = None,
         clock: Callable[[], float] = time.monotonic,
+        max_message_size: int = -1,
     ) -> None:
         self._context = context
+        # ZeroMQ's MAXMSGSIZE of every DEALER (-1: no limit): a reply frame over it drops
+        # the connection, which the idle timeout then handles like a silent server.
+        self._max_message_size = max_message_size
         self._poller = poller
         self.options = options or ReplayOptions()
         self._clock = clock
@@ -122,7 +128,9 @@ class ReplayClient:
         self._active: set[Hashable] = set()
         self._waiting: deque[Hashable] = deque()
         self._by_socket: dict[zmq.Socket[bytes], _Replay] = {}
-        self.counters = ReplayCounters()
+        self.counters = ReplayClientCounters()
+        # Replays that ended outside tick() or handle() (a socket could not be opened).
+        self._ended: list[ReplayEvent] = []
         self._tickets = 0
         # Keyed by kind and endpoint: a misbehaving server must not flood the log.
         self._warn = RateLimitedWarning(log, interval=10.0, clock=clock)
@@ -172,10 +180,6 @@ class ReplayClient:
         """True while at least one DEALER socket is open."""
         return bool(self._by_socket)
 
-    def owns(self, sock: object) -> bool:
-        """True if ``sock`` is one of this client's DEALER sockets."""
-        return sock in self._by_socket
-
     # ------------------------------------------------------------------ driving
 
     def handle(self, sock: zmq.Socket[bytes]) -> list[ReplayEvent]:
@@ -188,6 +192,9 @@ class ReplayClient:
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
+                break
+            except zmq.ZMQError as exc:  # the socket broke: a fresh one, like a silent server
+                self._resume(replay, f"receive failed: {exc}", events)
                 break
             replay.last_activity = self._clock()
             self._on_frames(replay, frames, events)
@@ -208,7 +215,9 @@ class ReplayClient:
             elif now - replay.last_activity >= self.options.idle_timeout:
                 self.counters.timeouts += 1
                 self._resume(replay, "idle timeout", events)
-        return events
+        # Replays that ended where no list was at hand (a socket could not be opened).
+        ended, self._ended = self._ended, []
+        return ended + events
 
     def timeout(self) -> float | None:
         """Seconds until :meth:`tick` has something to do; None when nothing is running."""
@@ -234,20 +243,35 @@ class ReplayClient:
 
     def _attempt(self, replay: _Replay) -> None:
         self._close_socket(replay)
-        sock = self._context.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)  # the server sends the whole reply at once
-        apply_client(sock, replay.curve)
-        sock.connect(replay.endpoint)
-        sock.send_multipart(replay_request_frames(replay.next_seq))
-        self.counters.requests += 1
         replay.attempts += 1
+        try:
+            sock = self._open(replay)
+        except (zmq.ZMQError, ValueError) as exc:
+            # Out of sockets or descriptors, or a refused endpoint: this replay's problem
+            # only; retried after a backoff like a silent server, then given up.
+            self._resume(replay, f"cannot open a replay socket: {exc}", self._ended)
+            return
+        self.counters.requests += 1
         replay.socket = sock
         replay.first = True
         replay.retry_at = None
         replay.last_activity = self._clock()
         self._by_socket[sock] = replay
         self._poller.register(sock, zmq.POLLIN)
+
+    def _open(self, replay: _Replay) -> zmq.Socket[bytes]:
+        sock = self._context.socket(zmq.DEALER)
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RCVHWM, 0)  # the server sends the whole reply at once
+            sock.setsockopt(zmq.MAXMSGSIZE, self._max_message_size)
+            apply_client(sock, replay.curve)
+            sock.connect(replay.endpoint)
+            sock.send_multipart(replay_request_frames(replay.next_seq), zmq.NOBLOCK)
+        except BaseException:
+            sock.close(linger=0)
+            raise
+        return sock
 
     def _close_socket(self, replay: _Replay) -> None:
         sock = replay.socket

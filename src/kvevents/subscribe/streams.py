@@ -11,13 +11,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, ClassVar, TypeAlias
+from typing import TYPE_CHECKING, ClassVar, Literal, TypeAlias
 
 import msgspec
 
 from kvevents.errors import LayoutError
 from kvevents.events import KVEventBatch
-from kvevents.wire import Applied
+from kvevents.subscribe.cursor import CursorState
+from kvevents.wire import DEFAULT_LIMITS, Applied, DecodeLimits
 from kvevents.wire.endpoints import parse_endpoint, rank_endpoint
 
 if TYPE_CHECKING:  # records only: importing them here must not load zmq
@@ -26,12 +27,16 @@ if TYPE_CHECKING:  # records only: importing them here must not load zmq
 __all__ = [
     "STREAM_COUNTERS",
     "Delivery",
+    "FeedHealth",
+    "FeedState",
     "Item",
     "ReplayOptions",
+    "ResetReason",
     "StreamCounters",
     "StreamKey",
     "StreamReset",
     "StreamSpec",
+    "StreamState",
     "StreamStats",
     "StreamStatus",
     "SubscriberOptions",
@@ -40,6 +45,29 @@ __all__ = [
 ]
 
 StreamKey: TypeAlias = tuple[str, int]
+#: Where a stream stands: the cursor's states, plus ``"failed"`` (the stream hit an error of
+#: its own and was detached; remove and add it again).
+StreamState: TypeAlias = Literal[CursorState, "failed"]
+#: Why a :class:`StreamReset` was sent.
+ResetReason: TypeAlias = Literal["restart", "removed"]
+#: The I/O thread's health: serving, stuck on work for too long, or not running.
+FeedState: TypeAlias = Literal["ok", "stalled", "dead"]
+
+
+#: The largest message a subscriber accepts by default (``SubscriberOptions.max_message_size``):
+#: 8 MiB holds about 180 prefills of 8k tokens (45 KB each: 5 bytes a token, 9 a block hash)
+#: in one batch, twenty times what a step of 64k batched tokens can store.
+DEFAULT_MAX_MESSAGE_SIZE = 8 * 1024 * 1024
+
+#: Payload bytes a subscriber queues for its consumer by default: decoded, a batch takes
+#: about 14 times its payload, so this is about 450 MB of objects at most.
+DEFAULT_QUEUE_BYTES = 32 * 1024 * 1024
+#: Payload bytes one stream holds while a replay fills the hole before them.
+DEFAULT_MAX_BUFFERED_BYTES = 16 * 1024 * 1024
+
+#: The subscriber's default socket limit: 8,192 covers 8,000 streams (a SUB each) plus the
+#: replay DEALERs and the wake-up pair, about twice the 4,096 streams it is meant to serve.
+DEFAULT_MAX_SOCKETS = 8192
 
 
 @dataclass(frozen=True)
@@ -62,7 +90,10 @@ class ReplayOptions:
 
 
 def _check_connectable(endpoint: str, rank: int) -> None:
-    parsed = parse_endpoint(endpoint)
+    try:
+        parsed = parse_endpoint(endpoint)
+    except LayoutError as exc:
+        raise LayoutError(str(exc), endpoint=endpoint, rank=rank, rule=exc.rule) from None
     if parsed.scheme != "tcp":
         return
     if parsed.host == "*":
@@ -165,19 +196,20 @@ class StreamReset:
     """
 
     stream: StreamSpec
-    reason: str
+    reason: ResetReason
 
 
 @dataclass(frozen=True, slots=True)
 class StreamStatus:
-    """The stream's state changed: ``"live"``, ``"replaying"`` or ``"incomplete"``.
+    """The stream's state changed: ``"live"``, ``"replaying"``, ``"incomplete"`` or
+    ``"failed"`` (detached after an error of its own: remove it and add it again).
 
     ``missing`` is the sequence range ``[start, end)`` lost for good when the state is
     ``"incomplete"`` because of it.
     """
 
     stream: StreamSpec
-    state: str
+    state: StreamState
     missing: tuple[int, int] | None = None
 
 
@@ -194,7 +226,9 @@ class StreamCounters:
     ``unrecoverable``: holes that could not be filled; ``missing``: batches in them.
     ``restarts``: publisher restarts seen. ``decode_errors``: messages that could not be
     read at all. ``skipped_events``: events skipped inside otherwise good batches.
-    ``events``: events delivered.
+    ``events``: events delivered. ``failures``: errors of the stream's own that detached it
+    (its state is then ``"failed"``). ``shed``: batches dropped because the consumer was
+    behind (``SubscriberOptions.queue_bytes``); each run of them is replayed.
     """
 
     received: int = 0
@@ -209,6 +243,8 @@ class StreamCounters:
     decode_errors: int = 0
     skipped_events: int = 0
     events: int = 0
+    failures: int = 0
+    shed: int = 0
 
 
 #: The names of :class:`StreamCounters`, in order.
@@ -219,7 +255,7 @@ STREAM_COUNTERS = tuple(f.name for f in fields(StreamCounters))
 class StreamStats(StreamCounters):
     """One stream since it was added: its counters, plus where it stands.
 
-    ``state``: ``"new"``, ``"live"``, ``"replaying"`` or ``"incomplete"``. ``last_seq``: the
+    ``state``: ``"new"``, ``"live"``, ``"replaying"``, ``"incomplete"`` or ``"failed"``. ``last_seq``: the
     last delivered sequence. ``lag``: seconds from the ``ts`` of the last delivered batch to
     now (None before one).
     """
@@ -229,7 +265,7 @@ class StreamStats(StreamCounters):
 
     worker_id: str
     rank: int
-    state: str
+    state: StreamState
     last_seq: int | None
     lag: float | None
 
@@ -238,19 +274,54 @@ class StreamStats(StreamCounters):
 class SubscriberStats(StreamCounters):
     """Totals over every stream, plus what belongs to the subscriber itself.
 
-    ``streams``: streams read now; ``incomplete``: how many are incomplete; ``queued``: items
-    waiting for the consumer; ``callback_errors``: exceptions raised by callbacks; ``max_lag``:
-    the largest stream lag. The counters sum :class:`StreamStats` over current streams.
+    ``streams``: streams read now; ``incomplete``: how many are incomplete; ``failed``: how
+    many are failed (detached); ``queued``: items waiting for the consumer;
+    ``queued_bytes``: the payload bytes of those items;
+    ``callback_errors``: exceptions raised by callbacks; ``add_errors``: streams that could
+    not be added (:class:`~kvevents.errors.StreamAddError`); ``max_lag``: the largest stream
+    lag. The counters sum :class:`StreamStats` over current streams. ``replay_*``: what the
+    replay client did: requests sent, resumes (a fresh request after a skip or silence),
+    timeouts (idle or total), trimmed replies (the server's ring had moved on), malformed
+    reply messages, replays completed and failed.
     """
 
     #: Fields that are levels (Prometheus gauges); every other number only grows.
-    GAUGES: ClassVar[frozenset[str]] = frozenset({"incomplete", "max_lag", "queued", "streams"})
+    GAUGES: ClassVar[frozenset[str]] = frozenset(
+        {"failed", "incomplete", "max_lag", "queued", "queued_bytes", "streams"}
+    )
 
     streams: int
     incomplete: int
+    failed: int = 0
     queued: int
+    queued_bytes: int = 0
     callback_errors: int
+    add_errors: int = 0
     max_lag: float | None
+    replay_requests: int = 0
+    replay_resumes: int = 0
+    replay_timeouts: int = 0
+    replay_trimmed: int = 0
+    replay_malformed: int = 0
+    replay_completed: int = 0
+    replay_failed: int = 0
+
+
+@dataclass(frozen=True)
+class FeedHealth:
+    """Whether the subscriber's I/O thread is serving (``Subscriber.health()``).
+
+    ``state``: ``"ok"``; ``"stalled"`` when the thread has been inside one turn of work for
+    more than ``SubscriberOptions.stall_after`` seconds (most often: the outbox is full
+    because the consumer is not reading); ``"dead"`` when the thread is not running (not
+    started, closed, or died: ``error`` says why). ``alive``: the thread is running.
+    ``stalled_for``: seconds the current turn has lasted while it had work; 0.0 when idle.
+    """
+
+    state: FeedState
+    alive: bool
+    stalled_for: float = 0.0
+    error: str | None = None
 
 
 @dataclass(frozen=True)
@@ -259,10 +330,14 @@ class SubscriberOptions:
 
     ``queue_size``: items waiting for the consumer; when full the I/O thread waits, ZeroMQ
     buffers up to ``rcvhwm`` messages per stream and then drops, which shows up as gaps that
-    are replayed. ``callback``: called on the I/O thread with every item instead of queueing
-    it (keep it quick). ``on_status``: called on the I/O thread with every
-    :class:`StreamStatus`; ``status_items`` also queues them. ``max_buffered``: live messages
-    held per stream during a replay. ``duplicate_window``: delivered batches remembered per
+    are replayed. ``queue_bytes``: payload bytes waiting for the consumer; past it batches
+    are shed (counted in ``shed``), the stream reported ``"incomplete"`` and rebuilt by a
+    replay from the first shed batch once the queue is half empty. ``callback``: called on
+    the I/O thread with every item instead of queueing it (keep it quick). ``on_status``:
+    called on the I/O thread with every :class:`StreamStatus`; ``status_items`` also queues
+    them. ``max_buffered``: live messages held per stream during a replay, and
+    ``max_buffered_bytes`` their payload bytes (past either the replay is abandoned and the
+    hole reported unrecoverable). ``duplicate_window``: delivered batches remembered per
     stream to tell a duplicate from a restart. ``gap_log_interval``: at most one gap warning
     per stream per that many seconds. ``wall_clock``: the clock ``lag`` is measured with.
     ``curve``: the CURVE client of every stream whose spec has none (``docs/security.md``).
@@ -271,12 +346,24 @@ class SubscriberOptions:
     consumer that applies the payload itself returns an :class:`Applied` and no
     :class:`Delivery` is made, one that returns None gets the usual delivery (the index
     service applies payloads this way). A ``DecodeError`` it raises counts as undecodable.
+    ``add_timeout``: seconds :meth:`Subscriber.add_stream` waits for the I/O thread to set a
+    stream up. ``stall_after``: seconds one turn of the I/O thread may last before
+    :meth:`Subscriber.health` says ``"stalled"``. ``max_sockets``: the ZeroMQ context's socket
+    limit (libzmq's default, 1023, is exhausted by about 1,020 streams); it bounds the
+    streams read at once to ``max_sockets - replay.max_concurrent - 2``.
+    ``max_message_size``: the largest frame a SUB or replay socket accepts (ZeroMQ's
+    ``MAXMSGSIZE``; a peer sending more is disconnected, which shows as a gap, replayed or
+    reported unrecoverable). ``max_events_per_batch`` and ``max_tokens_per_event``: events
+    past the first ``max_events_per_batch`` of a batch, and events with more tokens, are
+    skipped and counted in ``skipped_events`` (the rest of the batch is delivered).
     """
 
     queue_size: int = 10_000
+    queue_bytes: int = DEFAULT_QUEUE_BYTES
     rcvhwm: int = 100_000
     replay: ReplayOptions = field(default_factory=ReplayOptions)
     max_buffered: int = 100_000
+    max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES
     duplicate_window: int = 1024
     callback: Callable[[Delivery | StreamReset], None] | None = None
     on_status: Callable[[StreamStatus], None] | None = None
@@ -285,7 +372,30 @@ class SubscriberOptions:
     wall_clock: Callable[[], float] = time.time
     curve: CurveClient | None = None
     on_payload: Callable[[StreamSpec, int, bytes], Applied | None] | None = None
+    add_timeout: float = 10.0
+    stall_after: float = 10.0
+    max_sockets: int = DEFAULT_MAX_SOCKETS
+    max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE
+    max_events_per_batch: int = DEFAULT_LIMITS.max_events
+    max_tokens_per_event: int = DEFAULT_LIMITS.max_tokens
 
     def __post_init__(self) -> None:
         if self.queue_size < 1 or self.rcvhwm < 0:
             raise ValueError("queue_size must be >= 1 and rcvhwm >= 0")
+        if self.add_timeout <= 0 or self.stall_after <= 0:
+            raise ValueError("add_timeout and stall_after must be > 0")
+        if self.queue_bytes < 1 or self.max_buffered_bytes < 1:
+            raise ValueError("queue_bytes and max_buffered_bytes must be >= 1")
+        if self.max_message_size < 1024:
+            raise ValueError("max_message_size must be >= 1024 bytes")
+        if min(self.max_events_per_batch, self.max_tokens_per_event) < 1:
+            raise ValueError("max_events_per_batch and max_tokens_per_event must be >= 1")
+        if self.max_sockets < self.replay.max_concurrent + 3:
+            raise ValueError("max_sockets must leave room for a stream, the replays and 2 more")
+
+    @property
+    def decode_limits(self) -> DecodeLimits:
+        """The decoder's limits these options set."""
+        return DecodeLimits(
+            max_events=self.max_events_per_batch, max_tokens=self.max_tokens_per_event
+        )

@@ -21,15 +21,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import threading
 from collections.abc import AsyncIterator, Iterable, Iterator
 from types import TracebackType
 
-from kvevents.errors import SubscriberClosed
-from kvevents.subscribe.loop import Loop, Outbox
+from kvevents.errors import StreamAddError, SubscriberClosed
+from kvevents.subscribe.loop import Loop
+from kvevents.subscribe.outbox import Outbox
 from kvevents.subscribe.streams import (
     STREAM_COUNTERS,
     Delivery,
+    FeedHealth,
     Item,
     StreamKey,
     StreamReset,
@@ -44,6 +47,7 @@ from kvevents.subscribe.streams import (
 __all__ = [
     "AsyncSubscriber",
     "Delivery",
+    "FeedHealth",
     "StreamReset",
     "StreamSpec",
     "StreamStats",
@@ -74,6 +78,7 @@ class Subscriber:
         self._loop: Loop | None = None
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._add_errors = 0
         for spec in streams:
             self._register(spec)
 
@@ -97,6 +102,7 @@ class Subscriber:
             if failure:
                 thread.join()
                 loop.close_waker()
+                self._add_errors += 1
                 raise failure[0]
             self._loop, self._thread = loop, thread
 
@@ -109,7 +115,7 @@ class Subscriber:
             loop, thread = self._loop, self._thread
         self._outbox.close()
         if loop is not None and thread is not None:
-            loop.command("stop")
+            loop.stop()
             thread.join()
             loop.close_waker()
 
@@ -128,11 +134,29 @@ class Subscriber:
     # ------------------------------------------------------------------ streams
 
     def add_stream(self, spec: StreamSpec) -> None:
-        """Start reading ``spec``; ValueError if its (worker, rank) is already read."""
+        """Start reading ``spec``; ValueError if its (worker, rank) is already read.
+
+        Once started, returns when the I/O thread has set the stream up (at most
+        ``SubscriberOptions.add_timeout`` seconds), or raises
+        :class:`~kvevents.errors.StreamAddError` saying why it could not be (the stream is
+        then not read; every other stream goes on).
+        """
         with self._lock:
             self._register(spec)
-            if self._loop is not None:
-                self._loop.command("add", spec)
+            loop, thread = self._loop, self._thread
+            if loop is None or thread is None:
+                return
+            if thread.is_alive():
+                why = loop.add(spec)
+            else:
+                why = f"the I/O thread is not running ({loop.error or 'stopped'})"
+            if why is None:
+                return
+            del self._specs[spec.key]
+            self._add_errors += 1
+        raise StreamAddError(
+            worker_id=spec.worker_id, rank=spec.rank, endpoint=spec.endpoint, reason=why
+        )
 
     def remove_stream(self, worker_id: str, rank: int | None = None) -> None:
         """Stop reading a worker's rank (every rank when None); a ``StreamReset`` follows."""
@@ -143,7 +167,7 @@ class Subscriber:
             for key in keys:
                 del self._specs[key]
             if self._loop is not None:
-                self._loop.command("remove", (worker_id, rank))
+                self._loop.remove(worker_id, rank)
 
     def streams(self) -> list[StreamSpec]:
         """The streams currently read."""
@@ -180,6 +204,14 @@ class Subscriber:
 
     # ------------------------------------------------------------------ stats
 
+    def health(self) -> FeedHealth:
+        """Whether the I/O thread is serving: ``"ok"``, ``"stalled"`` or ``"dead"``."""
+        loop, thread = self._loop, self._thread
+        if loop is None or thread is None or self._closed:
+            why = (loop and loop.error) or ("closed" if self._closed else "not started")
+            return FeedHealth("dead", False, 0.0, why)
+        return loop.health(thread.is_alive())
+
     def stream_stats(self) -> dict[tuple[str, int], StreamStats]:
         """Counters of every stream read now, by (worker_id, rank)."""
         loop = self._loop
@@ -194,13 +226,18 @@ class Subscriber:
 
         totals = {name: sum(getattr(s, name) for s in per_stream) for name in STREAM_COUNTERS}
         loop = self._loop
+        replay = {} if loop is None else dataclasses.asdict(loop.replays.counters)
         return SubscriberStats(
             streams=len(per_stream),
             incomplete=sum(1 for s in per_stream if s.state == "incomplete"),
+            failed=sum(1 for s in per_stream if s.state == "failed"),
             **totals,
             queued=len(self._outbox),
+            queued_bytes=self._outbox.bytes,
             callback_errors=0 if loop is None else loop.callback_errors,
+            add_errors=self._add_errors,
             max_lag=max(lags) if lags else None,
+            **{f"replay_{name}": value for name, value in replay.items()},
         )
 
 
@@ -231,9 +268,10 @@ class AsyncSubscriber:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-    def add_stream(self, spec: StreamSpec) -> None:
-        """See :meth:`Subscriber.add_stream`."""
-        self.sync.add_stream(spec)
+    async def add_stream(self, spec: StreamSpec) -> None:
+        """See :meth:`Subscriber.add_stream`; the wait for the I/O thread happens off the
+        event loop (the I/O thread may itself be waiting for this loop to take items)."""
+        await asyncio.get_running_loop().run_in_executor(None, self.sync.add_stream, spec)
 
     def remove_stream(self, worker_id: str, rank: int | None = None) -> None:
         """See :meth:`Subscriber.remove_stream`."""
@@ -242,6 +280,10 @@ class AsyncSubscriber:
     def stats(self) -> SubscriberStats:
         """See :meth:`Subscriber.stats`."""
         return self.sync.stats()
+
+    def health(self) -> FeedHealth:
+        """See :meth:`Subscriber.health`."""
+        return self.sync.health()
 
     def stream_stats(self) -> dict[tuple[str, int], StreamStats]:
         """See :meth:`Subscriber.stream_stats`."""

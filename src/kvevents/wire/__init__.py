@@ -4,8 +4,10 @@ Pure functions over bytes and strings; nothing here opens a socket or loads Zero
 """
 
 from kvevents.wire.decode import (
+    DEFAULT_LIMITS,
     Applied,
     DecodedBatch,
+    DecodeLimits,
     PackedStored,
     SkippedEvent,
     decode_batch,
@@ -33,8 +35,10 @@ from kvevents.wire.frames import (
 )
 
 __all__ = [
+    "DEFAULT_LIMITS",
     "END_SEQ",
     "Applied",
+    "DecodeLimits",
     "DecodedBatch",
     "Endpoint",
     "LiveMessage",

@@ -14,13 +14,25 @@ from __future__ import annotations
 
 import ipaddress
 import re
+import sys
 from dataclasses import dataclass
 
 from kvevents.errors import LayoutError
 
-__all__ = ["MAX_PORT", "Endpoint", "layout_error", "parse_endpoint", "rank_endpoint"]
+__all__ = [
+    "MAX_IPC_PATH",
+    "MAX_PORT",
+    "Endpoint",
+    "layout_error",
+    "parse_endpoint",
+    "rank_endpoint",
+]
 
 MAX_PORT = 65535
+#: The longest ``ipc://`` path in bytes: a Unix socket address holds 108 bytes on Linux and
+#: 104 on macOS, the terminating NUL included. ZeroMQ refuses longer paths when the socket
+#: connects or binds, on the I/O thread, far from the code that chose the path.
+MAX_IPC_PATH = 103 if sys.platform == "darwin" else 107
 _SCHEMES = ("tcp", "ipc", "inproc")
 # RFC 1123 host names, plus the interface names ZeroMQ accepts for bind (eth0, lo).
 _NAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,62})(?:\.[A-Za-z0-9_-]{1,63})*$")
@@ -89,6 +101,16 @@ def _check_host(endpoint: str, host: str) -> None:
         )
 
 
+def _check_ipc_path(endpoint: str, path: str) -> None:
+    size = len(path.encode())
+    if size > MAX_IPC_PATH:
+        raise layout_error(
+            endpoint,
+            "path",
+            f"ipc path is {size} bytes; a Unix socket path holds at most {MAX_IPC_PATH}",
+        )
+
+
 def parse_endpoint(endpoint: str) -> Endpoint:
     """Parse and check one endpoint string; raise :class:`LayoutError` naming the rule."""
     scheme, sep, rest = endpoint.partition("://")
@@ -97,6 +119,8 @@ def parse_endpoint(endpoint: str) -> Endpoint:
     if scheme != "tcp":
         if not rest:
             raise layout_error(endpoint, "path", f"{scheme} endpoint needs a path or name")
+        if scheme == "ipc":
+            _check_ipc_path(endpoint, rest)
         return Endpoint(scheme=scheme, path=rest)
     host, colon, port_text = rest.rpartition(":")
     if not colon or not host:
@@ -119,4 +143,13 @@ def rank_endpoint(base: str, rank: int) -> str:
         raise layout_error(
             base, "range", f"port {parsed.port} + rank {rank} exceeds {MAX_PORT}", rank
         )
-    return parsed.for_rank(rank)
+    ranked = parsed.for_rank(rank)
+    size = len(ranked.encode()) - len("ipc://")
+    if parsed.scheme == "ipc" and size > MAX_IPC_PATH:  # the rank suffix can push it over
+        raise layout_error(
+            ranked,
+            "path",
+            f"ipc path is {size} bytes; a Unix socket path holds at most {MAX_IPC_PATH}",
+            rank,
+        )
+    return ranked

@@ -1,0 +1,103 @@
+"""One stream as the subscriber's I/O thread holds it: its SUB socket, cursor and counters."""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+
+import zmq
+
+from kvevents.security import apply_client
+from kvevents.subscribe._recv import Recv, receiver_for
+from kvevents.subscribe.commands import AddFailed
+from kvevents.subscribe.cursor import Cursor
+from kvevents.subscribe.streams import (
+    STREAM_COUNTERS,
+    StreamSpec,
+    StreamState,
+    StreamStats,
+    SubscriberOptions,
+)
+
+__all__ = ["LiveStream", "open_stream"]
+
+log = logging.getLogger("kvevents.subscribe.subscriber")
+
+
+@dataclass
+class LiveStream:
+    """One stream as the I/O thread holds it: its socket, its cursor, its counters."""
+
+    spec: StreamSpec
+    cursor: Cursor
+    sub: zmq.Socket[bytes]
+    recv: Recv
+    ticket: int = 0
+    state: StreamState = "new"
+    # Per kind of warning ("gap", "restart", ...): when it was last logged, how many held back.
+    warned: dict[str, tuple[float, int]] = field(default_factory=dict)
+    counts: dict[str, int] = field(default_factory=dict)
+    last_seq: int | None = None
+    last_ts: float | None = None
+    # The first sequence shed in this turn (the outbox was over its byte budget): every later
+    # delivery of the turn is shed too, so that the replay rebuilds them in order.
+    shed_from: int | None = None
+
+    def add(self, name: str, amount: int = 1) -> None:
+        self.counts[name] = self.counts.get(name, 0) + amount
+
+    def warn(self, options: SubscriberOptions, kind: str, fmt: str, *args: object) -> None:
+        """At most one warning per kind per ``gap_log_interval`` seconds: a lossy link or a
+        flapping publisher must not flood the log."""
+        now = options.wall_clock()
+        last, held = self.warned.get(kind, (-math.inf, 0))
+        if now - last < options.gap_log_interval:
+            self.warned[kind] = (last, held + 1)
+            return
+        spec = self.spec
+        extra = f" ({held} similar warnings suppressed)" if held else ""
+        log.warning("worker %s rank %d: " + fmt + "%s", spec.worker_id, spec.rank, *args, extra)
+        self.warned[kind] = (now, 0)
+
+    def stats(self, now: float) -> StreamStats:
+        """A snapshot of the counters (read from another thread: approximate)."""
+        lag = None if self.last_ts is None else now - self.last_ts
+        return StreamStats(
+            worker_id=self.spec.worker_id,
+            rank=self.spec.rank,
+            state="failed" if self.state == "failed" else self.cursor.state,
+            last_seq=self.last_seq,
+            lag=lag,
+            **self.counts,
+        )
+
+
+def open_stream(
+    context: zmq.Context[zmq.Socket[bytes]], spec: StreamSpec, options: SubscriberOptions
+) -> LiveStream:
+    """A connected SUB for ``spec`` and its cursor; :class:`AddFailed` (nothing left open)
+    when ZeroMQ refuses."""
+    try:
+        sub = context.socket(zmq.SUB)
+    except zmq.ZMQError as exc:
+        raise AddFailed(f"cannot open a socket: {exc}") from exc
+    try:
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RCVHWM, options.rcvhwm)
+        sub.setsockopt(zmq.MAXMSGSIZE, options.max_message_size)
+        sub.setsockopt(zmq.SUBSCRIBE, spec.topic.encode())
+        apply_client(sub, spec.curve or options.curve)
+        sub.connect(spec.endpoint)
+    except (zmq.ZMQError, ValueError, TypeError) as exc:
+        sub.close(linger=0)
+        raise AddFailed(f"cannot connect: {exc}") from exc
+    cursor = Cursor(
+        can_replay=spec.replay_endpoint is not None,
+        max_buffered=options.max_buffered,
+        max_buffered_bytes=options.max_buffered_bytes,
+        window=options.duplicate_window,
+    )
+    return LiveStream(
+        spec, cursor, sub, receiver_for(sub), counts=dict.fromkeys(STREAM_COUNTERS, 0)
+    )
