@@ -225,3 +225,11 @@ def test_full_prints_every_event_in_text_mode_too() -> None:
     assert "BlockRemoved" in lines[2] and "hashes=[5]" in lines[2]
     (brief,) = ListenView().records(Delivery(SPEC, 1, batch(stored)))
     assert len(text_line(brief).splitlines()) == 1
+
+
+def test_serve_defaults_to_the_routers_default_policy() -> None:
+    """``kvevents serve`` names the router's default policy without importing the index."""
+    from kvevents.cli import build_parser
+    from kvevents.index.router import DEFAULT_POLICY
+
+    assert build_parser().parse_args(["serve"]).policy == DEFAULT_POLICY

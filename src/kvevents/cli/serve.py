@@ -46,7 +46,11 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=non_negative_int, default=8090, help="port (0: any free)")
-    p.add_argument("--policy", default="prefix_load", help="default routing policy")
+    # The router's default, named here without importing the index (the parser must build
+    # without the service extra); a test holds the two together.
+    p.add_argument(
+        "--policy", default="longest_prefix", help="routing policy (default: longest_prefix)"
+    )
     p.add_argument("--worker", action="append", default=[], metavar="ID=EP[,REPLAY]",
                    help="register a worker at start (base endpoints)")  # fmt: skip
     p.add_argument("--ranks", type=positive_int, default=1, help="ranks of each --worker")

@@ -26,7 +26,7 @@ import msgspec
 from kvevents.errors import DecodeError, StreamAddError, SubscriberError
 from kvevents.events import AllBlocksCleared
 from kvevents.index.prefix import HolderKey, IndexStats, PrefixIndex
-from kvevents.index.router import Router
+from kvevents.index.router import DEFAULT_POLICY, Router
 from kvevents.service.feed import (
     Feed,
     ServiceStats,
@@ -82,7 +82,7 @@ class IndexService:
         pushes: bool = False,
         subscriber_options: SubscriberOptions | None = None,
         stream_specs: Callable[[WorkerRegistration], list[StreamSpec]] = default_stream_specs,
-        policy: str = "prefix_load",
+        policy: str = DEFAULT_POLICY,
         poll_interval: float = 0.1,
     ) -> None:
         self.index = index if index is not None else PrefixIndex()
