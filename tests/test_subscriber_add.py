@@ -17,7 +17,8 @@ from kvevents.subscribe.subscriber import (
     Subscriber,
     SubscriberOptions,
 )
-from kvevents.testing.peers import Collector, RawPublisher, typical_batch
+from kvevents.testing.fixtures import typical_batch
+from kvevents.testing.peers import Collector, RawPublisher
 from kvevents.testing.sockets import unique_inproc, unique_ipc, wait_for
 from kvevents.wire.endpoints import MAX_IPC_PATH, rank_endpoint
 
