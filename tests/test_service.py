@@ -20,6 +20,7 @@ from kvevents.index import table
 from kvevents.index._table_py import pack_json_member, pack_json_tokens
 from kvevents.index.keys import block_hashes
 from kvevents.index.prefix import IndexStats, PrefixIndex
+from kvevents.index.router import DEFAULT_POLICY
 from kvevents.metrics import field_docs
 from kvevents.service import app as service_app
 from kvevents.service import core as service_core
@@ -263,7 +264,7 @@ def test_register_query_and_unregister_over_http(
     assert len(body["decision"]["scores"]) == 3
     by_hashes = client.post("/query", json={"block_hashes": block_hashes(PROMPT, BS)}).json()
     assert by_hashes["scores"] == body["scores"]
-    assert by_hashes["decision"]["policy"] == "prefix_load"
+    assert by_hashes["decision"]["policy"] == DEFAULT_POLICY
     assert client.post("/unregister", json={"instance_id": 7, "dp_rank": 1}).status_code == 200
     assert client.post("/query", json={"token_ids": PROMPT}).json()["scores"] == {"b": {"0": 2}}
     missing = client.post("/unregister", json={"worker_id": "nobody"})
