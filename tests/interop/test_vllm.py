@@ -37,7 +37,7 @@ from vllm_peer import (
     wait_synced,
 )
 
-from kvevents.events import BlockStored
+from kvevents.events import AllBlocksCleared, BlockStored
 
 pytestmark = [pytest.mark.interop, pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -281,3 +281,21 @@ def test_engine_restart_empties_the_prediction(h: Harness) -> None:
     rows = [h.request(prompt), h.request(prompt)]
     assert [r.actual for r in rows] == [0, 3 * BLOCK]
     assert h.disagreements(rows) == []
+
+
+def test_reset_prefix_cache_is_published_with_the_next_step(h: Harness) -> None:
+    """vLLM sends AllBlocksCleared only in the next step's batch: one request sees a stale index."""
+    rng = random.Random("reset")
+    prompt = tokens(rng, 2 * BLOCK + 1)
+    h.request(prompt)
+    before = h.published
+    reply = h.engine.call({"op": "reset"})
+    assert reply["reset"] is True
+    assert reply["published"] == before, "nothing is published by the reset itself"
+    row = h.request(prompt)
+    assert row.actual == 0
+    assert set(row.predicted.values()) == {2 * BLOCK}, "the index had not heard of the reset"
+    h.sync()
+    (batch,) = _index(h).payloads[-1:]
+    assert isinstance(batch.events[0], AllBlocksCleared)
+    assert all(f.matched_blocks(prompt) == 2 for f in h.followers)

@@ -4,7 +4,8 @@ This file is not a test module: ``tests/interop/test_vllm.py`` starts it with th
 of ``.venv-vllm`` (vLLM's dependencies clash with ours) and talks to it over stdin/stdout:
 
 - argv[1]: a JSON object: ``model_dir``, ``block_size``, ``num_blocks``, ``endpoint``,
-  ``replay_endpoint``, ``topic``, optional ``publisher`` (default ``"zmq"``);
+  ``replay_endpoint``, ``topic``, optional ``publisher`` (default ``"zmq"``) and
+  ``engine_args`` (more ``vllm.LLM`` keyword arguments);
 - the script writes ``{"ready": true, ...}`` once the engine serves, then answers each request
   line with one reply line:
   ``{"op": "generate", "prompt": [ids], "cache_salt": str | null}`` ->
@@ -75,6 +76,7 @@ def start_engine(spec: dict[str, Any]) -> Any:
         dtype="float32",
         seed=0,
         kv_events_config=events,
+        **spec.get("engine_args", {}),
     )
 
 
