@@ -31,7 +31,6 @@ from vllm_peer import (
     ServiceFollower,
     VllmEngine,
     expected_hit,
-    find_vllm_python,
     scratch_dir,
     vllm_version,
     wait_synced,
@@ -104,18 +103,6 @@ def tokens(rng: random.Random, n: int) -> list[int]:
 
 
 # --------------------------------------------------------------------------- fixtures
-
-
-@pytest.fixture(scope="module")
-def vllm_python() -> str:
-    version, reason = vllm_version()
-    if reason is not None and os.environ.get("KVEVENTS_REQUIRE_VLLM"):
-        pytest.fail(f"KVEVENTS_REQUIRE_VLLM is set but {reason}")
-    if reason is not None:
-        pytest.skip(reason)
-    python = find_vllm_python()
-    assert python is not None and version is not None
-    return python
 
 
 @pytest.fixture(scope="module")

@@ -3,6 +3,7 @@
 This file is not a test module: ``tests/interop/test_vllm.py`` starts it with the interpreter
 of ``.venv-vllm`` (vLLM's dependencies clash with ours) and talks to it over stdin/stdout:
 
+- ``--build-model DIR`` only saves the model (for a server started otherwise);
 - argv[1]: a JSON object: ``model_dir``, ``block_size``, ``num_blocks``, ``endpoint``,
   ``replay_endpoint``, ``topic``, optional ``publisher`` (default ``"zmq"``) and
   ``engine_args`` (more ``vllm.LLM`` keyword arguments);
@@ -129,6 +130,9 @@ def serve(llm: Any, out: Any) -> None:
 
 
 def main() -> None:
+    if sys.argv[1] == "--build-model":
+        build_model(Path(sys.argv[2]))
+        return
     spec = json.loads(sys.argv[1])
     # The protocol gets its own copy of stdout; fd 1 (vLLM's log handlers) goes to stderr.
     out = os.fdopen(os.dup(1), "w")
