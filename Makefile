@@ -14,6 +14,9 @@ DYNAMO_STAMP := $(DYNAMO_VENV)/.installed
 VLLM_VENV ?= .venv-vllm
 VLLM_VERSION ?= 0.32.0
 VLLM_STAMP := $(VLLM_VENV)/.installed
+# kvevents itself in vLLM's venv, for its plugin (kvevents.integrations.vllm); vLLM brings the
+# core dependencies.
+VLLM_PLUGIN_STAMP := $(VLLM_VENV)/.kvevents
 
 # The index-facing tests, run a second time with the C block table switched off.
 FALLBACK_TESTS := tests/test_index.py tests/test_index_model.py tests/test_router.py \
@@ -37,7 +40,11 @@ $(DYNAMO_STAMP):
 	@$(DYNAMO_VENV)/bin/python -m pip install --quiet --disable-pip-version-check 'ai-dynamo-runtime==$(DYNAMO_VERSION)'
 	@touch $(DYNAMO_STAMP)
 
-vllm: $(VLLM_STAMP)
+vllm: $(VLLM_PLUGIN_STAMP)
+
+$(VLLM_PLUGIN_STAMP): $(VLLM_STAMP) pyproject.toml setup.py
+	@$(VLLM_VENV)/bin/python -m pip install --quiet --disable-pip-version-check --no-deps -e .
+	@touch $(VLLM_PLUGIN_STAMP)
 
 $(VLLM_STAMP):
 	@test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)

@@ -19,21 +19,20 @@ import json
 import os
 import random
 import shutil
-import time
-from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterator
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 from vllm_peer import (
     Follower,
+    Harness,
     IndexFollower,
     ServiceFollower,
     VllmEngine,
-    expected_hit,
     scratch_dir,
+    tokens,
     vllm_version,
-    wait_synced,
 )
 
 from kvevents.events import AllBlocksCleared, BlockStored
@@ -42,64 +41,6 @@ pytestmark = [pytest.mark.interop, pytest.mark.vllm, pytest.mark.timeout(900)]
 
 BLOCK = 32
 NUM_BLOCKS = 16  # 15 usable: vLLM keeps one as its null block
-VOCAB = 1024
-
-
-@dataclass
-class Row:
-    """One compared request."""
-
-    test: str
-    prompt_len: int
-    salt: str | None
-    actual: int
-    predicted: dict[str, int]
-    seconds: float
-
-
-@dataclass
-class Harness:
-    """The engine, the followers, and every comparison made."""
-
-    engine: VllmEngine
-    followers: list[Follower]
-    rows: list[Row] = field(default_factory=list)
-    published: int = 0
-    restarts: int = 0
-    test: str = ""
-
-    def sync(self, followers: Sequence[Follower] | None = None, timeout: float = 20.0) -> None:
-        late = wait_synced(followers or self.followers, self.published, self.restarts, timeout)
-        assert not late, f"{late} did not apply the engine's {self.published} batches in time"
-
-    def request(self, prompt: Sequence[int], salt: str | None = None) -> Row:
-        """Predict with every follower, then run the prompt: the comparison."""
-        self.sync()
-        predicted = {
-            f.name: expected_hit(f.matched_blocks(prompt), len(prompt), BLOCK)
-            for f in self.followers
-        }
-        start = time.perf_counter()
-        actual, self.published = self.engine.generate(prompt, salt)
-        row = Row(self.test, len(prompt), salt, actual, predicted, time.perf_counter() - start)
-        self.rows.append(row)
-        return row
-
-    def prime(self, followers: Sequence[Follower], rng: random.Random) -> None:
-        """Handshake: primer requests until ``followers`` applied one (a SUB connects late)."""
-        for _ in range(5):
-            _, self.published = self.engine.generate(tokens(rng, BLOCK + 1))
-            if not wait_synced(followers, self.published, self.restarts, timeout=3.0):
-                return
-        self.sync(followers)
-
-    def disagreements(self, rows: Sequence[Row]) -> list[Row]:
-        return [r for r in rows if any(p != r.actual for p in r.predicted.values())]
-
-
-def tokens(rng: random.Random, n: int) -> list[int]:
-    """``n`` random token ids: two tests never share a block."""
-    return [rng.randrange(1, VOCAB) for _ in range(n)]
 
 
 # --------------------------------------------------------------------------- fixtures

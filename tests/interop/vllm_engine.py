@@ -7,7 +7,8 @@ of ``.venv-vllm`` (vLLM's dependencies clash with ours) and talks to it over std
 - argv[1]: a JSON object: ``model_dir``, ``block_size``, ``num_blocks``, ``endpoint``,
   ``replay_endpoint``, ``topic``, optional ``publisher`` (default ``"zmq"``) and
   ``engine_args`` (more ``vllm.LLM`` keyword arguments);
-- the script writes ``{"ready": true, ...}`` once the engine serves, then answers each request
+- the script writes ``{"ready": true, "publisher": module, "publisher_class": name, ...}``
+  once the engine serves, then answers each request
   line with one reply line:
   ``{"op": "generate", "prompt": [ids], "cache_salt": str | null}`` ->
   ``{"cached": num_cached_tokens, "published": batches the engine's publisher has sent}``;
@@ -141,7 +142,9 @@ def main() -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     build_model(Path(spec["model_dir"]))
     llm = start_engine(spec)
-    out.write(json.dumps({"ready": True, "published": published(llm)}) + "\n")
+    kind = type(publisher_of(llm))
+    ready = {"ready": True, "published": published(llm), "publisher": kind.__module__}
+    out.write(json.dumps({**ready, "publisher_class": kind.__qualname__}) + "\n")
     out.flush()
     serve(llm, out)
 

@@ -17,6 +17,7 @@ import functools
 import http.client
 import json
 import os
+import random
 import select
 import signal
 import socket
@@ -41,6 +42,7 @@ _PROBE = "import vllm, transformers; print(vllm.__version__)"
 STARTUP_TIMEOUT = 240.0
 REQUEST_TIMEOUT = 60.0
 SYNC_TIMEOUT = 20.0
+VOCAB = 1024  # the tiny model's (vllm_engine.py)
 
 
 def find_vllm_python() -> str | None:
@@ -94,6 +96,7 @@ class VllmEngine:
     publisher: str = "zmq"
     extra_env: dict[str, str] = field(default_factory=dict)
     startups: list[float] = field(default_factory=list)
+    publisher_class: str = ""
     _proc: subprocess.Popen[bytes] | None = None
     _log: IO[bytes] | None = None
 
@@ -128,6 +131,7 @@ class VllmEngine:
         self.startups.append(STARTUP_TIMEOUT - deadline.remaining())
         if not ready.get("ready"):
             raise EngineError(f"engine did not start: {ready}")
+        self.publisher_class = f"{ready['publisher']}.{ready['publisher_class']}"
         return self
 
     def _read(self, deadline: Deadline, what: str) -> dict[str, Any]:
@@ -440,3 +444,60 @@ class VllmServer:
         if self._log is not None:
             self._log.close()
             self._log = None
+
+
+@dataclass
+class Row:
+    """One compared request."""
+
+    test: str
+    prompt_len: int
+    salt: str | None
+    actual: int
+    predicted: dict[str, int]
+    seconds: float
+
+
+@dataclass
+class Harness:
+    """The engine, the followers, and every comparison made."""
+
+    engine: VllmEngine
+    followers: list[Follower]
+    rows: list[Row] = field(default_factory=list)
+    published: int = 0
+    restarts: int = 0
+    test: str = ""
+
+    def sync(self, followers: Sequence[Follower] | None = None, timeout: float = 20.0) -> None:
+        late = wait_synced(followers or self.followers, self.published, self.restarts, timeout)
+        assert not late, f"{late} did not apply the engine's {self.published} batches in time"
+
+    def request(self, prompt: Sequence[int], salt: str | None = None) -> Row:
+        """Predict with every follower, then run the prompt: the comparison."""
+        self.sync()
+        predicted = {
+            f.name: expected_hit(f.matched_blocks(prompt), len(prompt), self.engine.block_size)
+            for f in self.followers
+        }
+        start = time.perf_counter()
+        actual, self.published = self.engine.generate(prompt, salt)
+        row = Row(self.test, len(prompt), salt, actual, predicted, time.perf_counter() - start)
+        self.rows.append(row)
+        return row
+
+    def prime(self, followers: Sequence[Follower], rng: random.Random) -> None:
+        """Handshake: primer requests until ``followers`` applied one (a SUB connects late)."""
+        for _ in range(5):
+            _, self.published = self.engine.generate(tokens(rng, self.engine.block_size + 1))
+            if not wait_synced(followers, self.published, self.restarts, timeout=3.0):
+                return
+        self.sync(followers)
+
+    def disagreements(self, rows: Sequence[Row]) -> list[Row]:
+        return [r for r in rows if any(p != r.actual for p in r.predicted.values())]
+
+
+def tokens(rng: random.Random, n: int) -> list[int]:
+    """``n`` random token ids: two tests never share a block."""
+    return [rng.randrange(1, VOCAB) for _ in range(n)]
