@@ -20,7 +20,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import pytest
-from vllm_peer import VllmServer, expected_hit, scratch_dir
+from vllm_peer import expected_hit, scratch_dir
+from vllm_server import VllmServer
 
 from kvevents.deadline import Deadline
 from kvevents.index.prefix import PrefixIndex
