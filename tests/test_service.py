@@ -687,6 +687,31 @@ def test_metrics_cover_every_service_counter_with_its_documentation(
     )
 
 
+def test_metrics_have_a_query_latency_histogram_and_process_metrics(
+    client: httpx.Client,
+) -> None:
+    """/metrics carries a /query latency histogram in seconds that counts each answered query,
+    and the process's CPU, memory and file descriptors."""
+
+    def count() -> float:
+        for line in client.get("/metrics").text.splitlines():
+            if line.startswith("kvevents_query_duration_seconds_count "):
+                return float(line.split()[1])
+        raise AssertionError("no kvevents_query_duration_seconds_count sample")
+
+    before = count()
+    for _ in range(3):
+        assert client.post("/query", json={"token_ids": list(range(64))}).status_code == 200
+    assert client.post("/query", content=b"{").status_code == 400  # refused: not observed
+    assert count() == before + 3
+    text = client.get("/metrics").text
+    assert "# TYPE kvevents_query_duration_seconds histogram" in text
+    assert 'kvevents_query_duration_seconds_bucket{le="0.001"}' in text
+    for name in ("process_cpu_seconds_total", "process_resident_memory_bytes",
+                 "process_open_fds", "python_gc_collections_total"):  # fmt: skip
+        assert f"\n{name}" in text, name
+
+
 def test_dump_streams_every_holder_and_encodes_off_the_lock(
     client: httpx.Client,
     server: tuple[Server, IndexService],
