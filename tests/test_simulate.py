@@ -217,11 +217,31 @@ def test_demo_runs_headless_and_prints_a_summary() -> None:
     assert done.returncode == 0, done.stderr
     out = done.stdout
     assert "demo summary" in out
+    summary = out[out.index("demo summary") :].splitlines()
     for policy in (DEFAULT_POLICY, "round_robin"):
-        line = next(x for x in out.splitlines() if x.strip().startswith(policy))
-        assert "index exact" in line and "requests" in line
+        at = next(i for i, x in enumerate(summary) if x.strip().startswith(policy))
+        assert "requests" in summary[at] and "reuse" in summary[at]
+        assert summary[at + 1].strip().startswith("index exact")
     assert out.count("blocks per worker (index/engine): w0 ") == 2
     assert "KV-aware routing reused" in out
+    assert max(len(line) for line in summary[:-1] if "blocks per worker" not in line) <= 100
+
+
+def test_the_demo_says_when_its_lanes_served_unequal_samples() -> None:
+    """The closing comparison names unequal request counts instead of hiding them."""
+    from types import SimpleNamespace
+
+    from kvevents.cli.demo import _comparison
+
+    aware = SimpleNamespace(policy=DEFAULT_POLICY, reuse=0.5, requests=800)
+    rr = SimpleNamespace(policy="round_robin", reuse=0.25, requests=760)
+    lines = _comparison([aware, rr])
+    assert lines[0].endswith("reused 50.0% of prompt tokens, round-robin 25.0% (2.0x)")
+    assert lines[1] == (
+        "  (unequal samples: 800 requests against 760; reuse is a share of each lane's own "
+        "prompt tokens)"
+    )
+    assert len(_comparison([aware, SimpleNamespace(**{**vars(rr), "requests": 800})])) == 1
 
 
 def test_default_trace_honours_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

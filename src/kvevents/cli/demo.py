@@ -153,32 +153,49 @@ def _render(view: Any, config: Any) -> Any:
 
 
 def _summary(demo: Any, summary: Any) -> str:
+    """The closing summary, in lines of at most 100 characters so no terminal of that width
+    wraps one mid-number."""
     c = demo.config
     lines = [
         f"demo summary: {summary.elapsed:.1f} s wall, {summary.virtual:.0f} s of trace "
-        f"({c.speedup:g}x), {c.workers} workers per policy, {c.drop_rate:.0%} of live "
-        f"messages dropped on purpose",
+        f"({c.speedup:g}x), {c.workers} workers per policy,",
+        f"  {c.drop_rate:.0%} of live messages dropped on purpose",
     ]
     for r in summary.reports:
         acc, feed = r.accuracy, r.feed
         p50 = "-" if r.ttft_p50 is None else f"{r.ttft_p50 * 1000:.0f} ms"
         lines.append(
-            f"  {r.policy:<14} {r.requests:>5} requests  reuse {r.reuse:6.1%}  TTFT p50 {p50}  "
-            f"index {'exact' if acc.exact else 'NOT exact'} "
-            f"({acc.index_blocks}/{acc.true_blocks} blocks)  "
-            f"gaps {feed.gaps} replays {feed.replays} lost {feed.unrecoverable}"
+            f"  {r.policy:<14} {r.requests:>5} requests  reuse {r.reuse:6.1%}  TTFT p50 {p50}"
+        )
+        lines.append(
+            f"  {'':<14} index {'exact' if acc.exact else 'NOT exact'} "
+            f"({acc.index_blocks}/{acc.true_blocks} blocks), gaps {feed.gaps}, "
+            f"replays {feed.replays}, lost {feed.unrecoverable}"
         )
         per_worker = ", ".join(
             f"{h.worker_id} {h.index_blocks}/{h.true_blocks}" for h in acc.holders
         )
         lines.append(f"  {'':<14} blocks per worker (index/engine): {per_worker}")
+    lines += _comparison(summary.reports)
+    return "\n".join(lines)
+
+
+def _comparison(reports: Any) -> list[str]:
+    """KV-aware against round-robin, saying so when they did not serve as many requests."""
     from kvevents.index.router import DEFAULT_POLICY
 
-    reuse = {r.policy: r.reuse for r in summary.reports}
-    aware, rr = reuse.get(DEFAULT_POLICY), reuse.get("round_robin")
-    if aware is not None and rr is not None:
-        gain = f" ({aware / rr:.1f}x)" if rr else ""
+    by_policy = {r.policy: r for r in reports}
+    aware, rr = by_policy.get(DEFAULT_POLICY), by_policy.get("round_robin")
+    if aware is None or rr is None:
+        return []
+    gain = f" ({aware.reuse / rr.reuse:.1f}x)" if rr.reuse else ""
+    lines = [
+        f"  KV-aware routing reused {aware.reuse:.1%} of prompt tokens, "
+        f"round-robin {rr.reuse:.1%}{gain}"
+    ]
+    if aware.requests != rr.requests:
         lines.append(
-            f"  KV-aware routing reused {aware:.1%} of prompt tokens, round-robin {rr:.1%}{gain}"
+            f"  (unequal samples: {aware.requests} requests against {rr.requests}; "
+            "reuse is a share of each lane's own prompt tokens)"
         )
-    return "\n".join(lines)
+    return lines
