@@ -209,3 +209,11 @@ def test_decisions_say_in_words_what_decided() -> None:
     cost = make_router("prefix_load").route(PROMPT)
     assert cost.reason == "lowest cost 2 = prefill 2 (2 new blocks) + decode 0"
     assert cost.to_dict()["reason"] == cost.reason and cost.reason in cost.explain()
+
+
+def test_a_zero_cost_scores_zero_not_minus_zero() -> None:
+    """A target with nothing to compute and no load scores 0, printed "score 0"."""
+    index = PrefixIndex(BS)
+    index.register_worker("a", block_size=BS)
+    decision = Router(index, "prefix_load").route([])
+    assert "score -0" not in decision.explain() and "score 0" in decision.explain()

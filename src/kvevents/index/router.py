@@ -342,7 +342,8 @@ class PrefixLoad:
                 "decode_cost": decode,
                 "cost": cost,
             }
-            rows.append(_row((target[0], target[1], m, r, -cost, load, terms, why)))
+            # 0.0 - cost, not -cost: a zero cost must not print as "score -0".
+            rows.append(_row((target[0], target[1], m, r, 0.0 - cost, load, terms, why)))
             key = (-cost, m)
             if winner is None or key > best:
                 winner, best, tied = i, key, 1
