@@ -19,8 +19,21 @@ ALLOWED = {
     "index": {"top", "wire", "index"},
     "service": {"top", "wire", "subscribe", "index", "service"},
     "sim": {"top", "wire", "publish", "subscribe", "index", "service", "sim"},
+    # Our publisher and subscriber inside other programs (engines' plugin systems).
+    "integrations": {"top", "wire", "publish", "subscribe", "integrations"},
     "testing": {"top", "wire", "publish", "subscribe", "index", "service", "sim", "testing"},
-    "cli": {"top", "wire", "publish", "subscribe", "index", "service", "sim", "testing", "cli"},
+    "cli": {
+        "top",
+        "wire",
+        "publish",
+        "subscribe",
+        "index",
+        "service",
+        "sim",
+        "testing",
+        "integrations",
+        "cli",
+    },  # fmt: skip
 }
 # Modules of the top level that only the façade may reach: the top ``__init__`` names every
 # layer (lazily), which is its job.

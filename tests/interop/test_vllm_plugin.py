@@ -24,7 +24,7 @@ from kvevents.events import KVEventBatch
 from kvevents.integrations.vllm import OVERRIDE_ENV, VllmPublisher
 from kvevents.subscribe.streams import StreamSpec
 from kvevents.subscribe.subscriber import Delivery, Subscriber
-from kvevents.testing.peers import wire_fixtures
+from kvevents.testing.fixtures import wire_fixtures
 
 pytestmark = [pytest.mark.interop, pytest.mark.vllm, pytest.mark.timeout(900)]
 
