@@ -11,6 +11,7 @@ indexer API, so it can be swapped in:
   blocks per worker, rank and tier, and an explained routing decision (:mod:`.query`).
 - ``GET /dump``: every holder's blocks, streamed; ``GET /workers``: workers with their stream
   health; ``GET /metrics``: Prometheus text; ``GET /health``: 200 while the feed is sound.
+- ``GET /``: a live status page polling ``GET /status`` (:mod:`.status`).
 
 Every error is JSON ``{"error": ...}`` with a 4xx status naming what is wrong; a registration
 names the refused ``field`` too. The mutating endpoints need the bearer token when one is set.
@@ -53,6 +54,7 @@ from kvevents.service.schema import (
     registration,
     worker_id,
 )
+from kvevents.service.status import status_routes
 
 __all__ = ["MUTATING", "AppOptions", "Guard", "create_app"]
 
@@ -293,6 +295,7 @@ def create_app(
         Route("/workers", api.workers, methods=["GET"]),
         Route("/metrics", api.metrics, methods=["GET"]),
         Route("/health", api.health, methods=["GET"]),
+        *status_routes(service),  # GET / (the status page) and GET /status
     ]
     reader = QueryReader(service)
     app = Starlette(
