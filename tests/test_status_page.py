@@ -166,9 +166,9 @@ def test_the_page_is_self_contained_and_its_script_is_the_only_one_allowed() -> 
 def test_with_auth_reads_the_page_and_its_json_need_the_token(
     guarded: tuple[httpx.Client, IndexService, FakeFeed],
 ) -> None:
-    """--auth-reads puts / and /status behind the bearer token like any other read."""
+    """--auth-reads puts /, /status and /openapi.json behind the bearer token like any read."""
     client = guarded[0]
-    for path in ("/", "/status"):
+    for path in ("/", "/status", "/openapi.json"):
         refused = client.get(path)
         assert refused.status_code == 401 and "Bearer" in refused.json()["error"], path
         allowed = client.get(path, headers={"Authorization": f"Bearer {TOKEN}"})
