@@ -77,8 +77,7 @@ def test_a_query_without_a_target_is_recorded_as_such() -> None:
 
 
 def test_the_hit_rate_is_bucketed_by_time_and_old_buckets_are_dropped() -> None:
-    """Each bucket sums its queries' matched and requested blocks; buckets older than the
-    window leave the history and the memory."""
+    """Buckets sum their queries' blocks; buckets past the window leave history and memory."""
     clock = Clock(100.0)
     log = DecisionLog(bucket_seconds=10.0, buckets=3, clock=clock)
     log.record(decision(2, 4))
@@ -103,7 +102,7 @@ def test_the_log_refuses_a_size_that_keeps_nothing() -> None:
     """A ring or a history of nothing is a configuration error, said at construction."""
     for kwargs in ({"size": 0}, {"buckets": 0}, {"bucket_seconds": 0.0}):
         with pytest.raises(ValueError, match="DecisionLog needs"):
-            DecisionLog(**kwargs)  # type: ignore[arg-type]
+            DecisionLog(**kwargs)
 
 
 def test_status_shows_workers_index_decisions_and_hit_rate() -> None:
@@ -280,8 +279,7 @@ def _stored(hashes: list[int], parent: int | None, tokens: list[int]) -> KVEvent
 
 @pytest.mark.browser
 def test_the_page_renders_live_data_in_a_real_browser(tmp_path: Path) -> None:
-    """kvevents serve fed by a real publisher: headless Chromium shows the worker (its id
-    escaped, as text), its live state and the decisions' reasons, in the DOM and in pixels."""
+    """Chromium renders a real serve's worker (id as text), live state and reasons, not blank."""
     browser = _browser()
     worker = "w0<b>x</b>"  # markup in a client-chosen id must be shown, not parsed
     with started_publisher() as publisher, ServiceIndexer() as service:

@@ -20,7 +20,7 @@ from starlette.routing import Route
 from kvevents.index.prefix import IndexStats
 from kvevents.service.schema import QueryBody, RegisterBody, UnregisterBody
 from kvevents.service.status import Status
-from kvevents.subscribe.streams import StreamStats
+from kvevents.subscribe.streams import FeedState, StreamStats
 
 __all__ = ["OPENAPI_VERSION", "openapi_document", "openapi_route"]
 
@@ -151,7 +151,7 @@ class Dump(msgspec.Struct, forbid_unknown_fields=True):
 class Health(msgspec.Struct, forbid_unknown_fields=True):
     """``GET /health``: 200 with ``ok``; 503 with why when the feed stalled or died."""
 
-    status: str
+    status: FeedState
     workers: int
     stalled_for: float | None = None
     error: str | None = None

@@ -26,7 +26,7 @@ from starlette.routing import Route
 from kvevents.index.prefix import StreamInfo
 from kvevents.service.core import IndexService
 from kvevents.service.decisions import HitBucket, RoutedQuery
-from kvevents.subscribe.streams import StreamState, StreamStats
+from kvevents.subscribe.streams import FeedState, StreamState, StreamStats
 
 __all__ = [
     "HitPoint",
@@ -82,7 +82,7 @@ class Status(msgspec.Struct, kw_only=True):
     """Everything the status page shows (``GET /status``)."""
 
     time: float  #: the service's clock (seconds since the epoch)
-    health: str  #: ``ok``, ``stalled`` or ``dead`` (see ``GET /health``)
+    health: FeedState  #: ``ok``, ``stalled`` or ``dead`` (see ``GET /health``)
     queries: int  #: queries answered since the service started
     index: IndexSize
     workers: list[WorkerStatus]
