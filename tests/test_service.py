@@ -559,7 +559,8 @@ def test_a_real_subscriber_out_of_sockets_refuses_one_worker_only() -> None:
 def test_health_reports_a_dead_or_stalled_feed(
     feed: FakeFeed, client: httpx.Client, feed_health: FeedHealth, status: str
 ) -> None:
-    """/health is a 503 naming the feed's state and reason when it is not serving."""
+    """/health is a 503 naming the feed's state and reason when it is not serving, and
+    /metrics says the same in numbers an alert can test."""
     assert client.get("/health").status_code == 200
     feed.state = feed_health
     reply = client.get("/health")
@@ -570,6 +571,9 @@ def test_health_reports_a_dead_or_stalled_feed(
         "stalled_for": feed_health.stalled_for,
         "error": feed_health.error,
     }
+    text = client.get("/metrics").text
+    assert "\nkvevents_service_feed_healthy 0.0" in text
+    assert f"\nkvevents_service_feed_stalled_seconds {float(feed_health.stalled_for)}" in text
 
 
 def test_reregistering_with_a_bad_endpoint_keeps_the_old_registration(
@@ -685,6 +689,33 @@ def test_metrics_cover_every_service_counter_with_its_documentation(
         "# HELP kvevents_service_ignored_total feed items of workers (or ranks) no longer "
         "registered, not applied" in text
     )
+
+
+def test_metrics_have_a_query_latency_histogram_and_process_metrics(
+    client: httpx.Client,
+) -> None:
+    """/metrics carries a /query latency histogram in seconds that counts each answered query,
+    and the process's CPU, memory and file descriptors."""
+
+    def count() -> float:
+        for line in client.get("/metrics").text.splitlines():
+            if line.startswith("kvevents_query_duration_seconds_count "):
+                return float(line.split()[1])
+        raise AssertionError("no kvevents_query_duration_seconds_count sample")
+
+    before = count()
+    for _ in range(3):
+        assert client.post("/query", json={"token_ids": list(range(64))}).status_code == 200
+    assert client.post("/query", content=b"{").status_code == 400  # refused: not observed
+    assert count() == before + 3
+    text = client.get("/metrics").text
+    assert "# TYPE kvevents_query_duration_seconds histogram" in text
+    assert 'kvevents_query_duration_seconds_bucket{le="0.001"}' in text
+    for name in ("process_cpu_seconds_total", "process_resident_memory_bytes",
+                 "process_open_fds", "python_gc_collections_total"):  # fmt: skip
+        assert f"\n{name}" in text, name
+    assert "\nkvevents_service_feed_healthy 1.0" in text
+    assert "\nkvevents_service_feed_stalled_seconds 0.0" in text
 
 
 def test_dump_streams_every_holder_and_encodes_off_the_lock(

@@ -40,6 +40,23 @@ class ServiceCollector:
             self._service.index_stats().bytes_per_block,
         )
         yield self._tier_blocks()
+        yield from self._feed_health()
+
+    def _feed_health(self) -> Iterator[GaugeMetricFamily]:
+        """The feed's health as numbers an alert can test (``GET /health`` says it in words)."""
+        health = self._service.health()
+        yield GaugeMetricFamily(
+            "kvevents_service_feed_healthy",
+            "1 while the subscriber's I/O thread is serving; 0 when it is stalled or dead "
+            "(GET /health then answers 503 with the reason)",
+            1.0 if health.state == "ok" else 0.0,
+        )
+        yield GaugeMetricFamily(
+            "kvevents_service_feed_stalled_seconds",
+            "Seconds the subscriber's I/O thread has been stuck in its current turn of work "
+            "(0 when it is idle or keeping up)",
+            health.stalled_for,
+        )
 
     def _tier_blocks(self) -> GaugeMetricFamily:
         family = GaugeMetricFamily(
