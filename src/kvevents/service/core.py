@@ -27,6 +27,7 @@ from kvevents.errors import DecodeError, StreamAddError, SubscriberError
 from kvevents.events import AllBlocksCleared
 from kvevents.index.prefix import HolderKey, IndexStats, PrefixIndex
 from kvevents.index.router import DEFAULT_POLICY, Router
+from kvevents.service.decisions import DecisionLog
 from kvevents.service.feed import (
     Feed,
     ServiceStats,
@@ -103,6 +104,8 @@ class IndexService:
         self._started = False
         self._consumer_error: str | None = None
         self._counts = {f.name: 0 for f in dataclasses.fields(ServiceStats)}
+        #: The last queries' decisions and the hit rate over time (the status page's).
+        self.decisions = DecisionLog()
 
     @property
     def feed(self) -> Feed:
@@ -358,6 +361,7 @@ class IndexService:
                 raise ValueError("query needs token_ids or block_hashes")
             decision = self.router.decide(match, policy=policy)
             self._counts["queries"] += 1
+        self.decisions.record(decision)
         scores: dict[str, dict[str, int]] = {}
         for (worker, rank), blocks in match.streams.items():
             scores.setdefault(worker, {})[str(rank)] = blocks
