@@ -33,7 +33,7 @@ ALLOWED = {
         "testing",
         "integrations",
         "cli",
-    },  # fmt: skip
+    },
 }
 # Modules of the top level that only the façade may reach: the top ``__init__`` names every
 # layer (lazily), which is its job.
