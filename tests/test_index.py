@@ -35,7 +35,8 @@ def gpu(worker: str, rank: int = 0) -> HolderKey:
 def assert_empty(index: PrefixIndex) -> None:
     assert all(len(page) == 0 for page in index._pages)
     for stream in index._streams.values():
-        assert stream.waiting == {} and stream.orphan_blocks == {} and stream.orphans_held == 0
+        pen = stream.orphans
+        assert pen.waiting == {} and pen.blocks == {} and pen.held == 0
         for holder in stream.holders.values():
             assert len(holder.engine) == 0 and holder.dups == {} and holder.shared == {}
 
