@@ -12,7 +12,8 @@ Layout (chosen for memory, see docs/index.md for the measured bytes per block):
   (:class:`~kvevents.index.orphans.OrphanPen`).
 
 The bulk work is done by table primitives (:mod:`kvevents.index.table`); the rules of
-reference counting are here, once.
+reference counting are here, once (the index's hot store calls ``store_run`` itself and comes
+here for anything but a fresh run).
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from kvevents.index import table as bt
-from kvevents.index.keys import chain_hashes
 from kvevents.index.orphans import OrphanPen
 from kvevents.index.records import DEFAULT_TIER, HolderKey
 
@@ -93,22 +93,12 @@ class Holder:
         self.dups: dict[int, int] = {}
         self.shared: dict[int, int] = {}
 
-    def store(self, hashes: Sequence[int], packed: bytes, block_size: int, seed: int) -> int:
-        """Store a run of blocks from their packed tokens; returns the duplicate stores."""
-        shared = bt.store_run(self.table, self.engine, self.bit, hashes, packed, block_size, seed)
-        if shared is None:  # some engine hash is held already: the reference-counted way
-            return self._add_each(hashes, chain_hashes(packed, block_size, seed))
-        if shared:
-            self._share(shared)
-        return 0
-
     def add(self, hashes: Sequence[int], ours: Sequence[int]) -> int:
         """Store blocks whose hashes are known; returns the duplicate stores."""
         shared = bt.store_chain(self.table, self.engine, self.bit, hashes, ours)
         if shared is None:
             return self._add_each(hashes, ours)
-        if shared:
-            self._share(shared)
+        self.share(shared)
         return 0
 
     def remove(self, hashes: Sequence[int], tombs: Tombstones) -> list[int]:
@@ -150,11 +140,11 @@ class Holder:
                 shared.append(oh)
             else:
                 blocks[oh] = mask | bit
-        self._share(shared)
+        self.share(shared)
         return dups
 
-    def _share(self, shared: Iterable[int]) -> None:
-        # The holder already has these tokens under another engine hash: count the extra.
+    def share(self, shared: Iterable[int]) -> None:
+        """Count blocks the holder already had under another engine hash (from a store)."""
         counts = self.shared
         for oh in shared:
             counts[oh] = counts.get(oh, 0) + 1

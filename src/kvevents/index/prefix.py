@@ -56,14 +56,15 @@ __all__ = [
 log = logging.getLogger("kvevents.index.prefix")
 
 _STORED_TYPES = (PackedStored, BlockStored)
+# The feed's hot path calls these once per store: module globals, not attribute lookups.
+_pack_msgpack = bt.pack_msgpack_tokens
+_store_run = bt.store_run
 
 
-def _packed_tokens(event: Stored) -> bytes | None:
-    """The event's tokens as packed uint32 LE, None when one is not an int in range."""
-    if type(event) is PackedStored:
-        return bt.pack_msgpack_tokens(event.token_ids)
+def _pack_ints(token_ids: Sequence[int]) -> bytes | None:
+    """Int token ids as packed uint32 LE, None when one is not an int in range."""
     try:
-        return pack_tokens(event.token_ids)
+        return pack_tokens(token_ids)
     except (OverflowError, TypeError):
         return None
 
@@ -232,17 +233,20 @@ class PrefixIndex:
         return Applied(batch.ts, len(batch.events), decoded.skipped_count, self._c.clears != before)
 
     def _store(self, stream: Stream, event: Stored) -> None:
-        size = stream.block_size
-        if event.block_size != size and not self._adopt(stream, event):
+        size = event.block_size
+        if size != stream.block_size and not self._adopt(stream, event):
             return
         hashes = event.block_hashes
         if not hashes:
             return
-        packed = _packed_tokens(event)
+        if type(event) is PackedStored:
+            packed = _pack_msgpack(event.token_ids)
+        else:
+            packed = _pack_ints(event.token_ids)
         if packed is None:
             self._bad(stream, "token_ids is not an array of ints in 0..2**32-1")
             return
-        if len(packed) != 4 * event.block_size * len(hashes):
+        if len(packed) != 4 * size * len(hashes):
             self._bad(stream, "token_ids length is not block_size * len(block_hashes)")
             return
         holder = stream.by_medium.get(event.medium) or self._holder(stream, event.medium)
@@ -259,7 +263,11 @@ class PrefixIndex:
                     return
             seed = found
         self._c.stored += len(hashes)
-        self._c.duplicates += holder.store(hashes, packed, event.block_size, seed)
+        shared = _store_run(holder.table, holder.engine, holder.bit, hashes, packed, size, seed)
+        if shared is None:  # some engine hash is held already: the reference-counted way
+            self._c.duplicates += holder.add(hashes, chain_hashes(packed, size, seed))
+        elif shared:
+            holder.share(shared)
         if stream.orphans.waiting:
             self._place_waiting(stream, hashes)
 
