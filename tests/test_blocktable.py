@@ -271,7 +271,7 @@ def index_ops(engine_hashes: st.SearchStrategy[int]) -> st.SearchStrategy[tuple[
             st.just("remove"), st.integers(0, HOLDERS - 1), st.lists(engine_hashes, max_size=8)
         ),
         st.tuples(st.just("drop"), st.integers(0, HOLDERS - 1)),
-        st.tuples(st.just("walk"), walked, st.integers(0, 2**HOLDERS - 1)),
+        st.tuples(st.just("walk"), walked, st.integers(0, 2**HOLDERS - 1), st.booleans()),
         st.tuples(
             st.just("extend"),
             walked,
@@ -330,7 +330,7 @@ class Tables:
         if name == "drop":
             return outcome(lambda: impl.drop_holder(self.blocks, self.engines[op[1]], 1 << op[1]))
         if name == "walk":
-            return outcome(lambda: impl.walk(self.blocks, op[1], op[2]))
+            return outcome(lambda: impl.walk(self.blocks, op[1], op[2], nogil=op[3]))
         return outcome(lambda: impl.extend(self.blocks, op[1], op[2], op[3]))
 
     def contents(self) -> list[list[tuple[int, int]]]:

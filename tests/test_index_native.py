@@ -13,6 +13,8 @@ import os
 import struct
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import ModuleType
@@ -261,3 +263,64 @@ def test_module_uses_multi_phase_init() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
     )
     assert done.stdout.split() == ["False", "c", "U64Map"]
+
+
+# ------------------------------------------------------------------ the walk without the GIL
+
+
+def _walk_into(result: list[Any], blocks: Any, hashes: list[int]) -> None:
+    result.append(c().walk(blocks, hashes, 1, nogil=True))
+
+
+def test_walk_without_the_gil_refuses_writers_meanwhile() -> None:
+    """While a walk reads a table without the GIL, every write to it raises; after, all work.
+
+    The walk is long (two million keys, all present) so that this thread, waiting for the
+    GIL the walk gave up, sees it reading; a missed window is retried, a bounded number of
+    times, so the outcome does not depend on timing."""
+    blocks, engine, tombs = c().U64Map(), c().U64Map(), c().U64Map()
+    blocks[7] = 1
+    hashes = [7] * 2_000_000
+    writes: list[Callable[[], object]] = [
+        lambda: blocks.__setitem__(8, 1),
+        lambda: blocks.pop(7),
+        blocks.clear,
+        lambda: c().store_chain(blocks, engine, 2, [1], [9]),
+        lambda: c().store_run(blocks, engine, 2, [1], b"\0" * 4, 1, 0),
+        lambda: c().remove_blocks(blocks, engine, tombs, 1, [5]),
+        lambda: c().drop_holder(blocks, engine, 1),
+    ]
+    for _ in range(20):
+        result: list[Any] = []
+        walker = threading.Thread(target=_walk_into, args=(result, blocks, hashes))
+        walker.start()
+        deadline = time.monotonic() + 30
+        while not blocks.readers and walker.is_alive() and time.monotonic() < deadline:
+            pass
+        refused = []
+        if blocks.readers:
+            for write in writes:
+                with pytest.raises(RuntimeError, match="read without the GIL"):
+                    write()
+                refused.append(write)
+        walker.join(30)
+        assert not walker.is_alive() and result == [[(1, len(hashes))]]
+        if refused:
+            break
+    assert refused == writes, "the walk was never seen reading in 20 tries"
+    assert blocks.readers == 0
+    blocks[8] = 1  # writers are welcome again
+    assert sorted(blocks.items()) == [(7, 1), (8, 1)]
+
+
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(st.lists(st.integers(0, 12), max_size=40), st.integers(0, 2**64 - 1))
+def test_walk_without_the_gil_matches_the_walk(hashes: list[int], allowed: int) -> None:
+    """The GIL-free walk gives the same groups as the usual one, on random tables."""
+    blocks = c().U64Map()
+    for i, h in enumerate(range(12)):
+        blocks[h] = (i * 0x9E3779B97F4A7C15) % 2**64 | 1
+    assert c().walk(blocks, hashes, allowed, nogil=True) == c().walk(blocks, hashes, allowed)
+    with pytest.raises(OverflowError):
+        c().walk(blocks, [*hashes, 2**64], allowed, nogil=True)
+    assert blocks.readers == 0

@@ -34,6 +34,7 @@ typedef struct {
     Slot zero; /* the entry of key 0, valid when has_zero */
     char has_zero;
     char is_signed; /* a negative key was stored: keys read back signed */
+    Py_ssize_t readers; /* walks reading it without the GIL (changed only under the GIL) */
 } U64Map;
 
 static PyTypeObject U64MapType;
@@ -387,6 +388,20 @@ check_map(PyObject *o, const char *what)
     return -1;
 }
 
+/* A map being read without the GIL (walk with nogil) must not change: its slots could move
+ * or be freed under the reader. The caller's lock should keep writers out; this refuses a
+ * write that got through rather than corrupt memory. Readers and writers both hold the GIL
+ * when they touch the count. */
+static int
+map_writable(const U64Map *m)
+{
+    if (m->readers == 0)
+        return 0;
+    PyErr_SetString(PyExc_RuntimeError,
+                    "U64Map is being read without the GIL: writers must wait for readers");
+    return -1;
+}
+
 /* ---------------------------------------------------------------- U64Map type */
 
 static PyObject *
@@ -454,6 +469,8 @@ U64Map_ass_subscript(U64Map *m, PyObject *key, PyObject *value)
     uint64_t k, v;
     int neg;
     Slot *s;
+    if (map_writable(m) < 0)
+        return -1;
     if (value == NULL) {
         if (key_from(key, &k, &neg) < 0)
             return -1;
@@ -624,6 +641,8 @@ U64Map_pop(U64Map *m, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames
         Py_INCREF(a[1]);
         return a[1];
     }
+    if (map_writable(m) < 0)
+        return NULL;
     v = PyLong_FromUnsignedLongLong(s->value);
     if (v != NULL)
         map_remove(m, s);
@@ -633,7 +652,7 @@ U64Map_pop(U64Map *m, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames
 static PyObject *
 U64Map_clear_method(U64Map *m, PyObject *Py_UNUSED(ignored))
 {
-    if (map_clear(m) < 0)
+    if (map_writable(m) < 0 || map_clear(m) < 0)
         return NULL;
     Py_RETURN_NONE;
 }
@@ -657,8 +676,16 @@ static PyMethodDef U64Map_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+static PyObject *
+U64Map_readers(U64Map *m, void *Py_UNUSED(closure))
+{
+    return PyLong_FromSsize_t(m->readers);
+}
+
 static PyGetSetDef U64Map_getset[] = {
     {"nbytes", (getter)U64Map_nbytes, NULL, "Bytes allocated for the table (slots and struct).",
+     NULL},
+    {"readers", (getter)U64Map_readers, NULL, "Walks reading the table without the GIL now.",
      NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
@@ -1390,7 +1417,8 @@ store_chain(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs
     int any_neg, fresh;
     if (parse_args("store_chain", args, nargs, kwnames, store_names, 5, 5, a) < 0)
         return NULL;
-    if (check_map(a[0], "blocks") < 0 || check_map(a[1], "engine") < 0)
+    if (check_map(a[0], "blocks") < 0 || check_map(a[1], "engine") < 0 ||
+        map_writable((U64Map *)a[0]) < 0 || map_writable((U64Map *)a[1]) < 0)
         return NULL;
     ehs = PySequence_Fast(a[3], "engine_hashes must be a sequence");
     if (ehs == NULL)
@@ -1444,6 +1472,7 @@ store_run(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs,
         return NULL;
     }
     if (check_map(a[0], "blocks") < 0 || check_map(a[1], "engine") < 0 ||
+        map_writable((U64Map *)a[0]) < 0 || map_writable((U64Map *)a[1]) < 0 ||
         u64_from(a[2], &bit, "bit") < 0 || (size = block_size_from(a[5])) < 0 ||
         key_from(a[6], &seed, &neg) < 0)
         return NULL;
@@ -1495,6 +1524,9 @@ remove_blocks(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nar
         return NULL;
     if (check_map(a[0], "blocks") < 0 || check_map(a[1], "engine") < 0 ||
         check_map(a[2], "tombs") < 0 || u64_from(a[3], &bit, "bit") < 0)
+        return NULL;
+    if (map_writable((U64Map *)a[0]) < 0 || map_writable((U64Map *)a[1]) < 0 ||
+        map_writable((U64Map *)a[2]) < 0)
         return NULL;
     blocks = (U64Map *)a[0];
     engine = (U64Map *)a[1];
@@ -1550,6 +1582,8 @@ drop_holder(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs
         return NULL;
     blocks = (U64Map *)a[0];
     engine = (U64Map *)a[1];
+    if (map_writable(blocks) < 0 || map_writable(engine) < 0)
+        return NULL;
     /* The same map as both ends up empty anyway; iterating it while removing would not be safe. */
     if (blocks != engine) {
         if (engine->has_zero)
@@ -1565,7 +1599,7 @@ drop_holder(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs
 
 /* ---------------------------------------------------------------- walks */
 
-static const char *const walk_names[] = {"blocks", "hashes", "allowed"};
+static const char *const walk_names[] = {"blocks", "hashes", "allowed", "nogil"};
 
 static int
 walk_emit(PyObject *out, uint64_t bits, Py_ssize_t depth)
@@ -1581,27 +1615,100 @@ walk_emit(PyObject *out, uint64_t bits, Py_ssize_t depth)
     return append_steal(out, pair(b, d));
 }
 
+/* The walk over keys already converted, touching no Python object: it may run without the
+ * GIL. A group leaves at each depth where some alive bit is missing; at most 64 groups leave
+ * (each takes a bit) and the last may stay to the end: 65 at most. */
+#define WALK_GROUPS 65
+
+static int
+walk_keys(const U64Map *m, const uint64_t *keys, Py_ssize_t count, uint64_t allowed,
+          uint64_t *bits, Py_ssize_t *depths)
+{
+    const Slot *s;
+    uint64_t alive, mask;
+    Py_ssize_t depth = 1;
+    int groups = 0;
+    if (count == 0)
+        return 0;
+    s = map_find((U64Map *)m, keys[0]);
+    alive = (s == NULL ? 0 : s->value) & allowed;
+    while (alive && depth < count) {
+        s = map_find((U64Map *)m, keys[depth]);
+        mask = (s == NULL ? 0 : s->value) & alive;
+        if (mask != alive) {
+            bits[groups] = alive ^ mask;
+            depths[groups++] = depth;
+            alive = mask;
+        }
+        depth++;
+    }
+    if (alive) {
+        bits[groups] = alive;
+        depths[groups++] = depth;
+    }
+    return groups;
+}
+
+/* walk(..., nogil=True): convert every key first, then walk without the GIL. The map is
+ * marked read for the while, so a writer that gets in raises instead of moving its slots. */
+static PyObject *
+walk_nogil(U64Map *blocks, PyObject **items, Py_ssize_t count, uint64_t allowed)
+{
+    uint64_t *keys, bits[WALK_GROUPS];
+    Py_ssize_t i, depths[WALK_GROUPS];
+    PyObject *out;
+    int neg, groups;
+    keys = PyMem_Malloc((size_t)(count > 0 ? count : 1) * sizeof(uint64_t));
+    if (keys == NULL)
+        return PyErr_NoMemory();
+    for (i = 0; i < count; i++) {
+        if (key_from(items[i], &keys[i], &neg) < 0) {
+            PyMem_Free(keys);
+            return NULL;
+        }
+    }
+    blocks->readers++;
+    Py_BEGIN_ALLOW_THREADS
+    groups = walk_keys(blocks, keys, count, allowed, bits, depths);
+    Py_END_ALLOW_THREADS
+    blocks->readers--;
+    PyMem_Free(keys);
+    out = PyList_New(0);
+    for (i = 0; out != NULL && i < groups; i++)
+        if (walk_emit(out, bits[i], depths[i]) < 0)
+            Py_CLEAR(out);
+    return out;
+}
+
 static PyObject *
 walk(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
-    PyObject *a[3], *seq, *out;
+    PyObject *a[4], *seq, *out;
     PyObject **items;
     U64Map *blocks;
     uint64_t alive = 0, allowed, mask;
     Py_ssize_t count, depth = 1;
-    if (parse_args("walk", args, nargs, kwnames, walk_names, 3, 3, a) < 0)
+    int nogil = 0;
+    if (parse_args("walk", args, nargs, kwnames, walk_names, 3, 4, a) < 0)
         return NULL;
     if (check_map(a[0], "blocks") < 0 || u64_from(a[2], &allowed, "allowed") < 0)
+        return NULL;
+    if (a[3] != NULL && (nogil = PyObject_IsTrue(a[3])) < 0)
         return NULL;
     blocks = (U64Map *)a[0];
     seq = PySequence_Fast(a[1], "hashes must be a sequence");
     if (seq == NULL)
         return NULL;
+    items = PySequence_Fast_ITEMS(seq);
+    count = PySequence_Fast_GET_SIZE(seq);
+    if (nogil) {
+        out = walk_nogil(blocks, items, count, allowed);
+        Py_DECREF(seq);
+        return out;
+    }
     out = PyList_New(0);
     if (out == NULL)
         goto done;
-    items = PySequence_Fast_ITEMS(seq);
-    count = PySequence_Fast_GET_SIZE(seq);
     if (count > 0) {
         if (lookup_or_zero(blocks, items[0], &alive) < 0)
             goto fail;
@@ -1708,7 +1815,9 @@ static PyMethodDef module_methods[] = {
      "remove_blocks(blocks, engine, tombs, bit, engine_hashes): the unknown engine hashes."},
     {"drop_holder", FASTCALL(drop_holder),
      "drop_holder(blocks, engine, bit): clear a holder's bit everywhere, empty its map."},
-    {"walk", FASTCALL(walk), "walk(blocks, hashes, allowed): (bits, depth) per match group."},
+    {"walk", FASTCALL(walk),
+     "walk(blocks, hashes, allowed, nogil=False): (bits, depth) per match group; nogil: "
+     "convert the keys, then walk without the GIL (writers to blocks raise meanwhile)."},
     {"extend", FASTCALL(extend),
      "extend(blocks, hashes, depth, mask): the first depth no holder of mask has."},
     {NULL, NULL, 0, NULL},

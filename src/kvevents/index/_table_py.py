@@ -57,6 +57,11 @@ class U64Map(dict[int, int]):
         """Bytes held: the dict and one int object per key (values are mostly shared ints)."""
         return sys.getsizeof(self) + 32 * len(self)
 
+    @property
+    def readers(self) -> int:
+        """Walks reading the table without the GIL: never any here."""
+        return 0
+
 
 def chain_hashes(packed: bytes, block_size: int, seed: int) -> list[int]:
     """``h[i] = xxh3_64(block_i, seed=h[i-1]) & (2**60 - 1)``, ``h[-1] = seed``, full blocks only.
@@ -272,9 +277,14 @@ def drop_holder(blocks: U64Map, engine: U64Map, bit: int) -> None:
     engine.clear()
 
 
-def walk(blocks: U64Map, hashes: Sequence[int], allowed: int) -> list[tuple[int, int]]:
+def walk(
+    blocks: U64Map, hashes: Sequence[int], allowed: int, nogil: bool = False
+) -> list[tuple[int, int]]:
     """Longest-prefix walk: ``(bits, depth)`` for each group of holders whose match ends at
-    ``depth`` blocks, in increasing depth; holders outside ``allowed`` are ignored."""
+    ``depth`` blocks, in increasing depth; holders outside ``allowed`` are ignored.
+
+    ``nogil``: the C walk converts every key, then walks without the GIL, while writes to
+    ``blocks`` raise ``RuntimeError``; here it changes nothing (Python holds the GIL)."""
     out: list[tuple[int, int]] = []
     count = len(hashes)
     alive = blocks.get(hashes[0], 0) & allowed if count else 0
