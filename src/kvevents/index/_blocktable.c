@@ -1055,6 +1055,55 @@ json_token(const unsigned char **pp, const unsigned char *end, uint32_t *out)
     return 1;
 }
 
+/* The usual token: 1 to 8 digits without a leading zero (so it cannot overflow) followed by a
+ * separator, with more than 10 bytes left to look ahead; 0 when it does not apply. */
+static inline int
+json_short_token(const unsigned char **pp, const unsigned char *end, uint32_t *out)
+{
+    const unsigned char *p = *pp, *q;
+    unsigned d;
+    uint32_t v;
+    if (end - p <= 10 || (d = (unsigned)(p[0] - '1')) >= 9)
+        return 0;
+    v = d + 1;
+    for (q = p + 1; (d = (unsigned)(*q - '0')) < 10 && q - p < 8; q++)
+        v = v * 10 + d;
+    if (*q != ',' && *q != ']' && *q != ' ')
+        return 0;
+    *out = v;
+    *pp = q;
+    return 1;
+}
+
+/* The tokens of a non-empty array, from its first token on, into dst (count in *count): the
+ * end of the array (just past its ']'), or NULL if it is not an array of such ints. */
+static const unsigned char *
+json_array_tokens(const unsigned char *p, const unsigned char *end, unsigned char *dst,
+                  Py_ssize_t *count)
+{
+    for (;;) {
+        uint32_t v;
+        if (json_short_token(&p, end, &v)) {
+            put_u32le(dst + 4 * (*count)++, v);
+            /* ", " then the next number, the usual layout: room to look was checked above */
+            if (p[0] == ',' && p[1] == ' ' && (unsigned)(p[2] - '0') < 10) {
+                p += 2;
+                continue;
+            }
+        }
+        else if (json_token(&p, end, &v))
+            put_u32le(dst + 4 * (*count)++, v);
+        else
+            return NULL;
+        p = json_ws(p, end);
+        if (p < end && *p == ',') {
+            p = json_ws(p + 1, end);
+            continue;
+        }
+        return p < end && *p == ']' ? p + 1 : NULL;
+    }
+}
+
 /* The packed tokens of a JSON array of ints spanning [p, end); NULL if it is not one. */
 static PyObject *
 json_pack(const unsigned char *p, const unsigned char *end)
@@ -1071,56 +1120,17 @@ json_pack(const unsigned char *p, const unsigned char *end)
     if (out == NULL)
         return NULL;
     dst = (unsigned char *)PyBytes_AS_STRING(out);
-    if (p < end && *p == ']') {
+    if (p < end && *p == ']')
         p++;
+    else
+        p = json_array_tokens(p, end, dst, &count);
+    if (p == NULL || json_ws(p, end) != end) {
+        Py_DECREF(out);
+        return NULL;
     }
-    else {
-        for (;;) {
-            uint32_t v;
-            /* Fast path: 1 to 8 digits without a leading zero (cannot overflow), followed by
-             * a separator, with room to look ahead; anything else takes json_token. */
-            unsigned d;
-            if (end - p > 10 && (d = (unsigned)(p[0] - '1')) < 9) {
-                const unsigned char *q = p + 1;
-                v = d + 1;
-                while ((d = (unsigned)(*q - '0')) < 10 && q - p < 8) {
-                    v = v * 10 + d;
-                    q++;
-                }
-                if (*q == ',' || *q == ']' || *q == ' ') {
-                    p = q;
-                    put_u32le(dst + 4 * count++, v);
-                    if (p[0] == ',' && p[1] == ' ' && (unsigned)(p[2] - '0') < 10) {
-                        p += 2; /* ", " then the next number: the usual layout */
-                        continue;
-                    }
-                    goto separator;
-                }
-            }
-            if (!json_token(&p, end, &v))
-                goto fail;
-            put_u32le(dst + 4 * count++, v);
-        separator:
-            p = json_ws(p, end);
-            if (p < end && *p == ',') {
-                p = json_ws(p + 1, end);
-                continue;
-            }
-            if (p < end && *p == ']') {
-                p++;
-                break;
-            }
-            goto fail;
-        }
-    }
-    if (json_ws(p, end) != end)
-        goto fail;
     if (_PyBytes_Resize(&out, count * 4) < 0)
         return NULL;
     return out;
-fail:
-    Py_DECREF(out);
-    return NULL;
 }
 
 static const char *const raw_names[] = {"raw"};
@@ -1223,6 +1233,60 @@ json_skip_value(const unsigned char *p, const unsigned char *end)
 
 static const char *const member_names[] = {"body", "key"};
 
+/* The value of the first top-level member `key` of the JSON object in [p, end), scanned
+ * structurally; NULL when the body is not an object this scan reads or the key is absent. */
+static const unsigned char *
+json_member(const unsigned char *p, const unsigned char *end, const Py_buffer *key)
+{
+    p = json_ws(p, end);
+    if (p >= end || *p != '{')
+        return NULL;
+    p = json_ws(p + 1, end);
+    while (p < end && *p == '"') {
+        const unsigned char *name = p + 1, *name_end = json_skip_string(p, end), *value;
+        if (name_end == NULL)
+            return NULL;
+        p = json_ws(name_end, end);
+        if (p >= end || *p != ':')
+            return NULL;
+        value = json_ws(p + 1, end);
+        if (name_end - 1 - name == key->len && memcmp(name, key->buf, (size_t)key->len) == 0)
+            return value;
+        p = json_skip_value(value, end);
+        if (p == NULL)
+            return NULL;
+        p = json_ws(p, end);
+        if (p >= end || *p != ',')
+            return NULL;
+        p = json_ws(p + 1, end);
+    }
+    return NULL;
+}
+
+/* (packed, start, end) of the flat int array at `value` (offsets from `start`), None when
+ * there is none; NULL on error. */
+static PyObject *
+member_tokens(const unsigned char *start, const unsigned char *value, const unsigned char *end)
+{
+    const unsigned char *close;
+    PyObject *packed;
+    if (value == NULL || value >= end || *value != '[')
+        Py_RETURN_NONE;
+    /* A flat array of ints holds no ']' but its last: find it fast, then let the packer
+     * check that the span is such an array. */
+    close = memchr(value, ']', (size_t)(end - value));
+    if (close == NULL)
+        Py_RETURN_NONE;
+    packed = json_pack(value, close + 1);
+    if (packed == NULL) {
+        if (PyErr_Occurred())
+            return NULL;
+        Py_RETURN_NONE;
+    }
+    return Py_BuildValue("(Nnn)", packed, (Py_ssize_t)(value - start),
+                         (Py_ssize_t)(close + 1 - start));
+}
+
 /* pack_json_member(body, key): the packed tokens of the top-level member `key` of a JSON
  * object, with the byte span of its value: (packed, start, end). None when the body is not an
  * object this scan can read, the key does not appear unescaped, or its value is not a flat
@@ -1232,9 +1296,9 @@ static PyObject *
 pack_json_member(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs,
                  PyObject *kwnames)
 {
-    PyObject *a[2], *packed, *result = NULL;
+    PyObject *a[2], *result;
     Py_buffer body, key;
-    const unsigned char *start, *p, *end;
+    const unsigned char *start, *end;
     if (parse_args("pack_json_member", args, nargs, kwnames, member_names, 2, 2, a) < 0)
         return NULL;
     if (PyObject_GetBuffer(a[0], &body, PyBUF_SIMPLE) < 0)
@@ -1245,52 +1309,7 @@ pack_json_member(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t 
     }
     start = body.buf;
     end = start + body.len;
-    p = json_ws(start, end);
-    if (p >= end || *p != '{')
-        goto none;
-    p = json_ws(p + 1, end);
-    while (p < end && *p == '"') {
-        const unsigned char *name = p + 1, *name_end = json_skip_string(p, end), *value;
-        int match;
-        if (name_end == NULL)
-            goto none;
-        match = (name_end - 1 - name == key.len) && memcmp(name, key.buf, key.len) == 0;
-        p = json_ws(name_end, end);
-        if (p >= end || *p != ':')
-            goto none;
-        value = json_ws(p + 1, end);
-        if (match) {
-            const unsigned char *close;
-            if (value >= end || *value != '[')
-                goto none;
-            /* A flat array of ints holds no ']' but its last: find it fast, then let the
-             * packer check that the span is such an array. */
-            close = memchr(value, ']', (size_t)(end - value));
-            if (close == NULL)
-                goto none;
-            packed = json_pack(value, close + 1);
-            if (packed == NULL) {
-                if (PyErr_Occurred())
-                    goto done;
-                goto none;
-            }
-            result = Py_BuildValue("(Nnn)", packed, (Py_ssize_t)(value - start),
-                                   (Py_ssize_t)(close + 1 - start));
-            goto done;
-        }
-        p = json_skip_value(value, end);
-        if (p == NULL)
-            goto none;
-        p = json_ws(p, end);
-        if (p < end && *p == ',')
-            p = json_ws(p + 1, end);
-        else
-            break;
-    }
-none:
-    result = Py_None;
-    Py_INCREF(result);
-done:
+    result = member_tokens(start, json_member(start, end, &key), end);
     PyBuffer_Release(&key);
     PyBuffer_Release(&body);
     return result;
