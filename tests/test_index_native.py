@@ -215,6 +215,23 @@ def test_store_run_fuzzed(packed: bytes, block_size: int, blocks: int) -> None:
     agree(store, packed)
 
 
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(fuzzed, st.integers(1, 9), st.integers(0, 12), st.integers(0, 15), st.booleans())
+def test_chain_walk_fuzzed(
+    packed: bytes, block_size: int, held: int, allowed: int, nogil: bool
+) -> None:
+    """Walking a run's chained hashes as it hashes them: the reference's groups, any bytes."""
+    hashes = py_impl.chain_hashes(packed, block_size, 5)[:held]
+
+    def walk(impl: ModuleType, data: Any) -> Any:
+        blocks = impl.U64Map()
+        for i, h in enumerate(hashes):  # fewer holders the deeper: one group leaves per step
+            blocks[h] = (1 << (4 - min(i, 3))) - 1
+        return impl.chain_walk(blocks, data, block_size, 5, allowed, nogil)
+
+    agree(walk, packed)
+
+
 # ------------------------------------------------------------------ regressions
 
 

@@ -1754,6 +1754,92 @@ done:
     return out;
 }
 
+/* The walk of walk_keys over the chained hashes of a token run, each hashed only when the
+ * walk gets to it (a request that matches a few blocks is not hashed to its end). No Python
+ * object is touched: it may run without the GIL. */
+static int
+walk_chain(const U64Map *m, const unsigned char *p, size_t step, Py_ssize_t count, uint64_t h,
+           uint64_t allowed, uint64_t *bits, Py_ssize_t *depths)
+{
+    const Slot *s;
+    uint64_t alive, mask;
+    Py_ssize_t depth = 1;
+    int groups = 0;
+    if (count == 0)
+        return 0;
+    h = xxh3_seeded(p, step, h) & MASK60;
+    s = map_find((U64Map *)m, h);
+    alive = (s == NULL ? 0 : s->value) & allowed;
+    while (alive && depth < count) {
+        h = xxh3_seeded(p + (size_t)depth * step, step, h) & MASK60;
+        s = map_find((U64Map *)m, h);
+        mask = (s == NULL ? 0 : s->value) & alive;
+        if (mask != alive) {
+            bits[groups] = alive ^ mask;
+            depths[groups++] = depth;
+            alive = mask;
+        }
+        depth++;
+    }
+    if (alive) {
+        bits[groups] = alive;
+        depths[groups++] = depth;
+    }
+    return groups;
+}
+
+static const char *const chain_walk_names[] = {"blocks", "packed",  "block_size",
+                                               "seed",   "allowed", "nogil"};
+
+/* chain_walk: walk(blocks, chain_hashes(packed, block_size, seed), allowed) without an int
+ * object per block; with nogil, the hashing and the walk run without the GIL (the table
+ * refuses writes meanwhile, as for walk). */
+static PyObject *
+chain_walk(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs,
+           PyObject *kwnames)
+{
+    PyObject *a[6], *out;
+    Py_buffer view;
+    U64Map *blocks;
+    uint64_t seed, allowed, bits[WALK_GROUPS];
+    Py_ssize_t count = 0, i, depths[WALK_GROUPS];
+    long long size;
+    int neg, nogil = 0, groups;
+    if (parse_args("chain_walk", args, nargs, kwnames, chain_walk_names, 5, 6, a) < 0)
+        return NULL;
+    if (xxh3_seeded == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "chain_walk: xxh3 is not initialised (init_xxh3)");
+        return NULL;
+    }
+    if (check_map(a[0], "blocks") < 0 || (size = block_size_from(a[2])) < 0 ||
+        key_from(a[3], &seed, &neg) < 0 || u64_from(a[4], &allowed, "allowed") < 0)
+        return NULL;
+    if (a[5] != NULL && (nogil = PyObject_IsTrue(a[5])) < 0)
+        return NULL;
+    if (PyObject_GetBuffer(a[1], &view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    blocks = (U64Map *)a[0];
+    if (size <= view.len / 4)
+        count = view.len / ((Py_ssize_t)size * 4);
+    if (nogil) {
+        blocks->readers++;
+        Py_BEGIN_ALLOW_THREADS
+        groups = walk_chain(blocks, view.buf, (size_t)size * 4, count, seed, allowed, bits,
+                            depths);
+        Py_END_ALLOW_THREADS
+        blocks->readers--;
+    }
+    else
+        groups = walk_chain(blocks, view.buf, (size_t)size * 4, count, seed, allowed, bits,
+                            depths);
+    PyBuffer_Release(&view);
+    out = PyList_New(0);
+    for (i = 0; out != NULL && i < groups; i++)
+        if (walk_emit(out, bits[i], depths[i]) < 0)
+            Py_CLEAR(out);
+    return out;
+}
+
 static const char *const extend_names[] = {"blocks", "hashes", "depth", "mask"};
 
 static PyObject *
@@ -1837,6 +1923,9 @@ static PyMethodDef module_methods[] = {
     {"walk", FASTCALL(walk),
      "walk(blocks, hashes, allowed, nogil=False): (bits, depth) per match group; nogil: "
      "convert the keys, then walk without the GIL (writers to blocks raise meanwhile)."},
+    {"chain_walk", FASTCALL(chain_walk),
+     "chain_walk(blocks, packed, block_size, seed, allowed, nogil=False): walk over the "
+     "chained hashes of a token run, hashing as it goes; nogil: without the GIL."},
     {"extend", FASTCALL(extend),
      "extend(blocks, hashes, depth, mask): the first depth no holder of mask has."},
     {NULL, NULL, 0, NULL},

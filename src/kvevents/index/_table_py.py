@@ -26,6 +26,7 @@ __all__ = [
     "IMPLEMENTATION",
     "U64Map",
     "chain_hashes",
+    "chain_walk",
     "drop_holder",
     "extend",
     "pack_json_member",
@@ -298,6 +299,14 @@ def walk(
     if alive:
         out.append((alive, depth))
     return out
+
+
+def chain_walk(
+    blocks: U64Map, packed: bytes, block_size: int, seed: int, allowed: int, nogil: bool = False
+) -> list[tuple[int, int]]:
+    """:func:`walk` over ``chain_hashes(packed, block_size, seed)``. The C walk hashes each
+    block only when it gets to it and makes no int per block; ``nogil`` as for :func:`walk`."""
+    return walk(blocks, chain_hashes(packed, block_size, seed), allowed)
 
 
 def extend(blocks: U64Map, hashes: Sequence[int], depth: int, mask: int) -> int:

@@ -367,9 +367,9 @@ class PrefixIndex:
         streams: dict[tuple[str, int], int] = {}
         request_blocks: dict[int, int] = {}
         for size, masks in self._block_sizes().items():
-            hashes = chain_hashes(packed, size, seed)
-            request_blocks[size] = len(hashes)
-            found, prefixes = query.walk(self._pages, self._by_id, self._streams, hashes, masks)
+            request_blocks[size] = len(packed) // (4 * size)
+            run = (packed, size, seed)
+            found, prefixes = query.walk_packed(self._pages, self._by_id, self._streams, run, masks)
             holders.update(found)
             streams.update(prefixes)
         return MatchResult(len(packed) // 4, request_blocks, holders, streams)

@@ -21,6 +21,7 @@ __all__ = [
     "IMPLEMENTATION",
     "U64Map",
     "chain_hashes",
+    "chain_walk",
     "drop_holder",
     "extend",
     "pack_json_member",
@@ -79,6 +80,7 @@ if TYPE_CHECKING:
         IMPLEMENTATION,
         U64Map,
         chain_hashes,
+        chain_walk,
         drop_holder,
         extend,
         pack_json_member,
@@ -93,6 +95,7 @@ else:
     IMPLEMENTATION = _impl.IMPLEMENTATION
     U64Map = _impl.U64Map
     chain_hashes = _impl.chain_hashes
+    chain_walk = _impl.chain_walk
     drop_holder = _impl.drop_holder
     extend = _impl.extend
     pack_json_member = _impl.pack_json_member
