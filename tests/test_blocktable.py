@@ -157,6 +157,19 @@ def test_map_keys_values_and_items_agree_in_order(impl: ModuleType) -> None:
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+def test_map_listings_are_copies(impl: ModuleType) -> None:
+    """keys(), values() and items() are lists copied at the call (read after a lock is let go)."""
+    m = impl.U64Map()
+    m[1], m[3] = 2, 4
+    keys, values, items = m.keys(), m.values(), m.items()
+    m[5] = 6
+    del m[1]
+    assert type(keys) is type(values) is type(items) is list
+    assert (sorted(keys), sorted(values), sorted(items)) == ([1, 3], [2, 4], [(1, 2), (3, 4)])
+    assert len(items[:1]) == 1
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 def test_map_grows_and_shrinks_like_a_dict(impl: ModuleType) -> None:
     """Many inserts and deletes (sequential and random keys) leave exactly a dict's contents."""
     rng = random.Random(7)

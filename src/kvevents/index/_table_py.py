@@ -49,9 +49,22 @@ _BIG_ENDIAN = sys.byteorder == "big"
 
 
 class U64Map(dict[int, int]):
-    """A dict of 64-bit keys to 64-bit unsigned values, with the C map's ``nbytes``."""
+    """A dict of 64-bit keys to 64-bit unsigned values, with the C map's ``nbytes``.
+
+    ``keys()``, ``values()`` and ``items()`` return lists, copies as the C map's are: a caller
+    may copy a table under a lock and read the copy after (the service's ``/dump`` does).
+    """
 
     __slots__ = ()
+
+    def keys(self) -> list[int]:  # type: ignore[override]
+        return list(super().keys())
+
+    def values(self) -> list[int]:  # type: ignore[override]
+        return list(super().values())
+
+    def items(self) -> list[tuple[int, int]]:  # type: ignore[override]
+        return list(super().items())
 
     @property
     def nbytes(self) -> int:
