@@ -462,6 +462,12 @@ class PrefixIndex:
             if h.engine
         }
 
+    def holder_blocks(self, key: HolderKey) -> list[tuple[int, int]]:
+        """One holder's ``(engine_hash, our_hash)`` pairs, a copy (empty for an unknown one)."""
+        stream = self._streams.get((key.worker_id, key.rank))
+        holder = None if stream is None else stream.holders.get(key.tier)
+        return [] if holder is None else holder.engine.items()
+
     def holders_of(self, block_hash: int) -> list[HolderKey]:
         """Holders of one block, by our hash."""
         out: dict[HolderKey, int] = {}
