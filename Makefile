@@ -21,9 +21,18 @@ VLLM_PLUGIN_STAMP := $(VLLM_VENV)/.kvevents
 # The index-facing tests, run a second time with the C block table switched off.
 FALLBACK_TESTS := tests/test_index.py tests/test_index_model.py tests/test_router.py \
 	tests/test_service.py tests/test_simulate.py tests/test_blocktable.py \
-	tests/test_index_fastlane.py
+	tests/test_index_payloads.py
 
-.PHONY: demo test test-pythons bench lint venv dynamo vllm promtool browser clean
+# The C table module again, built with AddressSanitizer and UndefinedBehaviorSanitizer, under
+# its native tests and a longer fuzz pass (a couple of minutes on 2 cores). ASan must be the
+# first library loaded, hence LD_PRELOAD; CPython's own allocations are not leak-checked.
+SAN_CC ?= gcc
+SAN_DIR := build/sanitize
+SAN_FLAGS := -g -O1 -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=all
+SANITIZE_TESTS := tests/test_index_native.py tests/test_blocktable.py tests/test_index.py
+SANITIZE_EXAMPLES ?= 1000
+
+.PHONY: demo test test-pythons bench lint venv dynamo vllm promtool browser sanitize clean
 
 venv: $(STAMP)
 
@@ -85,6 +94,18 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 	@echo "again on the pure-Python block table (the fallback where the C module cannot be built):"
 	KVEVENTS_PURE_PYTHON=1 $(PY) -m pytest -q -p no:cacheprovider $(FALLBACK_TESTS)
+	@$(MAKE) --no-print-directory sanitize
+
+sanitize: $(STAMP)
+	@rm -rf $(SAN_DIR) && mkdir -p $(SAN_DIR) && cp -r src/kvevents $(SAN_DIR)/
+	@rm -f $(SAN_DIR)/kvevents/index/_blocktable*.so
+	$(SAN_CC) -shared -fPIC $(SAN_FLAGS) -I"$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" \
+		src/kvevents/index/_blocktable.c \
+		-o $(SAN_DIR)/kvevents/index/_blocktable$$($(PY) -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
+	LD_PRELOAD="$$($(SAN_CC) -print-file-name=libasan.so)" ASAN_OPTIONS=detect_leaks=0 \
+		UBSAN_OPTIONS=print_stacktrace=1 PYTHONMALLOC=malloc PYTHONPATH=$(SAN_DIR) \
+		KVEVENTS_REQUIRE_NATIVE=1 KVEVENTS_FUZZ_EXAMPLES=$(SANITIZE_EXAMPLES) \
+		$(PY) -m pytest -q -p no:cacheprovider $(SANITIZE_TESTS)
 
 bench: $(STAMP)
 	@$(MAKE) --no-print-directory dynamo || echo "warning: ai-dynamo-runtime not installed; its baseline will be skipped"

@@ -18,7 +18,7 @@ from harness import Row, throughput
 from kvevents.events import BlockRemoved, BlockStored, KVEventBatch
 from kvevents.publish.recorder import EventRecorder
 from kvevents.sim.engine import EngineConfig, SimulatedEngine
-from kvevents.sim.hashing import chain_hashes
+from kvevents.sim.hashing import engine_chain_hashes
 from kvevents.sim.trace import default_trace_path, load_trace, run_trace
 from kvevents.wire import encode_batch
 
@@ -30,7 +30,7 @@ ROWS = int(os.environ.get("KVEVENTS_BENCH_TRACE_ROWS", "1500"))
 
 def _chain() -> tuple[list[int], list[list[int]]]:
     tokens = list(range(BS * CHAIN))
-    return chain_hashes(tokens, BS), [tokens[i * BS : (i + 1) * BS] for i in range(CHAIN)]
+    return engine_chain_hashes(tokens, BS), [tokens[i * BS : (i + 1) * BS] for i in range(CHAIN)]
 
 
 def recorder_rows() -> list[Row]:

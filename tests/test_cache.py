@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvevents.sim.cache import CPU, GPU, RankCache
-from kvevents.sim.hashing import chain_hashes
+from kvevents.sim.hashing import engine_chain_hashes
 from kvevents.testing.engine import BlockSets, small_cache
 
 BS = 2
@@ -12,7 +12,7 @@ BS = 2
 
 def admit(cache: RankCache, tokens: list[int]) -> tuple[list[int], int] | None:
     """Run one request's prefill through the cache; None if it does not fit."""
-    hashes = chain_hashes(tokens, BS)
+    hashes = engine_chain_hashes(tokens, BS)
     hit = cache.acquire(hashes)
     need = -(-len(tokens) // BS) - hit.blocks
     if not cache.allocate(need):
@@ -128,7 +128,7 @@ def test_reset_clears_both_tiers_only_when_idle() -> None:
 def test_concurrent_duplicate_compute_is_shared() -> None:
     """Two requests computing the same block keep one copy; the second is not announced."""
     cache = small_cache(8, BS)[0]
-    h = chain_hashes([1, 2], BS)
+    h = engine_chain_hashes([1, 2], BS)
     assert cache.allocate(2)
     cache.commit(h[0], None, [1, 2])
     cache.commit(h[0], None, [1, 2])

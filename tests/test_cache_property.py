@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvevents.sim.cache import CPU, GPU, PrefixCache
-from kvevents.sim.hashing import chain_hashes
+from kvevents.sim.hashing import engine_chain_hashes
 from kvevents.testing.engine import BlockSets
 
 BS = 2
@@ -33,7 +33,7 @@ class Workload:
 
     def admit(self, rank: int, toks: list[int]) -> None:
         rc = self.cache[rank]
-        hashes = chain_hashes(toks, BS)
+        hashes = engine_chain_hashes(toks, BS)
         hit = rc.acquire(hashes)
         if not rc.allocate(-(-len(toks) // BS) - hit.blocks):
             rc.release(hashes[: hit.blocks])

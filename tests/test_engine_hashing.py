@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvevents.sim.hashing import block_hash, chain_hashes
+from kvevents.sim.hashing import block_hash, engine_chain_hashes
 
 
 def test_hash_values_are_pinned() -> None:
@@ -22,20 +22,20 @@ def test_styles_cover_unsigned_and_signed_64_bit() -> None:
 
 
 def test_chain_matches_block_by_block_and_drops_partial_tail() -> None:
-    """chain_hashes equals block_hash applied along the chain; a partial block gets none."""
+    """engine_chain_hashes equals block_hash applied along the chain; a partial block gets none."""
     tokens = list(range(10))
-    chain = chain_hashes(tokens, 4, style="signed")
+    chain = engine_chain_hashes(tokens, 4, style="signed")
     assert len(chain) == 2
     first = block_hash(None, tokens[:4], style="signed")
     assert chain == [first, block_hash(first, tokens[4:8], style="signed")]
-    assert chain_hashes(tokens[8:], 4, parent=chain[-1]) == []
+    assert engine_chain_hashes(tokens[8:], 4, parent=chain[-1]) == []
 
 
 def test_parent_and_salt_change_the_hash() -> None:
     """Same tokens under another parent, or another salt (LoRA), hash differently."""
     assert block_hash(None, [1, 2]) != block_hash(5, [1, 2])
     assert block_hash(None, [1, 2]) != block_hash(None, [1, 2], salt=b"lora-a")
-    assert chain_hashes([1, 2, 3, 4], 2)[1] != chain_hashes([9, 9, 3, 4], 2)[1]
+    assert engine_chain_hashes([1, 2, 3, 4], 2)[1] != engine_chain_hashes([9, 9, 3, 4], 2)[1]
 
 
 def test_bad_arguments_are_rejected() -> None:
@@ -43,4 +43,4 @@ def test_bad_arguments_are_rejected() -> None:
     with pytest.raises(ValueError, match="'sha'"):
         block_hash(None, [1], style="sha")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="got 0"):
-        chain_hashes([1], 0)
+        engine_chain_hashes([1], 0)

@@ -35,7 +35,8 @@ def gpu(worker: str, rank: int = 0) -> HolderKey:
 def assert_empty(index: PrefixIndex) -> None:
     assert all(len(page) == 0 for page in index._pages)
     for stream in index._streams.values():
-        assert stream.waiting == {} and stream.orphan_blocks == {} and stream.orphans_held == 0
+        pen = stream.orphans
+        assert pen.waiting == {} and pen.blocks == {} and pen.held == 0
         for holder in stream.holders.values():
             assert len(holder.engine) == 0 and holder.dups == {} and holder.shared == {}
 
@@ -436,3 +437,14 @@ def test_batches_survive_the_wire() -> None:
         ]:
             index.apply(worker, 0, decode_batch(encode_batch(item)).batch)
     assert index.match(PROMPT).holders == {gpu("a"): 5, gpu("b"): 5}
+
+
+def test_holder_blocks_is_one_holders_pairs() -> None:
+    """holder_blocks lists one holder's (engine hash, our hash) pairs, as dump() does."""
+    index = make_index()
+    index.apply("a", 0, batch(store_event(PROMPT, BS, end_block=2)))
+    ours = block_hashes(PROMPT, BS)[:2]
+    pairs = index.holder_blocks(gpu("a"))
+    assert sorted(oh for _, oh in pairs) == sorted(ours)
+    assert sorted(eh for eh, _ in pairs) == sorted(index.snapshot()[gpu("a")])
+    assert index.holder_blocks(gpu("b")) == [] and index.holder_blocks(gpu("zz")) == []

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from kvevents.errors import TraceError
-from kvevents.sim.hashing import chain_hashes
+from kvevents.sim.hashing import engine_chain_hashes
 from kvevents.sim.trace import (
     TRACE_BLOCK_SIZE,
     TraceRow,
@@ -42,7 +42,7 @@ def test_rows_sharing_ids_share_tokens_and_engine_hashes() -> None:
     assert pair is not None
     a, b = (row_tokens(r)[: 2 * TRACE_BLOCK_SIZE] for r in pair)
     assert a == b
-    assert chain_hashes(a, 16) == chain_hashes(b, 16)
+    assert engine_chain_hashes(a, 16) == engine_chain_hashes(b, 16)
 
 
 def test_block_tokens_are_deterministic_and_distinct() -> None:

@@ -1,4 +1,4 @@
-"""Rate-limited warnings: a full queue can drop thousands of batches a second."""
+"""Rate-limited log lines: a full queue can drop thousands of batches a second."""
 
 from __future__ import annotations
 
@@ -10,15 +10,21 @@ __all__ = ["RateLimitedWarning"]
 
 
 class RateLimitedWarning:
-    """Log a warning per key at most once per ``interval`` seconds, saying how many were held."""
+    """Log a warning per key at most once per ``interval`` seconds, saying how many were held.
+
+    ``level`` is the logging level of the lines (a warning unless told otherwise).
+    """
 
     def __init__(
         self,
         logger: logging.Logger,
         interval: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
+        *,
+        level: int = logging.WARNING,
     ) -> None:
         self._logger = logger
+        self._level = level
         self._interval = interval
         self._clock = clock
         self._state: dict[str, tuple[float, int]] = {}
@@ -33,4 +39,4 @@ class RateLimitedWarning:
         if held:
             message += " (%d similar warnings held back)"
             args = (*args, held)
-        self._logger.warning(message, *args)
+        self._logger.log(self._level, message, *args)

@@ -34,6 +34,7 @@ typedef struct {
     Slot zero; /* the entry of key 0, valid when has_zero */
     char has_zero;
     char is_signed; /* a negative key was stored: keys read back signed */
+    Py_ssize_t readers; /* walks reading it without the GIL (changed only under the GIL) */
 } U64Map;
 
 static PyTypeObject U64MapType;
@@ -387,6 +388,20 @@ check_map(PyObject *o, const char *what)
     return -1;
 }
 
+/* A map being read without the GIL (walk with nogil) must not change: its slots could move
+ * or be freed under the reader. The caller's lock should keep writers out; this refuses a
+ * write that got through rather than corrupt memory. Readers and writers both hold the GIL
+ * when they touch the count. */
+static int
+map_writable(const U64Map *m)
+{
+    if (m->readers == 0)
+        return 0;
+    PyErr_SetString(PyExc_RuntimeError,
+                    "U64Map is being read without the GIL: writers must wait for readers");
+    return -1;
+}
+
 /* ---------------------------------------------------------------- U64Map type */
 
 static PyObject *
@@ -454,6 +469,8 @@ U64Map_ass_subscript(U64Map *m, PyObject *key, PyObject *value)
     uint64_t k, v;
     int neg;
     Slot *s;
+    if (map_writable(m) < 0)
+        return -1;
     if (value == NULL) {
         if (key_from(key, &k, &neg) < 0)
             return -1;
@@ -624,6 +641,8 @@ U64Map_pop(U64Map *m, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames
         Py_INCREF(a[1]);
         return a[1];
     }
+    if (map_writable(m) < 0)
+        return NULL;
     v = PyLong_FromUnsignedLongLong(s->value);
     if (v != NULL)
         map_remove(m, s);
@@ -633,7 +652,7 @@ U64Map_pop(U64Map *m, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames
 static PyObject *
 U64Map_clear_method(U64Map *m, PyObject *Py_UNUSED(ignored))
 {
-    if (map_clear(m) < 0)
+    if (map_writable(m) < 0 || map_clear(m) < 0)
         return NULL;
     Py_RETURN_NONE;
 }
@@ -657,8 +676,16 @@ static PyMethodDef U64Map_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+static PyObject *
+U64Map_readers(U64Map *m, void *Py_UNUSED(closure))
+{
+    return PyLong_FromSsize_t(m->readers);
+}
+
 static PyGetSetDef U64Map_getset[] = {
     {"nbytes", (getter)U64Map_nbytes, NULL, "Bytes allocated for the table (slots and struct).",
+     NULL},
+    {"readers", (getter)U64Map_readers, NULL, "Walks reading the table without the GIL now.",
      NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
@@ -769,6 +796,29 @@ append_steal(PyObject *list, PyObject *item)
     return rc;
 }
 
+/* A positive block size in tokens from an int; -1 with ValueError/TypeError set otherwise. */
+static long long
+block_size_from(PyObject *o)
+{
+    int overflow;
+    long long size;
+    if (!PyLong_Check(o)) {
+        PyErr_Format(PyExc_TypeError, "block_size must be an int, not %.100s",
+                     Py_TYPE(o)->tp_name);
+        return -1;
+    }
+    size = PyLong_AsLongLongAndOverflow(o, &overflow);
+    if (size == -1 && PyErr_Occurred())
+        return -1;
+    if (overflow > 0)
+        return LLONG_MAX;
+    if (size <= 0 || overflow < 0) {
+        PyErr_Format(PyExc_ValueError, "block_size must be positive, got %R", o);
+        return -1;
+    }
+    return size;
+}
+
 /* ---------------------------------------------------------------- chain_hashes */
 
 static PyObject *
@@ -803,7 +853,7 @@ chain_hashes(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t narg
     PyObject *a[3], *out = NULL;
     Py_buffer view;
     long long block_size;
-    int overflow, neg;
+    int neg;
     uint64_t seed, *hashes, local[64];
     Py_ssize_t count = 0, i;
     if (parse_args("chain_hashes", args, nargs, kwnames, chain_names, 3, 3, a) < 0)
@@ -812,20 +862,8 @@ chain_hashes(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t narg
         PyErr_SetString(PyExc_RuntimeError, "chain_hashes: xxh3 is not initialised (init_xxh3)");
         return NULL;
     }
-    if (!PyLong_Check(a[1])) {
-        PyErr_Format(PyExc_TypeError, "block_size must be an int, not %.100s",
-                     Py_TYPE(a[1])->tp_name);
+    if ((block_size = block_size_from(a[1])) < 0)
         return NULL;
-    }
-    block_size = PyLong_AsLongLongAndOverflow(a[1], &overflow);
-    if (block_size == -1 && PyErr_Occurred())
-        return NULL;
-    if (overflow > 0)
-        block_size = LLONG_MAX;
-    if (block_size <= 0 || overflow < 0) {
-        PyErr_Format(PyExc_ValueError, "block_size must be positive, got %R", a[1]);
-        return NULL;
-    }
     if (key_from(a[2], &seed, &neg) < 0)
         return NULL;
     if (PyObject_GetBuffer(a[0], &view, PyBUF_SIMPLE) < 0)
@@ -1017,6 +1055,55 @@ json_token(const unsigned char **pp, const unsigned char *end, uint32_t *out)
     return 1;
 }
 
+/* The usual token: 1 to 8 digits without a leading zero (so it cannot overflow) followed by a
+ * separator, with more than 10 bytes left to look ahead; 0 when it does not apply. */
+static inline int
+json_short_token(const unsigned char **pp, const unsigned char *end, uint32_t *out)
+{
+    const unsigned char *p = *pp, *q;
+    unsigned d;
+    uint32_t v;
+    if (end - p <= 10 || (d = (unsigned)(p[0] - '1')) >= 9)
+        return 0;
+    v = d + 1;
+    for (q = p + 1; (d = (unsigned)(*q - '0')) < 10 && q - p < 8; q++)
+        v = v * 10 + d;
+    if (*q != ',' && *q != ']' && *q != ' ')
+        return 0;
+    *out = v;
+    *pp = q;
+    return 1;
+}
+
+/* The tokens of a non-empty array, from its first token on, into dst (count in *count): the
+ * end of the array (just past its ']'), or NULL if it is not an array of such ints. */
+static const unsigned char *
+json_array_tokens(const unsigned char *p, const unsigned char *end, unsigned char *dst,
+                  Py_ssize_t *count)
+{
+    for (;;) {
+        uint32_t v;
+        if (json_short_token(&p, end, &v)) {
+            put_u32le(dst + 4 * (*count)++, v);
+            /* ", " then the next number, the usual layout: room to look was checked above */
+            if (p[0] == ',' && p[1] == ' ' && (unsigned)(p[2] - '0') < 10) {
+                p += 2;
+                continue;
+            }
+        }
+        else if (json_token(&p, end, &v))
+            put_u32le(dst + 4 * (*count)++, v);
+        else
+            return NULL;
+        p = json_ws(p, end);
+        if (p < end && *p == ',') {
+            p = json_ws(p + 1, end);
+            continue;
+        }
+        return p < end && *p == ']' ? p + 1 : NULL;
+    }
+}
+
 /* The packed tokens of a JSON array of ints spanning [p, end); NULL if it is not one. */
 static PyObject *
 json_pack(const unsigned char *p, const unsigned char *end)
@@ -1033,56 +1120,17 @@ json_pack(const unsigned char *p, const unsigned char *end)
     if (out == NULL)
         return NULL;
     dst = (unsigned char *)PyBytes_AS_STRING(out);
-    if (p < end && *p == ']') {
+    if (p < end && *p == ']')
         p++;
+    else
+        p = json_array_tokens(p, end, dst, &count);
+    if (p == NULL || json_ws(p, end) != end) {
+        Py_DECREF(out);
+        return NULL;
     }
-    else {
-        for (;;) {
-            uint32_t v;
-            /* Fast path: 1 to 8 digits without a leading zero (cannot overflow), followed by
-             * a separator, with room to look ahead; anything else takes json_token. */
-            unsigned d = (unsigned)(p[0] - '1');
-            if (end - p > 10 && d < 9) {
-                const unsigned char *q = p + 1;
-                v = d + 1;
-                while ((d = (unsigned)(*q - '0')) < 10 && q - p < 8) {
-                    v = v * 10 + d;
-                    q++;
-                }
-                if (*q == ',' || *q == ']' || *q == ' ') {
-                    p = q;
-                    put_u32le(dst + 4 * count++, v);
-                    if (p[0] == ',' && p[1] == ' ' && (unsigned)(p[2] - '0') < 10) {
-                        p += 2; /* ", " then the next number: the usual layout */
-                        continue;
-                    }
-                    goto separator;
-                }
-            }
-            if (!json_token(&p, end, &v))
-                goto fail;
-            put_u32le(dst + 4 * count++, v);
-        separator:
-            p = json_ws(p, end);
-            if (p < end && *p == ',') {
-                p = json_ws(p + 1, end);
-                continue;
-            }
-            if (p < end && *p == ']') {
-                p++;
-                break;
-            }
-            goto fail;
-        }
-    }
-    if (json_ws(p, end) != end)
-        goto fail;
     if (_PyBytes_Resize(&out, count * 4) < 0)
         return NULL;
     return out;
-fail:
-    Py_DECREF(out);
-    return NULL;
 }
 
 static const char *const raw_names[] = {"raw"};
@@ -1185,6 +1233,60 @@ json_skip_value(const unsigned char *p, const unsigned char *end)
 
 static const char *const member_names[] = {"body", "key"};
 
+/* The value of the first top-level member `key` of the JSON object in [p, end), scanned
+ * structurally; NULL when the body is not an object this scan reads or the key is absent. */
+static const unsigned char *
+json_member(const unsigned char *p, const unsigned char *end, const Py_buffer *key)
+{
+    p = json_ws(p, end);
+    if (p >= end || *p != '{')
+        return NULL;
+    p = json_ws(p + 1, end);
+    while (p < end && *p == '"') {
+        const unsigned char *name = p + 1, *name_end = json_skip_string(p, end), *value;
+        if (name_end == NULL)
+            return NULL;
+        p = json_ws(name_end, end);
+        if (p >= end || *p != ':')
+            return NULL;
+        value = json_ws(p + 1, end);
+        if (name_end - 1 - name == key->len && memcmp(name, key->buf, (size_t)key->len) == 0)
+            return value;
+        p = json_skip_value(value, end);
+        if (p == NULL)
+            return NULL;
+        p = json_ws(p, end);
+        if (p >= end || *p != ',')
+            return NULL;
+        p = json_ws(p + 1, end);
+    }
+    return NULL;
+}
+
+/* (packed, start, end) of the flat int array at `value` (offsets from `start`), None when
+ * there is none; NULL on error. */
+static PyObject *
+member_tokens(const unsigned char *start, const unsigned char *value, const unsigned char *end)
+{
+    const unsigned char *close;
+    PyObject *packed;
+    if (value == NULL || value >= end || *value != '[')
+        Py_RETURN_NONE;
+    /* A flat array of ints holds no ']' but its last: find it fast, then let the packer
+     * check that the span is such an array. */
+    close = memchr(value, ']', (size_t)(end - value));
+    if (close == NULL)
+        Py_RETURN_NONE;
+    packed = json_pack(value, close + 1);
+    if (packed == NULL) {
+        if (PyErr_Occurred())
+            return NULL;
+        Py_RETURN_NONE;
+    }
+    return Py_BuildValue("(Nnn)", packed, (Py_ssize_t)(value - start),
+                         (Py_ssize_t)(close + 1 - start));
+}
+
 /* pack_json_member(body, key): the packed tokens of the top-level member `key` of a JSON
  * object, with the byte span of its value: (packed, start, end). None when the body is not an
  * object this scan can read, the key does not appear unescaped, or its value is not a flat
@@ -1194,9 +1296,9 @@ static PyObject *
 pack_json_member(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs,
                  PyObject *kwnames)
 {
-    PyObject *a[2], *packed, *result = NULL;
+    PyObject *a[2], *result;
     Py_buffer body, key;
-    const unsigned char *start, *p, *end;
+    const unsigned char *start, *end;
     if (parse_args("pack_json_member", args, nargs, kwnames, member_names, 2, 2, a) < 0)
         return NULL;
     if (PyObject_GetBuffer(a[0], &body, PyBUF_SIMPLE) < 0)
@@ -1207,100 +1309,119 @@ pack_json_member(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t 
     }
     start = body.buf;
     end = start + body.len;
-    p = json_ws(start, end);
-    if (p >= end || *p != '{')
-        goto none;
-    p = json_ws(p + 1, end);
-    while (p < end && *p == '"') {
-        const unsigned char *name = p + 1, *name_end = json_skip_string(p, end), *value;
-        int match;
-        if (name_end == NULL)
-            goto none;
-        match = (name_end - 1 - name == key.len) && memcmp(name, key.buf, key.len) == 0;
-        p = json_ws(name_end, end);
-        if (p >= end || *p != ':')
-            goto none;
-        value = json_ws(p + 1, end);
-        if (match) {
-            const unsigned char *close;
-            if (value >= end || *value != '[')
-                goto none;
-            /* A flat array of ints holds no ']' but its last: find it fast, then let the
-             * packer check that the span is such an array. */
-            close = memchr(value, ']', (size_t)(end - value));
-            if (close == NULL)
-                goto none;
-            packed = json_pack(value, close + 1);
-            if (packed == NULL) {
-                if (PyErr_Occurred())
-                    goto done;
-                goto none;
-            }
-            result = Py_BuildValue("(Nnn)", packed, (Py_ssize_t)(value - start),
-                                   (Py_ssize_t)(close + 1 - start));
-            goto done;
-        }
-        p = json_skip_value(value, end);
-        if (p == NULL)
-            goto none;
-        p = json_ws(p, end);
-        if (p < end && *p == ',')
-            p = json_ws(p + 1, end);
-        else
-            break;
-    }
-none:
-    result = Py_None;
-    Py_INCREF(result);
-done:
+    result = member_tokens(start, json_member(start, end, &key), end);
     PyBuffer_Release(&key);
     PyBuffer_Release(&body);
     return result;
 }
 
-/* ---------------------------------------------------------------- store_chain */
+/* ---------------------------------------------------------------- storing a chain */
 
-/* engine hashes (as keys) and our hashes (as values) of a chain; NULL on error. */
-static uint64_t *
-chain_keys(PyObject *ehs, PyObject *ours, Py_ssize_t n, int *any_neg, int *fresh,
-           U64Map *engine)
+/* The engine hashes of a chain as 64-bit keys into keys[0..n); *any_neg: one was negative. */
+static int
+engine_keys(PyObject *ehs, Py_ssize_t n, uint64_t *keys, int *any_neg)
 {
-    PyObject **eh_items = PySequence_Fast_ITEMS(ehs), **oh_items = PySequence_Fast_ITEMS(ours);
-    uint64_t *keys = PyMem_Malloc((size_t)(n > 0 ? n : 1) * 2 * sizeof(uint64_t));
+    PyObject **items = PySequence_Fast_ITEMS(ehs);
     Py_ssize_t i;
-    int neg, repeat;
-    if (keys == NULL) {
-        PyErr_NoMemory();
-        return NULL;
-    }
+    int neg;
     *any_neg = 0;
-    *fresh = 0;
     for (i = 0; i < n; i++) {
-        if (key_from(eh_items[i], &keys[i], &neg) < 0)
-            goto fail;
+        if (key_from(items[i], &keys[i], &neg) < 0)
+            return -1;
         *any_neg |= neg;
     }
-    repeat = has_repeat(keys, n);
-    if (repeat < 0)
-        goto fail;
-    if (repeat)
-        return keys;
+    return 0;
+}
+
+/* 1 when no key of keys[0..n) repeats and none is in engine yet, 0 when not, -1 on error. */
+static int
+all_fresh(U64Map *engine, const uint64_t *keys, Py_ssize_t n)
+{
+    Py_ssize_t i;
+    int repeat = has_repeat(keys, n);
+    if (repeat != 0)
+        return repeat < 0 ? -1 : 0;
     for (i = 0; i < n && i < PREFETCH_AHEAD; i++)
         map_prefetch(engine, keys[i]);
     for (i = 0; i < n; i++) {
         if (i + PREFETCH_AHEAD < n)
             map_prefetch(engine, keys[i + PREFETCH_AHEAD]);
         if (map_find(engine, keys[i]) != NULL)
-            return keys;
+            return 0;
     }
-    for (i = 0; i < n; i++)
-        if (u64_from(oh_items[i], &keys[n + i], "value") < 0)
-            goto fail;
-    *fresh = 1;
+    return 1;
+}
+
+/* engine[keys[i]] = ours[i] and `bit` ORed into blocks[ours[i]] for each i; the ours whose bit
+ * was already set go to `shared` (a list). Room is reserved first, so only the list can fail. */
+static int
+store_keys(U64Map *blocks, U64Map *engine, uint64_t bit, const uint64_t *keys,
+           const uint64_t *ours, Py_ssize_t n, PyObject *shared)
+{
+    Py_ssize_t i;
+    if (map_reserve(engine, n) < 0 || map_reserve(blocks, n) < 0)
+        return -1;
+    for (i = 0; i < n && i < PREFETCH_AHEAD; i++) {
+        map_prefetch(engine, keys[i]);
+        map_prefetch(blocks, ours[i]);
+    }
+    for (i = 0; i < n; i++) {
+        int created;
+        Slot *s;
+        if (i + PREFETCH_AHEAD < n) {
+            map_prefetch(engine, keys[i + PREFETCH_AHEAD]);
+            map_prefetch(blocks, ours[i + PREFETCH_AHEAD]);
+        }
+        if (map_set(engine, keys[i], ours[i]) < 0)
+            return -1;
+        s = map_upsert(blocks, ours[i], &created);
+        if (s == NULL)
+            return -1;
+        if (created)
+            s->value = bit;
+        else if (!(s->value & bit))
+            s->value |= bit;
+        else if (append_steal(shared, PyLong_FromUnsignedLongLong(ours[i])) < 0)
+            return -1;
+    }
+    return 0;
+}
+
+/* The shared list of a fresh chain stored, or None (nothing changed) when it is not fresh. */
+static PyObject *
+store_fresh(U64Map *blocks, U64Map *engine, uint64_t bit, uint64_t *keys, Py_ssize_t n,
+            int any_neg, int fresh)
+{
+    PyObject *shared;
+    if (fresh < 0)
+        return NULL;
+    if (!fresh)
+        Py_RETURN_NONE;
+    shared = PyList_New(0);
+    if (shared == NULL)
+        return NULL;
+    if (store_keys(blocks, engine, bit, keys, keys + n, n, shared) < 0) {
+        Py_DECREF(shared);
+        return NULL;
+    }
+    if (any_neg)
+        engine->is_signed = 1;
+    return shared;
+}
+
+/* Scratch for 2n keys: on the stack for a typical event, else on the heap. */
+#define LOCAL_KEYS 64
+
+static uint64_t *
+keys_alloc(Py_ssize_t n, uint64_t *local)
+{
+    uint64_t *keys;
+    if (2 * n <= LOCAL_KEYS)
+        return local;
+    keys = PyMem_Malloc((size_t)n * 2 * sizeof(uint64_t));
+    if (keys == NULL)
+        PyErr_NoMemory();
     return keys;
-fail:
-    PyMem_Free(keys);
-    return NULL;
 }
 
 static const char *const store_names[] = {"blocks", "engine", "bit", "engine_hashes", "ours"};
@@ -1309,17 +1430,15 @@ static PyObject *
 store_chain(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs,
             PyObject *kwnames)
 {
-    PyObject *a[5], *ehs = NULL, *ours = NULL, *shared = NULL;
-    U64Map *blocks, *engine;
-    uint64_t bit, *keys = NULL;
-    Py_ssize_t n, i;
+    PyObject *a[5], *ehs = NULL, *ours = NULL, *out = NULL;
+    uint64_t bit, local[LOCAL_KEYS], *keys = NULL;
+    Py_ssize_t n = 0, i;
     int any_neg, fresh;
     if (parse_args("store_chain", args, nargs, kwnames, store_names, 5, 5, a) < 0)
         return NULL;
-    if (check_map(a[0], "blocks") < 0 || check_map(a[1], "engine") < 0)
+    if (check_map(a[0], "blocks") < 0 || check_map(a[1], "engine") < 0 ||
+        map_writable((U64Map *)a[0]) < 0 || map_writable((U64Map *)a[1]) < 0)
         return NULL;
-    blocks = (U64Map *)a[0];
-    engine = (U64Map *)a[1];
     ehs = PySequence_Fast(a[3], "engine_hashes must be a sequence");
     if (ehs == NULL)
         return NULL;
@@ -1331,56 +1450,81 @@ store_chain(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs
         PyErr_SetString(PyExc_ValueError, "engine_hashes and ours differ in length");
         goto done;
     }
-    keys = chain_keys(ehs, ours, n, &any_neg, &fresh, engine);
-    if (keys == NULL)
+    keys = keys_alloc(n, local);
+    if (keys == NULL || engine_keys(ehs, n, keys, &any_neg) < 0)
         goto done;
-    if (!fresh) {
-        shared = Py_None;
-        Py_INCREF(shared);
+    fresh = all_fresh((U64Map *)a[1], keys, n);
+    for (i = 0; fresh > 0 && i < n; i++)
+        if (u64_from(PySequence_Fast_GET_ITEM(ours, i), &keys[n + i], "value") < 0)
+            goto done;
+    if (fresh > 0 && u64_from(a[2], &bit, "bit") < 0)
         goto done;
-    }
-    if (u64_from(a[2], &bit, "bit") < 0 || map_reserve(engine, n) < 0 ||
-        map_reserve(blocks, n) < 0)
-        goto done;
-    shared = PyList_New(0);
-    if (shared == NULL)
-        goto done;
-    for (i = 0; i < n && i < PREFETCH_AHEAD; i++) {
-        map_prefetch(engine, keys[i]);
-        map_prefetch(blocks, keys[n + i]);
-    }
-    for (i = 0; i < n; i++) {
-        uint64_t oh = keys[n + i];
-        int created;
-        Slot *s;
-        if (i + PREFETCH_AHEAD < n) {
-            map_prefetch(engine, keys[i + PREFETCH_AHEAD]);
-            map_prefetch(blocks, keys[n + i + PREFETCH_AHEAD]);
-        }
-        if (map_set(engine, keys[i], oh) < 0)
-            goto fail;
-        s = map_upsert(blocks, oh, &created);
-        if (s == NULL)
-            goto fail;
-        if (created)
-            s->value = bit;
-        else if (s->value & bit) {
-            if (PyList_Append(shared, PySequence_Fast_GET_ITEM(ours, i)) < 0)
-                goto fail;
-        }
-        else
-            s->value |= bit;
-    }
-    if (any_neg)
-        engine->is_signed = 1;
-    goto done;
-fail:
-    Py_CLEAR(shared);
+    out = store_fresh((U64Map *)a[0], (U64Map *)a[1], bit, keys, n, any_neg, fresh);
 done:
-    PyMem_Free(keys);
+    if (keys != local)
+        PyMem_Free(keys);
     Py_XDECREF(ehs);
     Py_XDECREF(ours);
-    return shared;
+    return out;
+}
+
+static const char *const run_names[] = {"blocks",  "engine",     "bit", "engine_hashes",
+                                        "packed", "block_size", "seed"};
+
+/* store_run: chain_hashes(packed, block_size, seed) then store_chain with those hashes, in one
+ * call and without an int object per block. packed must hold exactly one block per engine
+ * hash (ValueError otherwise: the caller checks token counts, this only guards memory). */
+static PyObject *
+store_run(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs,
+          PyObject *kwnames)
+{
+    PyObject *a[7], *ehs, *out = NULL;
+    Py_buffer view;
+    uint64_t bit, seed, local[LOCAL_KEYS], *keys = NULL;
+    long long size;
+    Py_ssize_t n;
+    int any_neg, neg, fresh;
+    if (parse_args("store_run", args, nargs, kwnames, run_names, 7, 7, a) < 0)
+        return NULL;
+    if (xxh3_seeded == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "store_run: xxh3 is not initialised (init_xxh3)");
+        return NULL;
+    }
+    if (check_map(a[0], "blocks") < 0 || check_map(a[1], "engine") < 0 ||
+        map_writable((U64Map *)a[0]) < 0 || map_writable((U64Map *)a[1]) < 0 ||
+        u64_from(a[2], &bit, "bit") < 0 || (size = block_size_from(a[5])) < 0 ||
+        key_from(a[6], &seed, &neg) < 0)
+        return NULL;
+    ehs = PySequence_Fast(a[3], "engine_hashes must be a sequence");
+    if (ehs == NULL)
+        return NULL;
+    if (PyObject_GetBuffer(a[4], &view, PyBUF_SIMPLE) < 0) {
+        Py_DECREF(ehs);
+        return NULL;
+    }
+    n = PySequence_Fast_GET_SIZE(ehs);
+    /* Divisions, not a product: size and n come from the caller and may be anything. */
+    if (n == 0 ? view.len != 0
+               : size > view.len / 4 || view.len % ((Py_ssize_t)size * 4) != 0 ||
+                     view.len / ((Py_ssize_t)size * 4) != n) {
+        PyErr_Format(PyExc_ValueError,
+                     "packed holds %zd bytes, not %zd blocks of block_size %lld tokens",
+                     view.len, n, size);
+        goto done;
+    }
+    keys = keys_alloc(n, local);
+    if (keys == NULL || engine_keys(ehs, n, keys, &any_neg) < 0)
+        goto done;
+    fresh = all_fresh((U64Map *)a[1], keys, n);
+    if (fresh > 0)
+        hash_blocks(view.buf, (size_t)size * 4, n, seed, keys + n);
+    out = store_fresh((U64Map *)a[0], (U64Map *)a[1], bit, keys, n, any_neg, fresh);
+done:
+    if (keys != NULL && keys != local)
+        PyMem_Free(keys);
+    PyBuffer_Release(&view);
+    Py_DECREF(ehs);
+    return out;
 }
 
 /* ---------------------------------------------------------------- removal */
@@ -1399,6 +1543,9 @@ remove_blocks(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nar
         return NULL;
     if (check_map(a[0], "blocks") < 0 || check_map(a[1], "engine") < 0 ||
         check_map(a[2], "tombs") < 0 || u64_from(a[3], &bit, "bit") < 0)
+        return NULL;
+    if (map_writable((U64Map *)a[0]) < 0 || map_writable((U64Map *)a[1]) < 0 ||
+        map_writable((U64Map *)a[2]) < 0)
         return NULL;
     blocks = (U64Map *)a[0];
     engine = (U64Map *)a[1];
@@ -1454,6 +1601,8 @@ drop_holder(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs
         return NULL;
     blocks = (U64Map *)a[0];
     engine = (U64Map *)a[1];
+    if (map_writable(blocks) < 0 || map_writable(engine) < 0)
+        return NULL;
     /* The same map as both ends up empty anyway; iterating it while removing would not be safe. */
     if (blocks != engine) {
         if (engine->has_zero)
@@ -1467,971 +1616,9 @@ drop_holder(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs
     Py_RETURN_NONE;
 }
 
-/* ---------------------------------------------------------------- ingest_events
- *
- * The index's fast lane: read a batch payload and apply its events, in order, to one stream's
- * tables, without a Python object per event, hash or token. It applies only what it is sure of
- * and stops at the first event it is not: the caller applies the rest the usual way.
- *
- * The payload is first checked whole against a strict subset of msgpack (ASCII strings, string
- * map keys, no ext, bounded nesting, no trailing bytes) with the batch shape [ts, [events...],
- * rank?, ...]; within that subset every decoder of kvevents.wire reads the payload without
- * error and the same way, so what this lane applies is what the decoder would have delivered. */
-
-#define LANE_DEPTH 32
-#define LANE_HOLDERS 16
-
-typedef const unsigned char *cur;
-
-/* The count of an array (want 0x90) or map (want 0x80) header at *pp; -1 if it is not one. */
-static Py_ssize_t
-mp_container(cur *pp, cur end, int is_map)
-{
-    cur p = *pp;
-    Py_ssize_t n;
-    unsigned char b;
-    if (p >= end)
-        return -1;
-    b = *p;
-    if ((b & 0xf0) == (is_map ? 0x80 : 0x90)) {
-        *pp = p + 1;
-        return b & 0x0f;
-    }
-    if (b == (is_map ? 0xde : 0xdc) && end - p >= 3) {
-        *pp = p + 3;
-        return (Py_ssize_t)get_be(p + 1, 2);
-    }
-    if (b == (is_map ? 0xdf : 0xdd) && end - p >= 5) {
-        n = (Py_ssize_t)get_be(p + 1, 4);
-        *pp = p + 5;
-        return n;
-    }
-    return -1;
-}
-
-/* A string at *pp: its bytes in [*s, *s + *len); 0 if the value is not a string. */
-static int
-mp_str(cur *pp, cur end, cur *s, Py_ssize_t *len)
-{
-    cur p = *pp;
-    Py_ssize_t n, head;
-    if (p >= end)
-        return 0;
-    if ((*p & 0xe0) == 0xa0) {
-        n = *p & 0x1f;
-        head = 1;
-    }
-    else if (*p == 0xd9 && end - p >= 2) {
-        n = p[1];
-        head = 2;
-    }
-    else if (*p == 0xda && end - p >= 3) {
-        n = (Py_ssize_t)get_be(p + 1, 2);
-        head = 3;
-    }
-    else if (*p == 0xdb && end - p >= 5) {
-        n = (Py_ssize_t)get_be(p + 1, 4);
-        head = 5;
-    }
-    else
-        return 0;
-    if (n > end - p - head)
-        return 0;
-    *s = p + head;
-    *len = n;
-    *pp = p + head + n;
-    return 1;
-}
-
-/* An int of any msgpack width at *pp as its 64-bit pattern (*neg: it was negative); 0 if the
- * value is not an int (bools are not). */
-static int
-mp_int(cur *pp, cur end, uint64_t *out, int *neg)
-{
-    cur p = *pp;
-    int size, is_signed = 0;
-    uint64_t v;
-    unsigned char b;
-    if (p >= end)
-        return 0;
-    b = *p++;
-    if (b <= 0x7f || b >= 0xe0) {
-        *out = (uint64_t)(int64_t)(int8_t)b;
-        *neg = b >= 0xe0;
-        *pp = p;
-        return 1;
-    }
-    if (!int_format(b, &size, &is_signed))
-        return 0;
-    if (end - p < size)
-        return 0;
-    v = get_be(p, size);
-    *neg = 0;
-    if (is_signed && (p[0] & 0x80)) {
-        if (size < 8)
-            v |= ~UINT64_C(0) << (size * 8); /* sign-extend */
-        *neg = 1;
-    }
-    *out = v;
-    *pp = p + size;
-    return 1;
-}
-
-static int
-mp_is_nil(cur p, cur end)
-{
-    return p < end && *p == 0xc0;
-}
-
-/* Skip one value at *pp checking it lies in the lane's subset; 0 if it does not. */
-static int
-mp_skip(cur *pp, cur end, int depth)
-{
-    cur p = *pp, s;
-    Py_ssize_t n, i, len;
-    uint64_t v;
-    int neg;
-    unsigned char b;
-    if (p >= end || depth > LANE_DEPTH)
-        return 0;
-    b = *p;
-    if (b <= 0x7f || b >= 0xe0 || (b >= 0xcc && b <= 0xd3))
-        return mp_int(pp, end, &v, &neg);
-    if (b == 0xc0 || b == 0xc2 || b == 0xc3) {
-        *pp = p + 1;
-        return 1;
-    }
-    if (b == 0xca || b == 0xcb) {
-        Py_ssize_t size = b == 0xca ? 4 : 8;
-        if (end - p - 1 < size)
-            return 0;
-        *pp = p + 1 + size;
-        return 1;
-    }
-    if ((b & 0xe0) == 0xa0 || (b >= 0xd9 && b <= 0xdb)) {
-        if (!mp_str(pp, end, &s, &len))
-            return 0;
-        for (i = 0; i < len; i++)
-            if (s[i] & 0x80)
-                return 0;
-        return 1;
-    }
-    if (b >= 0xc4 && b <= 0xc6) { /* bin */
-        Py_ssize_t head = b == 0xc4 ? 2 : b == 0xc5 ? 3 : 5;
-        if (end - p < head)
-            return 0;
-        n = (Py_ssize_t)get_be(p + 1, (int)head - 1);
-        if (n > end - p - head)
-            return 0;
-        *pp = p + head + n;
-        return 1;
-    }
-    if ((b & 0xf0) == 0x90 || b == 0xdc || b == 0xdd) {
-        n = mp_container(&p, end, 0);
-        if (n < 0 || n > end - p)
-            return 0;
-        for (i = 0; i < n; i++) {
-            /* Arrays are mostly of ints (tokens, hashes): those without a call. */
-            if (p < end && (*p <= 0x7f || *p >= 0xe0)) {
-                p++;
-                continue;
-            }
-            if (p < end && *p >= 0xcc && *p <= 0xd3) {
-                Py_ssize_t size = (Py_ssize_t)1 << (*p & 3);
-                if (end - p - 1 < size)
-                    return 0;
-                p += 1 + size;
-                continue;
-            }
-            if (!mp_skip(&p, end, depth + 1))
-                return 0;
-        }
-        *pp = p;
-        return 1;
-    }
-    if ((b & 0xf0) == 0x80 || b == 0xde || b == 0xdf) {
-        n = mp_container(&p, end, 1);
-        if (n < 0 || n > (end - p) / 2)
-            return 0;
-        for (i = 0; i < n; i++) {
-            if (p >= end || !((*p & 0xe0) == 0xa0 || (*p >= 0xd9 && *p <= 0xdb)))
-                return 0; /* keys are strings */
-            if (!mp_skip(&p, end, depth + 1) || !mp_skip(&p, end, depth + 1))
-                return 0;
-        }
-        *pp = p;
-        return 1;
-    }
-    return 0; /* ext, and the unused 0xc1 */
-}
-
-/* What the lane needs of one holder, read from the _Holder object once per call. */
-typedef struct {
-    PyObject *obj; /* borrowed from the stream's holders dict, which the lane never changes */
-    U64Map *table;
-    U64Map *engine;
-    PyObject *dups;
-    PyObject *shared;
-    uint64_t bit;
-    int loaded;
-} LaneHolder;
-
-typedef struct {
-    PyObject *stream;
-    PyObject *by_medium;
-    PyObject *holders;
-    U64Map *tombs;
-    U64Map *tombs_old;
-    LaneHolder h[LANE_HOLDERS];
-    Py_ssize_t nholders;
-    Py_ssize_t block_size;
-    uint64_t root;
-    Py_ssize_t tombstones;
-    Py_ssize_t stored, removed, clears;
-} Lane;
-
-static PyObject *s_block_size, *s_by_medium, *s_holders, *s_tombs, *s_tombs_old, *s_waiting,
-    *s_orphan_blocks, *s_orphan_queue, *s_table, *s_engine, *s_bit, *s_dups, *s_shared,
-    *s_clear;
-
-static int
-lane_intern(void)
-{
-#define INTERN(var, text)                                                                     \
-    if ((var = PyUnicode_InternFromString(text)) == NULL)                                      \
-        return -1;
-    INTERN(s_block_size, "block_size");
-    INTERN(s_by_medium, "by_medium");
-    INTERN(s_holders, "holders");
-    INTERN(s_tombs, "tombs");
-    INTERN(s_tombs_old, "tombs_old");
-    INTERN(s_waiting, "waiting");
-    INTERN(s_orphan_blocks, "orphan_blocks");
-    INTERN(s_orphan_queue, "orphan_queue");
-    INTERN(s_table, "table");
-    INTERN(s_engine, "engine");
-    INTERN(s_bit, "bit");
-    INTERN(s_dups, "dups");
-    INTERN(s_shared, "shared");
-    INTERN(s_clear, "clear");
-#undef INTERN
-    return 0;
-}
-
-/* An attribute that must be a U64Map, as a new reference; NULL (no error set) if it is not. */
-static U64Map *
-attr_map(PyObject *o, PyObject *name)
-{
-    PyObject *v = PyObject_GetAttr(o, name);
-    if (v == NULL)
-        return NULL;
-    if (!U64Map_Check(v)) {
-        Py_DECREF(v);
-        return NULL;
-    }
-    return (U64Map *)v;
-}
-
-/* Read holder i's fields; -1 with an error set, 0 if they are not what the lane expects. */
-static int
-lane_load(LaneHolder *h)
-{
-    PyObject *bit;
-    if (h->loaded)
-        return 1;
-    Py_CLEAR(h->table);
-    Py_CLEAR(h->engine);
-    Py_CLEAR(h->dups);
-    Py_CLEAR(h->shared);
-    h->table = attr_map(h->obj, s_table);
-    if (h->table == NULL)
-        return PyErr_Occurred() ? -1 : 0;
-    h->engine = attr_map(h->obj, s_engine);
-    if (h->engine == NULL)
-        return PyErr_Occurred() ? -1 : 0;
-    h->dups = PyObject_GetAttr(h->obj, s_dups);
-    if (h->dups == NULL)
-        return -1;
-    h->shared = PyObject_GetAttr(h->obj, s_shared);
-    if (h->shared == NULL)
-        return -1;
-    if (!PyDict_CheckExact(h->dups) || !PyDict_CheckExact(h->shared))
-        return 0;
-    bit = PyObject_GetAttr(h->obj, s_bit);
-    if (bit == NULL)
-        return -1;
-    if (u64_from(bit, &h->bit, "bit") < 0) {
-        Py_DECREF(bit);
-        return -1;
-    }
-    Py_DECREF(bit);
-    h->loaded = 1;
-    return 1;
-}
-
-static void
-lane_release(Lane *L)
-{
-    Py_ssize_t i;
-    for (i = 0; i < L->nholders; i++) {
-        Py_XDECREF(L->h[i].table);
-        Py_XDECREF(L->h[i].engine);
-        Py_XDECREF(L->h[i].dups);
-        Py_XDECREF(L->h[i].shared);
-    }
-    Py_XDECREF(L->by_medium);
-    Py_XDECREF(L->holders);
-    Py_XDECREF(L->tombs);
-    Py_XDECREF(L->tombs_old);
-}
-
-/* The holder of a medium (absent when med is NULL) from the stream's by_medium map: its index
- * in L->h, loaded; -1 when there is none yet (or it is unusual), -2 on error. */
-static Py_ssize_t
-lane_holder(Lane *L, cur med, Py_ssize_t med_len)
-{
-    Py_ssize_t pos = 0, i;
-    PyObject *key, *value, *found = NULL;
-    int rc;
-    while (PyDict_Next(L->by_medium, &pos, &key, &value)) {
-        if (med == NULL) {
-            if (key == Py_None) {
-                found = value;
-                break;
-            }
-        }
-        else if (PyUnicode_CheckExact(key) && PyUnicode_IS_ASCII(key) &&
-                 PyUnicode_GET_LENGTH(key) == med_len &&
-                 memcmp(PyUnicode_DATA(key), med, (size_t)med_len) == 0) {
-            found = value;
-            break;
-        }
-    }
-    if (found == NULL)
-        return -1;
-    for (i = 0; i < L->nholders; i++) {
-        if (L->h[i].obj == found) {
-            rc = lane_load(&L->h[i]);
-            return rc < 0 ? -2 : rc == 0 ? -1 : i;
-        }
-    }
-    return -1;
-}
-
-/* _Stream.resolve with the event's own holder first: our hash of an engine hash; 0 if not
- * found (the lane then stops), -1 on error. */
-static int
-lane_resolve(Lane *L, Py_ssize_t own, uint64_t eh, uint64_t *out)
-{
-    Py_ssize_t i;
-    Slot *s = map_find(L->h[own].engine, eh);
-    int rc;
-    if (s == NULL) {
-        for (i = 0; i < L->nholders && s == NULL; i++) {
-            rc = lane_load(&L->h[i]);
-            if (rc <= 0)
-                return rc;
-            s = map_find(L->h[i].engine, eh);
-        }
-    }
-    if (s == NULL)
-        s = map_find(L->tombs, eh);
-    if (s == NULL)
-        s = map_find(L->tombs_old, eh);
-    if (s == NULL)
-        return 0;
-    *out = s->value;
-    return 1;
-}
-
-/* The known keys of an event map; each at most once (a repeated one stops the lane). */
-enum { K_TYPE, K_HASHES, K_PARENT, K_TOKENS, K_SIZE, K_LORA_ID, K_MEDIUM, K_LORA_NAME,
-       K_GROUP, K_WINDOW, K_COUNT };
-static const char *const lane_keys[K_COUNT] = {
-    "type", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
-    "medium", "lora_name", "group_idx", "kv_cache_spec_sliding_window",
-};
-static const Py_ssize_t lane_key_len[K_COUNT] = {4, 12, 17, 9, 10, 7, 6, 9, 9, 28};
-
-/* One event as the scan of the payload found it. */
-typedef struct {
-    cur at[K_COUNT]; /* where each known key's value starts, NULL when absent */
-    Py_ssize_t tok_off, ntok; /* its token_ids, packed, at tokens + 4 * tok_off */
-    Py_ssize_t key_off, nkeys; /* its block_hashes at keys + key_off */
-    char usable; /* a map of string keys, no known key repeated */
-    char tok_ok; /* token_ids is an array of ints in 0 .. 2**32-1 */
-    char keys_ok; /* block_hashes is an array of ints */
-    char keys_neg; /* one of them is negative */
-} LaneEvent;
-
-/* Scratch space of one call: packed tokens, engine hashes, our hashes, events. */
-typedef struct {
-    unsigned char *tokens;
-    Py_ssize_t ntok;
-    uint64_t *keys;
-    Py_ssize_t nkeys;
-    uint64_t *ours;
-    LaneEvent *events;
-    Py_ssize_t nevents;
-} LaneScan;
-
-/* Tokens all written alike (all fixints, all uint16 or all uint32, as an encoder writes a
- * vocabulary's ids): checked and read without the serial walk of one width after another.
- * 0 (nothing read) when they are not. */
-static int
-uniform_tokens(cur *pp, cur end, Py_ssize_t count, unsigned char *out)
-{
-    cur p = *pp;
-    unsigned char m = *p, bad = 0;
-    Py_ssize_t i, stride = m <= 0x7f ? 1 : m == 0xcd ? 3 : m == 0xce ? 5 : 0;
-    if (stride == 0 || count > (end - p) / stride)
-        return 0;
-    if (stride == 1) {
-        for (i = 0; i < count; i++)
-            bad |= p[i];
-        if (bad & 0x80)
-            return 0;
-        for (i = 0; i < count; i++)
-            put_u32le(out + 4 * i, p[i]);
-    }
-    else {
-        for (i = 0; i < count; i++)
-            bad |= (unsigned char)(p[i * stride] ^ m);
-        if (bad)
-            return 0;
-        if (stride == 3)
-            for (i = 0; i < count; i++)
-                put_u32le(out + 4 * i, ((uint32_t)p[3 * i + 1] << 8) | p[3 * i + 2]);
-        else
-            for (i = 0; i < count; i++)
-                put_u32le(out + 4 * i, (uint32_t)get_be(p + 5 * i + 1, 4));
-    }
-    *pp = p + count * stride;
-    return 1;
-}
-
-/* Scan an array of ints at *pp into out (count in *n); *ok = 0 when an element is not one
- * (then the rest is only checked). tokens: read uint32 tokens into bytes, else int keys. */
-static int
-scan_ints(cur *pp, cur end, int depth, void *out, Py_ssize_t *n, char *ok, char *any_neg,
-          int tokens)
-{
-    cur p = *pp;
-    Py_ssize_t count, i;
-    count = mp_container(&p, end, 0);
-    if (count < 0) {
-        *ok = 0;
-        return mp_skip(pp, end, depth);
-    }
-    if (count > end - p)
-        return 0;
-    *ok = 1;
-    *any_neg = 0;
-    *n = count;
-    if (tokens && count > 0 && uniform_tokens(&p, end, count, out)) {
-        *pp = p;
-        return 1;
-    }
-    for (i = 0; i < count; i++) {
-        if (tokens) {
-            uint32_t v;
-            if (msgpack_token(&p, end, &v)) {
-                put_u32le((unsigned char *)out + 4 * i, v);
-                continue;
-            }
-        }
-        else {
-            int neg;
-            if (mp_int(&p, end, &((uint64_t *)out)[i], &neg)) {
-                *any_neg |= neg;
-                continue;
-            }
-        }
-        *ok = 0;
-        for (; i < count; i++)
-            if (!mp_skip(&p, end, depth + 1))
-                return 0;
-        break;
-    }
-    *pp = p;
-    return 1;
-}
-
-/* Scan one event at *pp (checking it lies in the lane's subset; 0 if not) into ev. */
-static int
-scan_event(cur *pp, cur end, LaneEvent *ev, LaneScan *S)
-{
-    cur p = *pp, name;
-    Py_ssize_t n, i, k, name_len;
-    char unused_neg;
-    memset(ev, 0, sizeof(*ev));
-    n = mp_container(&p, end, 1);
-    if (n < 0) /* array-form events, and anything else */
-        return mp_skip(pp, end, 2);
-    if (n > (end - p) / 2)
-        return 0;
-    ev->usable = 1;
-    for (i = 0; i < n; i++) {
-        cur key = p;
-        if (!mp_str(&p, end, &name, &name_len) || !mp_skip(&key, end, 3))
-            return 0; /* keys are ASCII strings */
-        for (k = 0; k < K_COUNT; k++)
-            if (lane_key_len[k] == name_len && memcmp(lane_keys[k], name, (size_t)name_len) == 0)
-                break;
-        if (k < K_COUNT) {
-            if (ev->at[k] != NULL)
-                ev->usable = 0; /* a repeated key: the decoders agree, but not worth the care */
-            ev->at[k] = p;
-        }
-        if (k == K_TOKENS && ev->usable) {
-            ev->tok_off = S->ntok;
-            if (!scan_ints(&p, end, 3, S->tokens + 4 * S->ntok, &ev->ntok, &ev->tok_ok,
-                           &unused_neg, 1))
-                return 0;
-            if (ev->tok_ok)
-                S->ntok += ev->ntok;
-        }
-        else if (k == K_HASHES && ev->usable) {
-            ev->key_off = S->nkeys;
-            if (!scan_ints(&p, end, 3, S->keys + S->nkeys, &ev->nkeys, &ev->keys_ok,
-                           &ev->keys_neg, 0))
-                return 0;
-            if (ev->keys_ok)
-                S->nkeys += ev->nkeys;
-        }
-        else if (!mp_skip(&p, end, 3))
-            return 0;
-    }
-    *pp = p;
-    return 1;
-}
-
-/* An optional int field: absent, nil or an int. */
-static int
-opt_int_ok(cur v, cur end)
-{
-    uint64_t x;
-    int neg;
-    return v == NULL || mp_is_nil(v, end) || mp_int(&v, end, &x, &neg);
-}
-
-/* The event's medium: 1 with *s NULL for none (absent or nil), 1 with the string, 0 else. */
-static int
-event_medium(const LaneEvent *ev, cur end, cur *s, Py_ssize_t *len)
-{
-    cur p = ev->at[K_MEDIUM];
-    *s = NULL;
-    *len = 0;
-    if (p == NULL || mp_is_nil(p, end))
-        return 1;
-    return mp_str(&p, end, s, len);
-}
-
-/* Apply one BlockStored; 1 applied, 0 not handled (nothing changed), -1 error. */
-static int
-lane_store(Lane *L, const LaneEvent *ev, cur end, LaneScan *S)
-{
-    cur p, med;
-    Py_ssize_t n = ev->nkeys, i, own, mlen;
-    uint64_t size, parent, seed, *keys = S->keys + ev->key_off, *ours = S->ours;
-    int neg, rc;
-    LaneHolder *h;
-    if (ev->at[K_HASHES] == NULL || ev->at[K_TOKENS] == NULL || ev->at[K_SIZE] == NULL ||
-        !ev->keys_ok || !ev->tok_ok || n == 0)
-        return 0;
-    p = ev->at[K_SIZE];
-    if (!mp_int(&p, end, &size, &neg) || neg || size != (uint64_t)L->block_size ||
-        (uint64_t)ev->ntok != size * (uint64_t)n)
-        return 0;
-    if ((ev->at[K_LORA_ID] != NULL && !mp_is_nil(ev->at[K_LORA_ID], end)) ||
-        (ev->at[K_LORA_NAME] != NULL && !mp_is_nil(ev->at[K_LORA_NAME], end)) ||
-        !opt_int_ok(ev->at[K_GROUP], end) || !opt_int_ok(ev->at[K_WINDOW], end) ||
-        !event_medium(ev, end, &med, &mlen))
-        return 0;
-    own = lane_holder(L, med, mlen);
-    if (own < 0)
-        return own == -2 ? -1 : 0;
-    h = &L->h[own];
-    for (i = 0; i < n && i < PREFETCH_AHEAD; i++)
-        map_prefetch(h->engine, keys[i]);
-    if (ev->at[K_PARENT] == NULL || mp_is_nil(ev->at[K_PARENT], end))
-        seed = L->root;
-    else {
-        p = ev->at[K_PARENT];
-        if (!mp_int(&p, end, &parent, &neg))
-            return 0;
-        rc = lane_resolve(L, own, parent, &seed);
-        if (rc <= 0)
-            return rc; /* an orphan, for the caller */
-    }
-    hash_blocks(S->tokens + 4 * ev->tok_off, (size_t)size * 4, n, seed, ours);
-    for (i = 0; i < n && i < PREFETCH_AHEAD; i++)
-        map_prefetch(h->table, ours[i]);
-    /* Fresh blocks only: no engine hash repeated or already held, no block already marked. */
-    rc = has_repeat(keys, n);
-    if (rc == 0)
-        rc = has_repeat(ours, n);
-    if (rc != 0)
-        return rc < 0 ? -1 : 0;
-    for (i = 0; i < n; i++) {
-        if (i + PREFETCH_AHEAD < n)
-            map_prefetch(h->engine, keys[i + PREFETCH_AHEAD]);
-        if (map_find(h->engine, keys[i]) != NULL)
-            return 0;
-    }
-    for (i = 0; i < n; i++) {
-        Slot *b;
-        if (i + PREFETCH_AHEAD < n)
-            map_prefetch(h->table, ours[i + PREFETCH_AHEAD]);
-        b = map_find(h->table, ours[i]);
-        if (b != NULL && (b->value & h->bit))
-            return 0;
-    }
-    if (map_reserve(h->engine, n) < 0 || map_reserve(h->table, n) < 0)
-        return -1;
-    for (i = 0; i < n; i++) {
-        int created;
-        Slot *b;
-        if (map_set(h->engine, keys[i], ours[i]) < 0)
-            return -1;
-        b = map_upsert(h->table, ours[i], &created);
-        if (b == NULL)
-            return -1;
-        b->value |= h->bit;
-    }
-    if (ev->keys_neg)
-        h->engine->is_signed = 1;
-    L->stored += n;
-    return 1;
-}
-
-/* Apply one BlockRemoved; 1 applied, 0 not handled (nothing changed), -1 error. */
-static int
-lane_remove(Lane *L, const LaneEvent *ev, cur end, LaneScan *S)
-{
-    cur med;
-    Py_ssize_t n = ev->nkeys, i, own, mlen;
-    uint64_t *keys = S->keys + ev->key_off;
-    int rc;
-    LaneHolder *h;
-    U64Map *tombs;
-    if (ev->at[K_HASHES] == NULL || !ev->keys_ok || n == 0 || !opt_int_ok(ev->at[K_GROUP], end) ||
-        !event_medium(ev, end, &med, &mlen))
-        return 0;
-    own = lane_holder(L, med, mlen);
-    if (own < 0)
-        return own == -2 ? -1 : 0;
-    h = &L->h[own];
-    if (PyDict_GET_SIZE(h->dups) || PyDict_GET_SIZE(h->shared))
-        return 0;
-    /* Known blocks only, each once. */
-    rc = has_repeat(keys, n);
-    if (rc != 0)
-        return rc < 0 ? -1 : 0;
-    for (i = 0; i < n && i < PREFETCH_AHEAD; i++)
-        map_prefetch(h->engine, keys[i]);
-    for (i = 0; i < n; i++) {
-        if (i + PREFETCH_AHEAD < n)
-            map_prefetch(h->engine, keys[i + PREFETCH_AHEAD]);
-        if (map_find(h->engine, keys[i]) == NULL)
-            return 0;
-    }
-    tombs = L->tombs;
-    if (map_reserve(tombs, n) < 0)
-        return -1;
-    for (i = 0; i < n; i++) {
-        uint64_t eh = keys[i], oh;
-        Slot *e = map_find(h->engine, eh);
-        oh = e->value;
-        map_remove(h->engine, e);
-        if (map_set(tombs, eh, oh) < 0)
-            return -1;
-        clear_bit(h->table, oh, h->bit);
-    }
-    /* Tomb keys read back signed once a removal's own hash was negative (as remove_blocks). */
-    if (ev->keys_neg)
-        tombs->is_signed = 1;
-    L->removed += n;
-    if (U64Map_len(tombs) > L->tombstones) {
-        PyObject *fresh = PyObject_CallNoArgs((PyObject *)&U64MapType);
-        if (fresh == NULL)
-            return -1;
-        if (PyObject_SetAttr(L->stream, s_tombs_old, (PyObject *)tombs) < 0 ||
-            PyObject_SetAttr(L->stream, s_tombs, fresh) < 0) {
-            Py_DECREF(fresh);
-            return -1;
-        }
-        Py_DECREF(L->tombs_old);
-        L->tombs_old = tombs; /* the reference L->tombs held */
-        L->tombs = (U64Map *)fresh;
-    }
-    return 1;
-}
-
-/* Apply one AllBlocksCleared (PrefixIndex._drop_stream_state with no orphans); 1 or -1. */
-static int
-lane_clear(Lane *L)
-{
-    Py_ssize_t i;
-    PyObject *queue;
-    for (i = 0; i < L->nholders; i++) {
-        int rc = lane_load(&L->h[i]);
-        if (rc <= 0)
-            return rc;
-    }
-    for (i = 0; i < L->nholders; i++) {
-        LaneHolder *h = &L->h[i];
-        size_t j;
-        if (h->table != h->engine) {
-            if (h->engine->has_zero)
-                clear_bit(h->table, h->engine->zero.value, h->bit);
-            for (j = 0; j <= h->engine->mask; j++)
-                if (h->engine->slots[j].key != 0)
-                    clear_bit(h->table, h->engine->slots[j].value, h->bit);
-        }
-        if (map_clear(h->engine) < 0)
-            return -1;
-        PyDict_Clear(h->dups);
-        PyDict_Clear(h->shared);
-    }
-    /* Empty already but for orphans that were placed or dropped and not yet compacted away. */
-    queue = PyObject_GetAttr(L->stream, s_orphan_queue);
-    if (queue == NULL)
-        return -1;
-    if (PyObject_Length(queue) != 0) {
-        PyObject *r = PyObject_CallMethodNoArgs(queue, s_clear);
-        if (r == NULL) {
-            Py_DECREF(queue);
-            return -1;
-        }
-        Py_DECREF(r);
-    }
-    Py_DECREF(queue);
-    if (map_clear(L->tombs) < 0 || map_clear(L->tombs_old) < 0)
-        return -1;
-    L->tombs->is_signed = 0;
-    L->tombs_old->is_signed = 0;
-    L->clears++;
-    return 1;
-}
-
-/* Apply one scanned event; 1 applied, 0 not handled, -1 error. */
-static int
-lane_event(Lane *L, const LaneEvent *ev, cur end, LaneScan *S)
-{
-    cur p = ev->at[K_TYPE], tag;
-    Py_ssize_t len;
-    if (!ev->usable || p == NULL || !mp_str(&p, end, &tag, &len))
-        return 0;
-    if (len == 11 && memcmp(tag, "BlockStored", 11) == 0)
-        return lane_store(L, ev, end, S);
-    if (len == 12 && memcmp(tag, "BlockRemoved", 12) == 0)
-        return lane_remove(L, ev, end, S);
-    if (len == 16 && memcmp(tag, "AllBlocksCleared", 16) == 0)
-        return lane_clear(L);
-    return 0;
-}
-
-/* One call's scratch: a module buffer reused while nobody else uses it (no call below runs
- * Python code that could re-enter, but a strange stream object could), else its own. */
-static unsigned char *lane_buffer = NULL;
-static size_t lane_buffer_size = 0;
-static int lane_buffer_busy = 0;
-#define LANE_KEEP ((size_t)1 << 20) /* the largest buffer kept between calls */
-
-static void *
-scratch_get(size_t bytes, int *owned)
-{
-    void *p;
-    *owned = 0;
-    if (!lane_buffer_busy && bytes <= LANE_KEEP) {
-        if (bytes > lane_buffer_size) {
-            size_t size = lane_buffer_size ? lane_buffer_size : 16384;
-            unsigned char *grown;
-            while (size < bytes)
-                size *= 2;
-            grown = PyMem_Realloc(lane_buffer, size);
-            if (grown == NULL)
-                return PyErr_NoMemory();
-            lane_buffer = grown;
-            lane_buffer_size = size;
-        }
-        lane_buffer_busy = 1;
-        return lane_buffer;
-    }
-    *owned = 1;
-    p = PyMem_Malloc(bytes);
-    return p != NULL ? p : PyErr_NoMemory();
-}
-
-static void
-scratch_put(void *p, int owned)
-{
-    if (owned)
-        PyMem_Free(p);
-    else if (p != NULL)
-        lane_buffer_busy = 0;
-}
-
-static const char *const ingest_names[] = {"payload", "stream", "root_seed", "tombstones"};
-
-/* ingest_events(payload, stream, root_seed, tombstones) -> (applied, events, ts, stored,
- * removed, clears); events is -1 when the payload is not one the lane reads. */
-static PyObject *
-ingest_events(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs,
-              PyObject *kwnames)
-{
-    PyObject *a[4], *out = NULL, *v;
-    Py_buffer view;
-    Lane L;
-    LaneScan S;
-    cur p, end;
-    Py_ssize_t n, nevents = -1, i, applied = 0, pos = 0, len;
-    double ts = 0.0;
-    uint64_t u;
-    void *scratch = NULL;
-    size_t tok_bytes;
-    int neg, rc, owned = 0, recording = 1;
-    if (parse_args("ingest_events", args, nargs, kwnames, ingest_names, 4, 4, a) < 0)
-        return NULL;
-    memset(&L, 0, sizeof(L));
-    L.stream = a[1];
-    if (key_from(a[2], &L.root, &neg) < 0)
-        return NULL;
-    L.tombstones = PyLong_AsSsize_t(a[3]);
-    if (L.tombstones == -1 && PyErr_Occurred())
-        return NULL;
-    if (PyObject_GetBuffer(a[0], &view, PyBUF_SIMPLE) < 0)
-        return NULL;
-    p = (cur)view.buf;
-    end = p + view.len;
-    len = view.len;
-    /* The batch: [ts, [events...], rank?, ...]. */
-    n = mp_container(&p, end, 0);
-    if (n < 2 || xxh3_seeded == NULL || len > ((Py_ssize_t)1 << 26))
-        goto result;
-    if (p < end && *p == 0xcb && end - p >= 9) {
-        union { uint64_t u; double d; } cv;
-        cv.u = get_be(p + 1, 8);
-        ts = cv.d;
-        p += 9;
-    }
-    else if (p < end && *p == 0xca && end - p >= 5) {
-        union { uint32_t u; float f; } cv;
-        cv.u = (uint32_t)get_be(p + 1, 4);
-        ts = (double)cv.f;
-        p += 5;
-    }
-    else if (mp_int(&p, end, &u, &neg))
-        ts = neg ? (double)(int64_t)u : (double)u;
-    else
-        goto result;
-    nevents = mp_container(&p, end, 0);
-    if (nevents < 0 || nevents > end - p)
-        goto bad;
-    /* Every token, hash or event takes at least one byte of the payload. */
-    tok_bytes = ((size_t)len * 4 + 15) & ~(size_t)15;
-    scratch = scratch_get(tok_bytes + (size_t)len * 16 + (size_t)nevents * sizeof(LaneEvent),
-                          &owned);
-    if (scratch == NULL)
-        goto fail;
-    S.tokens = (unsigned char *)scratch;
-    S.keys = (uint64_t *)(S.tokens + tok_bytes);
-    S.ours = S.keys + len;
-    S.events = (LaneEvent *)(S.ours + len);
-    S.ntok = S.nkeys = S.nevents = 0;
-    for (i = 0; i < nevents; i++) {
-        if (recording) {
-            LaneEvent *ev = &S.events[S.nevents++];
-            if (!scan_event(&p, end, ev, &S))
-                goto bad;
-            recording = ev->usable;
-        }
-        else if (!mp_skip(&p, end, 2))
-            goto bad;
-    }
-    /* The rank, nil or an int (not a bool); then anything. */
-    if (n >= 3) {
-        if (mp_is_nil(p, end))
-            p++;
-        else if (!mp_int(&p, end, &u, &neg))
-            goto bad;
-    }
-    for (i = 3; i < n; i++)
-        if (!mp_skip(&p, end, 1))
-            goto bad;
-    if (p != end)
-        goto bad;
-    if (nevents == 0)
-        goto result;
-    /* The stream: a known block size, no orphans waiting. */
-    v = PyObject_GetAttr(L.stream, s_block_size);
-    if (v == NULL)
-        goto fail;
-    if (!PyLong_CheckExact(v)) {
-        Py_DECREF(v);
-        goto result;
-    }
-    L.block_size = PyLong_AsSsize_t(v);
-    Py_DECREF(v);
-    if (L.block_size <= 0) {
-        if (PyErr_Occurred())
-            goto fail;
-        goto result;
-    }
-    for (i = 0; i < 2; i++) {
-        v = PyObject_GetAttr(L.stream, i == 0 ? s_waiting : s_orphan_blocks);
-        if (v == NULL)
-            goto fail;
-        rc = PyDict_CheckExact(v) && PyDict_GET_SIZE(v) == 0;
-        Py_DECREF(v);
-        if (!rc)
-            goto result;
-    }
-    L.by_medium = PyObject_GetAttr(L.stream, s_by_medium);
-    if (L.by_medium == NULL)
-        goto fail;
-    L.holders = PyObject_GetAttr(L.stream, s_holders);
-    if (L.holders == NULL)
-        goto fail;
-    if (!PyDict_CheckExact(L.by_medium) || !PyDict_CheckExact(L.holders) ||
-        PyDict_GET_SIZE(L.holders) > LANE_HOLDERS)
-        goto result;
-    while (PyDict_Next(L.holders, &pos, NULL, &v))
-        L.h[L.nholders++].obj = v;
-    L.tombs = attr_map(L.stream, s_tombs);
-    if (L.tombs == NULL)
-        goto check;
-    L.tombs_old = attr_map(L.stream, s_tombs_old);
-    if (L.tombs_old == NULL)
-        goto check;
-    /* The events, in order, up to the first the lane does not handle. */
-    for (applied = 0; applied < S.nevents; applied++) {
-        rc = lane_event(&L, &S.events[applied], end, &S);
-        if (rc < 0)
-            goto fail;
-        if (rc == 0)
-            break;
-    }
-    goto result;
-bad:
-    nevents = -1;
-    goto result;
-check:
-    if (PyErr_Occurred())
-        goto fail;
-result:
-    out = Py_BuildValue("(nndnnn)", applied, nevents, ts, L.stored, L.removed, L.clears);
-fail:
-    scratch_put(scratch, owned);
-    lane_release(&L);
-    PyBuffer_Release(&view);
-    return out;
-}
-
 /* ---------------------------------------------------------------- walks */
 
-static const char *const walk_names[] = {"blocks", "hashes", "allowed"};
+static const char *const walk_names[] = {"blocks", "hashes", "allowed", "nogil"};
 
 static int
 walk_emit(PyObject *out, uint64_t bits, Py_ssize_t depth)
@@ -2447,27 +1634,100 @@ walk_emit(PyObject *out, uint64_t bits, Py_ssize_t depth)
     return append_steal(out, pair(b, d));
 }
 
+/* The walk over keys already converted, touching no Python object: it may run without the
+ * GIL. A group leaves at each depth where some alive bit is missing; at most 64 groups leave
+ * (each takes a bit) and the last may stay to the end: 65 at most. */
+#define WALK_GROUPS 65
+
+static int
+walk_keys(const U64Map *m, const uint64_t *keys, Py_ssize_t count, uint64_t allowed,
+          uint64_t *bits, Py_ssize_t *depths)
+{
+    const Slot *s;
+    uint64_t alive, mask;
+    Py_ssize_t depth = 1;
+    int groups = 0;
+    if (count == 0)
+        return 0;
+    s = map_find((U64Map *)m, keys[0]);
+    alive = (s == NULL ? 0 : s->value) & allowed;
+    while (alive && depth < count) {
+        s = map_find((U64Map *)m, keys[depth]);
+        mask = (s == NULL ? 0 : s->value) & alive;
+        if (mask != alive) {
+            bits[groups] = alive ^ mask;
+            depths[groups++] = depth;
+            alive = mask;
+        }
+        depth++;
+    }
+    if (alive) {
+        bits[groups] = alive;
+        depths[groups++] = depth;
+    }
+    return groups;
+}
+
+/* walk(..., nogil=True): convert every key first, then walk without the GIL. The map is
+ * marked read for the while, so a writer that gets in raises instead of moving its slots. */
+static PyObject *
+walk_nogil(U64Map *blocks, PyObject **items, Py_ssize_t count, uint64_t allowed)
+{
+    uint64_t *keys, bits[WALK_GROUPS];
+    Py_ssize_t i, depths[WALK_GROUPS];
+    PyObject *out;
+    int neg, groups;
+    keys = PyMem_Malloc((size_t)(count > 0 ? count : 1) * sizeof(uint64_t));
+    if (keys == NULL)
+        return PyErr_NoMemory();
+    for (i = 0; i < count; i++) {
+        if (key_from(items[i], &keys[i], &neg) < 0) {
+            PyMem_Free(keys);
+            return NULL;
+        }
+    }
+    blocks->readers++;
+    Py_BEGIN_ALLOW_THREADS
+    groups = walk_keys(blocks, keys, count, allowed, bits, depths);
+    Py_END_ALLOW_THREADS
+    blocks->readers--;
+    PyMem_Free(keys);
+    out = PyList_New(0);
+    for (i = 0; out != NULL && i < groups; i++)
+        if (walk_emit(out, bits[i], depths[i]) < 0)
+            Py_CLEAR(out);
+    return out;
+}
+
 static PyObject *
 walk(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
-    PyObject *a[3], *seq, *out;
+    PyObject *a[4], *seq, *out;
     PyObject **items;
     U64Map *blocks;
     uint64_t alive = 0, allowed, mask;
     Py_ssize_t count, depth = 1;
-    if (parse_args("walk", args, nargs, kwnames, walk_names, 3, 3, a) < 0)
+    int nogil = 0;
+    if (parse_args("walk", args, nargs, kwnames, walk_names, 3, 4, a) < 0)
         return NULL;
     if (check_map(a[0], "blocks") < 0 || u64_from(a[2], &allowed, "allowed") < 0)
+        return NULL;
+    if (a[3] != NULL && (nogil = PyObject_IsTrue(a[3])) < 0)
         return NULL;
     blocks = (U64Map *)a[0];
     seq = PySequence_Fast(a[1], "hashes must be a sequence");
     if (seq == NULL)
         return NULL;
+    items = PySequence_Fast_ITEMS(seq);
+    count = PySequence_Fast_GET_SIZE(seq);
+    if (nogil) {
+        out = walk_nogil(blocks, items, count, allowed);
+        Py_DECREF(seq);
+        return out;
+    }
     out = PyList_New(0);
     if (out == NULL)
         goto done;
-    items = PySequence_Fast_ITEMS(seq);
-    count = PySequence_Fast_GET_SIZE(seq);
     if (count > 0) {
         if (lookup_or_zero(blocks, items[0], &alive) < 0)
             goto fail;
@@ -2491,6 +1751,92 @@ fail:
     Py_CLEAR(out);
 done:
     Py_DECREF(seq);
+    return out;
+}
+
+/* The walk of walk_keys over the chained hashes of a token run, each hashed only when the
+ * walk gets to it (a request that matches a few blocks is not hashed to its end). No Python
+ * object is touched: it may run without the GIL. */
+static int
+walk_chain(const U64Map *m, const unsigned char *p, size_t step, Py_ssize_t count, uint64_t h,
+           uint64_t allowed, uint64_t *bits, Py_ssize_t *depths)
+{
+    const Slot *s;
+    uint64_t alive, mask;
+    Py_ssize_t depth = 1;
+    int groups = 0;
+    if (count == 0)
+        return 0;
+    h = xxh3_seeded(p, step, h) & MASK60;
+    s = map_find((U64Map *)m, h);
+    alive = (s == NULL ? 0 : s->value) & allowed;
+    while (alive && depth < count) {
+        h = xxh3_seeded(p + (size_t)depth * step, step, h) & MASK60;
+        s = map_find((U64Map *)m, h);
+        mask = (s == NULL ? 0 : s->value) & alive;
+        if (mask != alive) {
+            bits[groups] = alive ^ mask;
+            depths[groups++] = depth;
+            alive = mask;
+        }
+        depth++;
+    }
+    if (alive) {
+        bits[groups] = alive;
+        depths[groups++] = depth;
+    }
+    return groups;
+}
+
+static const char *const chain_walk_names[] = {"blocks", "packed",  "block_size",
+                                               "seed",   "allowed", "nogil"};
+
+/* chain_walk: walk(blocks, chain_hashes(packed, block_size, seed), allowed) without an int
+ * object per block; with nogil, the hashing and the walk run without the GIL (the table
+ * refuses writes meanwhile, as for walk). */
+static PyObject *
+chain_walk(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs,
+           PyObject *kwnames)
+{
+    PyObject *a[6], *out;
+    Py_buffer view;
+    U64Map *blocks;
+    uint64_t seed, allowed, bits[WALK_GROUPS];
+    Py_ssize_t count = 0, i, depths[WALK_GROUPS];
+    long long size;
+    int neg, nogil = 0, groups;
+    if (parse_args("chain_walk", args, nargs, kwnames, chain_walk_names, 5, 6, a) < 0)
+        return NULL;
+    if (xxh3_seeded == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "chain_walk: xxh3 is not initialised (init_xxh3)");
+        return NULL;
+    }
+    if (check_map(a[0], "blocks") < 0 || (size = block_size_from(a[2])) < 0 ||
+        key_from(a[3], &seed, &neg) < 0 || u64_from(a[4], &allowed, "allowed") < 0)
+        return NULL;
+    if (a[5] != NULL && (nogil = PyObject_IsTrue(a[5])) < 0)
+        return NULL;
+    if (PyObject_GetBuffer(a[1], &view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    blocks = (U64Map *)a[0];
+    if (size <= view.len / 4)
+        count = view.len / ((Py_ssize_t)size * 4);
+    if (nogil) {
+        blocks->readers++;
+        Py_BEGIN_ALLOW_THREADS
+        groups = walk_chain(blocks, view.buf, (size_t)size * 4, count, seed, allowed, bits,
+                            depths);
+        Py_END_ALLOW_THREADS
+        blocks->readers--;
+    }
+    else
+        groups = walk_chain(blocks, view.buf, (size_t)size * 4, count, seed, allowed, bits,
+                            depths);
+    PyBuffer_Release(&view);
+    out = PyList_New(0);
+    for (i = 0; out != NULL && i < groups; i++)
+        if (walk_emit(out, bits[i], depths[i]) < 0)
+            Py_CLEAR(out);
     return out;
 }
 
@@ -2567,45 +1913,60 @@ static PyMethodDef module_methods[] = {
      "member of a JSON object, or None."},
     {"store_chain", FASTCALL(store_chain),
      "store_chain(blocks, engine, bit, engine_hashes, ours): store fresh blocks of a holder."},
+    {"store_run", FASTCALL(store_run),
+     "store_run(blocks, engine, bit, engine_hashes, packed, block_size, seed): chain_hashes "
+     "then store_chain, in one call."},
     {"remove_blocks", FASTCALL(remove_blocks),
      "remove_blocks(blocks, engine, tombs, bit, engine_hashes): the unknown engine hashes."},
     {"drop_holder", FASTCALL(drop_holder),
      "drop_holder(blocks, engine, bit): clear a holder's bit everywhere, empty its map."},
-    {"ingest_events", FASTCALL(ingest_events),
-     "ingest_events(payload, stream, root_seed, tombstones): apply a batch's leading events "
-     "to an index stream; (applied, events, ts, stored, removed, clears)."},
-    {"walk", FASTCALL(walk), "walk(blocks, hashes, allowed): (bits, depth) per match group."},
+    {"walk", FASTCALL(walk),
+     "walk(blocks, hashes, allowed, nogil=False): (bits, depth) per match group; nogil: "
+     "convert the keys, then walk without the GIL (writers to blocks raise meanwhile)."},
+    {"chain_walk", FASTCALL(chain_walk),
+     "chain_walk(blocks, packed, block_size, seed, allowed, nogil=False): walk over the "
+     "chained hashes of a token run, hashing as it goes; nogil: without the GIL."},
     {"extend", FASTCALL(extend),
      "extend(blocks, hashes, depth, mask): the first depth no holder of mask has."},
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module_def = {
-    PyModuleDef_HEAD_INIT,
-    .m_name = "kvevents.index._blocktable",
-    .m_doc = "The prefix index's storage primitives in C (see _blocktable_py for the spec).",
-    .m_size = -1,
-    .m_methods = module_methods,
-};
-
-PyMODINIT_FUNC
-PyInit__blocktable(void)
+static int
+module_exec(PyObject *m)
 {
-    PyObject *m;
-    if (PyType_Ready(&U64MapType) < 0 || lane_intern() < 0)
-        return NULL;
-    m = PyModule_Create(&module_def);
-    if (m == NULL)
-        return NULL;
+    /* Readying a static type twice is a no-op, so a second import in another interpreter or
+     * after a reload shares the one type. */
+    if (PyType_Ready(&U64MapType) < 0)
+        return -1;
     Py_INCREF(&U64MapType);
     if (PyModule_AddObject(m, "U64Map", (PyObject *)&U64MapType) < 0) {
         Py_DECREF(&U64MapType);
-        Py_DECREF(m);
-        return NULL;
+        return -1;
     }
-    if (PyModule_AddStringConstant(m, "IMPLEMENTATION", "c") < 0) {
-        Py_DECREF(m);
-        return NULL;
-    }
-    return m;
+    return PyModule_AddStringConstant(m, "IMPLEMENTATION", "c");
+}
+
+static PyModuleDef_Slot module_slots[] = {
+    {Py_mod_exec, module_exec},
+#if PY_VERSION_HEX >= 0x030C0000
+    /* U64Map is a static type and xxh3's address is process-wide: one interpreter's GIL. */
+    {Py_mod_multiple_interpreters, Py_MOD_MULTIPLE_INTERPRETERS_NOT_SUPPORTED},
+#endif
+    {0, NULL},
+};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "kvevents.index._blocktable",
+    .m_doc = "The prefix index's table primitives in C (see _table_py for the spec).",
+    .m_size = 0,
+    .m_methods = module_methods,
+    .m_slots = module_slots,
+};
+
+/* Multi-phase initialisation (PEP 489). */
+PyMODINIT_FUNC
+PyInit__blocktable(void)
+{
+    return PyModuleDef_Init(&module_def);
 }

@@ -1,4 +1,4 @@
-"""The C block table (``_blocktable.c``): the API of :mod:`kvevents.index._table_py`."""
+"""The C table primitives (``_blocktable.c``): the API of :mod:`kvevents.index._table_py`."""
 
 from collections.abc import Iterator, Sequence
 from typing import Any, Final
@@ -23,6 +23,8 @@ class U64Map:
     def clear(self) -> None: ...
     @property
     def nbytes(self) -> int: ...
+    @property
+    def readers(self) -> int: ...
 
 def init_xxh3(address: int) -> None: ...
 def chain_hashes(packed: Buffer, block_size: int, seed: int) -> list[int]: ...
@@ -32,12 +34,28 @@ def pack_json_member(body: Buffer, key: Buffer) -> tuple[bytes, int, int] | None
 def store_chain(
     blocks: U64Map, engine: U64Map, bit: int, engine_hashes: Sequence[int], ours: Sequence[int]
 ) -> list[int] | None: ...
+def store_run(
+    blocks: U64Map,
+    engine: U64Map,
+    bit: int,
+    engine_hashes: Sequence[int],
+    packed: Buffer,
+    block_size: int,
+    seed: int,
+) -> list[int] | None: ...
 def remove_blocks(
     blocks: U64Map, engine: U64Map, tombs: U64Map, bit: int, engine_hashes: Sequence[int]
 ) -> list[int]: ...
 def drop_holder(blocks: U64Map, engine: U64Map, bit: int) -> None: ...
-def ingest_events(
-    payload: Buffer, stream: object, root_seed: int, tombstones: int
-) -> tuple[int, int, float, int, int, int]: ...
-def walk(blocks: U64Map, hashes: Sequence[int], allowed: int) -> list[tuple[int, int]]: ...
+def walk(
+    blocks: U64Map, hashes: Sequence[int], allowed: int, nogil: bool = False
+) -> list[tuple[int, int]]: ...
+def chain_walk(
+    blocks: U64Map,
+    packed: Buffer,
+    block_size: int,
+    seed: int,
+    allowed: int,
+    nogil: bool = False,
+) -> list[tuple[int, int]]: ...
 def extend(blocks: U64Map, hashes: Sequence[int], depth: int, mask: int) -> int: ...

@@ -1,22 +1,23 @@
-"""The prefix index's storage primitives in pure Python: the reference for ``_blocktable.c``.
+"""The prefix index's table primitives in plain Python: the reference for ``_blocktable.c``.
 
-The C module (``kvevents.index._blocktable``) implements exactly this API and these semantics with
-compact open-addressing tables (16 bytes per slot, no Python objects per entry); this module
-is what runs where it could not be compiled, and what the differential tests compare it to.
-:mod:`kvevents.index.table` picks one.
+This is what runs where the C module could not be built (or with ``KVEVENTS_PURE_PYTHON=1``),
+and what the differential tests compare the C module to. :mod:`kvevents.index.table` picks one.
 
-Keys of a :class:`U64Map` are 64-bit patterns: any int in ``-2**63 .. 2**64 - 1``; a negative
-key and its two's-complement unsigned value are the same key (msgpack carries engine hashes as
-int64 or uint64, so on the wire they are the same 64 bits). Keys read back are signed once the
-map has stored a negative key, unsigned before. Values are ints in ``0 .. 2**64 - 1``.
+A :class:`U64Map` here is a dict. Its keys are engine hashes or our own hashes, ints that an
+engine writes either as signed 64-bit (SGLang, TensorRT-LLM) or as unsigned 64-bit (vLLM);
+values are ints in ``0 .. 2**64 - 1``. The C map stores 64-bit patterns, so it also takes a
+negative key and its two's-complement unsigned value as one key, and checks ranges; both agree
+whenever the keys of one map are in one form, which is what one engine's stream gives.
+
+None of these functions knows an index rule (reference counts, orphans, tombstone limits):
+they are bulk operations on tables, and :mod:`kvevents.index.prefix` decides when to use them.
 """
 
 from __future__ import annotations
 
 import sys
 from array import array
-from collections.abc import Iterator, Sequence
-from typing import Any, TypeVar, overload
+from collections.abc import Sequence
 
 import msgspec
 import xxhash
@@ -25,114 +26,55 @@ __all__ = [
     "IMPLEMENTATION",
     "U64Map",
     "chain_hashes",
+    "chain_walk",
     "drop_holder",
     "extend",
-    "ingest_events",
     "pack_json_member",
     "pack_json_tokens",
     "pack_msgpack_tokens",
+    "pack_tokens",
     "remove_blocks",
     "store_chain",
+    "store_run",
     "walk",
 ]
 
 IMPLEMENTATION = "python"
 
-_U64 = 2**64
-_I64_MIN = -(2**63)
 _MASK60 = 2**60 - 1
-_MISSING: Any = object()
-_T = TypeVar("_T")
 _xxh3 = xxhash.xxh3_64_intdigest
 _msgpack_tokens = msgspec.msgpack.Decoder(list[int])
 _json_tokens = msgspec.json.Decoder(list[int])
 _BIG_ENDIAN = sys.byteorder == "big"
 
 
-def _key(k: int) -> int:
-    if k < 0:
-        if k < _I64_MIN:
-            raise OverflowError(f"key {k} is outside -2**63 .. 2**64-1")
-        return k + _U64
-    if k >= _U64:
-        raise OverflowError(f"key {k} is outside -2**63 .. 2**64-1")
-    return k
+class U64Map(dict[int, int]):
+    """A dict of 64-bit keys to 64-bit unsigned values, with the C map's ``nbytes``.
 
+    ``keys()``, ``values()`` and ``items()`` return lists, copies as the C map's are: a caller
+    may copy a table under a lock and read the copy after (the service's ``/dump`` does).
+    """
 
-def _value(v: int) -> int:
-    if not 0 <= v < _U64:
-        raise OverflowError(f"value {v} is outside 0 .. 2**64-1")
-    return v
+    __slots__ = ()
 
+    def keys(self) -> list[int]:  # type: ignore[override]
+        return list(super().keys())
 
-class U64Map:
-    """A map of 64-bit keys to 64-bit unsigned values (see the module docstring)."""
+    def values(self) -> list[int]:  # type: ignore[override]
+        return list(super().values())
 
-    __slots__ = ("_d", "_signed")
-
-    def __init__(self) -> None:
-        self._d: dict[int, int] = {}
-        self._signed = False
-
-    def _out(self, k: int) -> int:
-        return k - _U64 if self._signed and k >= 2**63 else k
-
-    def _in(self, k: int) -> int:
-        key = _key(k)
-        if k < 0:
-            self._signed = True
-        return key
-
-    def __len__(self) -> int:
-        return len(self._d)
-
-    def __contains__(self, k: int) -> bool:
-        return _key(k) in self._d
-
-    def __getitem__(self, k: int) -> int:
-        return self._d[_key(k)]
-
-    def __setitem__(self, k: int, v: int) -> None:
-        self._d[self._in(k)] = _value(v)
-
-    def __delitem__(self, k: int) -> None:
-        del self._d[_key(k)]
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self.keys())
-
-    @overload
-    def get(self, k: int) -> int | None: ...
-    @overload
-    def get(self, k: int, default: _T) -> int | _T: ...
-    def get(self, k: int, default: Any = None) -> Any:
-        return self._d.get(_key(k), default)
-
-    @overload
-    def pop(self, k: int) -> int: ...
-    @overload
-    def pop(self, k: int, default: _T) -> int | _T: ...
-    def pop(self, k: int, default: Any = _MISSING) -> Any:
-        if default is _MISSING:
-            return self._d.pop(_key(k))
-        return self._d.pop(_key(k), default)
-
-    def keys(self) -> list[int]:
-        return [self._out(k) for k in self._d]
-
-    def values(self) -> list[int]:
-        return list(self._d.values())
-
-    def items(self) -> list[tuple[int, int]]:
-        return [(self._out(k), v) for k, v in self._d.items()]
-
-    def clear(self) -> None:
-        self._d.clear()
+    def items(self) -> list[tuple[int, int]]:  # type: ignore[override]
+        return list(super().items())
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the table (here: the dict and its key ints; values are mostly shared)."""
-        return sys.getsizeof(self._d) + 32 * len(self._d)
+        """Bytes held: the dict and one int object per key (values are mostly shared ints)."""
+        return sys.getsizeof(self) + 32 * len(self)
+
+    @property
+    def readers(self) -> int:
+        """Walks reading the table without the GIL: never any here."""
+        return 0
 
 
 def chain_hashes(packed: bytes, block_size: int, seed: int) -> list[int]:
@@ -161,29 +103,20 @@ def pack_tokens(token_ids: Sequence[int]) -> bytes:
     return packed.tobytes()
 
 
-def _pack(tokens: list[int]) -> bytes | None:
-    try:
-        return pack_tokens(tokens)
-    except (OverflowError, TypeError):
-        return None
-
-
 def pack_msgpack_tokens(raw: bytes) -> bytes | None:
     """A msgpack array of ints in ``0 .. 2**32 - 1`` as packed uint32 LE; None otherwise."""
     try:
-        tokens = _msgpack_tokens.decode(raw)
-    except msgspec.DecodeError:
+        return pack_tokens(_msgpack_tokens.decode(raw))
+    except (msgspec.DecodeError, OverflowError):
         return None
-    return _pack(tokens)
 
 
-def pack_json_tokens(raw: bytes) -> bytes | None:
+def pack_json_tokens(raw: bytes | str) -> bytes | None:
     """A JSON array of ints in ``0 .. 2**32 - 1`` as packed uint32 LE; None otherwise."""
     try:
-        tokens = _json_tokens.decode(raw)
-    except msgspec.DecodeError:
+        return pack_tokens(_json_tokens.decode(raw))
+    except (msgspec.DecodeError, OverflowError):
         return None
-    return _pack(tokens)
 
 
 _WS = b" \t\r\n"
@@ -285,21 +218,50 @@ def store_chain(
     """
     if len(engine_hashes) != len(ours):
         raise ValueError("engine_hashes and ours differ in length")
-    if len(set(map(_key, engine_hashes))) != len(engine_hashes):
-        return None
-    if any(eh in engine for eh in engine_hashes):
+    if len(set(engine_hashes)) != len(engine_hashes) or any(eh in engine for eh in engine_hashes):
         return None
     shared: list[int] = []
     for eh, oh in zip(engine_hashes, ours, strict=True):
         engine[eh] = oh
-        mask = blocks.get(oh)
-        if mask is None:
-            blocks[oh] = bit
-        elif mask & bit:
+        mask = blocks.get(oh, 0)
+        if mask & bit:
             shared.append(oh)
         else:
             blocks[oh] = mask | bit
     return shared
+
+
+def store_run(
+    blocks: U64Map,
+    engine: U64Map,
+    bit: int,
+    engine_hashes: Sequence[int],
+    packed: bytes,
+    block_size: int,
+    seed: int,
+) -> list[int] | None:
+    """:func:`store_chain` of ``chain_hashes(packed, block_size, seed)`` in one call.
+
+    ``packed`` must hold exactly one block per engine hash (``ValueError`` otherwise).
+    """
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    if len(packed) != 4 * block_size * len(engine_hashes):
+        raise ValueError(
+            f"packed holds {len(packed)} bytes, not {len(engine_hashes)} blocks of "
+            f"block_size {block_size} tokens"
+        )
+    ours = chain_hashes(packed, block_size, seed)
+    return store_chain(blocks, engine, bit, engine_hashes, ours)
+
+
+def _clear_bit(blocks: U64Map, oh: int, bit: int) -> None:
+    mask = blocks.get(oh, 0)
+    if mask & bit:
+        if mask == bit:
+            del blocks[oh]
+        else:
+            blocks[oh] = mask ^ bit
 
 
 def remove_blocks(
@@ -317,46 +279,26 @@ def remove_blocks(
             unknown.append(eh)
             continue
         tombs[eh] = oh
-        mask = blocks.get(oh)
-        if mask is not None and mask & bit:
-            mask ^= bit
-            if mask:
-                blocks[oh] = mask
-            else:
-                del blocks[oh]
+        _clear_bit(blocks, oh, bit)
     return unknown
 
 
 def drop_holder(blocks: U64Map, engine: U64Map, bit: int) -> None:
     """Clear ``bit`` in ``blocks`` for every block of ``engine``, then empty ``engine``."""
-    for oh in engine.values():
-        mask = blocks.get(oh)
-        if mask is not None and mask & bit:
-            mask ^= bit
-            if mask:
-                blocks[oh] = mask
-            else:
-                del blocks[oh]
+    if blocks is not engine:
+        for oh in engine.values():
+            _clear_bit(blocks, oh, bit)
     engine.clear()
 
 
-def ingest_events(
-    payload: bytes, stream: object, root_seed: int, tombstones: int
-) -> tuple[int, int, float, int, int, int]:
-    """The index's fast lane: apply the leading events of a batch ``payload`` to ``stream`` (a
-    ``kvevents.index.prefix._Stream``), in order, stopping at the first it is not sure of; returns
-    ``(applied, events, ts, stored, removed, clears)``: events applied, events in the batch
-    (-1 when the payload is not one it reads) and its ``ts``, and the counts of what it did.
-
-    This reference applies none, which is correct by that contract: the caller applies every
-    event not applied here. The C module applies the common events (see ``_blocktable.c``).
-    """
-    return 0, -1, 0.0, 0, 0, 0
-
-
-def walk(blocks: U64Map, hashes: Sequence[int], allowed: int) -> list[tuple[int, int]]:
+def walk(
+    blocks: U64Map, hashes: Sequence[int], allowed: int, nogil: bool = False
+) -> list[tuple[int, int]]:
     """Longest-prefix walk: ``(bits, depth)`` for each group of holders whose match ends at
-    ``depth`` blocks, in increasing depth; holders outside ``allowed`` are ignored."""
+    ``depth`` blocks, in increasing depth; holders outside ``allowed`` are ignored.
+
+    ``nogil``: the C walk converts every key, then walks without the GIL, while writes to
+    ``blocks`` raise ``RuntimeError``; here it changes nothing (Python holds the GIL)."""
     out: list[tuple[int, int]] = []
     count = len(hashes)
     alive = blocks.get(hashes[0], 0) & allowed if count else 0
@@ -370,6 +312,14 @@ def walk(blocks: U64Map, hashes: Sequence[int], allowed: int) -> list[tuple[int,
     if alive:
         out.append((alive, depth))
     return out
+
+
+def chain_walk(
+    blocks: U64Map, packed: bytes, block_size: int, seed: int, allowed: int, nogil: bool = False
+) -> list[tuple[int, int]]:
+    """:func:`walk` over ``chain_hashes(packed, block_size, seed)``. The C walk hashes each
+    block only when it gets to it and makes no int per block; ``nogil`` as for :func:`walk`."""
+    return walk(blocks, chain_hashes(packed, block_size, seed), allowed)
 
 
 def extend(blocks: U64Map, hashes: Sequence[int], depth: int, mask: int) -> int:

@@ -29,8 +29,8 @@ from collections.abc import Sequence
 
 import xxhash
 
+from kvevents.index import table
 from kvevents.index._table_py import pack_tokens
-from kvevents.index.table import chain_hashes as _chain
 
 __all__ = ["MASK", "ROOT_SEED", "block_hashes", "chain_hashes", "pack_tokens", "root_seed"]
 
@@ -42,6 +42,11 @@ MASK: int = 2**60 - 1
 
 _xxh3 = xxhash.xxh3_64_intdigest
 
+#: ``chain_hashes(packed, block_size, seed)``: the chained hashes of every full block of
+#: ``packed`` tokens, the first seeded by ``seed`` (:func:`root_seed` for a prefix starting at
+#: token 0, else the hash of the block before). The table primitive itself (C where built).
+chain_hashes = table.chain_hashes
+
 
 def root_seed(lora: str | int | None = None) -> int:
     """The seed of a prefix's first block: :data:`ROOT_SEED`, or one derived from a LoRA key."""
@@ -49,15 +54,6 @@ def root_seed(lora: str | int | None = None) -> int:
         return ROOT_SEED
     key = b"lora:" + lora.encode() if isinstance(lora, str) else b"lora-id:%d" % lora
     return _xxh3(key, ROOT_SEED) & MASK
-
-
-def chain_hashes(packed: bytes, block_size: int, seed: int) -> list[int]:
-    """Chained hashes of every full block of ``packed`` tokens, the first seeded by ``seed``.
-
-    ``seed`` is :func:`root_seed` for a prefix starting at token 0, or the hash of the block
-    before the first one. Computed by :mod:`kvevents.index.table` (in C where it is built).
-    """
-    return _chain(packed, block_size, seed)
 
 
 def block_hashes(

@@ -1,6 +1,7 @@
-"""The prefix index's block table: the C module when it is built and sound, else pure Python.
+"""The prefix index's table primitives: the C module when it is built and sound, else Python.
 
-``kvevents.index._blocktable`` (C) and ``kvevents.index._table_py`` (the reference) share one API; this
+``kvevents.index._blocktable`` (C) and ``kvevents.index._table_py`` (the reference) share one
+API of table primitives (no index rules: those live in :mod:`kvevents.index.prefix`); this
 module re-exports one of them. The C module is used when it imports, its xxh3 entry point can be
 taken from the ``xxhash`` package's own shared library, and it hashes a fixed vector exactly as
 the reference does. ``KVEVENTS_PURE_PYTHON=1`` forces the reference. :data:`IMPLEMENTATION`
@@ -20,14 +21,15 @@ __all__ = [
     "IMPLEMENTATION",
     "U64Map",
     "chain_hashes",
+    "chain_walk",
     "drop_holder",
     "extend",
-    "ingest_events",
     "pack_json_member",
     "pack_json_tokens",
     "pack_msgpack_tokens",
     "remove_blocks",
     "store_chain",
+    "store_run",
     "walk",
 ]
 
@@ -78,26 +80,28 @@ if TYPE_CHECKING:
         IMPLEMENTATION,
         U64Map,
         chain_hashes,
+        chain_walk,
         drop_holder,
         extend,
-        ingest_events,
         pack_json_member,
         pack_json_tokens,
         pack_msgpack_tokens,
         remove_blocks,
         store_chain,
+        store_run,
         walk,
     )
 else:
     IMPLEMENTATION = _impl.IMPLEMENTATION
     U64Map = _impl.U64Map
     chain_hashes = _impl.chain_hashes
+    chain_walk = _impl.chain_walk
     drop_holder = _impl.drop_holder
     extend = _impl.extend
-    ingest_events = _impl.ingest_events
     pack_json_member = _impl.pack_json_member
     pack_json_tokens = _impl.pack_json_tokens
     pack_msgpack_tokens = _impl.pack_msgpack_tokens
     remove_blocks = _impl.remove_blocks
     store_chain = _impl.store_chain
+    store_run = _impl.store_run
     walk = _impl.walk

@@ -32,7 +32,7 @@ from typing import Any, Protocol
 from kvevents.events import KVEventBatch
 from kvevents.publish.recorder import EventRecorder, RecorderStats
 from kvevents.sim.cache import CPU, GPU, CacheStats, RankCache
-from kvevents.sim.hashing import HashStyle, chain_hashes
+from kvevents.sim.hashing import HashStyle, engine_chain_hashes
 from kvevents.sim.records import EngineMetrics, RankLoad, Request, RequestRecord, StepResult
 
 __all__ = [
@@ -223,7 +223,7 @@ class SimulatedEngine:
     def block_hashes(self, token_ids: Sequence[int], lora_name: str | None = None) -> list[int]:
         """This engine's hashes of the full blocks of ``token_ids``."""
         salt = lora_name.encode() if lora_name else b""
-        return chain_hashes(
+        return engine_chain_hashes(
             token_ids, self.config.block_size, salt=salt, style=self.config.hash_style
         )
 
@@ -363,7 +363,7 @@ class SimulatedEngine:
         if len(seq.tokens) // bs > done:
             parent = seq.hashes[-1] if seq.hashes else None
             seq.hashes.extend(
-                chain_hashes(
+                engine_chain_hashes(
                     seq.tokens[done * bs :],
                     bs,
                     parent=parent,

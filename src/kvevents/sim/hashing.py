@@ -14,6 +14,8 @@ Two styles of 64-bit engine hash, so simulated engines emit what real ones emit:
 - ``"signed"`` (SGLang, TensorRT-LLM): the first 8 bytes, big-endian, two's complement.
 
 Hashes are opaque to consumers (they hash ``token_ids`` themselves); these are for engines.
+The names say so: the index keys blocks by another hash, its own (``kvevents.index.keys``:
+``ROOT_SEED``, ``chain_hashes``), which has nothing to do with this one.
 """
 
 from __future__ import annotations
@@ -23,12 +25,12 @@ from array import array
 from collections.abc import Sequence
 from typing import Literal, TypeAlias
 
-__all__ = ["ROOT_SEED", "HashStyle", "block_hash", "chain_hashes", "token_bytes"]
+__all__ = ["ENGINE_ROOT_PARENT", "HashStyle", "block_hash", "engine_chain_hashes", "token_bytes"]
 
 HashStyle: TypeAlias = Literal["unsigned", "signed"]
 
 #: Stands in for the parent of a chain's first block (exactly 8 bytes, like a parent hash).
-ROOT_SEED = b"kvevents"
+ENGINE_ROOT_PARENT = b"kvevents"
 _MASK64 = 2**64 - 1
 _STYLES = ("unsigned", "signed")
 
@@ -43,7 +45,7 @@ def token_bytes(token_ids: Sequence[int]) -> bytes:
 
 def _parent_bytes(parent: int | None) -> bytes:
     if parent is None:
-        return ROOT_SEED
+        return ENGINE_ROOT_PARENT
     return (parent & _MASK64).to_bytes(8, "big")
 
 
@@ -71,7 +73,7 @@ def block_hash(
     return _from_digest(digest, style)
 
 
-def chain_hashes(
+def engine_chain_hashes(
     token_ids: Sequence[int],
     block_size: int,
     *,

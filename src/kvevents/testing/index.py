@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Literal
 
 from kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored, Event, KVEventBatch
-from kvevents.sim.hashing import chain_hashes
+from kvevents.sim.hashing import engine_chain_hashes
 
 __all__ = [
     "HashStyle",
@@ -34,8 +34,8 @@ def engine_hashes(
     token_ids: Sequence[int], block_size: int, *, style: HashStyle = "vllm", salt: bytes = b""
 ) -> list[int]:
     """An engine-like chained hash for every full block of ``token_ids`` (from token 0):
-    :func:`kvevents.sim.hashing.chain_hashes` in vLLM's (unsigned) or SGLang's (signed) style."""
-    return chain_hashes(
+    :func:`kvevents.sim.hashing.engine_chain_hashes` in vLLM's (unsigned) or SGLang's (signed) style."""
+    return engine_chain_hashes(
         token_ids, block_size, salt=salt, style="unsigned" if style == "vllm" else "signed"
     )
 

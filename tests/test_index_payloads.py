@@ -1,11 +1,10 @@
-"""The block table's fast lane (``ingest_events``) against the Python path it stands in for.
+"""Payloads through ``PrefixIndex.ingest_payload`` against the same events with int tokens.
 
-``PrefixIndex.ingest_payload`` lets the C lane apply the leading events of a payload and the
-Python path the rest. Whatever the payload, the index must end exactly as if the decoder and
-the Python path had applied all of it: the oracle is a second index fed the decoded batch
-(:func:`~kvevents.wire.decode_batch_packed`, the decoder ``ingest_payload`` used before the
-lane; it and :func:`~kvevents.wire.decode_batch` read the same events except where
-``decode_batch`` skips what the packed decoder leaves to the index, such as float tokens).
+``ingest_payload`` decodes with :func:`~kvevents.wire.decode_batch_packed`, which leaves a
+store's tokens as msgpack bytes for the table's token packer and ``store_run`` (in C where it
+is built). The oracle is a second index fed the same decoded batch with every store's tokens
+turned into ints first, so it takes the other road: ``pack_tokens`` in Python, then
+``chain_hashes`` and ``store_chain``. Whatever the payload, both must end exactly alike.
 
 Payloads are written by hand here (a small msgpack writer) so that they can carry what no
 encoder of ours emits: ints of needless width, duplicate keys, ext values, stray bytes.
@@ -20,15 +19,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvevents.errors import DecodeError
-from kvevents.events import AllBlocksCleared
-from kvevents.index import table as bt
+from kvevents.events import AllBlocksCleared, BlockStored
 from kvevents.index.prefix import PrefixIndex
-from kvevents.wire import Applied, decode_batch_packed
+from kvevents.wire import Applied, PackedStored, decode_batch_packed
 
 BS = 2
 # Token ids of every msgpack width: fixints, then uint16 (prompt 1's tail), uint32 (prompt 2).
@@ -39,7 +38,6 @@ PROMPTS = [
 ]
 BLOCKS = 4
 STREAMS = [("w", 0), ("w", 1), ("v", 0)]  # ("w", 1) is not registered: it adopts a size
-LANE = bt.IMPLEMENTATION == "c"
 
 
 # --------------------------------------------------------------------------- msgpack writer
@@ -439,13 +437,29 @@ def state(index: PrefixIndex) -> tuple[Any, ...]:
     return index.snapshot(), index.stats(), index.streams(), dump, matches
 
 
-def apply_python(index: PrefixIndex, stream: tuple[str, int], data: bytes) -> Applied:
-    """What ingest_payload did before the lane: decode whole, apply every event in Python."""
+_int_tokens = msgspec.msgpack.Decoder(list[int])
+
+
+def with_int_tokens(event: Any) -> Any:
+    """A packed store as a BlockStored; tokens that are not all ints become [-1] (refused)."""
+    if type(event) is not PackedStored:
+        return event
+    try:
+        tokens = _int_tokens.decode(event.token_ids)
+    except msgspec.DecodeError:
+        tokens = [-1]
+    fields = {f: getattr(event, f) for f in event.__struct_fields__ if f != "token_ids"}
+    return BlockStored(token_ids=tokens, **fields)
+
+
+def apply_ints(index: PrefixIndex, stream: tuple[str, int], data: bytes) -> Applied:
+    """The oracle: the decoded batch with int tokens, applied by ``ingest``."""
     decoded = decode_batch_packed(data)
     batch = decoded.batch
-    index.ingest(stream[0], stream[1], batch)
-    clears = any(type(e) is AllBlocksCleared for e in batch.events)
-    return Applied(batch.ts, len(batch.events), len(decoded.skipped), clears)
+    events = [with_int_tokens(e) for e in batch.events]
+    index.ingest(stream[0], stream[1], msgspec.structs.replace(batch, events=events))
+    clears = any(type(e) is AllBlocksCleared for e in events)
+    return Applied(batch.ts, len(events), len(decoded.skipped), clears)
 
 
 def outcome(apply: Callable[[], Applied]) -> Applied | str:
@@ -468,20 +482,19 @@ def same_applied(got: Applied | str, want: Applied | str) -> bool:
 
 
 def run_both(payloads: Sequence[tuple[tuple[str, int], bytes]]) -> PrefixIndex:
-    fast, slow = make_index(), make_index()
+    packed, whole = make_index(), make_index()
     for stream, data in payloads:
-        got = outcome(lambda: fast.ingest_payload(stream[0], stream[1], data))  # noqa: B023
-        want = outcome(lambda: apply_python(slow, stream, data))  # noqa: B023
+        got = outcome(lambda: packed.ingest_payload(stream[0], stream[1], data))  # noqa: B023
+        want = outcome(lambda: apply_ints(whole, stream, data))  # noqa: B023
         assert same_applied(got, want), (got, want, data)
-        assert fast.snapshot() == slow.snapshot(), data
-        assert fast.stats() == slow.stats(), data
-    assert state(fast) == state(slow)
-    return fast
+        assert packed.snapshot() == whole.snapshot(), data
+    assert state(packed) == state(whole)
+    return packed
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(payload(), max_size=25))
-def test_fast_lane_leaves_the_index_as_the_python_path(
+def test_payloads_leave_the_index_as_decoded_events(
     payloads: list[tuple[tuple[str, int], bytes]],
 ) -> None:
     """Random batches (valid, odd and broken) leave both indexes in exactly one state."""
@@ -490,8 +503,8 @@ def test_fast_lane_leaves_the_index_as_the_python_path(
 
 @settings(max_examples=200, deadline=None)
 @given(st.randoms(use_true_random=False))
-def test_fast_lane_on_engine_like_streams(rng: random.Random) -> None:
-    """Engine-like streams (the lane's daily bread, with twists) leave one state too."""
+def test_engine_like_streams_leave_one_state(rng: random.Random) -> None:
+    """Engine-like streams (chains, evictions, tiers, clears, with twists) agree too."""
     run_both(coherent_payloads(rng, 60))
 
 
@@ -523,68 +536,21 @@ def batch_bytes(*events: Any, ts: float = 1.5) -> bytes:
     return mp([ts, list(events), None])
 
 
-def lane_events(index: PrefixIndex) -> int:
-    return index._lane_events
-
-
-@pytest.mark.skipif(not LANE, reason="the pure-Python block table has no fast lane")
-def test_the_common_batches_take_the_lane() -> None:
-    """Once a holder exists, stores, chained stores, removals and clears all go through C."""
-    payloads = [
-        batch_bytes(stored(0, 0, 2)),  # creates the GPU holder: Python
-        batch_bytes(stored(0, 2, 2)),  # lane: chained on the same holder
-        batch_bytes(stored(0, 0, 2, medium="CPU")),  # creates the CPU holder: Python
-        batch_bytes(stored(0, 2, 2, medium="CPU")),  # lane
-        batch_bytes(removed(0, [3]), removed(0, [2, 1, 0])),  # lane; the tombstones rotate
-        batch_bytes(stored(0, 1, 3)),  # lane: its parent from the CPU tier
-        batch_bytes({"type": "AllBlocksCleared"}),  # lane
-        batch_bytes(stored(0, 0, 4)),  # lane
-        batch_bytes(),  # a heartbeat
-    ]
-    index = run_both([(("w", 0), data) for data in payloads])
-    assert lane_events(index) == 7
-    assert index.stats().entries == 4
-
-
-@pytest.mark.skipif(not LANE, reason="the pure-Python block table has no fast lane")
-def test_the_lane_stops_at_the_first_event_it_is_not_sure_of() -> None:
-    """A duplicate store in the middle: the lane applies the events before it, Python the rest,
-    skipped events included."""
-    index = run_both(
-        [
-            (("w", 0), batch_bytes(stored(0, 0, 2))),
-            (
-                ("w", 0),
-                batch_bytes(
-                    stored(0, 2, 1),
-                    stored(0, 0, 1),  # a duplicate store: the lane stops here
-                    "junk",  # skipped by the decoder
-                    stored(0, 3, 1),
-                ),
-            ),
-        ]
-    )
-    assert lane_events(index) == 1
-    assert index.stats().duplicate_stores == 1
-    assert index.match(PROMPTS[0]).holders == {("w", 0, "GPU"): 4}
-
-
-@pytest.mark.skipif(not LANE, reason="the pure-Python block table has no fast lane")
-def test_a_payload_outside_the_lane_is_left_whole_to_python() -> None:
-    """An unreadable payload changes nothing; one the lane does not read goes to Python."""
+def test_an_unreadable_payload_changes_nothing() -> None:
+    """A payload the decoder refuses raises DecodeError and leaves the index as it was."""
     index = make_index()
     index.ingest_payload("w", 0, batch_bytes(stored(0, 0, 2)))
     before = state(index)
     with pytest.raises(DecodeError):
         index.ingest_payload("w", 0, batch_bytes(stored(0, 2, 2)) + b"\x00")
-    assert state(index) == before and lane_events(index) == 0
+    assert state(index) == before
     weird = mp([1.0, [stored(0, 2, 2)], None, Raw(b"\xd4\x01\x00")])  # an ext value
     assert index.ingest_payload("w", 0, weird) == Applied(1.0, 1, 0, False)
-    assert lane_events(index) == 0 and index.stats().entries == 4
+    assert index.stats().entries == 4
 
 
 def test_applied_reports_the_batch() -> None:
-    """ts, event count, skipped events and clears, whichever path applied the events."""
+    """ts, event count, skipped events and clears of the batch applied."""
     index = make_index()
     index.ingest_payload("w", 0, batch_bytes(stored(0, 0, 1)))
     got = index.ingest_payload(

@@ -1,0 +1,107 @@
+"""The prefix index's query walk: how far each holder and each stream matches a request.
+
+A request's chained hashes are walked once per page of holders (the table primitives
+:func:`kvevents.index.table.walk` and, from packed tokens, ``chain_walk`` follow every holder
+of the page at once); a stream whose prefix continues on another tier (GPU blocks, then CPU
+ones) is then extended over the union of its tiers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from kvevents.index import table as bt
+from kvevents.index.holders import PAGE_SHIFT, Holder, Stream
+from kvevents.index.keys import chain_hashes
+from kvevents.index.records import HolderKey
+
+__all__ = ["record", "walk", "walk_packed"]
+
+_chain_walk = bt.chain_walk
+
+
+def walk(
+    pages: Sequence[bt.U64Map],
+    by_id: Mapping[int, Holder],
+    streams: Mapping[tuple[str, int], Stream],
+    hashes: Sequence[int],
+    masks: Mapping[int, int],
+) -> tuple[dict[HolderKey, int], dict[tuple[str, int], int]]:
+    """Blocks matched per holder and per stream, for the holders of ``masks`` (page -> bits)."""
+    holders: dict[HolderKey, int] = {}
+    for page, allowed in masks.items():
+        for bits, depth in bt.walk(pages[page], hashes, allowed):
+            record(by_id, page, bits, depth, holders)
+    return holders, _stream_prefixes(pages, streams, hashes, holders)
+
+
+def walk_packed(
+    pages: Sequence[bt.U64Map],
+    by_id: Mapping[int, Holder],
+    streams: Mapping[tuple[str, int], Stream],
+    run: tuple[bytes, int, int],
+    masks: Mapping[int, int],
+) -> tuple[dict[HolderKey, int], dict[tuple[str, int], int]]:
+    """:func:`walk` from packed tokens, ``run = (packed, block_size, seed)``: hashed by the
+    walk itself, and hashed again only when a matched stream has blocks on several tiers."""
+    packed, size, seed = run
+    holders: dict[HolderKey, int] = {}
+    for page, allowed in masks.items():
+        for bits, depth in _chain_walk(pages[page], packed, size, seed, allowed):
+            record(by_id, page, bits, depth, holders)
+    out = _deepest(holders)
+    tiered = [skey for skey in out if len(streams[skey].holders) > 1]
+    if tiered:
+        hashes = chain_hashes(packed, size, seed)
+        for skey in tiered:
+            out[skey] = _extend(pages, streams[skey].masks, hashes, out[skey])
+    return holders, out
+
+
+def record(
+    by_id: Mapping[int, Holder], page: int, bits: int, depth: int, out: dict[HolderKey, int]
+) -> None:
+    """``out[key] = depth`` for every holder whose bit is set in ``bits`` of ``page``."""
+    base = page << PAGE_SHIFT
+    while bits:
+        low = bits & -bits
+        out[by_id[base + low.bit_length() - 1].key] = depth
+        bits ^= low
+
+
+def _stream_prefixes(
+    pages: Sequence[bt.U64Map],
+    streams: Mapping[tuple[str, int], Stream],
+    hashes: Sequence[int],
+    holders: Mapping[HolderKey, int],
+) -> dict[tuple[str, int], int]:
+    out = _deepest(holders)
+    for skey, depth in out.items():
+        stream = streams[skey]
+        if len(stream.holders) > 1:
+            out[skey] = _extend(pages, stream.masks, hashes, depth)
+    return out
+
+
+def _deepest(holders: Mapping[HolderKey, int]) -> dict[tuple[str, int], int]:
+    """The longest match of each (worker, rank) over its tiers."""
+    out: dict[tuple[str, int], int] = {}
+    for key, depth in holders.items():
+        skey = (key.worker_id, key.rank)
+        if out.get(skey, 0) < depth:
+            out[skey] = depth
+    return out
+
+
+def _extend(
+    pages: Sequence[bt.U64Map], masks: Mapping[int, int], hashes: Sequence[int], depth: int
+) -> int:
+    # Blocks of one prefix may sit on different tiers (GPU then CPU): walk the union.
+    if len(masks) == 1:
+        [(page, mask)] = masks.items()
+        return bt.extend(pages[page], hashes, depth, mask)
+    while depth < len(hashes) and any(
+        pages[page].get(hashes[depth], 0) & mask for page, mask in masks.items()
+    ):
+        depth += 1
+    return depth
