@@ -360,6 +360,9 @@ class Loop:
             if applied is not None:
                 self._account(stream, seq, applied)
                 return
+        if len(payload) > self.options.max_message_size:
+            self._oversized(stream, seq, len(payload))
+            return
         if stream.shed_from is not None or (
             self.options.callback is None and self._turn.over_budget(len(payload))
         ):
@@ -431,17 +434,21 @@ class Loop:
         )
         self._emit(StreamReset(stream.spec, "restart"))
 
-    def _unrecoverable(self, stream: LiveStream, lost: Unrecoverable) -> None:
+    def _unrecoverable(
+        self, stream: LiveStream, lost: Unrecoverable, why: str | None = None
+    ) -> None:
         stream.add("unrecoverable")
         stream.add("missing", lost.end - lost.start)
         spec = stream.spec
+        if why is None:
+            why = "replay did not have them" if spec.replay_endpoint else "no replay endpoint"
         self._warn(
             stream,
             "unrecoverable",
             "seq %d..%d cannot be recovered (%s); stream incomplete",
             lost.start,
             lost.end - 1,
-            "replay did not have them" if spec.replay_endpoint else "no replay endpoint",
+            why,
         )
         stream.state = "incomplete"
         self._publish_status(StreamStatus(spec, "incomplete", (lost.start, lost.end)))
@@ -450,6 +457,12 @@ class Loop:
         stream.state = stream.cursor.state
         if stream.state != "new":
             self._publish_status(StreamStatus(stream.spec, stream.state))
+
+    def _oversized(self, stream: LiveStream, seq: int, size: int) -> None:
+        stream.add("oversized")
+        stream.cursor.complete = False  # the consumer never sees this batch
+        why = f"{size} bytes, over max_message_size={self.options.max_message_size}"
+        self._unrecoverable(stream, Unrecoverable(seq, seq + 1), f"dropped undecoded: {why}")
 
     def _decode_failed(self, stream: LiveStream, exc: DecodeError) -> None:
         stream.add("decode_errors")

@@ -65,7 +65,10 @@ def _scalar(raw: msgspec.Raw | None) -> Any:
         return None
     if len(raw) > _SCALAR_BYTES:
         return _Opaque(type_name(memoryview(raw)))
-    return _any_decoder.decode(raw)
+    try:
+        return _any_decoder.decode(raw)
+    except msgspec.DecodeError:  # e.g. a string that is not UTF-8: not the scalar wanted
+        return _Opaque(type_name(memoryview(raw)))
 
 
 def _name(value: Any) -> str:
@@ -96,6 +99,9 @@ def decode_generic(payload: bytes, seq: int | None, limits: DecodeLimits) -> Dec
             events.append(_event(raw, f"$[1][{index}]", limits))
         except Skip as bad:
             skipped.append(SkippedEvent(index=index, path=bad.path, reason=bad.reason))
+        except msgspec.DecodeError as exc:  # a field msgspec cannot read (bad UTF-8, ...)
+            reason = f"event cannot be read: {exc}"
+            skipped.append(SkippedEvent(index=index, path=f"$[1][{index}]", reason=reason))
     skipped += tail(count, limits)
     batch = KVEventBatch(ts=float(ts), events=events, data_parallel_rank=rank)
     return DecodedBatch(batch, tuple(skipped))
