@@ -7,12 +7,8 @@ from other threads, and the replay client's DEALERs, all on one poller.
 
 from __future__ import annotations
 
-import contextlib
-import itertools
 import logging
 import math
-import os
-import queue
 import threading
 import time
 
@@ -20,7 +16,14 @@ import zmq
 
 from kvevents.errors import DecodeError, StreamAddError
 from kvevents.events import AllBlocksCleared
-from kvevents.subscribe.commands import AddFailed, AddRequest, Command, RemoveStreams, Stop
+from kvevents.subscribe.commands import (
+    AddFailed,
+    AddRequest,
+    Command,
+    Mailbox,
+    RemoveStreams,
+    Stop,
+)
 from kvevents.subscribe.cursor import (
     Action,
     Deliver,
@@ -55,8 +58,6 @@ _READ_BURST = 256
 # Upper bound of one poll, so a missed wake-up can never hang the thread for long.
 _MAX_POLL_MS = 1000
 
-_wake_names = itertools.count()
-
 
 class Loop:
     """The body of the I/O thread. Other threads only call :meth:`command` and read stats."""
@@ -71,16 +72,11 @@ class Loop:
         # When the current turn of work began (None while waiting for work): stall detection.
         self.busy_since: float | None = None
         self._initial = specs
-        self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
-        self._wake_endpoint = f"inproc://kvevents-subscriber-{os.getpid()}-{next(_wake_names)}"
-        self._wake_lock = threading.Lock()
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         # Before the first socket: libzmq fixes the limit when it creates its socket table.
         self._ctx.set(zmq.MAX_SOCKETS, options.max_sockets)
         self._limits = options.decode_limits
-        self._waker = self._ctx.socket(zmq.PAIR)
-        self._waker.setsockopt(zmq.LINGER, 0)
-        self._waker.bind(self._wake_endpoint)
+        self._mailbox = Mailbox(self._ctx)
         self._by_socket: dict[zmq.Socket[bytes], LiveStream] = {}
         self._running = True
         self._turn = Handover(outbox, options.queue_bytes)
@@ -90,15 +86,11 @@ class Loop:
 
     def command(self, command: Command) -> None:
         """Queue a command for the I/O thread and wake it."""
-        self._commands.put(command)
-        self.wake()
+        self._mailbox.send(command)
 
     def wake(self) -> None:
         """Make the I/O thread run a turn now (the outbox calls it when it has room again)."""
-        # Again: wake-ups are pending already, or the thread is gone (health says which).
-        with self._wake_lock, contextlib.suppress(zmq.Again):  # one waker for every caller
-            if not self._waker.closed:
-                self._waker.send(b"", zmq.NOBLOCK)
+        self._mailbox.wake()
 
     def add(self, spec: StreamSpec) -> str | None:
         """Have the I/O thread set ``spec`` up: None once done, else why it was not."""
@@ -126,8 +118,7 @@ class Loop:
 
     def close_waker(self) -> None:
         """Close the caller side once the I/O thread has stopped, then the context."""
-        with self._wake_lock:
-            self._waker.close(linger=0)
+        self._mailbox.close()
         self._ctx.term()
 
     # ------------------------------------------------------------------ I/O thread
@@ -135,9 +126,7 @@ class Loop:
     def run(self, ready: threading.Event, failure: list[BaseException]) -> None:
         """Connect, report ready (or the error), then serve until told to stop."""
         poller = zmq.Poller()
-        wake = self._ctx.socket(zmq.PAIR)
-        wake.setsockopt(zmq.LINGER, 0)
-        wake.connect(self._wake_endpoint)
+        wake = self._mailbox.open_inbox(self._ctx)
         poller.register(wake, zmq.POLLIN)
         self.poller = poller
         self.replays = ReplayClient(
@@ -187,16 +176,7 @@ class Loop:
         self.busy_since = None
 
     def _on_wake(self, wake: zmq.Socket[bytes]) -> None:
-        while True:
-            try:
-                wake.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                break
-        while True:
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return
+        for command in self._mailbox.take(wake):
             if isinstance(command, Stop):
                 self._running = False
             elif isinstance(command, AddRequest):
