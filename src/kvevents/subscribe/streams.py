@@ -59,9 +59,10 @@ FeedState: TypeAlias = Literal["ok", "stalled", "dead"]
 #: in one batch, twenty times what a step of 64k batched tokens can store.
 DEFAULT_MAX_MESSAGE_SIZE = 8 * 1024 * 1024
 
-#: Payload bytes a subscriber queues for its consumer by default: decoded, a batch takes
-#: about 14 times its payload, so this is about 450 MB of objects at most.
-DEFAULT_QUEUE_BYTES = 32 * 1024 * 1024
+#: Payload bytes a subscriber queues for its consumer by default: decoded, a batch takes 7
+#: (typical) to 13 (many blocks) times its payload, so about 110 MB of objects at most; 8,000
+#: typical 1 KB batches, about what ``queue_size`` holds.
+DEFAULT_QUEUE_BYTES = 8 * 1024 * 1024
 #: Payload bytes one stream holds while a replay fills the hole before them.
 DEFAULT_MAX_BUFFERED_BYTES = 16 * 1024 * 1024
 
