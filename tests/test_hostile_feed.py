@@ -317,3 +317,24 @@ def test_message_over_max_message_size_is_dropped_not_decoded() -> None:
             assert any(s.missing == (big, big + 1) for s in got.statuses)
     finally:
         pub.close()
+
+
+def test_oversized_batch_never_reaches_an_on_payload_consumer() -> None:
+    """The size limit holds for consumers that apply payloads themselves (the index)."""
+    pub = RawPublisher()
+    seen: list[int] = []
+
+    def on_payload(spec: StreamSpec, seq: int, payload: bytes) -> None:
+        seen.append(len(payload))
+
+    options = SubscriberOptions(max_message_size=64 * 1024, on_payload=on_payload)
+    try:
+        with Subscriber([StreamSpec("w1", 0, pub.endpoint)], options=options) as sub:
+            got = Collector(sub)
+            got.handshake(pub, KEY)
+            pub.publish(msgspec.msgpack.encode([0.0, [], 0]) + b"\x00" * 100_000)
+            pub.publish(heartbeat())
+            got.wait(lambda c: c.caught_up(pub, KEY), what="the batch after the big one")
+            assert max(seen) < 64 * 1024 and sub.stream_stats()[KEY].oversized == 1
+    finally:
+        pub.close()
