@@ -30,7 +30,8 @@ sys.path.insert(0, str(HERE.parent / "src"))
 from harness import Row  # noqa: E402
 from kvevents.events import KVEventBatch  # noqa: E402
 from kvevents.subscribe.subscriber import Delivery, StreamSpec, Subscriber, SubscriberOptions  # noqa: E402
-from kvevents.testing.peers import RawPublisher, heartbeat, typical_batch  # noqa: E402
+from kvevents.testing.fixtures import heartbeat, typical_batch  # noqa: E402
+from kvevents.testing.peers import RawPublisher  # noqa: E402
 from kvevents.wire import decode_batch, encode_batch, live_frames  # noqa: E402
 
 TOTAL = 48_000 if not os.environ.get("CI") else 6_000

@@ -66,13 +66,26 @@ def render(rows: list[Row], header: str) -> str:
 
 def main(argv: list[str]) -> int:
     names = argv or sorted(p.stem[len("bench_") :] for p in HERE.glob("bench_*.py"))
+    known = sorted(p.stem[len("bench_") :] for p in HERE.glob("bench_*.py"))
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        print(f"unknown benchmark {unknown[0]!r} (choose from {', '.join(known)})", file=sys.stderr)
+        return 2
     rows: list[Row] = []
-    for name in names:
-        print(f"== bench_{name}", flush=True)
-        module = importlib.import_module(f"bench_{name}")
-        got = module.run()
-        rows += got
-        print(render(got, ""), flush=True)
+    done: list[str] = []
+    try:
+        for name in names:
+            current = name
+            print(f"== bench_{name}", flush=True)
+            got = importlib.import_module(f"bench_{name}").run()
+            rows += got
+            done.append(name)
+            print(render(got, ""), flush=True)
+    except KeyboardInterrupt:
+        finished = ", ".join(done) or "none"
+        print(f"interrupted during bench_{current}; finished: {finished}; nothing recorded",
+              file=sys.stderr)  # fmt: skip
+        return 130
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     header = f"# Benchmark results\n\nRecorded {stamp} by `make bench` on: {machine()}."
     if not argv:

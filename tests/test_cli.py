@@ -18,7 +18,8 @@ import pytest
 import zmq
 
 from kvevents.events import BlockStored, KVEventBatch
-from kvevents.testing.peers import RawPublisher, heartbeat, typical_batch
+from kvevents.testing.fixtures import heartbeat, typical_batch
+from kvevents.testing.peers import RawPublisher
 from kvevents.testing.publisher import connectable, local_config, started_publisher
 from kvevents.testing.sockets import Deadline
 
@@ -182,7 +183,7 @@ def test_listen_plain_calls_out_a_restart() -> None:
             assert proc.wait() == 0
             tail = proc.rest()
     assert any("raw/0 !! publisher restarted" in s for s in seen)
-    assert tail[-2].startswith("summary:") and "1 restarts" in tail[-1]
+    assert tail[-2].startswith("summary:") and "1 restart," in tail[-1]
 
 
 def _poll(proc: Proc) -> list[str]:
@@ -348,3 +349,36 @@ def test_serve_indexes_a_published_worker_and_serves_metrics() -> None:
     assert "kvevents_index_blocks " in text
     assert "kvevents_subscriber_streams 1.0" in text
     assert blocks and blocks[0]["worker_id"] == "sim"
+
+
+def test_bench_rejects_an_unknown_name_in_one_line() -> None:
+    """``kvevents bench nope`` is a one-line usage error listing the benchmarks, exit 2."""
+    done = subprocess.run(
+        [sys.executable, "-m", "kvevents.cli", "bench", "nope"],
+        capture_output=True, text=True, timeout=TIMEOUT,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "unknown benchmark 'nope' (choose from " in done.stderr and "wire" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_ctrl_c_during_bench_says_what_finished() -> None:
+    """Ctrl-C (SIGINT to the whole process group) during a benchmark prints "interrupted" and
+    what finished, records nothing, and exits 130 without a traceback."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvevents.cli", "bench", "wire"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "== bench_wire"
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=TIMEOUT)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=TIMEOUT)
+    assert proc.returncode == 130
+    assert "interrupted during bench_wire; finished: none; nothing recorded" in err
+    assert "Traceback" not in err

@@ -128,7 +128,7 @@ def test_summary_lists_every_stream() -> None:
     assert record["streams"][0]["missing"] == 5
     text = text_line(record)
     assert text.splitlines()[0] == "summary: 3 batches shown in 2.0s"
-    assert "a/0: incomplete" in text and "5 lost in 1 holes" in text
+    assert "a/0: incomplete" in text and "5 lost in 1 hole," in text
 
 
 def test_live_table_shows_each_stream() -> None:
@@ -145,3 +145,91 @@ def test_usage_errors_exit_2_with_one_line(capsys: pytest.CaptureFixture[str]) -
     assert main(["listen", "--worker", "nope"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "expected ID=ENDPOINT" in err
+
+
+def test_version_names_the_native_accelerators(capsys: pytest.CaptureFixture[str]) -> None:
+    """``kvevents --version`` prints the version and which index tables and receive path run."""
+    from kvevents import __version__
+    from kvevents.index import table
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"kvevents {__version__} (index tables: ")
+    assert ("index tables: C;" in out) == (table.IMPLEMENTATION == "c")
+
+
+def test_a_missing_extra_names_every_package_at_once(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A command whose extras are missing lists all the packages in one error, exit 1."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    gone = {"starlette", "uvicorn", "xxhash"}
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name in gone else real(name, *a)
+    )
+    assert main(["serve"]) == 1
+    err = capsys.readouterr().err
+    assert "'xxhash', 'starlette', 'uvicorn'" in err
+    assert "pip install 'kvevents[service]'" in err
+
+
+def test_the_pure_python_index_is_announced_once(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Running on the fallback tables without having asked for them prints one note."""
+    from kvevents import cli
+    from kvevents.index import table
+
+    monkeypatch.delenv("KVEVENTS_PURE_PYTHON", raising=False)
+    monkeypatch.setattr(table, "IMPLEMENTATION", "python")
+    monkeypatch.setattr(table, "FALLBACK_REASON", "no compiler")
+    cli._warn_if_slow()
+    assert capsys.readouterr().err.count("pure-Python tables (no compiler)") == 1
+    monkeypatch.setattr(table, "IMPLEMENTATION", "c")
+    cli._warn_if_slow()
+    assert capsys.readouterr().err == ""
+
+
+def test_counts_agree_with_their_nouns() -> None:
+    """Text output says 1 batch / 2 batches / 1 stream / 0 gaps, never "1 streams"."""
+    from kvevents.cli.common import plural
+
+    assert [plural(1, "batch"), plural(2, "batch"), plural(1, "stream"), plural(0, "gap")] == [
+        "1 batch",
+        "2 batches",
+        "1 stream",
+        "0 gaps",
+    ]
+
+
+def test_a_stream_without_batches_says_so() -> None:
+    """The summary of a stream that delivered nothing says "no batch yet", not "last seq None"."""
+    text = text_line(stats_record({("a", 0): stats(last_seq=None, delivered=0)}, 0, 1.0))
+    assert "no batch yet" in text and "None" not in text
+
+
+def test_full_prints_every_event_in_text_mode_too() -> None:
+    """--full without --json lists each event of a batch on its own line."""
+    stored = BlockStored(
+        block_hashes=[7, 8], parent_block_hash=None, token_ids=list(range(32)), block_size=16
+    )
+    removed = BlockRemoved(block_hashes=[5])
+    (record,) = ListenView(full=True).records(Delivery(SPEC, 0, batch(stored, removed)))
+    lines = text_line(record).splitlines()
+    assert len(lines) == 3
+    assert "BlockStored 2 blocks" in lines[1] and "hashes=[7, 8]" in lines[1]
+    assert "BlockRemoved" in lines[2] and "hashes=[5]" in lines[2]
+    (brief,) = ListenView().records(Delivery(SPEC, 1, batch(stored)))
+    assert len(text_line(brief).splitlines()) == 1
+
+
+def test_serve_defaults_to_the_routers_default_policy() -> None:
+    """``kvevents serve`` names the router's default policy without importing the index."""
+    from kvevents.cli import build_parser
+    from kvevents.index.router import DEFAULT_POLICY
+
+    assert build_parser().parse_args(["serve"]).policy == DEFAULT_POLICY

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator, Mapping, Sequence
@@ -262,6 +263,30 @@ def test_cli_lists_scenarios_and_rejects_unknown_ones() -> None:
     assert bad.returncode == 2 and "unknown scenario 'nope'" in bad.stderr
     bad = _cli("--consumer", "llm-d")
     assert bad.returncode == 2 and "expected kvevents, dynamo" in bad.stderr
+
+
+def test_ctrl_c_prints_the_results_that_finished() -> None:
+    """Ctrl-C after the first scenario prints "interrupted", the table with the finished
+    result and "not run" for the rest, and exits 130 without a traceback."""
+    proc = subprocess.Popen(
+        # Every scenario: the signal lands long before the last one could finish.
+        [sys.executable, "-m", "kvevents.cli", "conformance"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+    try:
+        assert proc.stderr is not None
+        first = proc.stderr.readline()
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+    assert first.startswith("kvevents clean: PASS")
+    assert proc.returncode == 130
+    assert "kvevents conformance: interrupted after" in err and "Traceback" not in err
+    assert "clean" in out and "PASS" in out and "not run" in out
 
 
 # ---------------------------------------------------------------------- NVIDIA Dynamo

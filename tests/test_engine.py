@@ -8,7 +8,8 @@ import msgspec
 import pytest
 
 from kvevents.events import AllBlocksCleared, BlockStored
-from kvevents.sim.engine import EngineConfig, Request, SimulatedEngine
+from kvevents.sim.engine import EngineConfig, SimulatedEngine
+from kvevents.sim.records import Request
 from kvevents.testing.engine import BlockSets, RecordingSink
 
 BS = 4
@@ -80,6 +81,21 @@ def test_completion_releases_references() -> None:
     load = eng.load(0)
     assert load.active_blocks == 0 and load.running_requests == 0
     assert load.free_blocks + load.cached_blocks == 16 and eng.metrics().finished == 3
+
+
+def test_queued_load_counts_the_prefill_still_to_compute() -> None:
+    """A running prompt under chunked prefill keeps its uncomputed part in queued_blocks,
+    next to the waiting prompts: the router sees prefill already promised to that rank."""
+    eng, _ = engine(max_num_batched_tokens=8, cache_decode_blocks=False)
+    eng.submit(Request("long", list(range(40)), max_output_tokens=1))  # 10 blocks of prefill
+    assert eng.load(0).queued_blocks == 10
+    eng.step()  # 8 tokens computed, 32 (8 blocks) to go
+    load = eng.load(0)
+    assert (load.running_requests, load.queued_blocks) == (1, 8)
+    eng.submit(Request("next", list(range(100, 112))))  # waiting: 3 more blocks
+    assert eng.load(0).queued_blocks == 11
+    drain(eng)
+    assert eng.load(0).queued_blocks == 0
 
 
 def test_ranks_publish_their_own_batches() -> None:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvevents.sim.engine import EngineConfig, SimulatedEngine, StepResult
+from kvevents.sim.engine import EngineConfig, SimulatedEngine
+from kvevents.sim.records import StepResult
 from kvevents.sim.trace import default_trace_path, load_trace, run_trace
 from kvevents.testing.engine import BlockSets, RecordingSink
 from kvevents.wire import decode_batch, encode_batch

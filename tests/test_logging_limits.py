@@ -8,7 +8,8 @@ import pytest
 
 from kvevents.subscribe.streams import StreamSpec, SubscriberOptions
 from kvevents.subscribe.subscriber import Subscriber
-from kvevents.testing.peers import Collector, RawPublisher, heartbeat
+from kvevents.testing.fixtures import heartbeat
+from kvevents.testing.peers import Collector, RawPublisher
 
 
 def test_unrecoverable_holes_warn_once_per_interval(caplog: pytest.LogCaptureFixture) -> None:

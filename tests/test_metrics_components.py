@@ -11,7 +11,7 @@ import pytest
 
 from kvevents.metrics import publisher_collector, start_exporter, subscriber_collector
 from kvevents.subscribe.streams import StreamStats, SubscriberStats
-from kvevents.testing.peers import heartbeat
+from kvevents.testing.fixtures import heartbeat
 from kvevents.testing.publisher import started_publisher
 from kvevents.testing.sockets import Deadline
 

@@ -14,8 +14,9 @@ import zmq
 
 from kvevents import BindError, KVEventsConfig, PublisherClosed, PublisherError
 from kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
-from kvevents.publish.publisher import PublisherOptions, ZmqPublisher
+from kvevents.publish.publisher import PublisherOptions, ZmqPublisher, create_publisher
 from kvevents.testing.publisher import (
+    PausablePublisher,
     connect_subscriber,
     local_config,
     paused_forwarding,
@@ -83,6 +84,16 @@ def test_rank_tag_and_explicit_rank_kept(ctx: zmq.Context[Any]) -> None:
         pub.publish(KVEventBatch(ts=1.0, events=[], data_parallel_rank=7))
         got = _receive(sub, 2)
     assert [b.data_parallel_rank for _, _, b in got] == [1, 7]
+
+
+def test_rank_without_world_size_publishes(ctx: zmq.Context[Any]) -> None:
+    """create_publisher(config, rank=1), as vLLM's and SGLang's factories call it, publishes."""
+    with create_publisher(local_config(), rank=1) as pub:
+        sub = connect_subscriber(ctx, pub.endpoint or "")
+        wait_subscribed(pub, sub)
+        pub.publish(_batch(1))
+        got = _receive(sub, 1)
+    assert [b.data_parallel_rank for _, _, b in got] == [1]
 
 
 def _free_port_pair() -> int:
@@ -173,7 +184,7 @@ def test_topic_frame_and_filtering(ctx: zmq.Context[Any]) -> None:
 
 def test_queue_full_drops_are_gaps_and_removals_survive(ctx: zmq.Context[Any]) -> None:
     """Drops consume seqs (gaps); their removals and clears arrive in the next accepted batch."""
-    with started_publisher(local_config(max_queue_size=4)) as pub:
+    with started_publisher(local_config(max_queue_size=4), pausable=True) as pub:
         sub = connect_subscriber(ctx, pub.endpoint or "")
         probe = wait_subscribed(pub, sub)
         with paused_forwarding(pub):
@@ -250,9 +261,9 @@ def test_lifecycle_idempotent_and_closed() -> None:
 
 def test_shutdown_reports_undelivered_when_stuck() -> None:
     """Batches that cannot leave within the linger are reported, never raised."""
-    pub = ZmqPublisher(local_config(max_queue_size=8))
+    pub = PausablePublisher(local_config(max_queue_size=8))
     pub.start()
-    pub._pause_forwarding()
+    pub.pause_forwarding()
     for i in range(20):
         pub.publish(_batch(i))
     report = pub.shutdown(timeout=0.05)

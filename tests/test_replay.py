@@ -15,12 +15,19 @@ from kvevents.testing.publisher import (
     connect_subscriber,
     local_config,
     read_replay,
+    replay_dealer,
     request_replay,
     started_publisher,
     wait_subscribed,
 )
-from kvevents.testing.sockets import wait_for
-from kvevents.wire import END_SEQ, pack_seq, parse_live, replay_request_frames
+from kvevents.testing.sockets import Deadline, wait_for
+from kvevents.wire import (
+    END_SEQ,
+    pack_seq,
+    parse_live,
+    parse_replay_reply,
+    replay_request_frames,
+)
 
 
 @pytest.fixture
@@ -200,3 +207,115 @@ def test_replay_sessions_interleave(ctx: zmq.Context[Any], tmp_path: Path) -> No
         assert pub.stats().replay_active >= 1  # the large reply is still in progress
         read_replay(blocked)
     assert [m.seq for m in small[:-1]] == seqs[-3:]
+
+
+# Hostile clients. Their tcp replies are large (2,000 batches, ~12 MB: more than the pipe's
+# 1,000 messages and the kernel's socket buffers hold) and their receive buffer small, so a
+# client that does not read really holds the server's sends back; another peer connects from
+# 127.0.0.2 (all of 127/8 is loopback on Linux).
+_OTHER_PEER = "127.0.0.2"
+_HOG_TOKENS = 2048
+
+
+def _hog(ctx: zmq.Context[Any], endpoint: str, start: int = 0) -> zmq.Socket[Any]:
+    dealer = replay_dealer(ctx, endpoint, rcvhwm=1, rcvbuf=4096)
+    dealer.send_multipart(replay_request_frames(start))
+    return dealer
+
+
+def _end_markers(dealers: list[zmq.Socket[Any]], each: int, timeout: float = 30.0) -> list[int]:
+    """Read every dealer at once (one's reply may wait for another's to finish) until each has
+    ``each`` end markers; the counts."""
+    counts = dict.fromkeys(dealers, 0)
+    poller = zmq.Poller()
+    for dealer in dealers:
+        poller.register(dealer, zmq.POLLIN)
+    deadline = Deadline(timeout)
+    while any(n < each for n in counts.values()) and not deadline.expired:
+        for dealer, _ in poller.poll(int(deadline.remaining() * 1000) + 1):
+            counts[dealer] += parse_replay_reply(dealer.recv_multipart()).is_end
+    return [counts[dealer] for dealer in dealers]
+
+
+def test_never_reading_clients_leave_slots_to_another_peer(ctx: zmq.Context[Any]) -> None:
+    """Eight clients of one peer that ask and never read hold only its share of the slots."""
+    options = PublisherOptions(replay_send_timeout=60.0)  # the hogs must stay stuck meanwhile
+    with started_publisher(local_config(buffer_steps=3000), options=options) as pub:
+        seqs = _publish(pub, 2000, tokens=_HOG_TOKENS)
+        endpoint = pub.replay_endpoint or ""
+        hogs = [_hog(ctx, endpoint) for _ in range(8)]
+        wait_for(lambda: pub.stats().replay_requests == 8, what="every hog's request read")
+        reply = request_replay(ctx, endpoint, seqs[-5], source=_OTHER_PEER)
+        # The hogs were really stuck: two of them still hold their peer's two slots, six wait.
+        wait_for(lambda: pub.stats().replay_active == 2, what="the other peer's reply finished")
+        assert pub.stats().replay_waiting == 6
+        for hog in hogs:
+            hog.close(0)
+    assert [m.seq for m in reply[:-1]] == seqs[-5:] and reply[-1].is_end
+
+
+def test_stalled_reply_is_abandoned_and_its_slot_reused(ctx: zmq.Context[Any]) -> None:
+    """A reply that makes no progress for replay_send_timeout gives its slot back, counted."""
+    options = PublisherOptions(max_concurrent_replays=1, replay_send_timeout=0.2)
+    with started_publisher(local_config(buffer_steps=3000), options=options) as pub:
+        seqs = _publish(pub, 2000, tokens=_HOG_TOKENS)
+        endpoint = pub.replay_endpoint or ""
+        hog = _hog(ctx, endpoint)
+        wait_for(lambda: pub.stats().replay_active == 1, what="the hog holds the only slot")
+        reply = request_replay(ctx, endpoint, seqs[-3], source=_OTHER_PEER)
+        wait_for(lambda: pub.stats().replay_active == 0, what="the second reply finished")
+        stats = pub.stats()
+        hog.close(0)
+    assert [m.seq for m in reply[:-1]] == seqs[-3:]
+    assert stats.replay_timed_out == 1
+
+
+def test_slots_go_round_robin_between_peers(ctx: zmq.Context[Any]) -> None:
+    """A peer's queued requests do not go before another peer's: the free slot alternates."""
+    # The queued hogs never read: whichever gets the slot holds it for replay_send_timeout.
+    options = PublisherOptions(max_concurrent_replays=1, replay_send_timeout=60.0)
+    with started_publisher(local_config(buffer_steps=3000), options=options) as pub:
+        seqs = _publish(pub, 2000, tokens=_HOG_TOKENS)
+        endpoint = pub.replay_endpoint or ""
+        first = replay_dealer(ctx, endpoint, rcvhwm=1, rcvbuf=4096)
+        first.send_multipart(replay_request_frames(0))
+        wait_for(lambda: pub.stats().replay_active == 1, what="first reply active")
+        queued = [_hog(ctx, endpoint) for _ in range(3)]
+        wait_for(lambda: pub.stats().replay_waiting == 3, what="same-peer requests queued")
+        other = replay_dealer(ctx, endpoint, source=_OTHER_PEER)
+        other.send_multipart(replay_request_frames(seqs[-2]))
+        wait_for(lambda: pub.stats().replay_waiting == 4, what="other peer's request queued")
+        read_replay(first)  # frees the slot: the other peer's request must get it next
+        reply = read_replay(other, timeout=5.0)  # in arrival order it would wait 60 s
+        for dealer in (first, *queued, other):
+            dealer.close(0)
+    assert [m.seq for m in reply[:-1]] == seqs[-2:]
+
+
+def test_request_flood_is_rate_limited_and_live_loses_nothing(ctx: zmq.Context[Any]) -> None:
+    """A one-peer flood gets counted end markers; live loses nothing; another peer is served."""
+    # The flooders read only at the end; a small burst keeps what they are owed small to read.
+    options = PublisherOptions(replay_send_timeout=60.0, replay_burst=4)
+    with started_publisher(local_config(buffer_steps=3000), options=options) as pub:
+        seqs = _publish(pub, 2000, tokens=_HOG_TOKENS)
+        sub = connect_subscriber(ctx, pub.endpoint or "", rcvhwm=0)
+        probe = wait_subscribed(pub, sub)
+        endpoint = pub.replay_endpoint or ""
+        # More clients than reply slots, reading nothing: their replies stall, the queue fills.
+        flooders = [replay_dealer(ctx, endpoint, rcvhwm=1, rcvbuf=4096) for _ in range(16)]
+        live: list[int] = []
+        for round_ in range(10):
+            for dealer in flooders:
+                dealer.send_multipart(replay_request_frames(0))
+            live.append(pub.publish(_batch(round_)))
+        wait_for(lambda: pub.stats().replay_requests == 160, what="the flood read")
+        reply = request_replay(ctx, endpoint, seqs[-1], source=_OTHER_PEER)
+        got = [parse_live(sub.recv_multipart()).seq for _ in live]
+        stats = pub.stats()
+        answers = _end_markers(flooders, each=10)
+        for dealer in flooders:
+            dealer.close(0)
+    assert got == live == list(range(probe + 1, probe + 11))
+    assert [m.seq for m in reply[:-1]] == [seqs[-1], *range(seqs[-1] + 1, live[-1] + 1)]
+    assert stats.replay_rate_limited >= 150 and stats.ring_batches == live[-1] + 1
+    assert answers == [10] * 16  # every request answered, in order, end marker last

@@ -65,8 +65,8 @@ def test_prefix_load_counts_active_blocks() -> None:
     assert decision.winner == ("a", 0)
 
 
-def test_prefix_load_breaks_ties_by_matched_blocks_then_order() -> None:
-    """Equal costs: more matched blocks wins, then the first target."""
+def test_prefix_load_breaks_ties_by_matched_blocks_then_at_random() -> None:
+    """Equal costs: more matched blocks wins, then a seeded draw among the tied targets."""
     router = make_router("prefix_load")
     router.loads.set("a", queued_blocks=4)  # a: 6 new + 4 queued = 10 = b: 2 new + 8 queued
     router.loads.set("b", queued_blocks=8)
@@ -75,7 +75,34 @@ def test_prefix_load_breaks_ties_by_matched_blocks_then_order() -> None:
     assert router.route([9] * 32).winner == ("c", 0)  # no match anywhere: c is cheapest
     router.loads.set("c", queued_blocks=4)
     router.loads.set("b", queued_blocks=4)
-    assert router.route([9] * 32).winner == ("a", 0)  # all equal: the first target
+    decision = router.route([9] * 32)  # all equal: drawn among the three
+    assert decision.tied == 3 and decision.winner in {("a", 0), ("b", 0), ("c", 0)}
+    assert "3 targets tie" in decision.reason and "drawn at random" in decision.explain()
+
+
+@pytest.mark.parametrize("policy", ["prefix_load", "longest_prefix"])
+def test_ties_spread_evenly_and_reproducibly(policy: str) -> None:
+    """Over many all-tied decisions each target wins about a third of the time (no hot spot
+    on the first target), and the same seed gives the same sequence of winners."""
+    index = PrefixIndex(BS)
+    for worker in "abc":
+        index.register_worker(worker, block_size=BS)
+
+    def winners(seed: int) -> list[tuple[str, int] | None]:
+        router = Router(index, policy, seed=seed)
+        return [router.route(PROMPT).winner for _ in range(600)]
+
+    first = winners(7)
+    counts = {w: first.count((w, 0)) for w in "abc"}
+    assert all(150 <= n <= 250 for n in counts.values()), counts
+    assert winners(7) == first and winners(8) != first
+
+
+def test_a_single_best_target_is_not_a_tie() -> None:
+    """A decision with one best target reports tied == 1 and says nothing about a draw."""
+    decision = make_router("prefix_load").route(PROMPT)
+    assert decision.tied == 1 and "tied" not in decision.explain()
+    assert decision.to_dict()["tied"] == 1
 
 
 def test_round_robin_cycles_through_targets() -> None:
@@ -124,7 +151,9 @@ def test_decision_explains_itself() -> None:
     router.loads.set("a", queued_blocks=1, active_blocks=2)
     decision = router.route(PROMPT)
     text = decision.explain()
-    assert text.splitlines()[0] == "policy prefix_load: winner b/rank0"
+    assert text.splitlines()[0] == (
+        "policy prefix_load: winner b/rank0: lowest cost 2 = prefill 2 (2 new blocks) + decode 0"
+    )
     assert "a/rank0: matched 2/8 blocks, queued 1, active 2" in text
     assert "<- winner" in text.splitlines()[2]
     data = decision.to_dict()
@@ -166,3 +195,17 @@ def test_degraded_target_stays_routable() -> None:
     router.mark_degraded("a", 0, "lagging")
     winners = {router.route(PROMPT).winner for _ in range(3)}
     assert winners == {("a", 0), ("b", 0), ("c", 0)}
+
+
+def test_decisions_say_in_words_what_decided() -> None:
+    """Each KV-aware decision carries a reason naming the term that decided it."""
+    router = make_router("longest_prefix")
+    assert router.route(PROMPT).reason == "most matched blocks (6)"
+    router.loads.set("a", queued_blocks=5)
+    router.loads.set("b", queued_blocks=2)
+    decision = router.route([9] * 32)  # nothing matched anywhere: c is the least loaded
+    assert decision.winner == ("c", 0)
+    assert decision.reason == "3 targets match 0 blocks: the least loaded (0 blocks)"
+    cost = make_router("prefix_load").route(PROMPT)
+    assert cost.reason == "lowest cost 2 = prefill 2 (2 new blocks) + decode 0"
+    assert cost.to_dict()["reason"] == cost.reason and cost.reason in cost.explain()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import select
 import socket
@@ -34,7 +35,7 @@ from kvevents.security import (
     save_keypair,
 )
 from kvevents.subscribe.subscriber import Delivery, StreamSpec, Subscriber, SubscriberOptions
-from kvevents.testing.peers import heartbeat, typical_batch
+from kvevents.testing.fixtures import heartbeat, typical_batch
 from kvevents.testing.publisher import started_publisher, wait_subscribed
 from kvevents.testing.sockets import Deadline, wait_for
 from kvevents.wire import parse_replay_reply, replay_request_frames
@@ -277,6 +278,50 @@ def test_key_files_round_trip_with_a_private_secret(tmp_path: Path) -> None:
         save_keypair(tmp_path / "keys", "engine")
     with pytest.raises(ValueError, match="holds no secret key"):
         load_keypair(public_file)
+
+
+@pytest.mark.parametrize("which", ["engine.key", "engine.key_secret"])
+def test_save_refuses_a_dangling_symlink(tmp_path: Path, which: str) -> None:
+    """A symlink at a key file's name, even dangling, is refused: nothing written, no half pair."""
+    target = tmp_path / "elsewhere" / "planted"
+    target.parent.mkdir()
+    (tmp_path / "keys").mkdir()
+    (tmp_path / "keys" / which).symlink_to(target)
+    with pytest.raises(FileExistsError, match=rf"{which} already exists \(a symlink\)"):
+        save_keypair(tmp_path / "keys", "engine")
+    assert not target.exists()
+    assert sorted(p.name for p in (tmp_path / "keys").iterdir()) == [which]
+
+
+def test_secret_file_is_0600_whatever_the_umask(tmp_path: Path) -> None:
+    """The secret file is created 0600 even under a permissive umask; the public one readable."""
+    old = os.umask(0)
+    try:
+        public_file, secret_file = save_keypair(tmp_path, "engine")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(secret_file).st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(public_file).st_mode) == 0o644
+
+
+@pytest.mark.parametrize(("mode", "who"), [(0o640, "its group"), (0o604, "others")])
+def test_exposed_secret_file_loads_with_a_warning_naming_the_fix(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, mode: int, who: str
+) -> None:
+    """A group- or world-readable secret key still loads, with a warning: file and chmod 600."""
+    _, secret_file = save_keypair(tmp_path, "engine")
+    os.chmod(secret_file, mode)
+    with caplog.at_level(logging.WARNING, logger="kvevents.security"):
+        pair = load_keypair(secret_file)
+    assert pair.public_key == load_public_key(tmp_path / "engine.key")
+    assert [r.getMessage() for r in caplog.records] == [
+        f"secret key file {secret_file} is readable by {who} (mode {mode:03o}): "
+        f"run `chmod 600 {secret_file}`"
+    ]
+    caplog.clear()
+    os.chmod(secret_file, 0o600)
+    load_keypair(secret_file)
+    assert caplog.records == []
 
 
 def test_bad_keys_are_refused_with_a_reason(tmp_path: Path) -> None:

@@ -2,77 +2,65 @@
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
 import queue
-import sys
-import types
-from collections.abc import Iterator
+import threading
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 import pytest
 
-from kvevents.errors import DecodeError
+from kvevents.errors import DecodeError, StreamAddError
 from kvevents.events import AllBlocksCleared, KVEventBatch
-from kvevents.index._table_py import pack_json_tokens
+from kvevents.index import table
+from kvevents.index._table_py import pack_json_member, pack_json_tokens
 from kvevents.index.keys import block_hashes
-from kvevents.index.prefix import PrefixIndex
-from kvevents.service import http as service_http
-from kvevents.service.core import IndexService, WorkerRegistration
+from kvevents.index.prefix import IndexStats, PrefixIndex
+from kvevents.metrics import field_docs
+from kvevents.service import app as service_app
+from kvevents.service import core as service_core
+from kvevents.service import dump as service_dump
+from kvevents.service import query as service_query
+from kvevents.service.core import IndexService, ServiceStats, WorkerRegistration
 from kvevents.service.http import Server, serve
+from kvevents.service.limits import HttpStats
+from kvevents.subscribe.streams import (
+    Delivery,
+    FeedHealth,
+    Item,
+    StreamReset,
+    StreamSpec,
+    StreamStats,
+    StreamStatus,
+    SubscriberOptions,
+    SubscriberStats,
+    worker_streams,
+)
 from kvevents.testing.index import batch, engine_hashes, store_event
 from kvevents.testing.sockets import wait_for
-from kvevents.wire import Applied, encode_batch
+from kvevents.wire import Applied, DecodedBatch, encode_batch
 
 BS = 4
 PROMPT = list(range(100, 124))  # 6 blocks
-
-
-@dataclass(frozen=True)
-class Spec:
-    worker_id: str
-    rank: int
-    endpoint: str
-    replay_endpoint: str | None = None
-    topic: str = ""
-
-
-@dataclass(frozen=True)
-class Delivery:
-    stream: Spec
-    seq: int
-    batch: KVEventBatch
-
-
-@dataclass(frozen=True)
-class StreamReset:
-    stream: Spec
-    reason: str
-
-
-@dataclass(frozen=True)
-class FeedStats:
-    streams: int
-
-
-@dataclass(frozen=True)
-class StreamStats:
-    state: str
-    gaps: int = 0
+LOCAL = "tcp://127.0.0.1:6000"
 
 
 @dataclass
 class FakeFeed:
     """An in-process feed with the Subscriber's methods; tests push items into it."""
 
-    items: queue.Queue[Any] = field(default_factory=queue.Queue)
-    specs: list[Spec] = field(default_factory=list)
+    items: queue.Queue[Item] = field(default_factory=queue.Queue)
+    specs: list[StreamSpec] = field(default_factory=list)
     removed: list[tuple[str, int | None]] = field(default_factory=list)
     started: bool = False
     closed: bool = False
+    state: FeedHealth = field(default_factory=lambda: FeedHealth("ok", True))
 
-    def add_stream(self, spec: Spec) -> None:
+    def add_stream(self, spec: StreamSpec) -> None:
         self.specs.append(spec)
 
     def remove_stream(self, worker_id: str, rank: int | None = None) -> None:
@@ -87,27 +75,37 @@ class FakeFeed:
     def close(self) -> None:
         self.closed = True
 
-    def get(self, timeout: float | None = None) -> Any:
+    def get(self, timeout: float | None = None) -> Item | None:
         try:
             return self.items.get(timeout=timeout)
         except queue.Empty:
             return None
 
-    def stats(self) -> FeedStats:
-        return FeedStats(len(self.specs))
+    def stats(self) -> SubscriberStats:
+        return SubscriberStats(
+            streams=len(self.specs), incomplete=0, queued=0, callback_errors=0, max_lag=None
+        )
 
     def stream_stats(self) -> dict[tuple[str, int], StreamStats]:
-        return {(s.worker_id, s.rank): StreamStats("live") for s in self.specs}
+        return {
+            s.key: StreamStats(
+                worker_id=s.worker_id, rank=s.rank, state="live", last_seq=None, lag=None
+            )
+            for s in self.specs
+        }
+
+    def health(self) -> FeedHealth:
+        return self.state
 
     def deliver(self, worker_id: str, rank: int, item: KVEventBatch, seq: int = 0) -> None:
         self.items.put(Delivery(self.spec(worker_id, rank), seq, item))
 
-    def spec(self, worker_id: str, rank: int) -> Spec:
+    def spec(self, worker_id: str, rank: int) -> StreamSpec:
         return next(s for s in self.specs if (s.worker_id, s.rank) == (worker_id, rank))
 
 
-def fake_specs(reg: WorkerRegistration) -> list[Spec]:
-    return [Spec(reg.worker_id, r, f"{reg.endpoint}+{r}", reg.replay_endpoint) for r in reg.ranks]
+def fake_specs(reg: WorkerRegistration) -> list[StreamSpec]:
+    return worker_streams(reg.worker_id, reg.endpoint, reg.replay_endpoint, ranks=reg.ranks)
 
 
 def make_service(feed: FakeFeed) -> IndexService:
@@ -141,7 +139,7 @@ def client(server: tuple[Server, IndexService]) -> Iterator[httpx.Client]:
 def test_service_applies_deliveries_and_resets(feed: FakeFeed) -> None:
     """Deliveries are applied in order by the consumer thread; a StreamReset empties a stream."""
     with make_service(feed) as service:
-        service.register(WorkerRegistration("a", "tcp://h:5557", BS, ranks=(0, 1)))
+        service.register(WorkerRegistration("a", "tcp://127.0.0.1:5557", BS, ranks=(0, 1)))
         assert [(s.worker_id, s.rank) for s in feed.specs] == [("a", 0), ("a", 1)]
         feed.deliver("a", 1, batch(store_event(PROMPT, BS, end_block=2)))
         feed.deliver("a", 1, batch(store_event(PROMPT, BS, start_block=2)), seq=1)
@@ -156,7 +154,7 @@ def test_service_applies_deliveries_and_resets(feed: FakeFeed) -> None:
 def test_consumer_survives_a_bad_item(feed: FakeFeed) -> None:
     """An item that cannot be applied is counted and logged; the next one still applies."""
     with make_service(feed) as service:
-        service.register(WorkerRegistration("a", "tcp://h:5557", BS))
+        service.register(WorkerRegistration("a", "tcp://127.0.0.1:5557", BS))
         feed.items.put(Delivery(feed.spec("a", 0), 0, None))  # type: ignore[arg-type]
         feed.deliver("a", 0, batch(store_event(PROMPT, BS)), seq=1)
         applied(service, 1)
@@ -167,7 +165,7 @@ def test_consumer_survives_a_bad_item(feed: FakeFeed) -> None:
 def test_unregister_stops_the_stream_and_drops_the_blocks(feed: FakeFeed) -> None:
     """Unregistering removes the feed stream and every block of the worker."""
     with make_service(feed) as service:
-        service.register(WorkerRegistration("a", "tcp://h:5557", BS))
+        service.register(WorkerRegistration("a", "tcp://127.0.0.1:5557", BS))
         feed.deliver("a", 0, batch(store_event(PROMPT, BS)))
         applied(service, 1)
         assert service.unregister("a") is True
@@ -179,7 +177,7 @@ def test_unregister_stops_the_stream_and_drops_the_blocks(feed: FakeFeed) -> Non
 def test_items_of_unregistered_workers_are_ignored(feed: FakeFeed) -> None:
     """A delivery still queued after unregister does not bring the worker back."""
     with make_service(feed) as service:
-        service.register(WorkerRegistration("a", "tcp://h:5557", BS))
+        service.register(WorkerRegistration("a", "tcp://127.0.0.1:5557", BS))
         spec = feed.spec("a", 0)
         service.unregister("a")
         feed.items.put(Delivery(spec, 0, batch(store_event(PROMPT, BS))))
@@ -193,14 +191,14 @@ def test_payloads_are_applied_straight_from_the_wire(feed: FakeFeed) -> None:
     reports it; a payload of an unregistered worker is left to the delivery path (None); an
     unreadable one raises DecodeError and changes nothing."""
     service = make_service(feed)
-    service.register(WorkerRegistration("a", "tcp://h:5557", BS))
+    service.register(WorkerRegistration("a", "tcp://127.0.0.1:5557", BS))
     spec = feed.spec("a", 0)
     payload = encode_batch(batch(store_event(PROMPT, BS), ts=7.0))
     assert service.apply_payload(spec, 0, payload) == Applied(7.0, 1)
     assert service.query(PROMPT)["scores"] == {"a": {"0": 6}}
     cleared = encode_batch(batch(AllBlocksCleared(), ts=8.0))
     assert service.apply_payload(spec, 1, cleared) == Applied(8.0, 1, clears=True)
-    assert service.apply_payload(Spec("b", 0, "tcp://h:1"), 0, payload) is None
+    assert service.apply_payload(StreamSpec("b", 0, "tcp://127.0.0.1:1"), 0, payload) is None
     with pytest.raises(DecodeError):
         service.apply_payload(spec, 2, b"\xc1")
     assert service.stats().deliveries == 2 and service.index.targets() == [("a", 0)]
@@ -213,7 +211,7 @@ def test_a_failing_payload_apply_is_counted_and_raised(
     """An index bug while applying a payload is counted (apply_errors) and raised to the
     subscriber, which logs it with the stream and goes on."""
     service = make_service(feed)
-    service.register(WorkerRegistration("a", "tcp://h:5557", BS))
+    service.register(WorkerRegistration("a", "tcp://127.0.0.1:5557", BS))
 
     def broken(*args: object, **kwargs: object) -> None:
         raise RuntimeError("index bug")
@@ -247,11 +245,13 @@ def test_register_query_and_unregister_over_http(
     _, service = server
     reply = client.post(
         "/register",
-        json={"instance_id": 7, "endpoint": "tcp://h:5557", "block_size": BS, "dp_size": 2},
+        json={"instance_id": 7, "endpoint": "tcp://127.0.0.1:5557", "block_size": BS, "dp_size": 2},
     )
     assert reply.status_code == 200, reply.text
     assert reply.json() == {"worker_id": "7", "ranks": [0, 1], "streams": 2}
-    client.post("/register", json={"worker_id": "b", "endpoint": "tcp://h:6000", "block_size": BS})
+    client.post(
+        "/register", json={"worker_id": "b", "endpoint": "tcp://127.0.0.1:6000", "block_size": BS}
+    )
     feed.deliver("7", 1, batch(store_event(PROMPT, BS)))
     feed.deliver("b", 0, batch(store_event(PROMPT, BS, end_block=2)))
     applied(service, 2)
@@ -273,13 +273,13 @@ def test_register_query_and_unregister_over_http(
 def test_bad_requests_say_what_is_wrong(client: httpx.Client) -> None:
     """Malformed bodies get a 400 naming the field or the rule."""
     wrong_type = client.post(
-        "/register", json={"worker_id": "a", "endpoint": "e", "block_size": "x"}
+        "/register", json={"worker_id": "a", "endpoint": LOCAL, "block_size": "x"}
     )
     assert wrong_type.status_code == 400
     assert "$.block_size" in wrong_type.json()["error"]
-    zero = client.post("/register", json={"worker_id": "a", "endpoint": "e", "block_size": 0})
-    assert zero.json() == {"error": "block_size must be positive, got 0"}
-    nameless = client.post("/register", json={"endpoint": "e", "block_size": 4})
+    zero = client.post("/register", json={"worker_id": "a", "endpoint": LOCAL, "block_size": 0})
+    assert zero.json() == {"error": "/register: Expected `int` >= 1 - at `$.block_size`"}
+    nameless = client.post("/register", json={"endpoint": LOCAL, "block_size": 4})
     assert nameless.json()["error"] == "worker_id (or instance_id) is required"
     policy = client.post("/query", json={"token_ids": [1], "policy": "best"})
     assert policy.status_code == 400 and "unknown routing policy 'best'" in policy.json()["error"]
@@ -294,10 +294,8 @@ def lean(
 ) -> Iterator[tuple[httpx.Client, IndexService]]:
     """A server whose lean /query decodes token_ids as a list, or packs them from the JSON
     text (what it does when the native block table is there)."""
-    if request.param == "json":
-        monkeypatch.setattr(service_http, "_json_packer", lambda: pack_json_tokens)
-    else:
-        monkeypatch.setattr(service_http, "_json_packer", lambda: None)
+    packers = (pack_json_tokens, pack_json_member) if request.param == "json" else (None, None)
+    monkeypatch.setattr(service_query, "json_packers", lambda: packers)
     service = make_service(feed)
     with (
         serve("127.0.0.1", 0, service=service) as running,
@@ -308,11 +306,10 @@ def lean(
 
 def test_lean_query_packs_json_only_with_native_primitives(monkeypatch: pytest.MonkeyPatch) -> None:
     """token_ids are packed from the JSON text by a native block table, never the Python one."""
-    native = types.SimpleNamespace(IMPLEMENTATION="c", pack_json_tokens=pack_json_tokens)
-    monkeypatch.setitem(sys.modules, "kvevents.index.table", native)
-    assert service_http._json_packer() is pack_json_tokens
-    monkeypatch.setattr(native, "IMPLEMENTATION", "python")
-    assert service_http._json_packer() is None
+    monkeypatch.setattr(table, "IMPLEMENTATION", "c")
+    assert service_query.json_packers() == (table.pack_json_tokens, table.pack_json_member)
+    monkeypatch.setattr(table, "IMPLEMENTATION", "python")
+    assert service_query.json_packers() == (None, None)
 
 
 def test_lean_query_answers_like_the_service(
@@ -321,7 +318,7 @@ def test_lean_query_answers_like_the_service(
     """POST /query answers exactly what IndexService.query answers for the same token list."""
     client, service = lean
     for worker, end in [("a", 6), ("b", 2)]:
-        client.post("/register", json={"worker_id": worker, "endpoint": "e", "block_size": BS})
+        client.post("/register", json={"worker_id": worker, "endpoint": LOCAL, "block_size": BS})
         feed.deliver(worker, 0, batch(store_event(PROMPT, BS, end_block=end)))
     feed.deliver("b", 0, batch(store_event(PROMPT, BS, lora_name="x")))
     applied(service, 3)
@@ -386,13 +383,16 @@ def test_workers_dump_and_metrics(
 ) -> None:
     """/workers shows per-rank index state and stream health; /dump and /metrics the index."""
     _, service = server
-    client.post("/register", json={"worker_id": "a", "endpoint": "tcp://h:1", "block_size": BS})
+    client.post(
+        "/register", json={"worker_id": "a", "endpoint": "tcp://127.0.0.1:1", "block_size": BS}
+    )
     feed.deliver("a", 0, batch(store_event(PROMPT, BS, medium="CPU"), ts=1.0))
     applied(service, 1)
     (worker,) = client.get("/workers").json()["workers"]
     assert worker["worker_id"] == "a" and worker["block_size"] == BS
     (rank,) = worker["ranks"]
-    assert rank["tiers"] == {"CPU": 6} and rank["stream"] == {"state": "live", "gaps": 0}
+    assert rank["tiers"] == {"CPU": 6}
+    assert rank["stream"]["state"] == "live" and rank["stream"]["gaps"] == 0
     assert rank["batches"] == 1 and rank["lag_seconds"] > 0
     dump = client.get("/dump").json()
     (holder,) = dump["holders"]
@@ -443,25 +443,20 @@ def test_a_feed_that_pushes_gets_no_consumer_thread(feed: FakeFeed) -> None:
     """pushes=True: the service never polls the feed; items arrive through consume()."""
     service = IndexService(PrefixIndex(), feed=feed, stream_specs=fake_specs, pushes=True)
     with service:
-        service.register(WorkerRegistration("w", "tcp://h:1", BS))
+        service.register(WorkerRegistration("w", "tcp://127.0.0.1:1", BS))
         feed.deliver("w", 0, batch(store_event(PROMPT, BS)))
         assert service._thread is None and feed.items.qsize() == 1  # nobody took it
         service.consume(feed.items.get_nowait())
         assert service.query(PROMPT)["scores"] == {"w": {"0": 6}}
 
 
-@dataclass(frozen=True)
-class StreamStatus:
-    stream: Spec
-    state: str
-    missing: tuple[int, int] | None = None
-
-
 def test_incomplete_stream_is_degraded_until_whole_again(feed: FakeFeed) -> None:
     """After an unrecoverable loss a worker's matches are not trusted, and routing moves."""
     with make_service(feed) as service:
         for worker in ("a", "b"):
-            service.register(WorkerRegistration(worker, f"tcp://{worker}:5557", BS))
+            service.register(
+                WorkerRegistration(worker, f"tcp://127.0.0.1:{5557 + 10 * ord(worker)}", BS)
+            )
         feed.deliver("a", 0, batch(store_event(PROMPT, BS)), seq=0)
         applied(service, 1)
         assert service.query(PROMPT)["decision"]["winner"]["worker_id"] == "a"
@@ -481,8 +476,309 @@ def test_incomplete_stream_is_degraded_until_whole_again(feed: FakeFeed) -> None
 def test_joining_after_the_ring_moved_on_is_not_degraded(feed: FakeFeed) -> None:
     """A hole from seq 0 hides only old stores (no phantom blocks): routing keeps trusting it."""
     with make_service(feed) as service:
-        service.register(WorkerRegistration("a", "tcp://a:5557", BS))
+        service.register(WorkerRegistration("a", "tcp://127.0.0.1:5557", BS))
         feed.items.put(StreamStatus(feed.spec("a", 0), "incomplete", (0, 40)))
         feed.items.put(StreamStatus(feed.spec("a", 0), "incomplete", (50, 51)))
         wait_for(lambda: service.router.degraded, 10.0, what="the later loss to degrade")
         assert service.router.degraded == {("a", 0): "lost seq 50..50"}
+
+
+# ----------------------------------------------------------------- hostile registrations
+
+
+@dataclass
+class RefusingFeed(FakeFeed):
+    """A FakeFeed whose add_stream refuses endpoints on ``refused_port``, as the Subscriber
+    does when a socket cannot be set up (StreamAddError)."""
+
+    refused_port: int = 7000
+
+    def add_stream(self, spec: StreamSpec) -> None:
+        if spec.endpoint.endswith(f":{self.refused_port}"):
+            raise StreamAddError(
+                worker_id=spec.worker_id, rank=spec.rank, endpoint=spec.endpoint, reason="no room"
+            )
+        super().add_stream(spec)
+
+
+def _register(client: httpx.Client, worker: str, endpoint: str, **more: Any) -> httpx.Response:
+    return client.post(
+        "/register", json={"worker_id": worker, "endpoint": endpoint, "block_size": BS, **more}
+    )
+
+
+def test_a_stream_the_feed_refuses_is_a_422_and_the_others_run_on() -> None:
+    """A registration whose stream cannot be added answers 422 naming the endpoint and rank;
+    nothing of it stays registered and the workers registered before keep being fed."""
+    feed = RefusingFeed()
+    with (
+        serve("127.0.0.1", 0, service=make_service(feed)) as running,
+        httpx.Client(base_url=running.url, timeout=10.0) as client,
+    ):
+        assert _register(client, "a", LOCAL).status_code == 200
+        refused = _register(client, "b", "tcp://127.0.0.1:6999", ranks=2)  # rank 1 on 7000
+        assert refused.status_code == 422
+        body = refused.json()
+        assert body["field"] == "endpoint" and body["endpoint"] == "tcp://127.0.0.1:7000"
+        assert body["rank"] == 1 and "no room" in body["error"]
+        assert [s.key for s in feed.specs] == [("a", 0)]  # b's rank 0 was rolled back
+        assert [w["worker_id"] for w in client.get("/workers").json()["workers"]] == ["a"]
+        feed.deliver("a", 0, batch(store_event(PROMPT, BS)))
+        wait_for(lambda: client.post("/query", json={"token_ids": PROMPT}).json()["scores"],
+                 10.0, what="a's blocks")  # fmt: skip
+        assert client.get("/health").status_code == 200
+        assert "kvevents_service_refused_registrations_total 1.0" in client.get("/metrics").text
+
+
+def test_a_real_subscriber_out_of_sockets_refuses_one_worker_only() -> None:
+    """With the default feed, a stream past the subscriber's socket limit is a 422 and the
+    subscriber's I/O thread, the other worker and /health all stay fine."""
+    options = SubscriberOptions(max_sockets=7)  # room for one stream (and replays)
+    service = IndexService(PrefixIndex(), subscriber_options=options)
+    with (
+        serve("127.0.0.1", 0, service=service) as running,
+        httpx.Client(base_url=running.url, timeout=20.0) as client,
+    ):
+        assert _register(client, "a", "tcp://127.0.0.1:6100").status_code == 200
+        refused = _register(client, "b", "tcp://127.0.0.1:6200")
+        assert refused.status_code == 422, refused.text
+        assert refused.json()["endpoint"] == "tcp://127.0.0.1:6200"
+        assert client.get("/health").json() == {"status": "ok", "workers": 1}
+        assert service.feed.health().alive
+        assert _register(client, "c", "tcp://127.0.0.1:6300").status_code == 422  # still answers
+
+
+@pytest.mark.parametrize(
+    ("feed_health", "status"),
+    [
+        (FeedHealth("dead", False, 0.0, "the I/O thread died: boom"), "dead"),
+        (FeedHealth("stalled", True, 12.5), "stalled"),
+    ],
+)
+def test_health_reports_a_dead_or_stalled_feed(
+    feed: FakeFeed, client: httpx.Client, feed_health: FeedHealth, status: str
+) -> None:
+    """/health is a 503 naming the feed's state and reason when it is not serving."""
+    assert client.get("/health").status_code == 200
+    feed.state = feed_health
+    reply = client.get("/health")
+    assert reply.status_code == 503
+    assert reply.json() == {
+        "status": status,
+        "workers": 0,
+        "stalled_for": feed_health.stalled_for,
+        "error": feed_health.error,
+    }
+
+
+def test_reregistering_with_a_bad_endpoint_keeps_the_old_registration(
+    client: httpx.Client, server: tuple[Server, IndexService], feed: FakeFeed
+) -> None:
+    """A re-registration that is refused (bad endpoint, port range, feed refusal) answers
+    4xx and leaves the worker as it was: same streams, same blocks."""
+    _, service = server
+    assert _register(client, "a", LOCAL).status_code == 200
+    feed.deliver("a", 0, batch(store_event(PROMPT, BS)))
+    applied(service, 1)
+    bad = [
+        ({"endpoint": "bogus"}, 400, "scheme must be one of"),
+        ({"endpoint": "tcp://127.0.0.1:65535", "ranks": 2}, 400, "exceeds 65535"),
+        ({"endpoint": "tcp://127.0.0.1:0"}, 400, "port 0 cannot be connected to"),
+        ({"endpoint": LOCAL, "replay_endpoint": "tcp://*:5600"}, 400, "not '*'"),
+    ]
+    for body, status, error in bad:
+        reply = client.post("/register", json={"worker_id": "a", "block_size": 8, **body})
+        assert reply.status_code == status, (body, reply.text)
+        assert error in reply.json()["error"] and "field" in reply.json(), reply.json()
+        (worker,) = client.get("/workers").json()["workers"]
+        assert (worker["endpoint"], worker["block_size"]) == (LOCAL, BS)
+        assert [s.key for s in feed.specs] == [("a", 0)]
+        assert service.query(PROMPT)["scores"] == {"a": {"0": 6}}
+
+
+def test_a_replacement_the_feed_refuses_restores_the_old_registration() -> None:
+    """When the feed refuses the new streams of a re-registration, the old ones come back."""
+    feed = RefusingFeed()
+    service = make_service(feed)
+    service.register(WorkerRegistration("a", LOCAL, BS))
+    with pytest.raises(StreamAddError, match="no room"):
+        service.register(WorkerRegistration("a", "tcp://127.0.0.1:7000", 8))
+    assert service.workers() == [WorkerRegistration("a", LOCAL, BS)]
+    assert [(s.key, s.endpoint) for s in feed.specs] == [(("a", 0), LOCAL)]
+    assert service.stats().refused_registrations == 1 and service.stats().registrations == 1
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "error"),
+    [
+        ("/register", {"ranks": 2**62}, "Expected `int` <= 1024 - at `$.ranks`"),
+        ("/register", {"dp_size": 2**62}, "Expected `int` <= 1024 - at `$.dp_size`"),
+        ("/register", {"ranks": 0}, "at `$.ranks`"),
+        ("/register", {"ranks": []}, "ranks must be a count >= 1 or a non-empty list"),
+        ("/register", {"ranks": [2**63]}, "Expected `int` <= 65535 - at `$.ranks[0]`"),
+        ("/register", {"ranks": [-1]}, "Expected `int` >= 0 - at `$.ranks[0]`"),
+        ("/register", {"block_size": 2**70}, "Expected `int` <= 1048576 - at `$.block_size`"),
+        ("/register", {"block_size": -1}, "Expected `int` >= 1 - at `$.block_size`"),
+        ("/register", {"worker_id": "w" * 300}, "length <= 256 - at `$.worker_id`"),
+        ("/register", {"worker_id": ""}, "length >= 1 - at `$.worker_id`"),
+        ("/register", {"instance_id": 2**64}, "at `$.instance_id`"),
+        ("/register", {"endpoint": "tcp://127.0.0.1:1" + "0" * 2000}, "at `$.endpoint`"),
+        ("/unregister", {"rank": -1}, "Expected `int` >= 0 - at `$.rank`"),
+        ("/unregister", {"dp_rank": 2**70}, "at `$.dp_rank`"),
+        ("/query", {"token_ids": [1, 2, 3], "block_size": -1}, "at `$.block_size`"),
+        ("/query", {"block_hashes": [1], "block_size": 0}, "at `$.block_size`"),
+        ("/query", {"block_hashes": [2**64]}, "block hash at `$.block_hashes[0]` is over"),
+        ("/query", {"block_hashes": [-1]}, "Expected `int` >= 0 - at `$.block_hashes[0]`"),
+        ("/query", {"token_ids": [1], "lora_id": -5}, "at `$.lora_id`"),
+    ],
+)
+def test_numbers_out_of_range_are_400_naming_field_and_rule(
+    client: httpx.Client, path: str, body: dict[str, Any], error: str
+) -> None:
+    """Every numeric field has bounds: out of them is a 400 naming the field and the rule,
+    never a 500 (ranks 2**62 was a MemoryError, a huge rank an unhandled LayoutError)."""
+    base = {"worker_id": "a", "endpoint": LOCAL, "block_size": BS} if path == "/register" else {}
+    if path == "/unregister":
+        base = {"worker_id": "a"}
+    reply = client.post(path, json={**base, **body})
+    assert reply.status_code == 400, reply.text
+    assert reply.headers["content-type"] == "application/json"
+    assert error in reply.json()["error"], reply.json()
+    assert client.get("/health").status_code == 200
+
+
+def test_deep_nesting_and_unknown_routes_get_json_errors(client: httpx.Client) -> None:
+    """Deeply nested JSON is a 400 (not a RecursionError 500); unknown routes and methods
+    answer JSON too."""
+    deep = b"[" * 100_000 + b"]" * 100_000
+    for path in ("/register", "/unregister", "/query"):
+        reply = client.post(
+            path, content=b'{"token_ids": ' + deep + b', "worker_id": ' + deep + b"}"
+        )
+        assert reply.status_code == 400, (path, reply.text)
+        assert "error" in reply.json()
+    huge = b'{"worker_id": "a", "endpoint": "%s", "block_size": 1e400}' % LOCAL.encode()
+    reply = client.post("/register", content=huge)
+    assert reply.json() == {"error": "/register: Number out of range - at `$.block_size`"}
+    missing = client.get("/nope")
+    assert missing.status_code == 404
+    assert missing.json() == {"error": "no such endpoint: GET /nope"}
+    wrong = client.get("/register")
+    assert wrong.status_code == 405 and "Method Not Allowed" in wrong.json()["error"]
+
+
+def test_metrics_cover_every_service_counter_with_its_documentation(
+    client: httpx.Client,
+) -> None:
+    """Every ServiceStats, IndexStats and HttpStats field reaches /metrics, its HELP text the field's
+    own documentation rather than its name."""
+    text = client.get("/metrics").text
+    records = [(ServiceStats, "kvevents_service"), (IndexStats, "kvevents_index"),
+               (HttpStats, "kvevents_http")]  # fmt: skip
+    for record, prefix in records:
+        docs = field_docs(record)
+        for f in dataclasses.fields(record):
+            suffix = "" if f.name in getattr(record, "GAUGES", ()) else "_total"
+            assert f"# HELP {prefix}_{f.name}{suffix} {docs[f.name]}\n" in text, f.name
+    assert (
+        "# HELP kvevents_service_ignored_total feed items of workers (or ranks) no longer "
+        "registered, not applied" in text
+    )
+
+
+def test_dump_streams_every_holder_and_encodes_off_the_lock(
+    client: httpx.Client,
+    server: tuple[Server, IndexService],
+    feed: FakeFeed,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """GET /dump is the index's dump (same document), and no piece of it is encoded while
+    the index lock is held (a query may run between any two pieces)."""
+    _, service = server
+    for worker in ("a", "b"):
+        assert _register(client, worker, f"tcp://127.0.0.1:{6000 + ord(worker)}").status_code == 200
+    feed.deliver("a", 0, batch(store_event(PROMPT, BS)))
+    feed.deliver("b", 0, batch(store_event(PROMPT, BS, end_block=2, medium="CPU")))
+    applied(service, 2)
+    encoded: list[bool] = []
+
+    def members(pairs: list[tuple[int, int]]) -> bytes:
+        free = service.lock.acquire(blocking=False)
+        if free:
+            service.lock.release()
+        encoded.append(free)
+        return real(pairs)
+
+    real = service_dump._members
+    monkeypatch.setattr(service_dump, "_members", members)
+    monkeypatch.setattr(service_dump, "CHUNK_PAIRS", 4)  # several pieces per holder
+    dump = client.get("/dump").json()
+    want = [{**h, "blocks": sorted(h["blocks"])} for h in service.index.dump()]
+    got = [{**h, "blocks": sorted(h["blocks"])} for h in dump["holders"]]
+    assert got == want and len(got) == 2
+    assert dump["stats"]["entries"] == 8
+    assert len(encoded) == 3 and all(encoded)  # 6 pairs in 2 pieces, then 2 in 1
+
+
+def test_one_dump_at_a_time(client: httpx.Client, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A second GET /dump while one is being sent is a 429, not a second copy of the index."""
+    entered, release = threading.Event(), threading.Event()
+
+    async def slow_dump(service: IndexService) -> AsyncIterator[bytes]:
+        yield b'{"holders":['
+        entered.set()
+        for _ in range(1000):  # bounded: 10 s
+            if release.is_set():
+                break
+            await asyncio.sleep(0.01)
+        yield b'],"stats":{}}'
+
+    monkeypatch.setattr(service_app, "dump_chunks", slow_dump)
+    first: list[httpx.Response] = []
+    reader = threading.Thread(target=lambda: first.append(client.get("/dump")))
+    reader.start()
+    try:
+        assert entered.wait(10.0)
+        with httpx.Client(base_url=str(client.base_url), timeout=10.0) as other:
+            second = other.get("/dump")
+        assert second.status_code == 429 and "already being sent" in second.json()["error"]
+    finally:
+        release.set()
+        reader.join(10.0)
+    assert first[0].json() == {"holders": [], "stats": {}}
+
+
+def test_a_large_payload_is_decoded_before_the_lock_is_taken(
+    feed: FakeFeed, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A payload over DECODE_OUTSIDE_LOCK is decoded with the index lock free and applied as
+    the fast lane applies it: same blocks, same Applied record."""
+    prompts = [list(range(i * 4096, (i + 1) * 4096)) for i in range(16)]  # 16 x 1024 blocks
+    big = batch(*(store_event(p, BS) for p in prompts), AllBlocksCleared(), ts=5.0)
+    big = batch(*big.events[-1:], *big.events[:-1], ts=5.0)  # the clear first
+    payload = encode_batch(big)
+    assert len(payload) > service_core.DECODE_OUTSIDE_LOCK
+    lane, outside = make_service(FakeFeed()), make_service(feed)
+    for service in (lane, outside):
+        service.register(WorkerRegistration("a", LOCAL, BS))
+    decoded_free: list[bool] = []
+    real = service_core.decode_batch_packed
+
+    def decode(data: bytes, *, seq: int | None = None) -> DecodedBatch:
+        free = outside.lock.acquire(blocking=False)
+        if free:
+            outside.lock.release()
+        decoded_free.append(free)
+        return real(data, seq=seq)
+
+    monkeypatch.setattr(service_core, "decode_batch_packed", decode)
+    want = lane.index.ingest_payload("a", 0, payload, seq=0)
+    got = outside.apply_payload(StreamSpec("a", 0, LOCAL), 0, payload)
+    assert decoded_free == [True]
+    assert got == want == Applied(5.0, 17, 0, True)
+    assert outside.index.snapshot() == lane.index.snapshot()
+    assert outside.query(prompts[3])["scores"] == {"a": {"0": 1024}}
+    assert outside.stats().deliveries == 1
+    small = encode_batch(batch(store_event(PROMPT, BS)))
+    assert outside.apply_payload(StreamSpec("a", 0, LOCAL), 1, small) == Applied(0.0, 1)
+    assert decoded_free == [True]  # small ones go to the index's own lane

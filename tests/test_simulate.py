@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -13,12 +14,14 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from kvevents.index.router import DEFAULT_POLICY
 from kvevents.publish.publisher import PublisherOptions, create_publisher
 from kvevents.service.core import IndexService
 from kvevents.service.http import Server, create_app
 from kvevents.sim.cluster import Cluster, ClusterConfig
-from kvevents.sim.engine import Request, SimulatedEngine
+from kvevents.sim.engine import SimulatedEngine
 from kvevents.sim.faults import DropRule
+from kvevents.sim.records import Request
 from kvevents.sim.simulate import PolicyRun, SimulationConfig
 from kvevents.sim.trace import default_trace_path
 from kvevents.testing.publisher import local_config
@@ -94,20 +97,21 @@ def test_drop_rule_is_seeded_and_disarmed_until_armed() -> None:
 
 
 def test_kv_aware_routing_on_an_exact_index_matches_the_oracle() -> None:
-    """With no lag, prefix_load over the index decides like the oracle over true caches."""
+    """With no lag, the default policy over the index decides like the oracle over true caches
+    (same policy, same seed, the engines' caches instead of the index)."""
     config = SimulationConfig(
         ClusterConfig(workers=3, block_size=16, capacity_blocks=64, transport="direct"),
         check_every=10,
     )
     decisions = {}
-    for policy in ("prefix_load", "oracle"):
+    for policy in (DEFAULT_POLICY, "oracle"):
         with Cluster(config.cluster) as cluster:
             run = PolicyRun(cluster, policy, config)
             picks = [run.submit(r, i * 0.01) for i, r in enumerate(workload(80))]
             report = run.finish(0.0)
         decisions[policy] = picks
         assert report.accuracy.exact and report.exact_checks == report.checks == 8
-    assert decisions["prefix_load"] == decisions["oracle"]
+    assert decisions[DEFAULT_POLICY] == decisions["oracle"]
 
 
 def test_staleness_holds_batches_back_until_the_cutoff() -> None:
@@ -213,7 +217,7 @@ def test_demo_runs_headless_and_prints_a_summary() -> None:
     assert done.returncode == 0, done.stderr
     out = done.stdout
     assert "demo summary" in out
-    for policy in ("prefix_load", "round_robin"):
+    for policy in (DEFAULT_POLICY, "round_robin"):
         line = next(x for x in out.splitlines() if x.strip().startswith(policy))
         assert "index exact" in line and "requests" in line
     assert out.count("blocks per worker (index/engine): w0 ") == 2
@@ -226,3 +230,53 @@ def test_default_trace_honours_the_environment(monkeypatch: pytest.MonkeyPatch) 
     assert default_trace_path() == "/tmp/other.jsonl"
     monkeypatch.delenv("KVEVENTS_TRACE")
     assert default_trace_path().endswith("kvevents/sim/data/mooncake_synthetic_trace.jsonl.gz")
+
+
+def test_simulate_rejects_a_negative_check_interval_and_checks_under_staleness() -> None:
+    """--check-every -5 is an error, and so is asking for periodic checks of an index that
+    lags by design (--staleness): the command says why instead of turning them off silently."""
+    negative = _kvevents("simulate", "--check-every", "-5", timeout=30)
+    assert negative.returncode == 2 and "'-5' is not an integer >= 0" in negative.stderr
+    stale = _kvevents("simulate", "--staleness", "2", "--check-every", "10", timeout=30)
+    assert stale.returncode == 2 and "--check-every needs --staleness 0" in stale.stderr
+
+
+def test_simulate_table_shows_requests_rejected_and_how_fidelity_was_checked() -> None:
+    """The text table has requests and rejected columns; the header says how often the index's
+    fidelity was checked."""
+    done = _kvevents(
+        "simulate", "--limit", "60", "--policies", "round_robin", "--capacity", "64",
+        "--budget", "512", "--staleness", "1", timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    header, columns, row = done.stdout.splitlines()[:3]
+    assert header.endswith("index fidelity checked at the end")
+    assert columns.split()[:3] == ["policy", "requests", "rejected"]
+    requests, rejected = (int(v) for v in row.split()[1:3])
+    assert requests + rejected <= 60 and rejected > 0
+
+
+def test_ctrl_c_in_simulate_prints_what_finished() -> None:
+    """Ctrl-C during the second policy prints "interrupted", the first policy's row, exit 130."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvevents.cli", "simulate", "--limit", "400",
+         "--policies", "round_robin,random"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "KVEVENTS_TRACE": TRACE},
+    )  # fmt: skip
+    try:
+        assert proc.stderr is not None
+        for line in proc.stderr:  # progress lines; the child exits (EOF) if something breaks
+            if line.startswith("simulate: random"):
+                break
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+    assert proc.returncode == 130, err
+    assert "interrupted during random; finished: round_robin" in err
+    assert "Traceback" not in err
+    rows = [line.split()[0] for line in out.splitlines()[2:]]
+    assert rows == ["round_robin"]

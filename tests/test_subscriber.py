@@ -21,7 +21,8 @@ from kvevents.subscribe.subscriber import (
     SubscriberOptions,
     worker_streams,
 )
-from kvevents.testing.peers import Collector, RawPublisher, heartbeat, typical_batch, wire_fixtures
+from kvevents.testing.fixtures import heartbeat, typical_batch, wire_fixtures
+from kvevents.testing.peers import Collector, RawPublisher
 from kvevents.wire import Applied, decode_batch, pack_seq
 
 W = "w1"

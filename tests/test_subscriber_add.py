@@ -17,7 +17,8 @@ from kvevents.subscribe.subscriber import (
     Subscriber,
     SubscriberOptions,
 )
-from kvevents.testing.peers import Collector, RawPublisher, typical_batch
+from kvevents.testing.fixtures import typical_batch
+from kvevents.testing.peers import Collector, RawPublisher
 from kvevents.testing.sockets import unique_ipc, wait_for
 from kvevents.wire.endpoints import MAX_IPC_PATH, rank_endpoint
 
@@ -116,15 +117,6 @@ def test_ipc_path_too_long_fails_when_the_spec_is_built() -> None:
         StreamSpec(W, 2, endpoint)
     assert (caught.value.endpoint, caught.value.rank, caught.value.rule) == (endpoint, 2, "path")
     StreamSpec(W, 0, "ipc://" + "p" * MAX_IPC_PATH)  # exactly at the limit is fine
-
-
-def test_inproc_endpoints_fail_when_the_spec_is_built() -> None:
-    """A subscriber's own context shares no inproc endpoint: refused up front, both roles."""
-    with pytest.raises(LayoutError, match="no inproc publisher") as caught:
-        StreamSpec(W, 1, "inproc://engine")
-    assert (caught.value.rank, caught.value.rule) == (1, "scheme")
-    with pytest.raises(LayoutError, match="inproc"):
-        StreamSpec(W, 0, "tcp://127.0.0.1:5557", "inproc://replay")
 
 
 def test_listen_stops_with_the_reason_when_the_feed_dies(capsys) -> None:

@@ -10,7 +10,8 @@ from kvevents.subscribe.cursor import Cursor, Gap, Unrecoverable
 from kvevents.subscribe.outbox import Outbox
 from kvevents.subscribe.replay import ReplayOptions
 from kvevents.subscribe.subscriber import StreamSpec, Subscriber, SubscriberOptions
-from kvevents.testing.peers import Collector, RawPublisher, heartbeat, typical_batch
+from kvevents.testing.fixtures import heartbeat, typical_batch
+from kvevents.testing.peers import Collector, RawPublisher
 from kvevents.testing.sockets import wait_for
 from kvevents.wire import encode_batch
 

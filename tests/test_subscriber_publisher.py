@@ -9,7 +9,7 @@ import pytest
 
 from kvevents.config import KVEventsConfig
 from kvevents.subscribe.subscriber import Delivery, StreamSpec, Subscriber
-from kvevents.testing.peers import heartbeat, typical_batch
+from kvevents.testing.fixtures import heartbeat, typical_batch
 from kvevents.testing.sockets import Deadline
 
 publisher_module = pytest.importorskip("kvevents.publish.publisher")

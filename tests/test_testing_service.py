@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -75,3 +77,33 @@ def test_service_peer_reports_http_errors_and_a_failed_start() -> None:
         assert status == 400
     with pytest.raises(ServiceIndexerError, match="exited with status 2"):
         ServiceIndexer(args=["--policy", "no-such-policy"], startup_timeout=20.0).start()
+
+
+def test_serve_options_close_the_mutating_endpoints_and_choose_the_hosts(tmp_path: Path) -> None:
+    """kvevents serve reads the token from $KVEVENTS_AUTH_TOKEN (or --auth-token-file) and the
+    allowed endpoint hosts from --allow-endpoint-host, which replace the loopback default."""
+    env = {"KVEVENTS_AUTH_TOKEN": "t0ken"}
+    with ServiceIndexer(args=["--allow-endpoint-host", "10.0.0.0/8"], env=env) as service:
+        body = {"worker_id": "w", "endpoint": "tcp://10.1.2.3:5557", "block_size": BS}
+        status, reply = service.send("POST", "/register", json.dumps(body).encode())
+        assert status == 401 and b"Bearer" in reply
+        assert service.send("GET", "/health")[0] == 200
+        conn = http.client.HTTPConnection("127.0.0.1", service.port, timeout=10.0)
+        try:
+            headers = {"Authorization": "Bearer t0ken"}
+            conn.request("POST", "/register", json.dumps(body), headers)
+            accepted = conn.getresponse()
+            assert accepted.status == 200, accepted.read()
+            accepted.read()
+            local = {**body, "endpoint": "tcp://127.0.0.1:5557"}
+            conn.request("POST", "/register", json.dumps(local), headers)
+            refused = conn.getresponse()
+            assert refused.status == 403 and b"127.0.0.1" in refused.read()
+        finally:
+            conn.close()
+        assert [w["worker_id"] for w in service.workers()] == ["w"]
+    token = tmp_path / "token"
+    token.write_text("")
+    for args in (["--auth-token-file", str(token)], ["--auth-reads"]):
+        with pytest.raises(ServiceIndexerError, match="exited with status 2"):
+            ServiceIndexer(args=args, startup_timeout=20.0).start()

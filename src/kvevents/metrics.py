@@ -10,7 +10,9 @@ up as a metric on its own:
   it in its ``GAUGES`` class attribute (levels: depth, lag, sizes); every other number only
   grows and is a counter;
 - non-numeric fields (strings, nested records, None) are skipped, and so is a field that is
-  also a label (``rank`` of a per-stream record is a label, not a sample).
+  also a label (``rank`` of a per-stream record is a label, not a sample);
+- a metric's HELP text is the field's own documentation (:func:`field_docs`): its ``doc``
+  metadata, its ``#:`` comment, or the ````name``: text`` sentence of the record's docstring.
 
 :func:`publisher_collector` and :func:`subscriber_collector` build the collectors for our own
 components; :func:`start_exporter` serves any collectors over HTTP for processes (engines)
@@ -23,12 +25,16 @@ imported only when a collector or exporter is built.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
+import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 __all__ = [
     "CollectorGroup",
     "StatsCollector",
+    "field_docs",
     "metric_kind",
     "publisher_collector",
     "start_exporter",
@@ -52,14 +58,54 @@ def metric_kind(record: Any, field: dataclasses.Field[Any]) -> str:
     return "gauge" if field.name in getattr(record, "GAUGES", ()) else "counter"
 
 
+# ``name: type = default  #: doc`` on the field's line, or ``#: doc`` on the line above it.
+_TRAILING = re.compile(r"^\s+(\w+)\s*:[^#]*#:\s*(.+)$")
+_LEADING = re.compile(r"^\s+#:\s*(.+)$")
+_FIELD = re.compile(r"^\s+(\w+)\s*:")
+# ````name``: text`` in a docstring, up to the end of its sentence or clause.
+_PROSE = re.compile(r"``(\w+)``:\s*(.+?)[.;](?=\s|$)", re.DOTALL)
+
+
+def _source_docs(cls: type) -> dict[str, str]:
+    try:
+        lines = inspect.getsource(cls).splitlines()
+    except (OSError, TypeError):  # no source (frozen, built in C): names only
+        return {}
+    docs: dict[str, str] = {}
+    above: str | None = None
+    for line in lines:
+        trailing, leading, field = _TRAILING.match(line), _LEADING.match(line), _FIELD.match(line)
+        if trailing:
+            docs[trailing.group(1)] = trailing.group(2).strip()
+        elif field and above is not None:
+            docs[field.group(1)] = above
+        above = leading.group(1).strip() if leading else None
+    return docs
+
+
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """Each field's documentation in a stats record class and its bases: a ``#:`` comment
+    (same line or the line above) first, else its ````name``: text`` in a class docstring."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        for name, text in _PROSE.findall(klass.__doc__ or ""):
+            docs[name] = " ".join(text.split())
+        docs.update(_source_docs(klass) if dataclasses.is_dataclass(klass) else {})
+    return docs
+
+
 def stats_samples(record: Any) -> Iterator[tuple[str, str, float, str]]:
-    """``(field, kind, value, doc)`` for every numeric field of a stats dataclass."""
+    """``(field, kind, value, doc)`` for every numeric field of a stats dataclass; ``doc`` is
+    the field's ``doc`` metadata, else its documentation (:func:`field_docs`), else its name."""
     if not dataclasses.is_dataclass(record):
         raise TypeError(f"expected a stats dataclass, got {type(record).__name__}")
+    cls: type = type(record)
+    docs = field_docs(cls)
     for field in dataclasses.fields(record):
         value = getattr(record, field.name)
         if isinstance(value, (bool, int, float)):
-            doc = field.metadata.get("doc", "") or field.name.replace("_", " ")
+            doc = field.metadata.get("doc") or docs.get(field.name) or field.name.replace("_", " ")
             yield field.name, metric_kind(record, field), float(value), str(doc)
 
 

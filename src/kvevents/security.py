@@ -8,14 +8,15 @@ allow-list restricts which client keys may connect. Subscribers pass a :class:`C
 the plain one every engine speaks.
 
 Keys are Z85 text (40 characters). Key files use ZeroMQ's certificate format
-(``zmq.auth.create_certificates``): ``NAME.key`` holds the public key, ``NAME.key_secret`` both
-keys and is created with mode 0600.
+(``zmq.auth.load_certificate`` reads them): ``NAME.key`` holds the public key,
+``NAME.key_secret`` both keys and is created with mode 0600, never through a symlink.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,7 @@ __all__ = [
 ]
 
 logger = logging.getLogger("kvevents.publish.publisher")
+security_logger = logging.getLogger("kvevents.security")
 
 ZAP_DOMAIN = "kvevents"
 _Z85 = frozenset(
@@ -155,7 +157,8 @@ class CurveClient:
 def save_keypair(directory: str | os.PathLike[str], name: str = "kvevents") -> tuple[Path, Path]:
     """Create ``NAME.key`` (public) and ``NAME.key_secret`` (mode 0600) with a new pair.
 
-    Refuses to overwrite existing files. Returns (public file, secret file).
+    Refuses to overwrite existing files and never writes through a symlink, even a dangling
+    one (the files are created with ``O_EXCL | O_NOFOLLOW``). Returns (public file, secret file).
     """
     if not name or os.sep in name or name.startswith("."):
         raise ValueError(f"key name {name!r} must be a plain file name")
@@ -163,22 +166,77 @@ def save_keypair(directory: str | os.PathLike[str], name: str = "kvevents") -> t
     folder.mkdir(parents=True, exist_ok=True)
     public_file, secret_file = folder / f"{name}.key", folder / f"{name}.key_secret"
     for path in (public_file, secret_file):
-        if path.exists():
-            raise FileExistsError(f"{path} already exists: not overwriting a key")
-    # Created empty with 0600 first, so the secret is never readable by others, not even
-    # for the moment between writing and a chmod; create_certificates then truncates it.
-    os.close(os.open(secret_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
-    written = zmq.auth.create_certificates(str(folder), name)
-    os.chmod(secret_file, 0o600)
-    return Path(written[0]), Path(written[1])
+        if os.path.lexists(path):
+            raise FileExistsError(_exists_message(path))
+    pair = generate_keypair()
+    _create(secret_file, _certificate(pair, secret=True), 0o600)
+    try:
+        _create(public_file, _certificate(pair, secret=False), 0o644)
+    except BaseException:
+        os.unlink(secret_file)  # ours: created above, so no half-written pair is left behind
+        raise
+    return public_file, secret_file
+
+
+def _exists_message(path: Path) -> str:
+    kind = "a symlink" if path.is_symlink() else "a file"
+    return f"{path} already exists ({kind}): not overwriting a key"
+
+
+def _create(path: Path, text: str, mode: int) -> None:
+    # O_EXCL fails on any existing name, a dangling symlink included, and O_NOFOLLOW makes sure
+    # of it: a key is never written through a link to somewhere else. The mode is set on the
+    # new file itself, so a secret is never readable by others, not even for a moment.
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+    try:
+        fd = os.open(path, flags | getattr(os, "O_CLOEXEC", 0), mode)
+    except FileExistsError:
+        raise FileExistsError(_exists_message(path)) from None
+    with os.fdopen(fd, "w", encoding="ascii") as out:
+        os.fchmod(out.fileno(), mode)  # the umask may have taken bits away; never added any
+        out.write(text)
+
+
+def _certificate(pair: KeyPair, *, secret: bool) -> str:
+    """ZeroMQ's certificate format (readable by ``zmq.auth.load_certificate`` and czmq)."""
+    kind = "secret" if secret else "public"
+    lines = [
+        f"#   kvevents CURVE {kind} key (ZeroMQ certificate format)",
+        "#   keep it private: whoever reads it is the publisher"
+        if secret
+        else "#   give it to the subscribers of the publisher that holds the secret",
+        "",
+        "metadata",
+        "curve",
+        f'    public-key = "{pair.public_key}"',
+    ]
+    if secret:
+        lines.append(f'    secret-key = "{pair.secret_key}"')
+    return "\n".join(lines) + "\n"
 
 
 def load_keypair(path: str | os.PathLike[str]) -> KeyPair:
-    """The key pair in a secret certificate file (``NAME.key_secret``)."""
+    """The key pair in a secret certificate file (``NAME.key_secret``).
+
+    A file that the group or others may read still loads, with a warning naming it and the fix.
+    """
     public, secret = _read_certificate(path)
     if secret is None:
         raise ValueError(f"{path} holds no secret key (give the .key_secret file)")
+    _warn_if_exposed(path)
     return KeyPair(public, secret)
+
+
+def _warn_if_exposed(path: str | os.PathLike[str]) -> None:
+    mode = stat.S_IMODE(os.stat(path).st_mode)
+    if mode & 0o077:
+        security_logger.warning(
+            "secret key file %s is readable by %s (mode %03o): run `chmod 600 %s`",
+            path,
+            "others" if mode & 0o007 else "its group",
+            mode,
+            path,
+        )
 
 
 def load_public_key(path: str | os.PathLike[str]) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import logging
 import os
 import sys
@@ -45,6 +46,69 @@ EXTRAS = {
 }
 
 
+# The extras each command needs, and the packages of each extra: a command checks them all
+# before it starts, so one try names every missing package.
+NEEDS = {
+    "serve": ("service",),
+    "simulate": ("index",),
+    "demo": ("index", "cli"),
+    "conformance": ("index",),
+}
+EXTRA_PACKAGES = {
+    "index": ("xxhash",),
+    "service": ("xxhash", "starlette", "uvicorn", "prometheus_client"),
+    "cli": ("rich",),
+    "metrics": ("prometheus_client",),
+}
+
+
+def missing_packages(command: str) -> tuple[list[str], list[str]]:
+    """The packages ``command`` needs that are not installed, and the extras that bring them."""
+    packages: list[str] = []
+    extras: list[str] = []
+    for extra in NEEDS.get(command, ()):
+        gone = [p for p in EXTRA_PACKAGES[extra] if importlib.util.find_spec(p) is None]
+        if gone:
+            extras.append(extra)
+            packages.extend(p for p in gone if p not in packages)
+    return packages, extras
+
+
+def version_line() -> str:
+    """``kvevents X.Y.Z`` and which native accelerators this install runs on."""
+    from kvevents import __version__
+    from kvevents.index import table
+    from kvevents.subscribe import _recv
+
+    if table.IMPLEMENTATION == "c":
+        index = "C"
+    else:
+        index = f"pure Python, about 4x slower ({table.FALLBACK_REASON})"
+    receive = "C" if _recv._native_receiver() is not None else "pyzmq"
+    return f"kvevents {__version__} (index tables: {index}; message receive: {receive})"
+
+
+def _warn_if_slow() -> None:
+    """Say once, on stderr, when the index runs without its C tables for a reason the user did
+    not choose (no compiler at install time): everything works, about 4x slower."""
+    from kvevents.index import table
+
+    if table.IMPLEMENTATION != "c" and os.environ.get("KVEVENTS_PURE_PYTHON") != "1":
+        print(
+            f"kvevents: note: the index runs on its pure-Python tables ({table.FALLBACK_REASON}); "
+            "reinstall with a C compiler for about 4x the speed",
+            file=sys.stderr,
+        )
+
+
+class _Version(argparse.Action):
+    """``--version``: computed only when asked, since it loads the native modules."""
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
+        print(version_line())
+        parser.exit(0)
+
+
 class Parser(argparse.ArgumentParser):
     """An ArgumentParser whose errors are one clear line and exit status 2."""
 
@@ -61,6 +125,9 @@ def build_parser() -> Parser:
         epilog="Run 'kvevents COMMAND --help' for examples.",
     )
     parser.add_argument("-v", "--verbose", action="count", default=0, help="log more (-vv: debug)")
+    parser.add_argument(
+        "--version", action=_Version, nargs=0, help="print the version and native accelerators"
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     sub.required = True
     for name in COMMANDS:
@@ -102,6 +169,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     level = logging.WARNING - 10 * min(args.verbose, 2)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    packages, extras = missing_packages(args.command)
+    if packages:
+        print(
+            f"kvevents {args.command}: error: needs {', '.join(map(repr, packages))}: "
+            f"pip install 'kvevents[{','.join(extras)}]'",
+            file=sys.stderr,
+        )
+        return 1
+    if args.command in NEEDS:
+        _warn_if_slow()
     try:
         return int(args.run(args))
     except KeyboardInterrupt:

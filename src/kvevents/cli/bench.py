@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvevents.cli.common import UsageError
+
 EXAMPLES = """examples:
   kvevents bench                 run every benchmark and record bench/RESULTS.md
   kvevents bench wire publisher  run two of them (not recorded)
@@ -37,6 +39,21 @@ def find_bench_dir(explicit: Path | None) -> Path:
     raise RuntimeError("no bench/run.py found: run from a kvevents source checkout or pass --dir")
 
 
+def available(bench_dir: Path) -> list[str]:
+    """The benchmark names in ``bench_dir`` (``bench_NAME.py``)."""
+    return sorted(p.stem[len("bench_") :] for p in bench_dir.glob("bench_*.py"))
+
+
 def run(args: argparse.Namespace) -> int:
     bench_dir = find_bench_dir(args.dir)
-    return subprocess.call([sys.executable, str(bench_dir / "run.py"), *args.names])
+    known = available(bench_dir)
+    unknown = [name for name in args.names if name not in known]
+    if unknown:
+        raise UsageError(f"unknown benchmark {unknown[0]!r} (choose from {', '.join(known)})")
+    # The child reports an interruption itself (what finished, nothing recorded); Ctrl-C reaches
+    # both processes, so the parent only waits for the child's summary.
+    child = subprocess.Popen([sys.executable, str(bench_dir / "run.py"), *args.names])
+    try:
+        return child.wait()
+    except KeyboardInterrupt:
+        return child.wait()

@@ -9,11 +9,25 @@ import threading
 from collections.abc import Iterator
 from types import FrameType
 
-__all__ = ["UsageError", "non_negative_int", "positive_float", "positive_int", "stop_on_sigterm"]
+__all__ = [
+    "UsageError",
+    "non_negative_int",
+    "plural",
+    "positive_float",
+    "positive_int",
+    "stop_on_sigterm",
+]
 
 
 class UsageError(ValueError):
     """A bad command line found after parsing: reported in one line with exit status 2."""
+
+
+def plural(count: int, noun: str) -> str:
+    """``1 batch``, ``2 batches``, ``0 streams``: a count with its noun agreed."""
+    if count == 1:
+        return f"{count} {noun}"
+    return f"{count} {noun}es" if noun.endswith(("s", "sh", "ch", "x")) else f"{count} {noun}s"
 
 
 def _number(text: str, kind: type[int] | type[float], low: float, what: str) -> int | float:

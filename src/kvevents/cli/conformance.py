@@ -82,6 +82,20 @@ def _consumer(text: str) -> Any:
     raise UsageError(f"--consumer {text!r}: expected kvevents, dynamo[=PYTHON] or service[=URL]")
 
 
+def _interrupted(finished: list[Any]) -> str:
+    done = len(finished)
+    return f"kvevents conformance: interrupted after {done} result{'' if done == 1 else 's'}"
+
+
+def _partial(consumers: list[Any], scenarios: list[Any], finished: list[Any]) -> Any:
+    """The report of what finished before an interruption (other cells read "not run")."""
+    from kvevents.testing.conformance.run import Report
+
+    ran = {r.consumer for r in finished}
+    names = tuple(c.name for c in consumers if c.name in ran)
+    return Report(names, tuple(s.name for s in scenarios), tuple(finished))
+
+
 def _list(scenarios: list[Any]) -> None:
     for s in scenarios:
         print(f"{s.name}\n  injects: {s.injects}\n  expects: {s.expects}")
@@ -103,7 +117,19 @@ def run(args: argparse.Namespace) -> int:
     if not args.verbose:
         # The faults are deliberate: the gap and mismatch warnings they cause are noise here.
         logging.getLogger("kvevents").setLevel(logging.CRITICAL)
-    report = run_conformance(consumers, scenarios, deadline=args.deadline, progress=_progress)
+    finished: list[Any] = []
+
+    def progress(result: Any) -> None:
+        finished.append(result)
+        _progress(result)
+
+    try:
+        report = run_conformance(consumers, scenarios, deadline=args.deadline, progress=progress)
+    except KeyboardInterrupt:
+        print(_interrupted(finished), file=sys.stderr)
+        if finished:
+            print(format_report(_partial(consumers, scenarios, finished), markdown=args.markdown))
+        return 130
     versions = {c.name: getattr(c, "version", None) for c in consumers}
     if args.json:
         print(json.dumps({**report.to_dict(), "versions": versions}, indent=2))

@@ -172,8 +172,10 @@ def _summary(demo: Any, summary: Any) -> str:
             f"{h.worker_id} {h.index_blocks}/{h.true_blocks}" for h in acc.holders
         )
         lines.append(f"  {'':<14} blocks per worker (index/engine): {per_worker}")
+    from kvevents.index.router import DEFAULT_POLICY
+
     reuse = {r.policy: r.reuse for r in summary.reports}
-    aware, rr = reuse.get("prefix_load"), reuse.get("round_robin")
+    aware, rr = reuse.get(DEFAULT_POLICY), reuse.get("round_robin")
     if aware is not None and rr is not None:
         gain = f" ({aware / rr:.1f}x)" if rr else ""
         lines.append(

@@ -66,7 +66,7 @@ def add_parser(sub: Any) -> None:
 
 def synthetic_requests(seed: int, block_size: int) -> Iterator[Any]:
     """Endless chat-like requests: a few shared system prompts, then a private question."""
-    from kvevents.sim.engine import Request
+    from kvevents.sim.records import Request
 
     rng = random.Random(seed)
     prompts = [[rng.randrange(50_000) for _ in range(block_size * rng.randint(4, 16))]

@@ -19,6 +19,7 @@ from typing import Any
 
 import msgspec
 
+from kvevents.cli.common import plural
 from kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from kvevents.subscribe.streams import Delivery, StreamReset, StreamSpec, StreamStats, StreamStatus
 
@@ -130,17 +131,38 @@ def _batch_text(r: Record) -> str:
     parts += [f"-{s['removed']} removed"] if s["removed"] else []
     parts += ["CLEARED"] if s["cleared"] else []
     parts.append(f"lag={r['lag'] * 1000:.1f}ms")
-    return " ".join(parts)
+    return "\n".join([" ".join(parts), *event_lines(r)])
+
+
+def event_lines(r: Record) -> list[str]:
+    """With ``--full``: one indented line per event of a batch record (none without it)."""
+    return [f"    {_event_text(event)}" for event in r.get("events", ())]
+
+
+def _event_text(event: Mapping[str, Any]) -> str:
+    kind = event.get("type", "?")
+    if kind == "BlockStored":
+        hashes = event["block_hashes"]
+        return (
+            f"BlockStored {plural(len(hashes), 'block')} parent={event.get('parent_block_hash')} "
+            f"block_size={event.get('block_size')} medium={event.get('medium')} "
+            f"hashes={hashes} tokens={plural(len(event.get('token_ids', ())), 'token')}"
+        )
+    if kind == "BlockRemoved":
+        return f"BlockRemoved medium={event.get('medium')} hashes={event['block_hashes']}"
+    return str(kind)
 
 
 def _summary_text(r: Record) -> str:
-    lines = [f"summary: {r['batches']} batches shown in {r['seconds']:.1f}s"]
+    lines = [f"summary: {plural(r['batches'], 'batch')} shown in {r['seconds']:.1f}s"]
     for s in r["streams"]:
+        last = "no batch yet" if s["last_seq"] is None else f"last seq {s['last_seq']}"
         lines.append(
             f"  {s['worker_id']}/{s['rank']}: {s['state']}, {s['delivered']} delivered "
-            f"({s['replayed']} replayed), last seq {s['last_seq']}, {s['gaps']} gaps, "
-            f"{s['missing']} lost in {s['unrecoverable']} holes, {s['restarts']} restarts, "
-            f"{s['duplicates']} duplicates, {s['decode_errors']} undecodable"
+            f"({s['replayed']} replayed), {last}, {plural(s['gaps'], 'gap')}, "
+            f"{s['missing']} lost in {plural(s['unrecoverable'], 'hole')}, "
+            f"{plural(s['restarts'], 'restart')}, {plural(s['duplicates'], 'duplicate')}, "
+            f"{s['decode_errors']} undecodable"
         )
     return "\n".join(lines)
 
@@ -158,7 +180,7 @@ def text_line(r: Record) -> str:
         hole = "joined late" if after is None else f"gap after seq {after}"
         return f"{where} ! {hole}: replaying"
     if kind == "replayed":
-        return f"{where} ! replayed seq {r['first']}..{r['last']} ({r['batches']} batches)"
+        return f"{where} ! replayed seq {r['first']}..{r['last']} ({plural(r['batches'], 'batch')})"
     if kind == "unrecoverable":
         start, end = r["missing"]
         return f"{where} !! seq {start}..{end - 1} lost for good: view incomplete"

@@ -8,9 +8,9 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from kvevents.cli.common import UsageError, non_negative_int, positive_float
+from kvevents.cli.common import UsageError, non_negative_int, plural, positive_float
 from kvevents.cli.output import JsonOutput
-from kvevents.cli.render import batch_summary
+from kvevents.cli.render import batch_summary, event_lines
 from kvevents.cli.secure import add_client_options, client_curve
 from kvevents.errors import DecodeError, LayoutError
 from kvevents.wire import ReplayMessage, decode_batch, parse_replay_reply, replay_request_frames
@@ -108,15 +108,16 @@ def _line(record: dict[str, Any]) -> str:
     kind = record["type"]
     if kind == "batch":
         s = record["summary"]
-        return (f"seq={record['seq']} ts={record['ts']:.3f} events={s['events']} "
+        head = (f"seq={record['seq']} ts={record['ts']:.3f} events={s['events']} "
                 f"+{s['stored']} stored -{s['removed']} removed" + (" CLEARED" if s["cleared"] else ""))  # fmt: skip
+        return "\n".join([head, *event_lines(record)])
     if kind == "trimmed":
         return (f"! asked from seq {record['asked']}, first held is {record['first']}: "
                 f"{record['asked']}..{record['first'] - 1} are no longer buffered")  # fmt: skip
     if kind == "undecodable":
         return f"! seq {record['seq']} undecodable: {record['error']}"
     reason = "end marker" if record["end_marker"] else "--to reached"
-    return f"end: {record['batches']} batches, {reason}"
+    return f"end: {plural(record['batches'], 'batch')}, {reason}"
 
 
 def run(args: argparse.Namespace) -> int:

@@ -10,6 +10,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from kvevents.cli.common import UsageError, non_negative_int
+
 EXAMPLES = """examples:
   kvevents simulate                              the whole synthetic trace, 8 workers, all policies
   kvevents simulate --limit 500 --json           a quick run, machine-readable
@@ -18,8 +20,11 @@ EXAMPLES = """examples:
   kvevents simulate --staleness 2                route on an index that lags 2 virtual seconds
 
 The trace defaults to $KVEVENTS_TRACE, else the synthetic Mooncake trace.
-Reuse is the share of prompt tokens served from cache; the oracle routes on the engines'
-true cache state with the same cost model as prefix_load.
+Reuse is the share of prompt tokens served from cache. Two references are printed under the
+policies: the infinite-cache bound (every block ever computed still cached) and the pooled-cache
+reference (one engine holding the whole cluster's cache); "vs pooled" compares with the latter.
+The oracle routes on the engines' true caches with prefix_load's cost model: next to
+prefix_load it measures index fidelity, not routing quality.
 """
 
 
@@ -69,11 +74,21 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of drops and the random policy")
     p.add_argument(
         "--check-every",
-        type=int,
-        default=100,
-        help="compare the index with the engines' caches every N requests (0: at the end)",
+        type=non_negative_int,
+        default=None,
+        help="check index fidelity (index == engines' caches) every N requests (default 100; "
+        "0: at the end only; with --staleness the index lags by design: at the end only)",
     )
     p.add_argument("--transport", choices=("zmq", "direct"), default="zmq", help=argparse.SUPPRESS)
+    p.add_argument(
+        "--chart", metavar="PATH.svg", help="also write reuse and TTFT charts as an SVG file"
+    )
+    p.add_argument(
+        "--sweep",
+        action="store_true",
+        help="run every policy on 4, 8 and 16 engines with small (a quarter of --capacity) and "
+        "large (--capacity) caches; the table (and --chart) show reuse against the pooled cache",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON document")
     p.add_argument("--markdown", action="store_true", help="print the table as Markdown")
     p.set_defaults(run=run)
@@ -115,10 +130,17 @@ def _policies(known: tuple[str, ...]) -> Callable[[str], tuple[str, ...]]:
 
 def run(args: argparse.Namespace) -> int:
     from kvevents.sim.cluster import ClusterConfig
-    from kvevents.sim.evaluate import evaluate, format_table
+    from kvevents.sim.evaluate import format_table
     from kvevents.sim.simulate import SimulationConfig
     from kvevents.sim.trace import default_trace_path, load_trace
 
+    if args.chart and not args.chart.endswith(".svg"):
+        raise UsageError(f"--chart {args.chart!r}: the chart is SVG; name the file *.svg")
+    if args.staleness and args.check_every:
+        raise UsageError(
+            "--check-every needs --staleness 0: an index that lags by design differs from the "
+            "engines until it catches up, so fidelity is checked once, at the end"
+        )
     path = args.trace or default_trace_path()
     rows = load_trace(path, limit=args.limit)
     if not rows:
@@ -135,19 +157,80 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed,
         ),
         staleness=args.staleness,
-        check_every=max(0, args.check_every),
+        check_every=0
+        if args.staleness
+        else (100 if args.check_every is None else args.check_every),
         seed=args.seed,
     )
     began = time.monotonic()
-    with _progress(len(args.policies) * len(rows)) as report:
-        result = evaluate(rows, args.policies, config, progress=report)
+    if args.sweep:
+        return _sweep(args, rows, config)
+    result, interrupted = _evaluate(rows, args.policies, config)
+    if interrupted is not None:
+        done = ", ".join(r.policy for r in result.reports) or "none"
+        print(f"kvevents simulate: interrupted during {interrupted}; finished: {done}",
+              file=sys.stderr)  # fmt: skip
+        if not result.reports:
+            return 130
     if args.json:
         doc = {"trace": path, "wall_seconds": time.monotonic() - began, **result.to_dict()}
         print(json.dumps(doc, indent=2))
     else:
         print(_header(path, result.rows, config))
         print(format_table(result, markdown=args.markdown))
+    if args.chart:
+        from kvevents.sim.charts import evaluation_svg
+
+        with open(args.chart, "w", encoding="utf-8") as out:
+            out.write(evaluation_svg(result))
+        print(f"chart written to {args.chart}", file=sys.stderr)
+    return 0 if interrupted is None else 130
+
+
+def _sweep(args: argparse.Namespace, rows: Any, config: Any) -> int:
+    from kvevents.sim.charts import sweep_svg
+    from kvevents.sim.sweep import format_sweep, sweep, sweep_series
+
+    policies = [p for p in args.policies if p != "oracle"]  # index fidelity is not swept
+    capacities = (max(1, args.capacity // 4), args.capacity)
+
+    def progress(what: str) -> None:
+        print(f"simulate: {what}", file=sys.stderr, flush=True)
+
+    try:
+        points = sweep(rows, policies, config, capacities=capacities, progress=progress)
+    except KeyboardInterrupt:
+        print("kvevents simulate: sweep interrupted; nothing to report", file=sys.stderr)
+        return 130
+    if args.json:
+        print(json.dumps({"sweep": [p.to_dict() for p in points]}, indent=2))
+    else:
+        print(format_sweep(points, markdown=args.markdown))
+    if args.chart:
+        with open(args.chart, "w", encoding="utf-8") as out:
+            out.write(sweep_svg(sweep_series(points), "prefix reuse by cluster size"))
+        print(f"chart written to {args.chart}", file=sys.stderr)
     return 0
+
+
+def _evaluate(rows: Any, policies: Any, config: Any) -> tuple[Any, str | None]:
+    """Every policy's report, or on Ctrl-C those that finished and the one interrupted."""
+    from kvevents.sim.evaluate import Evaluation
+    from kvevents.sim.simulate import run_policy
+    from kvevents.sim.yardsticks import yardsticks
+
+    reports = []
+    with _progress(len(policies) * len(rows)) as report:
+        for policy in policies:
+            try:
+                reports.append(run_policy(rows, policy, config, progress=report))
+            except KeyboardInterrupt:
+                return Evaluation(len(rows), config, tuple(reports)), policy
+    try:
+        marks = yardsticks(rows, config.cluster)
+    except KeyboardInterrupt:
+        return Evaluation(len(rows), config, tuple(reports)), "the yardsticks"
+    return Evaluation(len(rows), config, tuple(reports), marks), None
 
 
 def _header(path: str, rows: int, config: Any) -> str:
@@ -156,7 +239,8 @@ def _header(path: str, rows: int, config: Any) -> str:
         f"trace {path}: {rows} rows; {c.workers} workers x {c.ranks} rank(s), "
         f"block {c.block_size} tokens, {c.capacity_blocks} blocks per rank, "
         f"{c.max_num_batched_tokens} tokens per step, staleness {config.staleness:g} s, "
-        f"drop rate {c.drop_rate:g}"
+        f"drop rate {c.drop_rate:g}; index fidelity checked "
+        + (f"every {config.check_every} requests" if config.check_every else "at the end")
     )
 
 

@@ -20,9 +20,8 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass, fields
 from types import TracebackType
-from typing import Any, ClassVar
+from typing import Any, Literal
 
 import msgspec
 import zmq
@@ -32,10 +31,11 @@ from kvevents.config import KVEventsConfig, RankEndpoints, check_layout, rank_en
 from kvevents.errors import LayoutError, PublisherClosed, PublisherError
 from kvevents.events import KVEventBatch
 from kvevents.publish.carry import RemovalCarry
+from kvevents.publish.records import PublisherOptions, PublisherStats, ShutdownReport
 from kvevents.publish.replay import ReplayRing
 from kvevents.publish.threads import Forwarder, Service
 from kvevents.ratelimit import RateLimitedWarning
-from kvevents.security import CurveServer, start_authenticator
+from kvevents.security import start_authenticator
 from kvevents.wire import encode_batch, pack_seq
 
 __all__ = [
@@ -52,121 +52,8 @@ logger = logging.getLogger("kvevents.publish.publisher")
 _names = itertools.count()
 _JOIN_TIMEOUT = 10.0
 
-
-@dataclass(frozen=True)
-class PublisherOptions:
-    """Publisher settings that are not part of ``KVEventsConfig``.
-
-    Kept outside the config so that every config TensorRT-LLM accepts keeps its meaning.
-    """
-
-    heartbeat_interval: float | None = None
-    """Seconds without a publish after which an empty batch is sent; None: no heartbeats."""
-    replay_buffer_bytes: int = 256 * 2**20
-    """Payload byte budget of the replay ring (with ``buffer_steps``, whichever binds first).
-    256 MiB holds about 6,500 prefills of 8,192 tokens, or 10,000 typical 16-block batches
-    many times over."""
-    linger: float = 2.0
-    """Seconds ``shutdown()`` may spend publishing what is queued and flushing the socket."""
-    max_concurrent_replays: int = 8
-    """Replies sent at the same time; later requests wait in a queue."""
-    max_waiting_replays: int = 64
-    """Requests that may wait; beyond it a request gets only the end marker (counted)."""
-    start_timeout: float = 10.0
-    """Seconds ``start()`` waits for the socket threads to bind."""
-    curve: CurveServer | None = None
-    """Encrypt and authenticate the PUB and replay sockets with CurveZMQ (``docs/security.md``);
-    None: the plain wire every engine speaks."""
-
-    def __post_init__(self) -> None:
-        if self.heartbeat_interval is not None and self.heartbeat_interval <= 0:
-            raise ValueError(
-                f"heartbeat_interval must be > 0 or None, got {self.heartbeat_interval}"
-            )
-        for name in ("replay_buffer_bytes", "max_concurrent_replays", "max_waiting_replays"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.linger < 0 or self.start_timeout <= 0:
-            raise ValueError("linger must be >= 0 and start_timeout > 0")
-
-
-@dataclass(frozen=True)
-class PublisherStats:
-    """What a publisher did since it started. Every loss has a counter."""
-
-    #: Fields that are levels (Prometheus gauges); every other number only grows.
-    GAUGES: ClassVar[frozenset[str]] = frozenset(
-        {"next_seq", "pending_carry", "queue_depth", "replay_active", "ring_batches", "ring_bytes"}
-    )
-
-    enqueued: int = 0
-    """Batches accepted into the queue (heartbeats included)."""
-    published: int = 0
-    """Batches handed to the PUB socket."""
-    dropped_queue_full: int = 0
-    """Batches dropped because ``max_queue_size`` batches were waiting (each is a seq gap)."""
-    dropped_encode_error: int = 0
-    """Batches that could not be encoded (each is a seq gap)."""
-    dropped_send_error: int = 0
-    """Batches the queue refused with an error other than 'full' (each is a seq gap)."""
-    carried_events: int = 0
-    """Removals and clears of dropped batches delivered in a later batch instead."""
-    pending_carry: int = 0
-    """Removals and clears waiting for the next accepted batch."""
-    replay_requests: int = 0
-    """Replay requests received, malformed ones included."""
-    replay_batches_served: int = 0
-    """Batches sent in replay replies (end markers excluded)."""
-    replay_malformed: int = 0
-    """Requests that could not be read; each got the end marker."""
-    replay_rejected: int = 0
-    """Requests beyond the wait queue; each got only the end marker."""
-    replay_clients_lost: int = 0
-    """Replies cut short because the client disconnected."""
-    replay_active: int = 0
-    """Replies in progress."""
-    queue_depth: int = 0
-    """Batches accepted but not yet seen leaving the queue (the count lags slightly)."""
-    bytes_sent: int = 0
-    """Bytes of all frames handed to the PUB socket."""
-    heartbeats: int = 0
-    """Empty batches sent because the engine was idle."""
-    ring_batches: int = 0
-    """Batches held for replay."""
-    ring_bytes: int = 0
-    """Payload bytes held for replay."""
-    next_seq: int = 0
-    """The sequence number the next batch will get."""
-    auth_rejected: int = 0
-    """CURVE handshakes refused because the client key is not on the allow-list."""
-    handshake_failed: int = 0
-    """CURVE handshakes that failed (a peer without keys or with the wrong server key)."""
-
-    @property
-    def dropped(self) -> int:
-        """Batches lost inside the publisher, all causes."""
-        return self.dropped_queue_full + self.dropped_encode_error + self.dropped_send_error
-
-    def as_dict(self) -> dict[str, int]:
-        """The counters by name (for metrics)."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
-
-@dataclass(frozen=True)
-class ShutdownReport:
-    """What ``shutdown()`` achieved."""
-
-    published: int
-    """Batches handed to the PUB socket over the publisher's life."""
-    undelivered: int
-    """Accepted batches that had not reached the PUB socket when the linger ran out."""
-    flush_complete: bool
-    """False when the socket linger ran out with data possibly still queued for a subscriber
-    (inferred from the time the final flush took)."""
-    duration: float
-    """Seconds ``shutdown()`` took."""
-    stats: PublisherStats
-    """The final counters."""
+#: A publisher's life: ``start()`` goes from new to started, ``shutdown()`` to closed (final).
+PublisherState = Literal["new", "started", "closed"]
 
 
 class Publisher(abc.ABC):
@@ -231,13 +118,14 @@ def create_publisher(
     config: KVEventsConfig,
     rank: int = 0,
     *,
-    world_size: int = 1,
+    world_size: int | None = None,
     options: PublisherOptions | None = None,
 ) -> Publisher:
     """The publisher ``config`` asks for, for attention-DP rank ``rank`` of ``world_size``.
 
     Checks the whole endpoint layout (every rank fails the same way) but creates no socket:
-    call ``start()`` or use it as a context manager.
+    call ``start()`` or use it as a context manager. Without ``world_size`` (engines whose
+    factories pass only a rank) the layout is checked for ranks ``0..rank``, all that is known.
     """
     if not config.publishing:
         return NullPublisher(rank)
@@ -252,17 +140,11 @@ class ZmqPublisher(Publisher):
         config: KVEventsConfig,
         rank: int = 0,
         *,
-        world_size: int = 1,
+        world_size: int | None = None,
         options: PublisherOptions | None = None,
     ) -> None:
-        if not 0 <= rank < world_size:
-            raise LayoutError(
-                f"rank {rank} is outside world size {world_size}",
-                endpoint=config.endpoint,
-                rank=rank,
-                rule="rank",
-            )
-        check_layout(config, world_size)
+        _check_rank(config, rank, world_size)
+        check_layout(config, rank + 1 if world_size is None else world_size)
         self.config = config
         self.rank = rank
         self.endpoints: RankEndpoints = rank_endpoints(config, rank)
@@ -271,7 +153,7 @@ class ZmqPublisher(Publisher):
         self._lock = threading.Lock()  # guards the queue socket, seq and caller-side counters
         self._state_lock = threading.Lock()
         self._control_lock = threading.Lock()
-        self._state = "new"
+        self._state: PublisherState = "new"
         self._accepting = True
         self._report: ShutdownReport | None = None
         self._counts = dict.fromkeys(
@@ -327,15 +209,7 @@ class ZmqPublisher(Publisher):
         self.replay_endpoint = self._service.ready.wait(
             self.options.start_timeout, "replay service"
         )
-        self._forwarder = Forwarder(
-            context,
-            endpoints=names,
-            endpoint=self.endpoints.publish,
-            rank=self.rank,
-            hwm=self.config.hwm,
-            queue_size=self.config.max_queue_size,
-            curve=self.options.curve,
-        )
+        self._forwarder = self._new_forwarder(context, names)
         self._forwarder.start()
         self.endpoint = self._forwarder.ready.wait(self.options.start_timeout, "forwarder")
         push = self._caller_socket(zmq.PUSH, None)
@@ -353,6 +227,16 @@ class ZmqPublisher(Publisher):
             socket.connect(connect)
         return socket
 
+    def _new_forwarder(self, context: zmq.Context[Any], names: dict[str, str]) -> Forwarder:
+        return Forwarder(
+            context,
+            endpoints=names,
+            endpoint=self.endpoints.publish,
+            rank=self.rank,
+            hwm=self.config.hwm,
+            curve=self.options.curve,
+        )
+
     def _new_service(self, context: zmq.Context[Any], names: dict[str, str]) -> Service:
         ring = None
         if self.endpoints.replay is not None:
@@ -364,8 +248,7 @@ class ZmqPublisher(Publisher):
             rank=self.rank,
             topic=self._topic,
             ring=ring,
-            max_active=self.options.max_concurrent_replays,
-            max_waiting=self.options.max_waiting_replays,
+            limits=self.options.replay_limits(),
             heartbeat_interval=self.options.heartbeat_interval,
             heartbeat=self._send_heartbeat,
             last_activity=lambda: self._last_activity,
@@ -430,8 +313,7 @@ class ZmqPublisher(Publisher):
             push.close(0)
         forwarder, service = self._forwarder, self._service
         if forwarder is not None and forwarder.is_alive():
-            forwarder.close_linger_ms = linger_ms
-            forwarder.resume("stop")
+            forwarder.prepare_stop(linger_ms)
             self._send_control(b"TERMINATE")
             forwarder.join(_JOIN_TIMEOUT)
         if service is not None and service.is_alive() and self._wake is not None:
@@ -544,8 +426,12 @@ class ZmqPublisher(Publisher):
             replay_batches_served=replay.batches_served if replay else 0,
             replay_malformed=replay.malformed if replay else 0,
             replay_rejected=replay.rejected if replay else 0,
+            replay_rate_limited=replay.rate_limited if replay else 0,
+            replay_timed_out=replay.timed_out if replay else 0,
             replay_clients_lost=replay.clients_lost if replay else 0,
             replay_active=server.active if server is not None else 0,
+            replay_waiting=server.waiting if server is not None else 0,
+            replay_peers=server.peers_tracked if server is not None else 0,
             queue_depth=max(0, self._counts["enqueued"] - published),
             bytes_sent=service.bytes_sent if service is not None else 0,
             heartbeats=self._heartbeats,
@@ -555,21 +441,13 @@ class ZmqPublisher(Publisher):
             **_handshake_counts(service),
         )
 
-    # ------------------------------------------------------------------ test seams
 
-    def _pause_forwarding(self, timeout: float = 10.0) -> None:
-        """Stop moving batches to the PUB socket (tests fill the queue deterministically)."""
-        forwarder = self._forwarder
-        if forwarder is None or self._state != "started":
-            raise PublisherError(f"publisher for rank {self.rank} is not running")
-        forwarder.command = "pause"
-        self._send_control(b"TERMINATE")
-        if not forwarder.paused.wait(timeout):
-            raise PublisherError(f"forwarder of rank {self.rank} did not pause within {timeout}s")
-
-    def _resume_forwarding(self) -> None:
-        if self._forwarder is not None:
-            self._forwarder.resume("run")
+def _check_rank(config: KVEventsConfig, rank: int, world_size: int | None) -> None:
+    if rank < 0 or (world_size is not None and rank >= world_size):
+        where = "negative" if rank < 0 else f"outside world size {world_size}"
+        raise LayoutError(
+            f"rank {rank} is {where}", endpoint=config.endpoint, rank=rank, rule="rank"
+        )
 
 
 def _handshake_counts(service: Service | None) -> dict[str, int]:

@@ -6,13 +6,18 @@
 :class:`ReplayServer` answers DEALER requests on a ROUTER socket owned by the publisher's
 service thread. Replies are sent non-blocking with ``ROUTER_MANDATORY`` and resumed later when a
 client's pipe is full, a few messages per client per round, so one large or slow replay never
-starves another client, the live path, or the capture draining. Nothing is dropped silently: a
-client that vanishes mid-reply is counted in ``clients_lost``.
+starves another client, the live path, or the capture draining. Hostile clients are bounded:
+a peer (remote address) gets a token bucket of requests and a share of the reply slots, a reply
+that makes no progress for ``send_timeout`` seconds gives its slot back, and requests are read
+a bounded number at a time so the ring keeps filling during a flood. Nothing is dropped
+silently: every refusal, timeout and vanished client has a counter.
 """
 
 from __future__ import annotations
 
 import bisect
+import enum
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,14 +25,25 @@ from dataclasses import dataclass, field
 import zmq
 
 from kvevents.errors import DecodeError
+from kvevents.publish.admission import PeerBuckets
 from kvevents.wire import parse_replay_request, replay_end_frames
 
-__all__ = ["ReplayRing", "ReplayServer", "RingEntry"]
+__all__ = [
+    "ReplayCounters",
+    "ReplayLimits",
+    "ReplayRing",
+    "ReplayServer",
+    "RingEntry",
+    "SendResult",
+]
 
 _END = replay_end_frames()
 # Messages sent to one client before moving to the next: small enough that a 10,000-batch
 # replay yields to others (and to capture draining) every few hundred microseconds.
 _CHUNK = 32
+# Requests read per call of accept_requests(): the service thread goes back to draining the
+# capture pipe (the ring) between two such bites of a flood.
+_ACCEPT_LIMIT = 256
 
 
 @dataclass(frozen=True)
@@ -92,13 +108,23 @@ def _seq_of(entry: RingEntry) -> int:
     return entry.seq
 
 
+class SendResult(enum.Enum):
+    """What a non-blocking send to one replay client did."""
+
+    SENT = "sent"
+    BLOCKED = "blocked"  # the client's pipe is full: try again later
+    LOST = "lost"  # the client is gone
+
+
 @dataclass
 class _Session:
     identity: bytes
-    start_seq: int | None  # None: the request was malformed, answer the end marker only
+    peer: str
+    start_seq: int
     entries: list[RingEntry] = field(default_factory=list)
     position: int = 0
-    started: bool = False
+    ends: int = 1  # end markers owed after the entries: answers to requests queued behind it
+    last_progress: float = 0.0
 
 
 @dataclass
@@ -109,7 +135,26 @@ class ReplayCounters:
     batches_served: int = 0
     rejected: int = 0
     malformed: int = 0
+    rate_limited: int = 0
+    timed_out: int = 0
     clients_lost: int = 0
+
+
+@dataclass(frozen=True)
+class ReplayLimits:
+    """The bounds of a replay server (``PublisherOptions`` documents each)."""
+
+    max_active: int = 8
+    max_waiting: int = 64
+    per_peer: int = 2
+    send_timeout: float = 5.0
+    rate: float = 10.0
+    burst: int = 20
+
+    @property
+    def per_peer_waiting(self) -> int:
+        """Requests one peer may have waiting: an eighth of the queue, so it cannot fill it alone."""
+        return max(1, self.max_waiting // 8)
 
 
 class ReplayServer:
@@ -124,19 +169,26 @@ class ReplayServer:
         socket: zmq.Socket[bytes],
         ring: ReplayRing,
         topic: bytes,
+        limits: ReplayLimits,
         *,
-        max_active: int,
-        max_waiting: int,
         before_snapshot: Callable[[], None] = lambda: None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._socket = socket
         self._ring = ring
         self._topic = topic
-        self._max_active = max_active
-        self._max_waiting = max_waiting
+        self.limits = limits
         self._before_snapshot = before_snapshot
+        self._clock = clock
+        self._buckets = PeerBuckets(limits.rate, limits.burst)
         self._active: list[_Session] = []
-        self._waiting: deque[_Session] = deque()
+        self._waiting: dict[str, deque[_Session]] = {}  # per peer, oldest request first
+        self._waiting_count = 0
+        self._active_per_peer: dict[str, int] = {}
+        # When each peer with active or waiting requests last got a slot (a tick, not a time).
+        self._started_at: dict[str, int] = {}
+        self._starts = 0
+        self._last: dict[bytes, _Session] = {}  # each client's newest session not yet finished
         self.counters = ReplayCounters()
 
     @property
@@ -149,57 +201,139 @@ class ReplayServer:
         """Replies in progress."""
         return len(self._active)
 
-    def accept_requests(self) -> None:
-        """Read every pending request (non-blocking) and queue or reject it."""
-        while True:
-            try:
-                frames = self._socket.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            self.counters.requests += 1
-            self._queue(_session_for(frames, self.counters))
-        self._activate()
+    @property
+    def waiting(self) -> int:
+        """Requests waiting for a reply slot."""
+        return self._waiting_count
 
-    def _queue(self, session: _Session) -> None:
-        if len(self._waiting) >= self._max_waiting:
-            self.counters.rejected += 1
+    @property
+    def peers_tracked(self) -> int:
+        """Peers with a token bucket (bounded)."""
+        return len(self._buckets)
+
+    def accept_requests(self) -> bool:
+        """Read pending requests (non-blocking, a bounded number); True if some may remain."""
+        for _ in range(_ACCEPT_LIMIT):
+            try:
+                frames = self._socket.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                self._activate()
+                return False
+            self.counters.requests += 1
+            self._admit(frames)
+        self._activate()
+        return True
+
+    def _admit(self, frames: list[zmq.Frame]) -> None:
+        identity = frames[0].bytes
+        peer = _peer_of(frames)
+        try:
+            start = parse_replay_request([f.bytes for f in frames[1:]])
+        except DecodeError:
+            self.counters.malformed += 1
+            self._answer_end(identity)
+            return
+        if not self._buckets.allow(peer, self._clock()):
+            self.counters.rate_limited += 1
+            self._answer_end(identity)
+            return
+        queue = self._waiting.get(peer)
+        waiting_here = len(queue) if queue is not None else 0
+        if (
+            self._waiting_count >= self.limits.max_waiting
+            or waiting_here >= self.limits.per_peer_waiting
+        ):
             # Beyond the wait queue the client gets the end marker at once (never silence);
             # its first replayed sequence then differs from what it asked: a visible gap.
-            self._send_now(session.identity, _END)
+            self.counters.rejected += 1
+            self._answer_end(identity)
             return
-        self._waiting.append(session)
+        session = _Session(identity=identity, peer=peer, start_seq=start)
+        self._waiting.setdefault(peer, deque()).append(session)
+        self._waiting_count += 1
+        self._last[identity] = session
+
+    def _answer_end(self, identity: bytes) -> None:
+        pending = self._last.get(identity)
+        if pending is not None:
+            # The client is still owed a reply: its answers keep the order of its requests.
+            pending.ends += 1
+            return
+        if self._try_send([identity, *_END]) is SendResult.BLOCKED:
+            self.counters.clients_lost += 1
 
     def _activate(self) -> None:
-        busy_ids = {s.identity for s in self._active}
-        kept: deque[_Session] = deque()
-        while self._waiting and len(self._active) < self._max_active:
-            session = self._waiting.popleft()
-            if session.identity in busy_ids:
-                kept.append(session)  # one reply at a time per client, in request order
-                continue
+        busy = {s.identity for s in self._active}
+        while self._waiting and len(self._active) < self.limits.max_active:
+            picked = self._pick(busy)
+            if picked is None:
+                return
+            peer, index = picked
+            queue = self._waiting[peer]
+            session = queue[index]
+            del queue[index]
+            if not queue:
+                del self._waiting[peer]
+            self._waiting_count -= 1
             self._start(session)
-            busy_ids.add(session.identity)
-        kept.extend(self._waiting)
-        self._waiting = kept
+            busy.add(session.identity)
+
+    def _pick(self, busy: set[bytes]) -> tuple[str, int] | None:
+        """The waiting request to start: from the peer holding the fewest slots, and among
+        those the one served least recently (round-robin); None when no peer may start one."""
+        best: tuple[tuple[int, int], str, int] | None = None
+        for peer, queue in self._waiting.items():
+            held = self._active_per_peer.get(peer, 0)
+            if held >= self.limits.per_peer:
+                continue
+            # One reply at a time per client, in request order; other clients of a peer may go.
+            index = next((i for i, s in enumerate(queue) if s.identity not in busy), None)
+            rank = (held, self._started_at.get(peer, -1))
+            if index is not None and (best is None or rank < best[0]):
+                best = (rank, peer, index)
+        return None if best is None else (best[1], best[2])
 
     def _start(self, session: _Session) -> None:
-        if session.start_seq is not None:
-            self._before_snapshot()
-            session.entries = self._ring.tail(session.start_seq)
-        session.started = True
+        self._before_snapshot()
+        session.entries = self._ring.tail(session.start_seq)
+        session.last_progress = self._clock()
         self._active.append(session)
+        self._active_per_peer[session.peer] = self._active_per_peer.get(session.peer, 0) + 1
+        self._starts += 1
+        self._started_at[session.peer] = self._starts
 
     def pump(self) -> bool:
         """Send one round (a few messages per reply); True if any message went out."""
         progressed = False
+        now = self._clock()
         for session in list(self._active):
             sent, done = self._send_chunk(session)
-            progressed = progressed or sent > 0
+            if sent:
+                progressed = True
+                session.last_progress = now
+            elif not done and now - session.last_progress >= self.limits.send_timeout:
+                # A client that reads nothing gives its slot back; what it was owed is lost.
+                self.counters.timed_out += 1
+                done = True
             if done:
-                self._active.remove(session)
+                self._finish(session)
+        if len(self._active) > 1:
+            self._active.append(self._active.pop(0))  # round-robin: who goes first rotates
         if progressed or not self._active:
             self._activate()
         return progressed
+
+    def _finish(self, session: _Session) -> None:
+        self._active.remove(session)
+        left = self._active_per_peer[session.peer] - 1
+        if left:
+            self._active_per_peer[session.peer] = left
+        else:
+            del self._active_per_peer[session.peer]
+            if session.peer not in self._waiting:
+                del self._started_at[session.peer]
+        if self._last.get(session.identity) is session:
+            del self._last[session.identity]
 
     def _send_chunk(self, session: _Session) -> tuple[int, bool]:
         sent = 0
@@ -211,39 +345,34 @@ class ReplayServer:
             else:
                 frames = [session.identity, *_END]
             outcome = self._try_send(frames)
-            if outcome == "blocked":
+            if outcome is SendResult.BLOCKED:
                 return sent, False
-            if outcome == "lost":
+            if outcome is SendResult.LOST:
                 return sent, True
             sent += 1
-            if session.position >= len(entries):
+            if session.position < len(entries):
+                self.counters.batches_served += 1
+            elif session.position + 1 >= len(entries) + session.ends:
                 return sent, True
             session.position += 1
-            self.counters.batches_served += 1
         return sent, False
 
-    def _try_send(self, frames: list[bytes]) -> str:
+    def _try_send(self, frames: list[bytes]) -> SendResult:
         try:
             self._socket.send_multipart(frames, zmq.NOBLOCK)
         except zmq.Again:
-            return "blocked"
+            return SendResult.BLOCKED
         except zmq.ZMQError as exc:
             if exc.errno != zmq.EHOSTUNREACH:
                 raise
             self.counters.clients_lost += 1
-            return "lost"
-        return "sent"
-
-    def _send_now(self, identity: bytes, frames: list[bytes]) -> None:
-        if self._try_send([identity, *frames]) == "blocked":
-            self.counters.clients_lost += 1
+            return SendResult.LOST
+        return SendResult.SENT
 
 
-def _session_for(frames: list[bytes], counters: ReplayCounters) -> _Session:
-    identity = frames[0]
+def _peer_of(frames: list[zmq.Frame]) -> str:
+    # The remote address libzmq recorded for the connection; empty where it has none (inproc).
     try:
-        start: int | None = parse_replay_request(frames[1:])
-    except DecodeError:
-        counters.malformed += 1
-        start = None
-    return _Session(identity=identity, start_seq=start)
+        return str(frames[-1].get("Peer-Address") or "")
+    except zmq.ZMQError:
+        return ""

@@ -20,7 +20,7 @@ from typing import Any
 import zmq
 
 from kvevents.errors import BindError, PublisherError
-from kvevents.publish.replay import ReplayRing, ReplayServer
+from kvevents.publish.replay import ReplayLimits, ReplayRing, ReplayServer
 from kvevents.security import CurveServer, HandshakeWatch, apply_server, monitor
 from kvevents.wire.endpoints import parse_endpoint
 
@@ -33,6 +33,10 @@ _BLOCKED_RETRY_MS = 1
 # flow control, so the pipe need not hold a whole reply; each queued message is a copy of a
 # buffered payload, so a deep pipe per slow client would multiply the ring's memory.
 _REPLAY_SNDHWM = 1000
+# The largest frame a replay client may send (a request is at most two frames of 8 bytes; with
+# CURVE the handshake's frames are a few hundred bytes). A bigger one closes the connection in
+# libzmq before any memory is spent on it, so nobody can make the server buffer a huge frame.
+_REPLAY_MAXMSGSIZE = 4096
 # How often the capture pipe is drained into the ring and the counters when nothing else
 # wakes the thread (a replay request drains it first anyway).
 _DRAIN_INTERVAL_MS = 10
@@ -86,10 +90,8 @@ def bind(socket: zmq.Socket[Any], endpoint: str, *, rank: int, role: str) -> str
 class Forwarder(threading.Thread):
     """Owns the frontend, the PUB socket, the capture sender and the proxy's control socket.
 
-    ``command`` says what to do when the proxy returns (after ``TERMINATE`` on the control
-    socket): ``"stop"`` closes everything, ``"pause"`` waits for :meth:`resume` and re-enters
-    the proxy (libzmq's own PAUSE command does not stop forwarding in 4.3.5, so tests pause
-    this way).
+    The proxy returns when the publisher sends ``TERMINATE`` on the control socket; the PUB
+    socket then closes with ``close_linger_ms`` (set by :meth:`prepare_stop`) as its linger.
     """
 
     def __init__(
@@ -100,7 +102,6 @@ class Forwarder(threading.Thread):
         endpoint: str,
         rank: int,
         hwm: int,
-        queue_size: int,
         curve: CurveServer | None = None,
     ) -> None:
         super().__init__(name=f"kvevents-forwarder-r{rank}", daemon=True)
@@ -110,16 +111,12 @@ class Forwarder(threading.Thread):
         self._endpoint = endpoint
         self._rank = rank
         self._hwm = hwm
-        self._queue_size = queue_size
         self.ready = Ready()
-        self.command = "stop"
         self.close_linger_ms = 0
-        self.paused = threading.Event()
-        self._resume = threading.Event()
 
-    def resume(self, command: str = "run") -> None:
-        self.command = command
-        self._resume.set()
+    def prepare_stop(self, linger_ms: int) -> None:
+        """Called before ``TERMINATE``: the PUB socket's linger when the proxy returns."""
+        self.close_linger_ms = linger_ms
 
     def run(self) -> None:
         sockets: list[zmq.Socket[Any]] = []
@@ -164,19 +161,9 @@ class Forwarder(threading.Thread):
         return socket
 
     def _forward(self, *sockets: zmq.Socket[Any]) -> None:
+        """Run the proxy until ``TERMINATE`` (a subclass may re-enter it)."""
         frontend, pub, capture, control = sockets
-        while True:
-            zmq.proxy_steerable(frontend, pub, capture, control)
-            if self.command != "pause":
-                return
-            self._resume.clear()
-            if self.command == "stop":  # asked to stop while the proxy was returning
-                return
-            self.paused.set()
-            self._resume.wait()
-            self.paused.clear()
-            if self.command == "stop":
-                return
+        zmq.proxy_steerable(frontend, pub, capture, control)
 
 
 class Service(threading.Thread):
@@ -195,8 +182,7 @@ class Service(threading.Thread):
         rank: int,
         topic: bytes,
         ring: ReplayRing | None,
-        max_active: int,
-        max_waiting: int,
+        limits: ReplayLimits,
         heartbeat_interval: float | None,
         heartbeat: Callable[[], None],
         last_activity: Callable[[], float],
@@ -212,7 +198,7 @@ class Service(threading.Thread):
         self._rank = rank
         self._topic = topic
         self.ring = ring
-        self._limits = (max_active, max_waiting)
+        self._limits = limits
         self._heartbeat_interval = heartbeat_interval
         self._heartbeat = heartbeat
         self._last_activity = last_activity
@@ -261,19 +247,14 @@ class Service(threading.Thread):
         router = self._socket(sockets, zmq.ROUTER)
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         router.setsockopt(zmq.SNDHWM, _REPLAY_SNDHWM)
+        router.setsockopt(zmq.MAXMSGSIZE, _REPLAY_MAXMSGSIZE)
         if self.handshakes is not None:
             apply_server(router, self._curve)
             monitor(router, self._endpoints["monitor-replay"])
             self.handshakes.attach(self._context, self._endpoints["monitor-replay"], "replay")
         bind(router, self._replay_endpoint, rank=self._rank, role="replay")
-        max_active, max_waiting = self._limits
         self.server = ReplayServer(
-            router,
-            self.ring,
-            self._topic,
-            max_active=max_active,
-            max_waiting=max_waiting,
-            before_snapshot=self._drain_all,
+            router, self.ring, self._topic, self._limits, before_snapshot=self._drain_all
         )
         return capture, wake, router
 
@@ -300,6 +281,8 @@ class Service(threading.Thread):
                 return
             self._count_handshakes(ready)
             if self.server is not None:
+                # A flood is read a bite at a time, with a drain of the capture pipe (the ring)
+                # before each bite; the router stays readable, so the next poll does not wait.
                 if router in ready:
                     self.server.accept_requests()
                 progressed = self.server.pump() if self.server.busy else False

@@ -6,26 +6,45 @@ its own I/O thread). Workers are registered with :class:`WorkerRegistration`; a 
 is applied, a ``StreamReset`` resets that stream, a stream that lost events for good is
 degraded in routing until it is whole again. Queries take the same lock as the feed.
 
-The HTTP API over it (``kvevents serve``) is :mod:`kvevents.service.http`.
+The feed protocol, the records and the default feed are in :mod:`kvevents.service.feed`
+(re-exported here); the HTTP API over the service (``kvevents serve``) is
+:mod:`kvevents.service.http`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import importlib
 import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, TypeVar
 
 import msgspec
 
-from kvevents.errors import DecodeError
-from kvevents.index.prefix import IndexStats, PrefixIndex
-from kvevents.index.router import Router
-from kvevents.subscribe.streams import Delivery
-from kvevents.wire import Applied
+from kvevents.errors import DecodeError, StreamAddError, SubscriberError
+from kvevents.events import AllBlocksCleared
+from kvevents.index.prefix import HolderKey, IndexStats, PrefixIndex
+from kvevents.index.router import DEFAULT_POLICY, Router
+from kvevents.service.feed import (
+    Feed,
+    ServiceStats,
+    WorkerRegistration,
+    default_feed,
+    default_stream_specs,
+)
+from kvevents.subscribe.streams import (
+    Delivery,
+    FeedHealth,
+    Item,
+    StreamKey,
+    StreamSpec,
+    StreamStats,
+    StreamStatus,
+    SubscriberOptions,
+)
+from kvevents.wire import Applied, DecodedBatch, decode_batch_packed
 
 __all__ = [
     "Feed",
@@ -36,73 +55,10 @@ __all__ = [
 
 log = logging.getLogger("kvevents.service.core")
 
-
-class Feed(Protocol):
-    """What the service needs from an event source (the Subscriber has all of it)."""
-
-    def add_stream(self, spec: Any) -> None: ...
-    def remove_stream(self, worker_id: str, rank: int | None = None) -> None: ...
-    def start(self) -> None: ...
-    def close(self) -> None: ...
-    def get(self, timeout: float | None = None) -> Any: ...
-    def stats(self) -> Any: ...
-
-
-@dataclasses.dataclass(frozen=True)
-class WorkerRegistration:
-    """A registered worker: where its ranks publish and how its blocks are sized."""
-
-    worker_id: str
-    endpoint: str
-    block_size: int
-    ranks: tuple[int, ...] = (0,)
-    replay_endpoint: str | None = None
-    topic: str = ""
-    model_name: str | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class ServiceStats:
-    """The feed consumer's counters."""
-
-    deliveries: int  #: batches applied
-    resets: int  #: stream resets applied
-    ignored: int  #: items of workers (or ranks) no longer registered
-    apply_errors: int  #: items that raised while applied (logged; the thread goes on)
-    queries: int
-
-
-def default_stream_specs(reg: WorkerRegistration) -> list[Any]:
-    """Stream specs of a worker's ranks, built by ``kvevents.subscribe.subscriber.worker_streams``."""
-    subscriber = importlib.import_module("kvevents.subscribe.subscriber")
-    specs: list[Any] = subscriber.worker_streams(
-        reg.worker_id, reg.endpoint, reg.replay_endpoint, ranks=list(reg.ranks), topic=reg.topic
-    )
-    return specs
-
-
-def default_feed(
-    callback: Callable[[Any], None] | None = None,
-    options: Any | None = None,
-    on_status: Callable[[Any], None] | None = None,
-    on_payload: Callable[[Any, int, bytes], Any] | None = None,
-) -> Feed:
-    """A ``kvevents.subscribe.subscriber.Subscriber`` with no streams yet.
-
-    ``options`` (a ``SubscriberOptions``) are used as given, except that with ``callback``
-    the subscriber calls it with every item on its I/O thread instead of queueing the item,
-    ``on_status`` (when given) receives every stream state change, and ``on_payload`` (when
-    given) applies batch payloads before they are decoded into deliveries.
-    """
-    subscriber = importlib.import_module("kvevents.subscribe.subscriber")
-    base = options if options is not None else subscriber.SubscriberOptions()
-    changes: dict[str, Any] = {"callback": callback}
-    if on_status is not None:
-        changes["on_status"] = on_status
-    if on_payload is not None:
-        changes["on_payload"] = on_payload
-    feed: Feed = subscriber.Subscriber(options=dataclasses.replace(base, **changes))
-    return feed
+#: Payloads larger than this (bytes) are decoded before the index lock is taken. Typical
+#: batches are a few KB; a step storing thousands of blocks at once is the rare large one.
+DECODE_OUTSIDE_LOCK = 256 << 10
+_T = TypeVar("_T")
 
 
 class IndexService:
@@ -112,8 +68,8 @@ class IndexService:
     closes it in :meth:`close`. With neither, the feed is a Subscriber that applies each item
     on its own I/O thread through :meth:`consume` (no hand-off between threads, the fastest
     path), and the service starts no consumer thread. A feed that calls :meth:`consume` itself
-    is passed with ``pushes=True``. ``subscriber_options`` (a ``SubscriberOptions``)
-    configure that default subscriber (e.g. CurveZMQ keys).
+    is passed with ``pushes=True``. ``subscriber_options`` configure that default subscriber
+    (e.g. CurveZMQ keys).
     """
 
     def __init__(
@@ -124,14 +80,17 @@ class IndexService:
         feed: Feed | None = None,
         feed_factory: Callable[[], Feed] | None = None,
         pushes: bool = False,
-        subscriber_options: Any | None = None,
-        stream_specs: Callable[[WorkerRegistration], list[Any]] = default_stream_specs,
-        policy: str = "prefix_load",
+        subscriber_options: SubscriberOptions | None = None,
+        stream_specs: Callable[[WorkerRegistration], list[StreamSpec]] = default_stream_specs,
+        policy: str = DEFAULT_POLICY,
         poll_interval: float = 0.1,
     ) -> None:
         self.index = index if index is not None else PrefixIndex()
         self.router = router if router is not None else Router(self.index, policy)
         self.lock = threading.Lock()
+        # Serialises register/unregister: a replacement is validated, swapped and, when the
+        # feed refuses a stream, rolled back as one step.
+        self._changes = threading.Lock()
         self._feed = feed
         self._feed_factory = feed_factory
         self._pushes = pushes
@@ -142,13 +101,8 @@ class IndexService:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._started = False
-        self._counts = {
-            "deliveries": 0,
-            "resets": 0,
-            "ignored": 0,
-            "apply_errors": 0,
-            "queries": 0,
-        }
+        self._consumer_error: str | None = None
+        self._counts = {f.name: 0 for f in dataclasses.fields(ServiceStats)}
 
     @property
     def feed(self) -> Feed:
@@ -207,18 +161,18 @@ class IndexService:
                 if self._stop.is_set():
                     return
                 log.exception("the feed failed; the index stops consuming it")
+                self._consumer_error = "the feed failed; the index stopped consuming it"
                 return
             if item is not None:
                 self.consume(item)
 
-    def consume(self, item: Any) -> None:
-        """Apply one feed item: a Delivery (``.batch``), a StreamReset (``.reason``), or a
-        StreamStatus (``.state``, from feeds that queue status items)."""
-        stream = item.stream
-        delivery = type(item) is Delivery or hasattr(item, "batch")
-        if not delivery and hasattr(item, "state"):
+    def consume(self, item: Item) -> None:
+        """Apply one feed item: a Delivery, a StreamReset, or a StreamStatus (from feeds
+        that queue status items)."""
+        if isinstance(item, StreamStatus):
             self.on_status(item)
             return
+        stream = item.stream
         try:
             with self.lock:
                 reg = self._workers.get(stream.worker_id)
@@ -226,7 +180,7 @@ class IndexService:
                     # Queued before the worker was unregistered: applying it would bring
                     # the worker back as a ghost.
                     self._counts["ignored"] += 1
-                elif delivery:
+                elif isinstance(item, Delivery):
                     self.index.ingest(stream.worker_id, stream.rank, item.batch)
                     self._counts["deliveries"] += 1
                 else:
@@ -236,25 +190,50 @@ class IndexService:
             self._counts["apply_errors"] += 1
             log.exception("worker %s rank %s: item not applied", stream.worker_id, stream.rank)
 
-    def apply_payload(self, stream: Any, seq: int, payload: bytes) -> Applied | None:
+    def apply_payload(self, stream: StreamSpec, seq: int, payload: bytes) -> Applied | None:
         """Apply one batch payload of ``stream`` straight from the wire (the default feed's
         ``on_payload``): no delivery object, no decoded tokens. None for a stream of a worker
-        no longer registered (the feed then delivers it, and :meth:`consume` ignores it)."""
-        with self.lock:
-            reg = self._workers.get(stream.worker_id)
-            if reg is None or stream.rank not in reg.ranks:
-                return None
-            try:
-                applied = self.index.ingest_payload(stream.worker_id, stream.rank, payload, seq=seq)
-            except DecodeError:
-                raise
-            except Exception:
-                self._counts["apply_errors"] += 1  # the subscriber logs it, with the stream
-                raise
-            self._counts["deliveries"] += 1
-            return applied
+        no longer registered (the feed then delivers it, and :meth:`consume` ignores it).
 
-    def on_status(self, status: Any) -> None:
+        A payload over :data:`DECODE_OUTSIDE_LOCK` bytes is decoded before the lock is taken:
+        the index's fast lane reads small batches in one C pass as it applies them, but a
+        large one it cannot take whole would be decoded in Python with every query waiting.
+        """
+        if len(payload) > DECODE_OUTSIDE_LOCK:
+            return self._apply_decoded(stream, decode_batch_packed(payload, seq=seq))
+        with self.lock:
+            if not self._follows(stream):
+                return None
+            key = stream.worker_id, stream.rank
+            return self._counted(lambda: self.index.ingest_payload(*key, payload, seq=seq))
+
+    def _apply_decoded(self, stream: StreamSpec, decoded: DecodedBatch) -> Applied | None:
+        batch = decoded.batch
+        with self.lock:
+            if not self._follows(stream):
+                return None
+            self._counted(lambda: self.index.ingest(stream.worker_id, stream.rank, batch))
+        cleared = any(type(e) is AllBlocksCleared for e in batch.events)
+        return Applied(batch.ts, len(batch.events), decoded.skipped_count, cleared)
+
+    def _follows(self, stream: StreamSpec) -> bool:
+        """Whether ``stream`` is a registered worker's rank (call with the lock held)."""
+        reg = self._workers.get(stream.worker_id)
+        return reg is not None and stream.rank in reg.ranks
+
+    def _counted(self, apply: Callable[[], _T]) -> _T:
+        """``apply()``, counted as a delivery or an apply error."""
+        try:
+            applied = apply()
+        except DecodeError:
+            raise
+        except Exception:
+            self._counts["apply_errors"] += 1  # the subscriber logs it, with the stream
+            raise
+        self._counts["deliveries"] += 1
+        return applied
+
+    def on_status(self, status: StreamStatus) -> None:
         """A stream's state changed: an incomplete stream's matches stop being trusted.
 
         A loss after events were applied may have hidden removals, so the index can list
@@ -275,24 +254,69 @@ class IndexService:
 
     # ----------------------------------------------------------------- workers
 
-    def register(self, reg: WorkerRegistration) -> list[Any]:
-        """Index a worker's ranks and subscribe to them; re-registering replaces."""
-        if reg.worker_id in self._workers:
-            self.unregister(reg.worker_id)
+    def stream_specs(self, reg: WorkerRegistration) -> list[StreamSpec]:
+        """The streams ``reg`` would add; ``LayoutError`` (a ``ValueError``) if an endpoint
+        breaks a rule. Pure: nothing is registered."""
+        return self._stream_specs(reg)
+
+    def register(self, reg: WorkerRegistration) -> list[StreamSpec]:
+        """Index a worker's ranks and subscribe to them; re-registering replaces.
+
+        Everything is checked before anything changes: endpoints that break a rule raise
+        ``LayoutError`` and a stream the feed refuses raises
+        :class:`~kvevents.errors.StreamAddError`, and in both cases a worker registered before
+        keeps its old registration and streams.
+        """
         specs = self._stream_specs(reg)
+        with self._changes:
+            old = self._workers.get(reg.worker_id)
+            if old is not None:
+                self._drop(old, None)
+            try:
+                self._add(reg, specs)
+            except StreamAddError:
+                self._counts["refused_registrations"] += 1
+                if old is not None:
+                    self._add(old, self._stream_specs(old))
+                raise
+            self._counts["registrations"] += 1
+        return specs
+
+    def _add(self, reg: WorkerRegistration, specs: list[StreamSpec]) -> None:
+        """Register ``reg`` in the index and the feed, or (StreamAddError) not at all."""
         with self.lock:
             self.index.register_worker(reg.worker_id, block_size=reg.block_size, ranks=reg.ranks)
             self._workers[reg.worker_id] = reg
+        added: list[StreamSpec] = []
         for spec in specs:
-            self.feed.add_stream(spec)
-        return specs
+            try:
+                self.feed.add_stream(spec)
+            except (SubscriberError, ValueError) as exc:
+                refused = exc if isinstance(exc, StreamAddError) else _add_error(spec, exc)
+                for done in added:
+                    # The feed may have dropped a stream it could not keep: nothing to undo.
+                    with contextlib.suppress(KeyError):
+                        self.feed.remove_stream(done.worker_id, done.rank)
+                self._forget(reg, None)
+                raise refused from exc
+            added.append(spec)
 
     def unregister(self, worker_id: str, rank: int | None = None) -> bool:
         """Stop following a worker (or one rank) and drop its blocks. False if unknown."""
-        reg = self._workers.get(worker_id)
-        if reg is None or (rank is not None and rank not in reg.ranks):
-            return False
-        self.feed.remove_stream(worker_id, rank)
+        with self._changes:
+            reg = self._workers.get(worker_id)
+            if reg is None or (rank is not None and rank not in reg.ranks):
+                return False
+            self._drop(reg, rank)
+            return True
+
+    def _drop(self, reg: WorkerRegistration, rank: int | None) -> None:
+        self.feed.remove_stream(reg.worker_id, rank)
+        self._forget(reg, rank)
+
+    def _forget(self, reg: WorkerRegistration, rank: int | None) -> None:
+        """Drop a worker (or one rank) from the index, the router and the registrations."""
+        worker_id = reg.worker_id
         with self.lock:
             self.index.remove_worker(worker_id, rank)
             self.router.loads.remove(worker_id, rank)
@@ -302,7 +326,6 @@ class IndexService:
             else:
                 ranks = tuple(r for r in reg.ranks if r != rank)
                 self._workers[worker_id] = dataclasses.replace(reg, ranks=ranks)
-        return True
 
     def workers(self) -> list[WorkerRegistration]:
         return list(self._workers.values())
@@ -356,26 +379,26 @@ class IndexService:
         with self.lock:
             return self.index.stats()
 
-    def stream_health(self) -> dict[tuple[str, int], Any]:
-        """The feed's per-stream stats, when it has them (the Subscriber does)."""
-        stream_stats = getattr(self.feed, "stream_stats", None)
-        if stream_stats is None:
-            return {}
-        try:
-            health: dict[tuple[str, int], Any] = stream_stats()
-        except Exception:  # health is advisory; never fail /workers on it
-            log.exception("the feed's stream_stats() failed")
-            return {}
-        return health
+    def health(self) -> FeedHealth:
+        """Whether the feed is serving: the feed's own health, or ``"dead"`` when the
+        service's consumer thread stopped on a feed error."""
+        if self._consumer_error is not None:
+            return FeedHealth("dead", False, 0.0, self._consumer_error)
+        return self.feed.health()
+
+    def stream_health(self) -> dict[StreamKey, StreamStats]:
+        """The feed's per-stream stats."""
+        return self.feed.stream_stats()
 
     def workers_view(self) -> list[dict[str, Any]]:
         """Workers with their per-rank index state and stream health (``GET /workers``)."""
         with self.lock:
             streams = {(s.worker_id, s.rank): s for s in self.index.streams()}
+            degraded = dict(self.router.degraded)
         health = self.stream_health()
         now = time.time()
         out = []
-        for reg in self._workers.values():
+        for reg in list(self._workers.values()):
             ranks = []
             for rank in reg.ranks:
                 info = streams.get((reg.worker_id, rank))
@@ -385,14 +408,61 @@ class IndexService:
                     last = info.last_batch_ts
                     row["lag_seconds"] = None if last is None else max(0.0, now - last)
                 row["stream"] = _builtins(health.get((reg.worker_id, rank)))
-                row["degraded"] = self.router.degraded.get((reg.worker_id, rank))
+                row["degraded"] = degraded.get((reg.worker_id, rank))
                 ranks.append(row)
             out.append({**_builtins(reg), "ranks": ranks})
         return out
 
-    def dump(self) -> dict[str, Any]:
+    def holders(self) -> list[tuple[HolderKey, int | None]]:
+        """Every holder with its stream's block size, taken under the lock (cheap)."""
         with self.lock:
-            return {"holders": self.index.dump(), "stats": _builtins(self.index.stats())}
+            return [
+                (HolderKey(s.worker_id, s.rank, tier), s.block_size)
+                for s in self.index.streams()
+                for tier in s.tiers
+            ]
+
+    def holder_blocks(self, key: HolderKey) -> list[tuple[int, int]]:
+        """One holder's ``(engine_hash, our_hash)`` pairs, copied under the lock.
+
+        The lock is held for one holder's copy (about 0.2 s per million blocks in C), not for
+        a walk of the whole index, and nothing is encoded under it.
+        """
+        with self.lock:
+            return _holder_pairs(self.index, key)
+
+    def dump(self) -> dict[str, Any]:
+        """Every holder's blocks and the index stats, in memory (``GET /dump`` streams it)."""
+        holders = [
+            {**_holder_header(key, size), "blocks": [list(p) for p in self.holder_blocks(key)]}
+            for key, size in self.holders()
+        ]
+        return {"holders": holders, "stats": _builtins(self.index_stats())}
+
+
+def _add_error(spec: StreamSpec, exc: Exception) -> StreamAddError:
+    """A feed's own refusal (a duplicate stream: ValueError) as the Subscriber reports one."""
+    return StreamAddError(
+        worker_id=spec.worker_id, rank=spec.rank, endpoint=spec.endpoint, reason=str(exc)
+    )
+
+
+def _holder_header(key: HolderKey, block_size: int | None) -> dict[str, Any]:
+    return {
+        "worker_id": key.worker_id,
+        "rank": key.rank,
+        "tier": key.tier,
+        "block_size": block_size,
+    }
+
+
+def _holder_pairs(index: PrefixIndex, key: HolderKey) -> list[tuple[int, int]]:
+    # The index has no per-holder accessor; its dump() walks every holder in one go, which
+    # would hold the service lock for seconds on a large index. Reading one holder's table
+    # here keeps each hold short. (To move into PrefixIndex as a public method.)
+    stream = index._streams.get((key.worker_id, key.rank))
+    holder = None if stream is None else stream.holders.get(key.tier)
+    return [] if holder is None else holder.engine.items()
 
 
 def _builtins(value: Any) -> Any:

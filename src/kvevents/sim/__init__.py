@@ -14,15 +14,17 @@ from kvevents._lazy import lazy_exports
 if TYPE_CHECKING:
     from kvevents.sim.cache import PrefixCache, RankCache
     from kvevents.sim.cluster import Cluster, ClusterConfig
-    from kvevents.sim.engine import EngineConfig, Request, SimulatedEngine
+    from kvevents.sim.engine import EngineConfig, SimulatedEngine
     from kvevents.sim.evaluate import Evaluation, evaluate
+    from kvevents.sim.records import Request
     from kvevents.sim.simulate import POLICY_NAMES, PolicyReport, SimulationConfig, run_policy
     from kvevents.sim.trace import TraceRow, default_trace_path, load_trace, trace_request
 
 _HOMES = {
     "kvevents.sim.cache": ("PrefixCache", "RankCache"),
     "kvevents.sim.cluster": ("Cluster", "ClusterConfig"),
-    "kvevents.sim.engine": ("EngineConfig", "Request", "SimulatedEngine"),
+    "kvevents.sim.engine": ("EngineConfig", "SimulatedEngine"),
+    "kvevents.sim.records": ("Request",),
     "kvevents.sim.evaluate": ("Evaluation", "evaluate"),
     "kvevents.sim.simulate": ("POLICY_NAMES", "PolicyReport", "SimulationConfig", "run_policy"),
     "kvevents.sim.trace": ("TraceRow", "default_trace_path", "load_trace", "trace_request"),

@@ -31,12 +31,12 @@ from kvevents.events import KVEventBatch
 from kvevents.index.prefix import HolderKey, PrefixIndex
 from kvevents.sim.cache import CPU, GPU
 from kvevents.sim.engine import EngineConfig, SimulatedEngine
+from kvevents.subscribe.streams import StreamKey
 
 __all__ = ["Accuracy", "Cluster", "ClusterConfig", "FeedCounters", "HolderAccuracy"]
 
 log = logging.getLogger("kvevents.sim.cluster")
 
-StreamKey = tuple[str, int]
 
 # A handshake probe is re-sent this often until the subscriber has seen the stream: a SUB
 # that connected after the first probe misses it (the slow-joiner), a later one gets through.

@@ -22,6 +22,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from kvevents.index.router import DEFAULT_POLICY
 from kvevents.sim.cluster import Accuracy, Cluster, ClusterConfig
 from kvevents.sim.simulate import PolicyReport, PolicyRun, SimulationConfig
 from kvevents.sim.trace import TraceRow, trace_request
@@ -35,7 +36,7 @@ class DemoConfig:
     faster than recorded."""
 
     workers: int = 4
-    policies: tuple[str, ...] = ("prefix_load", "round_robin")
+    policies: tuple[str, ...] = (DEFAULT_POLICY, "round_robin")
     block_size: int = 64
     capacity_blocks: int = 8192
     speedup: float = 10.0

@@ -33,16 +33,12 @@ from kvevents.events import KVEventBatch
 from kvevents.publish.recorder import EventRecorder, RecorderStats
 from kvevents.sim.cache import CPU, GPU, CacheStats, RankCache
 from kvevents.sim.hashing import HashStyle, chain_hashes
+from kvevents.sim.records import EngineMetrics, RankLoad, Request, RequestRecord, StepResult
 
 __all__ = [
     "BatchSink",
     "EngineConfig",
-    "EngineMetrics",
-    "RankLoad",
-    "Request",
-    "RequestRecord",
     "SimulatedEngine",
-    "StepResult",
     "zmq_publisher_factory",
 ]
 
@@ -83,85 +79,6 @@ class EngineConfig:
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"EngineConfig.{name} must be positive, got {getattr(self, name)}")
-
-
-@dataclass(frozen=True)
-class Request:
-    """A request to serve: its prompt, how many tokens to generate, an optional LoRA."""
-
-    request_id: str
-    token_ids: Sequence[int]
-    max_output_tokens: int = 1
-    lora_id: int | None = None
-    lora_name: str | None = None
-
-
-@dataclass(frozen=True)
-class RankLoad:
-    """One rank's load, as a router would weigh it."""
-
-    rank: int
-    waiting_requests: int
-    running_requests: int
-    queued_blocks: int
-    """Blocks the waiting prompts will need."""
-    active_blocks: int
-    """Blocks referenced by running requests."""
-    free_blocks: int
-    cached_blocks: int
-
-
-@dataclass(frozen=True)
-class EngineMetrics:
-    """Counters of one engine since construction (all ranks)."""
-
-    steps: int = 0
-    virtual_time: float = 0.0
-    submitted: int = 0
-    finished: int = 0
-    rejected: int = 0
-    preemptions: int = 0
-    input_tokens: int = 0
-    """Prompt tokens of admitted requests (counted once per request)."""
-    cached_tokens: int = 0
-    """Prompt tokens served from GPU prefix blocks at first admission."""
-    cpu_cached_tokens: int = 0
-    """Prompt tokens served from CPU-tier blocks loaded back at first admission."""
-    prefill_tokens: int = 0
-    """Prompt tokens computed (recomputation after preemption included)."""
-    decode_tokens: int = 0
-    batches: int = 0
-    events: int = 0
-
-
-@dataclass(frozen=True)
-class RequestRecord:
-    """One finished request, for routing evaluations. Times are engine seconds (virtual time,
-    or the clock's time when one is given): submitted, first token, finished."""
-
-    request_id: str
-    rank: int
-    prompt_tokens: int
-    cached_tokens: int
-    """Prompt tokens served from cache (either tier) at first admission."""
-    output_tokens: int
-    submitted_at: float
-    first_token_at: float
-    finished_at: float
-
-    @property
-    def time_to_first_token(self) -> float:
-        return self.first_token_at - self.submitted_at
-
-
-@dataclass(frozen=True)
-class StepResult:
-    """What one step did: its batch ts, tokens computed, requests finished, batches sent."""
-
-    ts: float
-    tokens: int
-    finished: list[str]
-    batches: list[KVEventBatch]
 
 
 @dataclass(eq=False)  # identity: running-list membership must not compare token lists
@@ -517,8 +434,13 @@ class SimulatedEngine:
     # ------------------------------------------------------------------ load
 
     def _queued_blocks(self, rank: int) -> int:
+        """Prefill still to compute, in blocks: waiting prompts whole, and the part of running
+        prompts not computed yet (chunked prefill spreads a long prompt over many steps)."""
         bs = self.config.block_size
-        return sum(-(-len(s.tokens) // bs) for s in self._waiting[rank])
+        waiting = sum(-(-len(s.tokens) // bs) for s in self._waiting[rank])
+        pending = sum(-(-(s.prompt_len - s.computed) // bs) for s in self._running[rank]
+                      if s.computed < s.prompt_len)  # fmt: skip
+        return waiting + pending
 
     def _load_blocks(self, rank: int) -> int:
         return self._queued_blocks(rank) + self.caches[rank].used_blocks

@@ -21,11 +21,10 @@ from typing import Any
 import xxhash
 import zmq
 
+from kvevents.subscribe.streams import StreamKey
 from kvevents.wire import unpack_seq
 
 __all__ = ["DropRule", "LossyRelay", "RelayStats"]
-
-StreamKey = tuple[str, int]
 
 
 @dataclass

@@ -9,22 +9,24 @@ purpose). Then the router decides from the index, and the request is queued on t
 Nothing depends on wall time or thread timing: the same inputs give the same decisions,
 whatever the transport, the load of the machine or the injected drops.
 
-Policies: the router's (``prefix_load``, ``longest_prefix``, ``round_robin``, ``random``) and
-``oracle``, which applies ``prefix_load``'s cost model to the engines' true cache state
-(:meth:`~kvevents.sim.engine.SimulatedEngine.cached_prefix_blocks`) instead of the index.
+Policies: the router's (``longest_prefix``, the default; ``prefix_load``, ``round_robin``,
+``random``) and ``oracle``, which decides like the default policy on the
+engines' true cache state (:meth:`~kvevents.sim.engine.SimulatedEngine.cached_prefix_blocks`)
+instead of the index: next to the default it measures index fidelity, not routing quality.
 """
 
 from __future__ import annotations
 
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvevents.index.router import PrefixLoad, RouteInputs, Router
+from kvevents.index.router import DEFAULT_POLICY, RouteInputs, Router, Target, make_policy
 from kvevents.sim.cluster import Accuracy, Cluster, ClusterConfig, FeedCounters
-from kvevents.sim.engine import Request, SimulatedEngine
+from kvevents.sim.engine import SimulatedEngine
+from kvevents.sim.records import Request
 from kvevents.sim.trace import TraceRow, trace_request
 
 __all__ = [
@@ -38,11 +40,15 @@ __all__ = [
 ]
 
 #: Every policy :func:`run_policy` knows, the oracle last.
-POLICY_NAMES = ("prefix_load", "longest_prefix", "round_robin", "random", "oracle")
+POLICY_NAMES = (
+    "longest_prefix",
+    "prefix_load",
+    "round_robin",
+    "random",
+    "oracle",
+)
 #: The policies that read the index.
-KV_AWARE = ("prefix_load", "longest_prefix")
-
-Target = tuple[str, int]
+KV_AWARE = ("longest_prefix", "prefix_load")
 
 
 @dataclass(frozen=True)
@@ -58,6 +64,8 @@ class SimulationConfig:
     staleness: float = 0.0
     check_every: int = 0
     seed: int = 0
+    prefill_weight: float = 1.0  #: the router's cost weights (``prefix_load``)
+    load_weight: float = 1.0
 
     def __post_init__(self) -> None:
         if self.staleness < 0 or self.check_every < 0:
@@ -77,6 +85,7 @@ class PolicyReport:
     ttft_p50: float | None
     ttft_p99: float | None
     per_target: dict[str, int]  #: requests per "worker/rank"
+    busy: dict[str, float]  #: virtual seconds each worker spent stepping
     accuracy: Accuracy  #: the index against ground truth at the end
     checks: int  #: accuracy checks during the run
     exact_checks: int  #: of which the index was exact
@@ -84,6 +93,8 @@ class PolicyReport:
     steps: int
     virtual_seconds: float
     wall_seconds: float
+    #: every request's time to first token, queueing included (for charts; not in to_dict)
+    ttfts: tuple[float, ...] = field(default=(), repr=False)
 
     @property
     def reuse(self) -> float:
@@ -93,9 +104,12 @@ class PolicyReport:
     @property
     def balance(self) -> float:
         """Max over mean requests per target (1.0 is perfectly even)."""
-        counts = list(self.per_target.values())
-        mean = sum(counts) / len(counts) if counts else 0.0
-        return max(counts) / mean if mean else 0.0
+        return _max_over_mean(list(self.per_target.values()))
+
+    @property
+    def busy_balance(self) -> float:
+        """Max over mean busy time per worker (1.0 is perfectly even)."""
+        return _max_over_mean(list(self.busy.values()))
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -110,6 +124,8 @@ class PolicyReport:
             "ttft_p99": self.ttft_p99,
             "per_target": dict(self.per_target),
             "balance": self.balance,
+            "busy": dict(self.busy),
+            "busy_balance": self.busy_balance,
             "accuracy": self.accuracy.to_dict(),
             "checks": self.checks,
             "exact_checks": self.exact_checks,
@@ -118,6 +134,11 @@ class PolicyReport:
             "virtual_seconds": self.virtual_seconds,
             "wall_seconds": self.wall_seconds,
         }
+
+
+def _max_over_mean(values: list[float] | list[int]) -> float:
+    mean = sum(values) / len(values) if values else 0.0
+    return max(values) / mean if mean else 0.0
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -143,15 +164,27 @@ class PolicyRun:
         self.config = config
         cluster.staleness = config.staleness
         self.router = Router(
-            cluster.index, "prefix_load" if policy == "oracle" else policy, seed=config.seed
+            cluster.index,
+            DEFAULT_POLICY if policy == "oracle" else policy,
+            seed=config.seed,
+            prefill_weight=config.prefill_weight,
+            load_weight=config.load_weight,
         )
-        self._cost_model = PrefixLoad()
+        # The oracle decides like the default policy, but on the engines' true caches: next to
+        # that policy it measures how much the index's view costs (index fidelity).
+        self._oracle_policy = make_policy(
+            DEFAULT_POLICY,
+            seed=config.seed,
+            prefill_weight=config.prefill_weight,
+            load_weight=config.load_weight,
+        )
         self._targets = cluster.targets()
-        self._uses_load = policy in ("prefix_load", "longest_prefix", "oracle")
+        self._uses_load = policy in (*KV_AWARE, "oracle")
         self.arrivals: dict[str, float] = {}
         self.routed: Counter[Target] = Counter()
         self.rejected = 0
         self.steps = 0
+        self.busy: defaultdict[str, float] = defaultdict(float)
         self.checks = 0
         self.exact_checks = 0
         self._submitted = 0
@@ -161,17 +194,21 @@ class PolicyRun:
 
     def advance(self, t: float) -> None:
         """Step every engine with work until its virtual clock reaches ``t``."""
-        for engine in self.cluster.engines.values():
+        for worker, engine in self.cluster.engines.items():
             while engine.has_work() and engine.now < t:
-                engine.step()
-                self.steps += 1
+                self._step(worker, engine)
 
     def drain(self) -> None:
         """Step every engine until all requests are done."""
-        for engine in self.cluster.engines.values():
+        for worker, engine in self.cluster.engines.items():
             while engine.has_work():
-                engine.step()
-                self.steps += 1
+                self._step(worker, engine)
+
+    def _step(self, worker: str, engine: SimulatedEngine) -> None:
+        before = engine.now
+        engine.step()
+        self.steps += 1
+        self.busy[worker] += engine.now - before
 
     # ------------------------------------------------------------------ requests
 
@@ -228,7 +265,7 @@ class PolicyRun:
             loads=[self.router.loads.get(w, r) for w, r in self._targets],
             request_tokens=len(request.token_ids),
         )
-        return self._cost_model.choose(inputs).winner
+        return self._oracle_policy.choose(inputs).winner
 
     def check(self) -> bool:
         """Compare the index with ground truth now (counts into the report)."""
@@ -273,6 +310,7 @@ class PolicyRun:
             ttft_p50=percentile(ttfts, 50),
             ttft_p99=percentile(ttfts, 99),
             per_target={f"{w}/{r}": self.routed[(w, r)] for w, r in self._targets},
+            busy={worker: self.busy[worker] for worker in self.cluster.engines},
             accuracy=accuracy,
             checks=self.checks,
             exact_checks=self.exact_checks,
@@ -280,6 +318,7 @@ class PolicyRun:
             steps=self.steps,
             virtual_seconds=virtual,
             wall_seconds=wall_seconds,
+            ttfts=tuple(ttfts),
         )
 
 

@@ -28,7 +28,8 @@ from pathlib import Path
 import msgspec
 
 from kvevents.errors import TraceError
-from kvevents.sim.engine import EngineMetrics, Request, SimulatedEngine, StepResult
+from kvevents.sim.engine import SimulatedEngine
+from kvevents.sim.records import EngineMetrics, Request, StepResult
 
 __all__ = [
     "BUNDLED_TRACE",

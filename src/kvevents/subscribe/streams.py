@@ -95,14 +95,6 @@ def _check_connectable(endpoint: str, rank: int) -> None:
         parsed = parse_endpoint(endpoint)
     except LayoutError as exc:
         raise LayoutError(str(exc), endpoint=endpoint, rank=rank, rule=exc.rule) from None
-    if parsed.scheme == "inproc":
-        raise LayoutError(
-            f"endpoint {endpoint!r} for rank {rank}: a subscriber has a ZeroMQ context of its "
-            "own, which no inproc publisher shares; use tcp or ipc",
-            endpoint=endpoint,
-            rank=rank,
-            rule="scheme",
-        )
     if parsed.scheme != "tcp":
         return
     if parsed.host == "*":

@@ -291,13 +291,3 @@ class DynamoIndexer(IndexerProcess):
     def held_blocks(self) -> dict[tuple[int, int], set[int]]:
         """Engine block hashes the indexer holds per (instance id, dp rank), from ``/dump``."""
         return dump_block_hashes(self.dump(), self.model_name)
-
-    def wait_active(self, instance_id: int, timeout: float = 10.0) -> None:
-        """Wait until every listener of ``instance_id`` reports ``active``."""
-        deadline = Deadline(timeout)
-        while not deadline.expired:
-            for worker in self.workers():
-                if worker["instance_id"] == instance_id and worker["status"] == "active":
-                    return
-            time.sleep(0.01)
-        raise DynamoIndexerError(f"instance {instance_id} not active after {timeout}s")

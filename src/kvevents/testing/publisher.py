@@ -16,26 +16,31 @@ import select
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
-from typing import IO, Any
+from typing import IO, Any, Literal
 
 import msgspec
 import zmq
 
 from kvevents.config import KVEventsConfig
+from kvevents.errors import PublisherError
 from kvevents.events import KVEventBatch
 from kvevents.publish.publisher import PublisherOptions, ZmqPublisher
+from kvevents.publish.threads import Forwarder
 from kvevents.testing.sockets import Deadline
 from kvevents.wire import ReplayMessage, parse_live, parse_replay_reply, replay_request_frames
 
 __all__ = [
+    "PausablePublisher",
     "connect_subscriber",
     "connectable",
     "local_config",
     "paused_forwarding",
     "probe_until",
     "read_replay",
+    "replay_dealer",
     "request_replay",
     "spawn_subscriber",
     "started_publisher",
@@ -59,11 +64,16 @@ def started_publisher(
     config: KVEventsConfig | None = None,
     rank: int = 0,
     *,
-    world_size: int = 1,
+    world_size: int | None = None,
     options: PublisherOptions | None = None,
+    pausable: bool = False,
 ) -> Iterator[ZmqPublisher]:
-    """A started :class:`ZmqPublisher` (default: :func:`local_config`), shut down afterwards."""
-    publisher = ZmqPublisher(config or local_config(), rank, world_size=world_size, options=options)
+    """A started :class:`ZmqPublisher` (default: :func:`local_config`), shut down afterwards.
+
+    ``pausable``: a :class:`PausablePublisher`, for :func:`paused_forwarding`.
+    """
+    kind = PausablePublisher if pausable else ZmqPublisher
+    publisher = kind(config or local_config(), rank, world_size=world_size, options=options)
     publisher.start()
     try:
         yield publisher
@@ -131,14 +141,126 @@ def probe_until(publisher: ZmqPublisher, stream: IO[str], timeout: float = 20.0)
     raise TimeoutError(f"the subscriber did not report ready within {timeout}s")
 
 
+_Command = Literal["run", "pause", "stop"]
+
+
+class _PausableForwarder(Forwarder):
+    """A forwarder whose proxy can be left and re-entered: the queue then fills.
+
+    libzmq's own PAUSE command does not stop forwarding in 4.3.5, so pausing means leaving the
+    proxy (``TERMINATE``) with ``command`` set to ``"pause"``, and waiting for :meth:`resume`.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.command: _Command = "stop"
+        self.paused = threading.Event()
+        self._resume = threading.Event()
+
+    def resume(self, command: _Command = "run") -> None:
+        self.command = command
+        self._resume.set()
+
+    def prepare_stop(self, linger_ms: int) -> None:
+        super().prepare_stop(linger_ms)
+        self.resume("stop")
+
+    def _forward(self, *sockets: zmq.Socket[Any]) -> None:
+        while True:
+            super()._forward(*sockets)
+            if self.command != "pause":
+                return
+            self._resume.clear()
+            if self._stopping():  # asked to stop while the proxy was returning
+                return
+            self.paused.set()
+            self._resume.wait()
+            self.paused.clear()
+            if self._stopping():
+                return
+
+    def _stopping(self) -> bool:
+        # Another thread sets the command: a call, so no narrowing from the check above sticks.
+        return self.command == "stop"
+
+
+class PausablePublisher(ZmqPublisher):
+    """A :class:`ZmqPublisher` whose forwarding tests can pause (see :func:`paused_forwarding`)."""
+
+    _forwarder: _PausableForwarder | None
+
+    def _new_forwarder(self, context: zmq.Context[Any], names: dict[str, str]) -> Forwarder:
+        return _PausableForwarder(
+            context,
+            endpoints=names,
+            endpoint=self.endpoints.publish,
+            rank=self.rank,
+            hwm=self.config.hwm,
+            curve=self.options.curve,
+        )
+
+    def pause_forwarding(self, timeout: float = 10.0) -> None:
+        """Stop moving batches to the PUB socket until :meth:`resume_forwarding`."""
+        forwarder = self._forwarder
+        if forwarder is None or self._state != "started":
+            raise PublisherError(f"publisher for rank {self.rank} is not running")
+        forwarder.command = "pause"
+        self._send_control(b"TERMINATE")
+        if not forwarder.paused.wait(timeout):
+            raise PublisherError(f"forwarder of rank {self.rank} did not pause within {timeout}s")
+
+    def resume_forwarding(self) -> None:
+        """Move batches again."""
+        if self._forwarder is not None:
+            self._forwarder.resume("run")
+
+
 @contextlib.contextmanager
 def paused_forwarding(publisher: ZmqPublisher) -> Iterator[None]:
-    """Hold every accepted batch in the queue (so it fills) until the block exits."""
-    publisher._pause_forwarding()
+    """Hold every accepted batch in the queue (so it fills) until the block exits.
+
+    ``publisher`` must be a :class:`PausablePublisher` (``started_publisher(pausable=True)``).
+    """
+    if not isinstance(publisher, PausablePublisher):
+        raise TypeError(
+            "paused_forwarding needs a PausablePublisher (started_publisher(pausable=True))"
+        )
+    publisher.pause_forwarding()
     try:
         yield
     finally:
-        publisher._resume_forwarding()
+        publisher.resume_forwarding()
+
+
+def replay_dealer(
+    context: zmq.Context[Any],
+    endpoint: str,
+    *,
+    rcvhwm: int | None = None,
+    rcvbuf: int | None = None,
+    source: str | None = None,
+) -> zmq.Socket[Any]:
+    """A DEALER (linger 0) connected to a replay ``endpoint``.
+
+    ``source``: the local address to connect from (tcp only), e.g. ``127.0.0.2``, so that the
+    server sees another peer; ``rcvbuf`` shrinks the kernel's receive buffer, so a client that
+    does not read really holds the server's sends back.
+    """
+    dealer: zmq.Socket[Any] = context.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    if rcvhwm is not None:
+        dealer.setsockopt(zmq.RCVHWM, rcvhwm)
+    if rcvbuf is not None:
+        dealer.setsockopt(zmq.RCVBUF, rcvbuf)
+    target = connectable(endpoint)
+    if target.startswith("tcp://["):
+        dealer.setsockopt(zmq.IPV6, 1)
+    if source is not None:
+        if not target.startswith("tcp://"):
+            raise ValueError(f"a source address needs a tcp endpoint, got {endpoint}")
+        target = f"tcp://{source}:0;{target[len('tcp://') :]}"
+    dealer.connect(target)
+    return dealer
 
 
 def request_replay(
@@ -150,18 +272,14 @@ def request_replay(
     rcvhwm: int | None = None,
     pause: float = 0.0,
     request: list[bytes] | None = None,
+    source: str | None = None,
 ) -> list[ReplayMessage]:
     """Ask a replay server for ``start_seq`` onwards; every reply message, end marker last.
 
-    ``pause`` sleeps between receives (a slow client); ``request`` overrides the frames sent.
+    ``pause`` sleeps between receives (a slow client); ``request`` overrides the frames sent;
+    ``source`` is the local address to connect from (see :func:`replay_dealer`).
     """
-    dealer = context.socket(zmq.DEALER)
-    dealer.setsockopt(zmq.LINGER, 0)
-    if rcvhwm is not None:
-        dealer.setsockopt(zmq.RCVHWM, rcvhwm)
-    if connectable(endpoint).startswith("tcp://["):
-        dealer.setsockopt(zmq.IPV6, 1)
-    dealer.connect(connectable(endpoint))
+    dealer = replay_dealer(context, endpoint, rcvhwm=rcvhwm, source=source)
     try:
         dealer.send_multipart(request if request is not None else replay_request_frames(start_seq))
         return read_replay(dealer, timeout=timeout, pause=pause)

@@ -19,8 +19,8 @@ import httpx
 
 from kvevents.index.prefix import PrefixIndex
 from kvevents.service.core import IndexService, WorkerRegistration
-from kvevents.subscribe.streams import StreamSpec, SubscriberOptions
-from kvevents.testing.conformance.stage import NotObservable, StreamKey, StreamRegistration, u64
+from kvevents.subscribe.streams import StreamKey, StreamSpec, SubscriberOptions
+from kvevents.testing.conformance.stage import NotObservable, StreamRegistration, u64
 from kvevents.testing.dynamo import DynamoIndexer, DynamoIndexerError, find_dynamo_python
 from kvevents.testing.service import ServiceIndexer
 from kvevents.wire.endpoints import parse_endpoint

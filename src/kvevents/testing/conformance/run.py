@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
+from kvevents.subscribe.streams import StreamKey
 from kvevents.testing.conformance.stage import (
     Consumer,
     NotObservable,
@@ -39,7 +40,6 @@ from kvevents.testing.conformance.stage import (
     Scenario,
     Stage,
     StreamDef,
-    StreamKey,
     StreamRegistration,
     Truth,
     u64,
@@ -55,7 +55,6 @@ __all__ = [
     "ScenarioResult",
     "Stage",
     "StreamDef",
-    "StreamKey",
     "StreamRegistration",
     "Truth",
     "format_report",
@@ -306,10 +305,9 @@ def format_report(report: Report, *, markdown: bool = False, pass_reasons: bool 
     Cells hold the outcome and its reason; a PASS shows its reason only with ``pass_reasons``.
     """
     header = ["scenario", *report.consumers]
-    rows = [
-        [s, *(_cell(report.result(c, s), pass_reasons) for c in report.consumers)]
-        for s in report.scenarios
-    ]
+    done = {(r.consumer, r.scenario): r for r in report.results}
+    rows = [[s, *(_cell(done.get((c, s)), pass_reasons) for c in report.consumers)]
+            for s in report.scenarios]  # fmt: skip
     if markdown:
         lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         lines += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in rows]
@@ -322,7 +320,9 @@ def format_report(report: Report, *, markdown: bool = False, pass_reasons: bool 
     return "\n".join(out)
 
 
-def _cell(result: ScenarioResult, pass_reasons: bool) -> str:
+def _cell(result: ScenarioResult | None, pass_reasons: bool) -> str:
+    if result is None:  # an interrupted run
+        return "not run"
     if not result.reason or (result.outcome == "PASS" and not pass_reasons):
         return result.outcome
     return f"{result.outcome}: {result.reason}"

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvevents.events import BlockRemoved, BlockStored, Event, KVEventBatch
+from kvevents.subscribe.streams import StreamKey
 from kvevents.testing.index import HashStyle, engine_hashes, store_event
 from kvevents.testing.peers import RawPublisher
 from kvevents.testing.sockets import Deadline
@@ -29,13 +30,11 @@ __all__ = [
     "Scenario",
     "Stage",
     "StreamDef",
-    "StreamKey",
     "StreamRegistration",
     "Truth",
     "u64",
 ]
 
-StreamKey = tuple[str, int]
 _U64 = 2**64 - 1
 # Sentinel handshake: heartbeats re-probe a consumer that missed the sentinel (slow joiner,
 # late join). Capped, so a consumer that ignores a stream is not fed unbounded sequence

@@ -1,0 +1,312 @@
+"""The ASGI app of the index service: routes, authentication, JSON errors.
+
+Endpoints follow the shape users know from Dynamo's standalone KV indexer and the Mooncake KV
+indexer API, so it can be swapped in:
+
+- ``POST /register`` ``{worker_id | instance_id, endpoint, replay_endpoint?, block_size,
+  ranks? | dp_size?, topic?, model_name?}``: index the worker's ranks and subscribe to them.
+  ``endpoint`` and ``replay_endpoint`` are base endpoints (rank r uses base port + r).
+- ``POST /unregister`` ``{worker_id | instance_id, rank? | dp_rank?}``: forget it entirely.
+- ``POST /query`` ``{token_ids | block_hashes, policy?, block_size?, lora_name?}``: matched
+  blocks per worker, rank and tier, and an explained routing decision (:mod:`.query`).
+- ``GET /dump``: every holder's blocks, streamed; ``GET /workers``: workers with their stream
+  health; ``GET /metrics``: Prometheus text; ``GET /health``: 200 while the feed is sound.
+
+Every error is JSON ``{"error": ...}`` with a 4xx status naming what is wrong; a registration
+names the refused ``field`` too. The mutating endpoints need the bearer token when one is set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+from prometheus_client import CollectorRegistry, generate_latest
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from kvevents.errors import LayoutError, StreamAddError
+from kvevents.metrics import StatsCollector
+from kvevents.service.access import ACCESS_RULES, EndpointPolicy, TokenCheck
+from kvevents.service.collector import ServiceCollector
+from kvevents.service.core import IndexService, WorkerRegistration
+from kvevents.service.dump import dump_chunks
+from kvevents.service.limits import STATUS_FIELDS, HttpCounters, HttpLimits, read_body
+from kvevents.service.memory import IdleTrim, release_free_memory
+from kvevents.service.query import LeanQuery, QueryReader
+from kvevents.service.schema import (
+    BadRequest,
+    RegisterBody,
+    UnregisterBody,
+    decode,
+    registration,
+    worker_id,
+)
+
+__all__ = ["MUTATING", "AppOptions", "Guard", "create_app"]
+
+#: The endpoints that change the service's state: they need the token when one is set.
+MUTATING = frozenset({"/register", "/unregister"})
+# Seconds between checks whether a burst of batches is over (then free memory is trimmed).
+_TRIM_TICK = 0.25
+_register_decoder = msgspec.json.Decoder(RegisterBody)
+_unregister_decoder = msgspec.json.Decoder(UnregisterBody)
+
+
+@dataclass(frozen=True)
+class AppOptions:
+    """Who may do what, and what a client may cost (see docs/security.md)."""
+
+    auth: TokenCheck = field(default_factory=TokenCheck)
+    endpoints: EndpointPolicy = field(default_factory=EndpointPolicy)
+    limits: HttpLimits = field(default_factory=HttpLimits)
+
+
+def _json(value: Any, status: int = 200) -> Response:
+    return Response(msgspec.json.encode(value), status, media_type="application/json")
+
+
+class _Api:
+    """The HTTP handlers over one service."""
+
+    def __init__(
+        self,
+        service: IndexService,
+        options: AppOptions,
+        collectors: Sequence[Any],
+        counters: HttpCounters,
+    ) -> None:
+        self.service = service
+        self.options = options
+        self.counters = counters
+        self.registry = CollectorRegistry()
+        self.registry.register(ServiceCollector(service))
+        self.registry.register(StatsCollector("kvevents_http", lambda: [({}, counters.stats())]))
+        for collector in collectors:
+            self.registry.register(collector)
+        self._dumping = asyncio.Lock()
+
+    async def _body(self, request: Request) -> bytes:
+        body = await read_body(request.scope, request.receive, self.options.limits)
+        if body is None:
+            raise BadRequest("the client closed the connection before its body arrived")
+        return body
+
+    async def register(self, request: Request) -> Response:
+        reg = registration(decode(await self._body(request), _register_decoder, "/register"))
+        self._check_endpoints(reg)
+        try:
+            specs = await run_in_threadpool(self.service.register, reg)
+        except LayoutError as exc:  # a spec builder stricter with the pair than each alone
+            raise _Refused(400, str(exc), field="endpoint", endpoint=exc.endpoint) from None
+        except StreamAddError as exc:
+            raise _Refused(
+                422, str(exc), field="endpoint", endpoint=exc.endpoint, rank=exc.rank
+            ) from None
+        return _json({"worker_id": reg.worker_id, "ranks": list(reg.ranks), "streams": len(specs)})
+
+    def _check_endpoints(self, reg: WorkerRegistration) -> None:
+        """400 for an endpoint that breaks a layout rule, 403 for one not allowed; both name
+        the field. Checked before the service is touched: a refusal changes nothing."""
+        named = [("endpoint", reg.endpoint), ("replay_endpoint", reg.replay_endpoint)]
+        for name, endpoint in named:
+            if endpoint is None:
+                continue
+            try:
+                # One field at a time through the service's own spec builder, so that a
+                # layout error names the field it comes from.
+                probe = dataclasses.replace(reg, endpoint=endpoint, replay_endpoint=None)
+                self.service.stream_specs(probe)
+                self.options.endpoints.check(name, endpoint, reg.ranks)
+            except LayoutError as exc:
+                if exc.rule in ACCESS_RULES:  # forbidden here, though well-formed
+                    raise _Refused(403, str(exc), field=name, endpoint=endpoint) from None
+                raise _Refused(
+                    400, f"{exc} - at `$.{name}`", field=name, endpoint=endpoint, rule=exc.rule
+                ) from None
+
+    async def unregister(self, request: Request) -> Response:
+        body = decode(await self._body(request), _unregister_decoder, "/unregister")
+        worker = worker_id(body)
+        rank = body.rank if body.rank is not None else body.dp_rank
+        if not await run_in_threadpool(self.service.unregister, worker, rank):
+            return _json({"error": f"unknown worker {worker!r} (rank {rank})"}, 404)
+        return _json({"worker_id": worker, "removed": True})
+
+    async def query(self, request: Request) -> Response:
+        raise BadRequest("/query is answered before routing")  # LeanQuery takes every POST
+
+    async def dump(self, request: Request) -> Response:
+        if self._dumping.locked():
+            return _json({"error": "a dump is already being sent; try again when it ends"}, 429)
+        return StreamingResponse(self._dump_stream(), media_type="application/json")
+
+    async def _dump_stream(self) -> AsyncIterator[bytes]:
+        async with self._dumping:
+            async for chunk in dump_chunks(self.service):
+                yield chunk
+
+    async def workers(self, request: Request) -> Response:
+        return _json({"workers": await run_in_threadpool(self.service.workers_view)})
+
+    async def health(self, request: Request) -> Response:
+        health = self.service.health()
+        body: dict[str, Any] = {"status": health.state, "workers": len(self.service.workers())}
+        if health.state == "ok":
+            return _json(body)
+        # A load balancer or orchestrator reads the status code: a feed that stopped or
+        # stalled means the index is going stale, so the service is not healthy.
+        body.update(stalled_for=round(health.stalled_for, 3), error=health.error)
+        return _json(body, 503)
+
+    async def metrics(self, request: Request) -> Response:
+        text = await run_in_threadpool(generate_latest, self.registry)
+        return Response(text, media_type="text/plain; version=0.0.4")
+
+    async def bad_request(self, request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, BadRequest)
+        self.count_refusal(exc.status)
+        details = exc.details if isinstance(exc, _Refused) else {}
+        response = _json({"error": str(exc), **details}, exc.status)
+        if exc.status in (408, 413):  # the body was not read whole: the connection is spent
+            response.headers["connection"] = "close"
+        return response
+
+    async def http_error(self, request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        self.count_refusal(exc.status_code)
+        if exc.status_code == 404:
+            message = f"no such endpoint: {request.method} {request.url.path}"
+        else:
+            message = f"{request.url.path}: {exc.detail}"
+        return Response(
+            msgspec.json.encode({"error": message}),
+            exc.status_code,
+            headers=exc.headers,
+            media_type="application/json",
+        )
+
+    def count_refusal(self, status: int) -> None:
+        """Count a refused request by its status (a field of HttpStats)."""
+        name = STATUS_FIELDS.get(status)
+        if name is not None:
+            self.counters.add(name)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        self.service.start()
+        trimmer = asyncio.create_task(self._trim_when_idle())
+        try:
+            yield
+        finally:
+            trimmer.cancel()
+            self.service.close()
+
+    async def _trim_when_idle(self) -> None:
+        """After a burst of batches, hand the memory it passed through back to the OS."""
+        idle = IdleTrim()
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(_TRIM_TICK)
+            if idle.due(self.service.stats().deliveries):
+                await loop.run_in_executor(None, release_free_memory)
+
+
+class _Refused(BadRequest):
+    """A refused request with more JSON members than ``error`` (``field``, ``endpoint``...)."""
+
+    def __init__(self, status: int, message: str, **details: Any) -> None:
+        super().__init__(message, status)
+        self.details = details
+
+
+async def _server_error(request: Request, exc: Exception) -> Response:
+    return _json({"error": f"internal error: {type(exc).__name__}"}, 500)
+
+
+class Guard:
+    """ASGI layer refusing requests without the bearer token where one is needed (401)."""
+
+    def __init__(self, app: ASGIApp, auth: TokenCheck, counters: HttpCounters) -> None:
+        self.app = app
+        self.auth = auth
+        self.counters = counters
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and self.auth.required(scope["path"] in MUTATING):
+            given = next((v for k, v in scope["headers"] if k == b"authorization"), None)
+            if not self.auth.accepts(given):
+                self.counters.add("unauthorized")
+                await _unauthorized(scope, send)
+                return
+        await self.app(scope, receive, send)
+
+
+async def _unauthorized(scope: Scope, send: Send) -> None:
+    payload = msgspec.json.encode(
+        {"error": f"{scope['path']}: a valid 'Authorization: Bearer <token>' header is required"}
+    )
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", b"%d" % len(payload)),
+        (b"www-authenticate", b"Bearer"),
+    ]
+    await send({"type": "http.response.start", "status": 401, "headers": headers})
+    await send({"type": "http.response.body", "body": payload})
+
+
+def create_app(
+    service: IndexService,
+    *,
+    collectors: Sequence[Any] = (),
+    options: AppOptions | None = None,
+    counters: HttpCounters | None = None,
+) -> Starlette:
+    """The ASGI app. Its lifespan starts the service and closes it at shutdown.
+
+    ``collectors`` (prometheus-client collectors, e.g. ``kvevents.metrics.subscriber_collector``)
+    are served by ``GET /metrics`` next to the index's own metrics. ``options``: the token,
+    the endpoint hosts registrations may name (default: loopback only), the client limits.
+    ``counters`` (default: new ones) count what was refused; ``app.state.http_counters``
+    holds them, for the server to count the connections it cuts off.
+    """
+    options = options if options is not None else AppOptions()
+    counters = counters if counters is not None else HttpCounters()
+    api = _Api(service, options, collectors, counters)
+    routes = [
+        Route("/register", api.register, methods=["POST"]),
+        Route("/unregister", api.unregister, methods=["POST"]),
+        # Answered by LeanQuery; the route still gives other methods their 405.
+        Route("/query", api.query, methods=["POST"]),
+        Route("/dump", api.dump, methods=["GET"]),
+        Route("/workers", api.workers, methods=["GET"]),
+        Route("/metrics", api.metrics, methods=["GET"]),
+        Route("/health", api.health, methods=["GET"]),
+    ]
+    reader = QueryReader(service)
+    app = Starlette(
+        routes=routes,
+        middleware=[
+            Middleware(Guard, auth=options.auth, counters=counters),
+            Middleware(LeanQuery, reader=reader, limits=options.limits, count=api.count_refusal),
+        ],
+        exception_handlers={
+            BadRequest: api.bad_request,
+            HTTPException: api.http_error,
+            Exception: _server_error,
+        },
+        lifespan=api.lifespan,
+    )
+    app.state.http_counters = counters
+    return app

@@ -1,0 +1,170 @@
+"""``POST /query``, the hot route: its body parse and an ASGI layer that answers it directly.
+
+Starlette's routing and its Request and Response objects cost about as much as the query
+itself, so :class:`LeanQuery` answers ``POST /query`` before them. :class:`QueryReader` reads
+the body: with the native block table, ``token_ids`` are packed to uint32 straight from the
+JSON text in one pass; otherwise they are decoded as a list with the rest of the body.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from kvevents.index import table
+from kvevents.index.keys import pack_tokens
+from kvevents.service.core import IndexService
+from kvevents.service.limits import HttpLimits, read_body
+from kvevents.service.schema import (
+    BadRequest,
+    QueryBody,
+    QueryPackedBody,
+    check_hashes,
+    decode,
+)
+
+__all__ = ["JsonPacker", "LeanQuery", "MemberPacker", "QueryReader", "json_response"]
+
+#: Reads a JSON array of token ids into packed uint32 little-endian bytes; None if it is not one.
+JsonPacker = Callable[[bytes], "bytes | None"]
+#: Finds a top-level member of a JSON object and packs it: (packed, start, end) or None.
+MemberPacker = Callable[[bytes, bytes], "tuple[bytes, int, int] | None"]
+
+_query_decoder = msgspec.json.Decoder(QueryBody)
+_query_packed_decoder = msgspec.json.Decoder(QueryPackedBody)
+_encoder = msgspec.json.Encoder()
+_NULL = b"null"
+_TOKEN_MAX = 2**32 - 1
+_WHERE = "/query"
+
+
+def json_packers() -> tuple[JsonPacker | None, MemberPacker | None]:
+    """The block table's JSON packers when it is native code, else (None, None).
+
+    The pure-Python packer decodes the array into ints anyway, and doing that together with
+    the rest of the body is cheaper than a second pass over it.
+    """
+    if table.IMPLEMENTATION == "python":
+        return None, None
+    return table.pack_json_tokens, table.pack_json_member
+
+
+class QueryReader:
+    """Turns a ``POST /query`` body into the service's answer, or a BadRequest saying why."""
+
+    def __init__(
+        self,
+        service: IndexService,
+        packers: tuple[JsonPacker | None, MemberPacker | None] | None = None,
+    ) -> None:
+        self.service = service
+        self.pack_json, self.pack_member = packers if packers is not None else json_packers()
+
+    def answer(self, body: bytes) -> dict[str, Any]:
+        """The answer to a ``POST /query`` body."""
+        query, packed = self.read(body)
+        check_hashes(query.block_hashes)
+        lora = query.lora_name if query.lora_name is not None else query.lora_id
+        try:
+            return self.service.query(
+                packed=packed,
+                block_hashes=query.block_hashes,
+                block_size=query.block_size,
+                lora=lora,
+                policy=query.policy,
+            )
+        except (ValueError, OverflowError) as exc:
+            raise BadRequest(f"{_WHERE}: {exc}") from None
+
+    def read(self, body: bytes) -> tuple[QueryBody, bytes | None]:
+        """The decoded query and its tokens packed as uint32 LE (None without token_ids)."""
+        if self.pack_json is None:
+            query = decode(body, _query_decoder, _WHERE)
+            if query.token_ids is None:
+                return query, None
+            try:
+                return query, pack_tokens(query.token_ids)
+            except OverflowError:
+                raise BadRequest(_token_range_error(query.token_ids)) from None
+        if self.pack_member is not None:
+            # token_ids found and packed in one pass; the small rest of the body is decoded
+            # as usual (a repeated token_ids shows up there: the full path reads it).
+            found = self.pack_member(body, b"token_ids")
+            if found is not None:
+                packed, start, end = found
+                rest = decode(body[:start] + _NULL + body[end:], _query_packed_decoder, _WHERE)
+                if bytes(rest.token_ids) == _NULL:
+                    return rest, packed
+        return self._read_raw(body, self.pack_json)
+
+    @staticmethod
+    def _read_raw(body: bytes, pack_json: JsonPacker) -> tuple[QueryBody, bytes | None]:
+        query = decode(body, _query_packed_decoder, _WHERE)
+        raw = query.token_ids
+        if not raw or (len(raw) == len(_NULL) and bytes(raw) == _NULL):
+            return query, None
+        tokens = pack_json(raw)
+        if tokens is None:
+            raise BadRequest(_token_ids_error(body))
+        return query, tokens
+
+
+def _token_ids_error(body: bytes) -> str:
+    """Why ``token_ids`` is not an array of uint32 token ids (a packer only says it is not)."""
+    tokens = decode(body, _query_decoder, _WHERE).token_ids or []
+    return _token_range_error(tokens)
+
+
+def _token_range_error(tokens: list[int]) -> str:
+    for i, token in enumerate(tokens):
+        if not 0 <= token <= _TOKEN_MAX:
+            return f"{_WHERE}: token id {token} at `$.token_ids[{i}]` is outside 0..{_TOKEN_MAX}"
+    return f"{_WHERE}: token_ids must be an array of token ids"
+
+
+async def json_response(send: Send, status: int, payload: bytes, close: bool = False) -> None:
+    """Send one complete JSON response (``close``: and end the connection after it)."""
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", b"%d" % len(payload)),
+    ]
+    if close:
+        headers.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": payload})
+
+
+class LeanQuery:
+    """ASGI layer answering ``POST /query`` itself; everything else goes on to ``app``."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        reader: QueryReader,
+        limits: HttpLimits,
+        count: Callable[[int], None] = lambda status: None,
+    ) -> None:
+        self.app = app
+        self.reader = reader
+        self.limits = limits
+        self.count = count  # of each refusal, by status
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] != "/query" or scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        try:
+            body = await read_body(scope, receive, self.limits)
+            if body is None:
+                return  # the client went away
+            status, payload = 200, _encoder.encode(self.reader.answer(body))
+        except BadRequest as exc:
+            self.count(exc.status)
+            error = _encoder.encode({"error": str(exc)})
+            # 408 and 413 leave a body unread on the connection: it cannot be reused.
+            await json_response(send, exc.status, error, close=exc.status != 400)
+            return
+        await json_response(send, status, payload)

@@ -1,0 +1,154 @@
+"""The HTTP request bodies, with a bound on every field, and their decoding.
+
+Every number a client sends has a range and every string a length, so a request is refused
+with a 400 naming the field and the rule (``Expected `int` <= 1024 - at `$.ranks```) before
+anything is built from it: no ``ranks: 2**62`` reaches ``range()``, no ``block_size: -1``
+reaches the index. Pure: no sockets, no service.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, TypeVar
+
+import msgspec
+
+from kvevents.service.core import WorkerRegistration
+
+__all__ = [
+    "MAX_BLOCK_SIZE",
+    "MAX_RANKS",
+    "BadRequest",
+    "QueryBody",
+    "QueryPackedBody",
+    "RegisterBody",
+    "UnregisterBody",
+    "check_hashes",
+    "decode",
+    "registration",
+    "worker_id",
+]
+
+#: The largest block size accepted (engines use 16 to a few hundred tokens).
+MAX_BLOCK_SIZE = 1 << 20
+#: The most ranks one worker may register (attention-DP sizes are far below it).
+MAX_RANKS = 1024
+#: The largest rank number: rank r publishes on base port + r, and ports end at 65535.
+MAX_RANK = 65535
+_MAX_HASHES = 1 << 20
+_NAME_LEN = 256
+_ENDPOINT_LEN = 1024
+_INT64 = (1 << 63) - 1
+
+BlockSize = Annotated[int, msgspec.Meta(ge=1, le=MAX_BLOCK_SIZE)]
+RankCount = Annotated[int, msgspec.Meta(ge=1, le=MAX_RANKS)]
+Rank = Annotated[int, msgspec.Meta(ge=0, le=MAX_RANK)]
+Name = Annotated[str, msgspec.Meta(min_length=1, max_length=_NAME_LEN)]
+Text = Annotated[str, msgspec.Meta(max_length=_NAME_LEN)]
+EndpointText = Annotated[str, msgspec.Meta(min_length=1, max_length=_ENDPOINT_LEN)]
+InstanceId = Annotated[int, msgspec.Meta(ge=-_INT64, le=_INT64)]
+# msgspec bounds must fit in int64: the top of the uint64 range is checked by check_hashes.
+BlockHash = Annotated[int, msgspec.Meta(ge=0)]
+_HASH_MAX = (1 << 64) - 1
+LoraId = Annotated[int, msgspec.Meta(ge=0, le=_INT64)]
+
+
+class BadRequest(Exception):
+    """A client's request is wrong; the message names the field and the rule (a 4xx)."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class RegisterBody(msgspec.Struct, kw_only=True):
+    """``POST /register``."""
+
+    endpoint: EndpointText
+    block_size: BlockSize
+    worker_id: Name | None = None
+    instance_id: Name | InstanceId | None = None
+    replay_endpoint: EndpointText | None = None
+    ranks: RankCount | Annotated[list[Rank], msgspec.Meta(max_length=MAX_RANKS)] | None = None
+    dp_size: RankCount | None = None
+    topic: Text = ""
+    model_name: Text | None = None
+
+
+class UnregisterBody(msgspec.Struct, kw_only=True):
+    """``POST /unregister``."""
+
+    worker_id: Name | None = None
+    instance_id: Name | InstanceId | None = None
+    rank: Rank | None = None
+    dp_rank: Rank | None = None
+
+
+class QueryBody(msgspec.Struct, kw_only=True):
+    """``POST /query``. Token ids are checked by the packer (uint32), not here."""
+
+    token_ids: list[int] | None = None
+    block_hashes: Annotated[list[BlockHash], msgspec.Meta(max_length=_MAX_HASHES)] | None = None
+    block_size: BlockSize | None = None
+    policy: Text | None = None
+    lora_name: Text | None = None
+    lora_id: LoraId | None = None
+    model_name: Text | None = None
+
+
+class QueryPackedBody(QueryBody, kw_only=True):
+    """``QueryBody`` with ``token_ids`` left as JSON text, for a packer that reads it directly."""
+
+    token_ids: msgspec.Raw = msgspec.Raw()  # type: ignore[assignment]
+
+
+T = TypeVar("T")
+
+
+def decode(body: bytes, decoder: msgspec.json.Decoder[T], where: str) -> T:
+    """``body`` decoded by ``decoder``; BadRequest naming the field and rule otherwise.
+
+    Deep nesting makes msgspec raise RecursionError, which is the client's fault too.
+    """
+    try:
+        return decoder.decode(body)
+    except msgspec.DecodeError as exc:  # ValidationError is a subclass
+        raise BadRequest(f"{where}: {exc}") from None
+    except RecursionError:
+        raise BadRequest(f"{where}: JSON is nested too deeply") from None
+
+
+def check_hashes(hashes: list[int] | None) -> None:
+    """BadRequest naming the first block hash outside uint64, if any."""
+    if hashes and max(hashes) > _HASH_MAX:
+        i = next(i for i, h in enumerate(hashes) if h > _HASH_MAX)
+        raise BadRequest(f"/query: block hash at `$.block_hashes[{i}]` is over {_HASH_MAX}")
+
+
+def worker_id(body: RegisterBody | UnregisterBody) -> str:
+    """The worker named by ``worker_id`` or, Dynamo's name for it, ``instance_id``."""
+    worker: Any = body.worker_id if body.worker_id is not None else body.instance_id
+    if worker is None:
+        raise BadRequest("worker_id (or instance_id) is required")
+    return str(worker)
+
+
+def _ranks(body: RegisterBody) -> tuple[int, ...]:
+    count = body.ranks if body.ranks is not None else body.dp_size
+    if isinstance(count, list):
+        if not count:
+            raise BadRequest("ranks must be a count >= 1 or a non-empty list of rank numbers")
+        return tuple(sorted(set(count)))
+    return tuple(range(count if count is not None else 1))
+
+
+def registration(body: RegisterBody) -> WorkerRegistration:
+    """The registration a valid ``POST /register`` body asks for (endpoints not yet checked)."""
+    return WorkerRegistration(
+        worker_id=worker_id(body),
+        endpoint=body.endpoint,
+        block_size=body.block_size,
+        ranks=_ranks(body),
+        replay_endpoint=body.replay_endpoint,
+        topic=body.topic,
+        model_name=body.model_name,
+    )

@@ -1,0 +1,237 @@
+"""The HTTP server thread: uvicorn on a socket bound before it starts, with client limits.
+
+uvicorn keeps a connection that never finishes its request headers open forever and accepts
+any number of them (200 idle connections stayed open against the previous server). Its
+protocol is extended here by :class:`_LimitedProtocol`: a connection must finish each
+request's headers within ``header_timeout`` and in ``max_header_bytes``, and connections past
+``max_connections`` are closed as soon as they are accepted. Body limits are enforced by the
+app (:func:`kvevents.service.limits.read_body`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import uvicorn
+from starlette.applications import Starlette
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from kvevents.service.app import AppOptions, create_app
+from kvevents.service.core import IndexService
+from kvevents.service.limits import HttpCounters, HttpLimits
+
+__all__ = ["Server", "serve"]
+
+_HEADERS_TOO_LARGE = (
+    b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
+    b'connection: close\r\ncontent-length: 44\r\n\r\n{"error": "request headers are over the limit"}'
+)
+
+
+class _LimitedProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with a header deadline, a header size and a connection cap.
+
+    The limits come from the ``HttpLimits`` set on the subclass :meth:`with_limits` makes.
+    """
+
+    limits: HttpLimits = HttpLimits()
+    counters: HttpCounters = HttpCounters()
+
+    @classmethod
+    def with_limits(cls, limits: HttpLimits, counters: HttpCounters) -> type[_LimitedProtocol]:
+        return type("LimitedProtocol", (cls,), {"limits": limits, "counters": counters})
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._header_bytes = 0
+        self._header_timer: asyncio.TimerHandle | None = None
+        if len(self.connections) > self.limits.max_connections:
+            self.counters.add("connections_refused")
+            transport.close()  # over the cap: refused before it costs more than the accept
+            return
+        self._arm()
+
+    def _arm(self) -> None:
+        self._header_bytes = 0
+        self._header_timer = self.loop.call_later(self.limits.header_timeout, self._expired)
+
+    def _disarm(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _expired(self) -> None:
+        self._header_timer = None
+        if not self.transport.is_closing():
+            self.counters.add("header_timeouts")
+            self.transport.close()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self._header_timer is None:
+            return
+        # Headers still incomplete after this data, so all of it was request line and headers.
+        self._header_bytes += len(data)
+        if self._header_bytes > self.limits.max_header_bytes:
+            self._disarm()
+            self.counters.add("headers_too_large")
+            self.transport.write(_HEADERS_TOO_LARGE)
+            self.transport.close()
+
+    def on_headers_complete(self) -> None:
+        self._disarm()
+        super().on_headers_complete()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing() and self._header_timer is None:
+            self._arm()  # the next request on this connection gets its own deadline
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+
+class Server:
+    """A uvicorn server on a background thread, bound before it starts (port 0 works).
+
+    ``port`` and ``url`` are known as soon as the object exists; :meth:`start` returns once
+    the server accepts connections; :meth:`close` stops it; :meth:`wait` blocks until it stops.
+    """
+
+    def __init__(
+        self,
+        app: Starlette,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        limits: HttpLimits | None = None,
+        sock: socket.socket | None = None,
+    ) -> None:
+        # ``sock``: already bound (by serve(), which needs the port before the app exists).
+        self._sock = sock if sock is not None else _bound_socket(host, port)
+        self.host = host
+        self.port: int = self._sock.getsockname()[1]
+        limits = limits if limits is not None else HttpLimits()
+        # No proxy-headers layer: client addresses are only used by the access log, and that
+        # is off (each layer costs every request).
+        config = uvicorn.Config(
+            app,
+            log_level="warning",
+            lifespan="on",
+            access_log=False,
+            proxy_headers=False,
+            http=_LimitedProtocol.with_limits(limits, _counters_of(app)),
+            timeout_keep_alive=max(1, min(5, int(limits.header_timeout))),
+        )
+        self._server = uvicorn.Server(config)
+        self._failure: BaseException | None = None
+        # Set when the server thread ends. Not Thread.is_alive(): on Python 3.11 a Ctrl-C that
+        # interrupts Thread.join() can leave is_alive() False while the thread still runs, and
+        # the service would then never be shut down.
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvevents-http", daemon=True)
+
+    def _run(self) -> None:
+        try:
+            self._server.run(sockets=[self._sock])
+        except BaseException as exc:  # uvicorn exits with SystemExit when startup fails
+            self._failure = exc
+        finally:
+            self._done.set()
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def start(self, timeout: float = 10.0) -> Server:
+        """Run the server; return once it accepts connections (errors close the socket)."""
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self._server.started:
+            if self._done.is_set():
+                self.close()
+                raise RuntimeError(
+                    f"the HTTP server on {self.url} stopped during startup ({self._failure!r})"
+                )
+            if time.monotonic() > deadline:
+                self.close()
+                raise TimeoutError(f"the HTTP server on {self.url} did not start in {timeout} s")
+            time.sleep(0.005)
+        return self
+
+    def close(self, timeout: float = 10.0) -> None:
+        self._server.should_exit = True
+        if self._thread.ident is not None:
+            self._done.wait(timeout)
+        self._sock.close()
+
+    def wait(self) -> None:
+        try:
+            while not self._done.wait(0.5):
+                pass
+        except KeyboardInterrupt:
+            self.close()
+
+    def __enter__(self) -> Server:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _counters_of(app: Starlette) -> HttpCounters:
+    """The app's counters (``create_app`` sets them), or new ones nobody reads."""
+    counters = getattr(app.state, "http_counters", None)
+    return counters if isinstance(counters, HttpCounters) else HttpCounters()
+
+
+def _bound_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    # proto must say TCP: asyncio sets TCP_NODELAY on accepted sockets only then, and
+    # without it Nagle's algorithm and delayed ACKs add 40 ms to every response.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(exc.errno, f"cannot bind http://{host}:{port}: {exc.strerror}") from exc
+    sock.listen(1024)
+    return sock
+
+
+def serve(
+    host: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    service: IndexService | None = None,
+    collectors: Sequence[Any] = (),
+    options: AppOptions | None = None,
+    **service_options: Any,
+) -> Server:
+    """Start the index service over HTTP in the background; returns the started server.
+
+    ``service_options`` go to :class:`IndexService` when no service is given. ``options``:
+    token, endpoint allow-list and client limits (the server's own port is always refused
+    as an endpoint). Call ``server.wait()`` to block (the CLI does), ``server.close()`` to stop.
+    """
+    service = service if service is not None else IndexService(**service_options)
+    options = options if options is not None else AppOptions()
+    sock = _bound_socket(host, port)
+    endpoints = options.endpoints.with_forbidden_port(sock.getsockname()[1])
+    options = AppOptions(options.auth, endpoints, options.limits)
+    app = create_app(service, collectors=collectors, options=options)
+    server = Server(app, host, port, limits=options.limits, sock=sock)
+    try:
+        service.start()  # here, so that a feed that cannot start raises in the caller
+    except BaseException:
+        server.close()
+        raise
+    return server.start()
