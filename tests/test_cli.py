@@ -344,7 +344,7 @@ def test_serve_indexes_a_published_worker_and_serves_metrics() -> None:
             text = httpx.get(f"{url}/metrics").text
             serve.popen.send_signal(signal.SIGTERM)
             assert serve.wait() == 0
-    delivered = 'kvevents_subscriber_stream_delivered_total{rank="0",worker="sim"} '
+    delivered = 'kvevents_subscriber_stream_delivered_total{rank="0",worker_id="sim"} '
     assert float(text.split(delivered)[1].split()[0]) >= 1
     assert "kvevents_index_blocks " in text
     assert "kvevents_subscriber_streams 1.0" in text

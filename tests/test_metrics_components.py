@@ -62,10 +62,16 @@ def test_subscriber_collector_labels_streams_by_worker_and_rank() -> None:
     """Per-stream samples carry worker and rank labels; totals carry none; labels are not samples."""
     samples = _samples(subscriber_collector(FakeSubscriber()))
     delivered = samples["kvevents_subscriber_stream_delivered_total"]
-    assert delivered == [({"worker": "a", "rank": "0"}, 3.0), ({"worker": "b", "rank": "1"}, 4.0)]
+    assert delivered == [
+        ({"worker_id": "a", "rank": "0"}, 3.0),
+        ({"worker_id": "b", "rank": "1"}, 4.0),
+    ]
     assert samples["kvevents_subscriber_delivered_total"] == [({}, 7.0)]
     assert samples["kvevents_subscriber_streams"] == [({}, 2.0)]
-    assert samples["kvevents_subscriber_stream_last_seq"][0] == ({"worker": "a", "rank": "0"}, 2.0)
+    assert samples["kvevents_subscriber_stream_last_seq"][0] == (
+        {"worker_id": "a", "rank": "0"},
+        2.0,
+    )
     assert not any("stream_rank" in name for name in samples)
     assert "kvevents_subscriber_max_lag" not in samples  # None: no sample rather than a fake 0
 

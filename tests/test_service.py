@@ -20,6 +20,7 @@ from kvevents.index import table
 from kvevents.index._table_py import pack_json_member, pack_json_tokens
 from kvevents.index.keys import block_hashes
 from kvevents.index.prefix import IndexStats, PrefixIndex
+from kvevents.index.router import DEFAULT_POLICY
 from kvevents.metrics import field_docs
 from kvevents.service import app as service_app
 from kvevents.service import core as service_core
@@ -263,7 +264,7 @@ def test_register_query_and_unregister_over_http(
     assert len(body["decision"]["scores"]) == 3
     by_hashes = client.post("/query", json={"block_hashes": block_hashes(PROMPT, BS)}).json()
     assert by_hashes["scores"] == body["scores"]
-    assert by_hashes["decision"]["policy"] == "prefix_load"
+    assert by_hashes["decision"]["policy"] == DEFAULT_POLICY
     assert client.post("/unregister", json={"instance_id": 7, "dp_rank": 1}).status_code == 200
     assert client.post("/query", json={"token_ids": PROMPT}).json()["scores"] == {"b": {"0": 2}}
     missing = client.post("/unregister", json={"worker_id": "nobody"})
@@ -684,6 +685,31 @@ def test_metrics_cover_every_service_counter_with_its_documentation(
         "# HELP kvevents_service_ignored_total feed items of workers (or ranks) no longer "
         "registered, not applied" in text
     )
+
+
+def test_metrics_have_a_query_latency_histogram_and_process_metrics(
+    client: httpx.Client,
+) -> None:
+    """/metrics carries a /query latency histogram in seconds that counts each answered query,
+    and the process's CPU, memory and file descriptors."""
+
+    def count() -> float:
+        for line in client.get("/metrics").text.splitlines():
+            if line.startswith("kvevents_query_duration_seconds_count "):
+                return float(line.split()[1])
+        raise AssertionError("no kvevents_query_duration_seconds_count sample")
+
+    before = count()
+    for _ in range(3):
+        assert client.post("/query", json={"token_ids": list(range(64))}).status_code == 200
+    assert client.post("/query", content=b"{").status_code == 400  # refused: not observed
+    assert count() == before + 3
+    text = client.get("/metrics").text
+    assert "# TYPE kvevents_query_duration_seconds histogram" in text
+    assert 'kvevents_query_duration_seconds_bucket{le="0.001"}' in text
+    for name in ("process_cpu_seconds_total", "process_resident_memory_bytes",
+                 "process_open_fds", "python_gc_collections_total"):  # fmt: skip
+        assert f"\n{name}" in text, name
 
 
 def test_dump_streams_every_holder_and_encodes_off_the_lock(

@@ -172,7 +172,8 @@ def publisher_collector(publishers: Any, prefix: str = "kvevents_publisher") -> 
 
 def subscriber_collector(subscriber: Any, prefix: str = "kvevents_subscriber") -> CollectorGroup:
     """Metrics of a subscriber: totals as ``<prefix>_*`` and per stream as
-    ``<prefix>_stream_*`` labelled ``worker`` and ``rank``.
+    ``<prefix>_stream_*`` labelled ``worker_id`` and ``rank`` (the one worker label of every
+    kvevents metric, as in the HTTP API).
 
     Streams added or removed later appear or vanish at the next scrape.
     """
@@ -182,7 +183,7 @@ def subscriber_collector(subscriber: Any, prefix: str = "kvevents_subscriber") -
 
     def streams() -> Iterator[tuple[Labels, Any]]:
         for (worker, rank), stats in sorted(subscriber.stream_stats().items()):
-            yield {"worker": worker, "rank": str(rank)}, stats
+            yield {"worker_id": worker, "rank": str(rank)}, stats
 
     return CollectorGroup(
         [StatsCollector(prefix, totals), StatsCollector(f"{prefix}_stream", streams)]

@@ -9,6 +9,7 @@ JSON text in one pass; otherwise they are decoded as a list with the rest of the
 from __future__ import annotations
 
 from collections.abc import Callable
+from time import perf_counter
 from typing import Any
 
 import msgspec
@@ -146,11 +147,13 @@ class LeanQuery:
         reader: QueryReader,
         limits: HttpLimits,
         count: Callable[[int], None] = lambda status: None,
+        observe: Callable[[float], None] = lambda seconds: None,
     ) -> None:
         self.app = app
         self.reader = reader
         self.limits = limits
         self.count = count  # of each refusal, by status
+        self.observe = observe  # seconds each answered query took, body read to answer encoded
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] != "/query" or scope["method"] != "POST":
@@ -160,7 +163,9 @@ class LeanQuery:
             body = await read_body(scope, receive, self.limits)
             if body is None:
                 return  # the client went away
+            began = perf_counter()
             status, payload = 200, _encoder.encode(self.reader.answer(body))
+            self.observe(perf_counter() - began)
         except BadRequest as exc:
             self.count(exc.status)
             error = _encoder.encode({"error": str(exc)})

@@ -1,0 +1,1 @@
+"""Adapters that put kvevents inside an engine (each imports its engine lazily)."""
