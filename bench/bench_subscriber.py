@@ -3,7 +3,9 @@
 Publishers are separate processes sending pre-encoded typical batches (16 blocks x 16 tokens
 plus a removal) as fast as they can; the figure is how fast one subscriber process drains
 them. Baseline: a bare pyzmq SUB loop with a typed msgspec decode, same stream, same process
-layout. Also: replay catch-up, the rate at which a late joiner receives a 10,000-batch replay.
+layout. Also: replay catch-up, the rate at which a late joiner receives a 10,000-batch replay;
+and hostile payloads: the time and peak memory of decoding 4 MB crafted to amplify, against a
+well-formed 4 MB batch decoded in the same run.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+import tracemalloc
 from pathlib import Path
 
 import msgspec
@@ -29,7 +32,7 @@ from kvevents.events import KVEventBatch  # noqa: E402
 from kvevents.subscribe.subscriber import Delivery, StreamSpec, Subscriber, SubscriberOptions  # noqa: E402
 from kvevents.testing.fixtures import heartbeat, typical_batch  # noqa: E402
 from kvevents.testing.peers import RawPublisher  # noqa: E402
-from kvevents.wire import encode_batch, live_frames  # noqa: E402
+from kvevents.wire import decode_batch, encode_batch, live_frames  # noqa: E402
 
 TOTAL = 48_000 if not os.environ.get("CI") else 6_000
 REPLAY = 10_000
@@ -204,6 +207,37 @@ def replay_rate() -> float:
         _stop([proc])
 
 
+def _decode_cost(payload: bytes) -> tuple[float, float]:
+    """Seconds to decode ``payload`` (best of 3), and the tracemalloc peak in MB."""
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        decode_batch(payload)
+        best = min(best, time.perf_counter() - start)
+    tracemalloc.start()
+    decode_batch(payload)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    return best, peak / 1e6
+
+
+def hostile_rows() -> list[Row]:
+    """4 MB of one-byte events and 2 MB of extra_keys bombs, against a legit 4 MB batch."""
+    count = 4_000_000
+    one_byte = b"\x92\xcb" + bytes(8) + b"\xdd" + count.to_bytes(4, "big") + b"\xc0" * count
+    stored = {"type": "BlockStored", "block_hashes": [1], "token_ids": [1], "block_size": 1}
+    bomb = msgspec.msgpack.encode([0.0, [{**stored, "extra_keys": [[]] * 2_000_000}]])
+    legit = encode_batch(KVEventBatch(0.0, typical_batch(1).events * 4200))  # about 4 MB
+    base_time, base_peak = _decode_cost(legit)
+    name = f"well-formed batch, {len(legit) / 1e6:.1f} MB"
+    rows: list[Row] = []
+    for case, payload in (("4 MB of one-byte events", one_byte), ("2 MB extra_keys bomb", bomb)):
+        seconds, peak = _decode_cost(payload)
+        rows.append(Row(SECTION, case, "decode time", seconds * 1e3, "ms", base_time * 1e3, name))
+        rows.append(Row(SECTION, case, "decode peak memory", peak, "MB", base_peak, name))
+    return rows
+
+
 def run() -> list[Row]:
     """Rows for 1, 8 and 32 publisher processes, the raw baseline, and replay catch-up."""
     # The probes sent before the subscriber connects are reported lost (no replay endpoint
@@ -241,7 +275,7 @@ def run() -> list[Row]:
     rows.append(
         Row(SECTION, f"replay of {REPLAY:,} batches", "catch-up", replay_rate(), "batches/s")
     )
-    return rows
+    return rows + hostile_rows()
 
 
 if __name__ == "__main__":

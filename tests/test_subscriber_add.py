@@ -19,7 +19,7 @@ from kvevents.subscribe.subscriber import (
 )
 from kvevents.testing.fixtures import typical_batch
 from kvevents.testing.peers import Collector, RawPublisher
-from kvevents.testing.sockets import unique_inproc, unique_ipc, wait_for
+from kvevents.testing.sockets import unique_ipc, wait_for
 from kvevents.wire.endpoints import MAX_IPC_PATH, rank_endpoint
 
 W = "w1"
@@ -78,11 +78,11 @@ def test_connect_refused_raises_stream_add_error_and_the_feed_goes_on(pub, subs)
     still_delivers(sub, pub)
 
 
-def test_more_streams_than_libzmq_default_socket_limit(pub, subs) -> None:
+def test_more_streams_than_libzmq_default_socket_limit(pub, subs, tmp_path) -> None:
     """1,100 streams (past libzmq's default 1,023 sockets) are all added and read."""
     sub = subs([])
     for i in range(1100):
-        sub.add_stream(StreamSpec(f"idle{i}", 0, unique_inproc("never-bound")))
+        sub.add_stream(StreamSpec(f"idle{i}", 0, unique_ipc(str(tmp_path))))
     sub.add_stream(spec_for(pub))
     assert sub.stats().streams == 1101
     still_delivers(sub, pub)
@@ -90,7 +90,6 @@ def test_more_streams_than_libzmq_default_socket_limit(pub, subs) -> None:
 
 def test_stream_past_the_socket_limit_is_refused_cleanly(pub, subs, tmp_path) -> None:
     """Past max_sockets a stream is refused with the limit named; earlier streams go on."""
-    # ipc, not inproc: libzmq needs free sockets at exit to settle unbound inproc connects.
     options = {"replay": ReplayOptions(max_concurrent=1), "max_sockets": 6}  # 3 streams
     sub = subs([spec_for(pub)], **options)
     sub.add_stream(StreamSpec("idle1", 0, unique_ipc(str(tmp_path))))
@@ -118,6 +117,24 @@ def test_ipc_path_too_long_fails_when_the_spec_is_built() -> None:
         StreamSpec(W, 2, endpoint)
     assert (caught.value.endpoint, caught.value.rank, caught.value.rule) == (endpoint, 2, "path")
     StreamSpec(W, 0, "ipc://" + "p" * MAX_IPC_PATH)  # exactly at the limit is fine
+
+
+def test_listen_stops_with_the_reason_when_the_feed_dies(capsys) -> None:
+    """kvevents listen notices a dead subscriber thread and says why instead of waiting."""
+    from kvevents.cli.listen import _feed_dead
+    from kvevents.subscribe.streams import FeedHealth
+
+    class Dead:
+        def health(self) -> FeedHealth:
+            return FeedHealth("dead", False, 0.0, "RuntimeError: poller broke")
+
+    class Alive:
+        def health(self) -> FeedHealth:
+            return FeedHealth("ok", True)
+
+    assert not _feed_dead(Alive())
+    assert _feed_dead(Dead())
+    assert "the subscriber stopped: RuntimeError: poller broke" in capsys.readouterr().err
 
 
 def test_rank_suffix_pushing_an_ipc_path_over_the_limit_is_refused() -> None:
@@ -156,7 +173,7 @@ def test_a_failing_stream_is_detached_and_costs_only_itself(pub, subs) -> None:
         other.close()
 
 
-def test_health_reports_a_stall_while_the_consumer_does_not_read(pub, subs) -> None:
+def test_health_reports_a_stall_while_the_consumer_does_not_read(pub, subs, tmp_path) -> None:
     """A full outbox stalls the I/O thread: health says so, and an add times out cleanly."""
     sub = subs([spec_for(pub)], queue_size=1, stall_after=0.05, add_timeout=0.2)
     got = Collector(sub)
@@ -166,13 +183,13 @@ def test_health_reports_a_stall_while_the_consumer_does_not_read(pub, subs) -> N
     health = wait_for(lambda: sub.health().state == "stalled" and sub.health(), what="stall")
     assert health.alive and health.stalled_for > 0.05 and health.error is None
     with pytest.raises(StreamAddError, match="did not answer"):
-        sub.add_stream(StreamSpec("late", 0, unique_inproc()))
+        sub.add_stream(StreamSpec("late", 0, unique_ipc(str(tmp_path))))
     got.wait(lambda c: c.caught_up(pub, KEY), what="the backlog")
     wait_for(lambda: sub.health().state == "ok", what="recovery")
     assert ("late", 0) not in sub.stream_stats()  # abandoned: never added behind our back
 
 
-def test_health_is_dead_with_the_reason_when_the_thread_dies(pub, subs) -> None:
+def test_health_is_dead_with_the_reason_when_the_thread_dies(pub, subs, tmp_path) -> None:
     """A failure outside any stream ends the thread: health says dead and why; adds refuse."""
     sub = subs([spec_for(pub)])
     assert sub._loop is not None
@@ -185,7 +202,7 @@ def test_health_is_dead_with_the_reason_when_the_thread_dies(pub, subs) -> None:
     health = wait_for(lambda: sub.health().state == "dead" and sub.health(), what="death")
     assert not health.alive and health.error == "RuntimeError: poller broke"
     with pytest.raises(StreamAddError, match="not running"):
-        sub.add_stream(StreamSpec("late", 0, unique_inproc()))
+        sub.add_stream(StreamSpec("late", 0, unique_ipc(str(tmp_path))))
 
 
 def test_health_before_start_and_after_close() -> None:

@@ -42,8 +42,7 @@ def test_outbox_counts_the_bytes_it_holds() -> None:
 
 
 def test_slow_consumer_sheds_counts_and_is_rebuilt_by_replay(pub) -> None:
-    """Past queue_bytes batches are shed and counted, the stream reported incomplete, then a
-    replay rebuilds it: the consumer gets every batch once, in order, nothing silent."""
+    """Past queue_bytes batches are shed, counted, reported, then replayed: none lost."""
     with subscriber(
         StreamSpec(W, 0, pub.endpoint, pub.replay_endpoint), queue_bytes=8 * PAYLOAD
     ) as sub:

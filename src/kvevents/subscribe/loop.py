@@ -7,12 +7,8 @@ from other threads, and the replay client's DEALERs, all on one poller.
 
 from __future__ import annotations
 
-import contextlib
-import itertools
 import logging
 import math
-import os
-import queue
 import threading
 import time
 
@@ -20,7 +16,14 @@ import zmq
 
 from kvevents.errors import DecodeError, StreamAddError
 from kvevents.events import AllBlocksCleared
-from kvevents.subscribe.commands import AddFailed, AddRequest, Command, RemoveStreams, Stop
+from kvevents.subscribe.commands import (
+    AddFailed,
+    AddRequest,
+    Command,
+    Mailbox,
+    RemoveStreams,
+    Stop,
+)
 from kvevents.subscribe.cursor import (
     Action,
     Deliver,
@@ -55,8 +58,6 @@ _READ_BURST = 256
 # Upper bound of one poll, so a missed wake-up can never hang the thread for long.
 _MAX_POLL_MS = 1000
 
-_wake_names = itertools.count()
-
 
 class Loop:
     """The body of the I/O thread. Other threads only call :meth:`command` and read stats."""
@@ -71,16 +72,11 @@ class Loop:
         # When the current turn of work began (None while waiting for work): stall detection.
         self.busy_since: float | None = None
         self._initial = specs
-        self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
-        self._wake_endpoint = f"inproc://kvevents-subscriber-{os.getpid()}-{next(_wake_names)}"
-        self._wake_lock = threading.Lock()
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         # Before the first socket: libzmq fixes the limit when it creates its socket table.
         self._ctx.set(zmq.MAX_SOCKETS, options.max_sockets)
         self._limits = options.decode_limits
-        self._waker = self._ctx.socket(zmq.PAIR)
-        self._waker.setsockopt(zmq.LINGER, 0)
-        self._waker.bind(self._wake_endpoint)
+        self._mailbox = Mailbox(self._ctx)
         self._by_socket: dict[zmq.Socket[bytes], LiveStream] = {}
         self._running = True
         self._turn = Handover(outbox, options.queue_bytes)
@@ -90,15 +86,11 @@ class Loop:
 
     def command(self, command: Command) -> None:
         """Queue a command for the I/O thread and wake it."""
-        self._commands.put(command)
-        self.wake()
+        self._mailbox.send(command)
 
     def wake(self) -> None:
         """Make the I/O thread run a turn now (the outbox calls it when it has room again)."""
-        # Again: wake-ups are pending already, or the thread is gone (health says which).
-        with self._wake_lock, contextlib.suppress(zmq.Again):  # one waker for every caller
-            if not self._waker.closed:
-                self._waker.send(b"", zmq.NOBLOCK)
+        self._mailbox.wake()
 
     def add(self, spec: StreamSpec) -> str | None:
         """Have the I/O thread set ``spec`` up: None once done, else why it was not."""
@@ -126,8 +118,7 @@ class Loop:
 
     def close_waker(self) -> None:
         """Close the caller side once the I/O thread has stopped, then the context."""
-        with self._wake_lock:
-            self._waker.close(linger=0)
+        self._mailbox.close()
         self._ctx.term()
 
     # ------------------------------------------------------------------ I/O thread
@@ -135,9 +126,7 @@ class Loop:
     def run(self, ready: threading.Event, failure: list[BaseException]) -> None:
         """Connect, report ready (or the error), then serve until told to stop."""
         poller = zmq.Poller()
-        wake = self._ctx.socket(zmq.PAIR)
-        wake.setsockopt(zmq.LINGER, 0)
-        wake.connect(self._wake_endpoint)
+        wake = self._mailbox.open_inbox(self._ctx)
         poller.register(wake, zmq.POLLIN)
         self.poller = poller
         self.replays = ReplayClient(
@@ -187,16 +176,7 @@ class Loop:
         self.busy_since = None
 
     def _on_wake(self, wake: zmq.Socket[bytes]) -> None:
-        while True:
-            try:
-                wake.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                break
-        while True:
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return
+        for command in self._mailbox.take(wake):
             if isinstance(command, Stop):
                 self._running = False
             elif isinstance(command, AddRequest):
@@ -345,21 +325,11 @@ class Loop:
         self._deliver_payload(stream, action.seq, action.payload)
 
     def _deliver_payload(self, stream: LiveStream, seq: int, payload: bytes) -> None:
-        on_payload = self.options.on_payload
-        if on_payload is not None:
-            try:
-                applied = on_payload(stream.spec, seq, payload)
-            except DecodeError as exc:
-                self._decode_failed(stream, exc)
-                return
-            except Exception:
-                self.callback_errors += 1
-                key = stream.spec.key
-                log.exception("worker %s rank %s: on_payload failed on seq %d", *key, seq)
-                applied = Applied(stream.last_ts or 0.0, 0)
-            if applied is not None:
-                self._account(stream, seq, applied)
-                return
+        if len(payload) > self.options.max_message_size:
+            self._oversized(stream, seq, len(payload))
+            return
+        if self.options.on_payload is not None and self._consumer_applied(stream, seq, payload):
+            return
         if stream.shed_from is not None or (
             self.options.callback is None and self._turn.over_budget(len(payload))
         ):
@@ -381,6 +351,25 @@ class Loop:
             stream, seq, Applied(batch.ts, len(batch.events), decoded.skipped_count, clears)
         )
         self._emit(Delivery(stream.spec, seq, batch), len(payload))
+
+    def _consumer_applied(self, stream: LiveStream, seq: int, payload: bytes) -> bool:
+        """Offer the payload to ``on_payload``: True when the consumer applied it (or failed
+        on it, counted), False when it wants the usual delivery."""
+        assert self.options.on_payload is not None
+        try:
+            applied = self.options.on_payload(stream.spec, seq, payload)
+        except DecodeError as exc:
+            self._decode_failed(stream, exc)
+            return True
+        except Exception:
+            self.callback_errors += 1
+            key = stream.spec.key
+            log.exception("worker %s rank %s: on_payload failed on seq %d", *key, seq)
+            applied = Applied(stream.last_ts or 0.0, 0)
+        if applied is None:
+            return False
+        self._account(stream, seq, applied)
+        return True
 
     def _account(self, stream: LiveStream, seq: int, applied: Applied) -> None:
         """The stats of a delivered batch (or one the on_payload consumer applied)."""
@@ -431,17 +420,21 @@ class Loop:
         )
         self._emit(StreamReset(stream.spec, "restart"))
 
-    def _unrecoverable(self, stream: LiveStream, lost: Unrecoverable) -> None:
+    def _unrecoverable(
+        self, stream: LiveStream, lost: Unrecoverable, why: str | None = None
+    ) -> None:
         stream.add("unrecoverable")
         stream.add("missing", lost.end - lost.start)
         spec = stream.spec
+        if why is None:
+            why = "replay did not have them" if spec.replay_endpoint else "no replay endpoint"
         self._warn(
             stream,
             "unrecoverable",
             "seq %d..%d cannot be recovered (%s); stream incomplete",
             lost.start,
             lost.end - 1,
-            "replay did not have them" if spec.replay_endpoint else "no replay endpoint",
+            why,
         )
         stream.state = "incomplete"
         self._publish_status(StreamStatus(spec, "incomplete", (lost.start, lost.end)))
@@ -450,6 +443,12 @@ class Loop:
         stream.state = stream.cursor.state
         if stream.state != "new":
             self._publish_status(StreamStatus(stream.spec, stream.state))
+
+    def _oversized(self, stream: LiveStream, seq: int, size: int) -> None:
+        stream.add("oversized")
+        stream.cursor.complete = False  # the consumer never sees this batch
+        why = f"{size} bytes, over max_message_size={self.options.max_message_size}"
+        self._unrecoverable(stream, Unrecoverable(seq, seq + 1), f"dropped undecoded: {why}")
 
     def _decode_failed(self, stream: LiveStream, exc: DecodeError) -> None:
         stream.add("decode_errors")

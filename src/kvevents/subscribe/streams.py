@@ -59,9 +59,10 @@ FeedState: TypeAlias = Literal["ok", "stalled", "dead"]
 #: in one batch, twenty times what a step of 64k batched tokens can store.
 DEFAULT_MAX_MESSAGE_SIZE = 8 * 1024 * 1024
 
-#: Payload bytes a subscriber queues for its consumer by default: decoded, a batch takes
-#: about 14 times its payload, so this is about 450 MB of objects at most.
-DEFAULT_QUEUE_BYTES = 32 * 1024 * 1024
+#: Payload bytes a subscriber queues for its consumer by default: decoded, a batch takes 7
+#: (typical) to 13 (many blocks) times its payload, so about 110 MB of objects at most; 8,000
+#: typical 1 KB batches, about what ``queue_size`` holds.
+DEFAULT_QUEUE_BYTES = 8 * 1024 * 1024
 #: Payload bytes one stream holds while a replay fills the hole before them.
 DEFAULT_MAX_BUFFERED_BYTES = 16 * 1024 * 1024
 
@@ -228,7 +229,8 @@ class StreamCounters:
     read at all. ``skipped_events``: events skipped inside otherwise good batches.
     ``events``: events delivered. ``failures``: errors of the stream's own that detached it
     (its state is then ``"failed"``). ``shed``: batches dropped because the consumer was
-    behind (``SubscriberOptions.queue_bytes``); each run of them is replayed.
+    behind (``SubscriberOptions.queue_bytes``); each run of them is replayed. ``oversized``:
+    batches over ``SubscriberOptions.max_message_size``, dropped undecoded (and lost).
     """
 
     received: int = 0
@@ -245,6 +247,7 @@ class StreamCounters:
     events: int = 0
     failures: int = 0
     shed: int = 0
+    oversized: int = 0
 
 
 #: The names of :class:`StreamCounters`, in order.
@@ -351,9 +354,11 @@ class SubscriberOptions:
     :meth:`Subscriber.health` says ``"stalled"``. ``max_sockets``: the ZeroMQ context's socket
     limit (libzmq's default, 1023, is exhausted by about 1,020 streams); it bounds the
     streams read at once to ``max_sockets - replay.max_concurrent - 2``.
-    ``max_message_size``: the largest frame a SUB or replay socket accepts (ZeroMQ's
-    ``MAXMSGSIZE``; a peer sending more is disconnected, which shows as a gap, replayed or
-    reported unrecoverable). ``max_events_per_batch`` and ``max_tokens_per_event``: events
+    ``max_message_size``: the largest batch payload accepted. A larger one is never decoded:
+    it is counted in ``oversized`` and reported unrecoverable (the stream incomplete). Replay
+    sockets enforce it in ZeroMQ (``MAXMSGSIZE``: the reply's connection is dropped and the
+    replay retried, then failed); live SUB sockets check after receipt, because libzmq never
+    reconnects a SUB whose connection it dropped for an oversized frame. ``max_events_per_batch`` and ``max_tokens_per_event``: events
     past the first ``max_events_per_batch`` of a batch, and events with more tokens, are
     skipped and counted in ``skipped_events`` (the rest of the batch is delivered).
     """

@@ -82,14 +82,16 @@ class _ArrayBatch(msgspec.Struct, array_like=True):
 _array_decoder = msgspec.msgpack.Decoder(_ArrayBatch)
 
 
-# Probes: the extra_keys of every event, still encoded, for a large payload's typed paths
-# (the one free-form field: decoded whole, empty lists in it cost 64 bytes per byte).
+# Probes: the tokens and extra_keys of every event, still encoded, for a large payload's
+# typed paths (decoded whole, 3-byte tokens cost 12 bytes per byte and empty lists in the
+# free-form extra_keys 64).
 _NIL = msgspec.Raw(b"\xc0")
 # Below this size a payload cannot cost more than a few megabytes whatever it holds.
 _PROBE_FROM = 64 * 1024
 
 
 class _MapProbe(msgspec.Struct, tag="BlockStored", tag_field="type", gc=False):
+    token_ids: msgspec.Raw = _NIL
     extra_keys: msgspec.Raw = _NIL
 
 
@@ -105,7 +107,7 @@ class _ArrayProbe(msgspec.Struct, tag="BlockStored", array_like=True, gc=False):
     # The seven fields before extra_keys, unread.
     f1: msgspec.Raw = _NIL
     f2: msgspec.Raw = _NIL
-    f3: msgspec.Raw = _NIL
+    token_ids: msgspec.Raw = _NIL
     f4: msgspec.Raw = _NIL
     f5: msgspec.Raw = _NIL
     f6: msgspec.Raw = _NIL
@@ -134,17 +136,26 @@ class _ArrayProbeBatch(msgspec.Struct, array_like=True, gc=False):
 _probes = (msgspec.msgpack.Decoder(_MapProbeBatch), msgspec.msgpack.Decoder(_ArrayProbeBatch))
 
 
-def _extra_too_large(payload: bytes, limits: DecodeLimits) -> bool:
-    """True when an event's extra_keys exceeds ``max_extra_bytes``: the generic path, which
-    skips such events, must read the payload instead of the typed ones."""
-    big = limits.max_extra_bytes
+def _too_large_for_typed(payload: bytes, limits: DecodeLimits) -> bool:
+    """True when an event's tokens or extra_keys exceed the limits: the generic path, which
+    skips such events without building them, must read the payload instead of the typed
+    ones (which would build them whole first)."""
     for probe in _probes:
         try:
             events = probe.decode(payload).events
         except msgspec.DecodeError:
             continue  # not this form (a mixed batch is read by the generic path anyway)
-        return any(len(getattr(e, "extra_keys", _NIL)) > big for e in events)
+        return any(_over(e, limits) for e in events)
     return False
+
+
+def _over(event: object, limits: DecodeLimits) -> bool:
+    extra = getattr(event, "extra_keys", _NIL)
+    if len(extra) > limits.max_extra_bytes:
+        return True
+    tokens = getattr(event, "token_ids", _NIL)
+    head = container_len(memoryview(tokens)) if len(tokens) > limits.max_tokens else None
+    return head is not None and head[1] > limits.max_tokens
 
 
 def decode_batch(
@@ -162,7 +173,7 @@ def decode_batch(
 
 
 def _decode(payload: bytes, seq: int | None, limits: DecodeLimits) -> DecodedBatch:
-    if len(payload) > _PROBE_FROM and _extra_too_large(payload, limits):
+    if len(payload) > _PROBE_FROM and _too_large_for_typed(payload, limits):
         return decode_generic(payload, seq, limits)
     try:
         return _within(_batch_decoder.decode(payload), len(payload), limits)

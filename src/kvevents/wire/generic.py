@@ -53,6 +53,10 @@ _int_list = msgspec.msgpack.Decoder(list[int])
 _hash_list = msgspec.msgpack.Decoder(list[int | bytes])
 _hash_one = msgspec.msgpack.Decoder(int | bytes | None)
 _opt_str_decoder = msgspec.msgpack.Decoder(str | None)
+# Up to this size a payload is checked whole first, at most a few MB however it is built: a
+# byte that is not msgpack (a string that is not UTF-8 included) fails the message, as the
+# index's C lane decides. Larger payloads are only read where fields are used.
+_CHECK_WHOLE_BELOW = 64 * 1024
 _SCALAR_BYTES = 64  # a scalar field larger than this is not the number or tag it should be
 _MAX_FIELDS = 64  # the longest event era has 12; more is not an event
 # msgspec's names for what it got, as the Python type names the rest of the reasons use.
@@ -65,7 +69,10 @@ def _scalar(raw: msgspec.Raw | None) -> Any:
         return None
     if len(raw) > _SCALAR_BYTES:
         return _Opaque(type_name(memoryview(raw)))
-    return _any_decoder.decode(raw)
+    try:
+        return _any_decoder.decode(raw)
+    except msgspec.DecodeError:  # e.g. a string that is not UTF-8: not the scalar wanted
+        return _Opaque(type_name(memoryview(raw)))
 
 
 def _name(value: Any) -> str:
@@ -74,6 +81,11 @@ def _name(value: Any) -> str:
 
 def decode_generic(payload: bytes, seq: int | None, limits: DecodeLimits) -> DecodedBatch:
     """Decode ``payload`` event by event, skipping what cannot be read (see the module)."""
+    if len(payload) <= _CHECK_WHOLE_BELOW:
+        try:  # what is not msgpack anywhere (bad UTF-8 too) fails the message, as in C
+            _any_decoder.decode(payload)
+        except msgspec.DecodeError as exc:
+            raise DecodeError(f"payload is not msgpack: {exc}", seq=seq) from None
     try:
         loose = _loose_decoder.decode(payload)
     except msgspec.ValidationError:
@@ -96,6 +108,9 @@ def decode_generic(payload: bytes, seq: int | None, limits: DecodeLimits) -> Dec
             events.append(_event(raw, f"$[1][{index}]", limits))
         except Skip as bad:
             skipped.append(SkippedEvent(index=index, path=bad.path, reason=bad.reason))
+        except msgspec.DecodeError as exc:  # a field msgspec cannot read (bad UTF-8, ...)
+            reason = f"event cannot be read: {exc}"
+            skipped.append(SkippedEvent(index=index, path=f"$[1][{index}]", reason=reason))
     skipped += tail(count, limits)
     batch = KVEventBatch(ts=float(ts), events=events, data_parallel_rank=rank)
     return DecodedBatch(batch, tuple(skipped))
