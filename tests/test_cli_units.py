@@ -24,7 +24,7 @@ def stats(**overrides: object) -> StreamStats:
     fields: dict[str, object] = dict(
         worker_id="a", rank=0, state="live", received=3, delivered=3, duplicates=0, gaps=0,
         replays=0, replayed=0, unrecoverable=0, missing=0, restarts=0, decode_errors=0,
-        skipped_events=0, events=4, last_seq=2, lag=0.5,
+        skipped_events=0, events=4, last_seq=2, lag_seconds=0.5,
     )  # fmt: skip
     fields.update(overrides)
     return StreamStats(**fields)  # type: ignore[arg-type]

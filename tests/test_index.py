@@ -398,7 +398,7 @@ def test_stream_info_reports_batches_and_tiers() -> None:
 
 
 def test_bytes_per_block_is_measured_and_the_estimate_is_honest() -> None:
-    """tracemalloc agrees with stats().bytes_estimate, and a block costs under 200 bytes."""
+    """tracemalloc agrees with stats().memory_bytes, and a block costs under 200 bytes."""
     import gc
     import tracemalloc
 

@@ -35,7 +35,7 @@ def _stream(worker: str, rank: int, delivered: int) -> StreamStats:
         replays=1,
         events=delivered,
         last_seq=delivered - 1,
-        lag=None,
+        lag_seconds=None,
     )
 
 

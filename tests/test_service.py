@@ -90,7 +90,7 @@ class FakeFeed:
     def stream_stats(self) -> dict[tuple[str, int], StreamStats]:
         return {
             s.key: StreamStats(
-                worker_id=s.worker_id, rank=s.rank, state="live", last_seq=None, lag=None
+                worker_id=s.worker_id, rank=s.rank, state="live", last_seq=None, lag_seconds=None
             )
             for s in self.specs
         }

@@ -68,7 +68,7 @@ def stream_table(stats: Mapping[tuple[str, int], StreamStats]) -> Any:
         table.add_row(
             f"{worker}/{rank}", s.state, str(s.last_seq if s.last_seq is not None else "-"),
             str(s.delivered), str(s.replayed), str(s.events), str(s.gaps),
-            str(s.missing), str(s.restarts), _lag(s.lag), style=style,
+            str(s.missing), str(s.restarts), _lag(s.lag_seconds), style=style,
         )  # fmt: skip
     return table
 

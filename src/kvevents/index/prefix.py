@@ -406,7 +406,7 @@ class PrefixIndex:
     # ----------------------------------------------------------------- inspection
 
     def stats(self) -> IndexStats:
-        """A frozen record of totals and sizes (``bytes_estimate`` is O(holders))."""
+        """A frozen record of totals and sizes (``memory_bytes`` is O(holders))."""
         c = self._c
         holders = list(self._by_id.values())
         return IndexStats(
@@ -425,10 +425,10 @@ class PrefixIndex:
             bad_events=c.bad_events,
             clears=c.clears,
             stream_resets=c.resets,
-            bytes_estimate=self._bytes_estimate(holders),
+            memory_bytes=self._memory_bytes(holders),
         )
 
-    def _bytes_estimate(self, holders: list[Holder]) -> int:
+    def _memory_bytes(self, holders: list[Holder]) -> int:
         size = sum(page.nbytes for page in self._pages)
         for holder in holders:
             size += holder.engine.nbytes + sys.getsizeof(holder.dups)

@@ -55,7 +55,7 @@ class IndexStats:
 
     #: Fields that are levels (Prometheus gauges); every other number only grows.
     GAUGES: ClassVar[frozenset[str]] = frozenset(
-        {"blocks", "bytes_estimate", "entries", "holders", "orphans_held", "streams"}
+        {"blocks", "memory_bytes", "entries", "holders", "orphans_held", "streams"}
     )
 
     streams: int  #: (worker, rank) streams known
@@ -73,12 +73,12 @@ class IndexStats:
     bad_events: int  #: store events skipped for a token count that does not match
     clears: int  #: AllBlocksCleared events applied
     stream_resets: int  #: reset_stream calls
-    bytes_estimate: int  #: estimated bytes held by the index structures
+    memory_bytes: int  #: estimated bytes held by the index structures
 
     @property
     def bytes_per_block(self) -> float:
         """Estimated bytes per (holder, block) entry."""
-        return self.bytes_estimate / self.entries if self.entries else 0.0
+        return self.memory_bytes / self.entries if self.entries else 0.0
 
 
 @dataclass(frozen=True)

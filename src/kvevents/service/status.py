@@ -67,7 +67,7 @@ class IndexSize(msgspec.Struct, kw_only=True):
     blocks: int  #: distinct blocks indexed
     entries: int  #: (holder, block) pairs
     holders: int  #: (worker, rank, tier) holders
-    bytes_estimate: int
+    memory_bytes: int
 
 
 class HitPoint(msgspec.Struct, kw_only=True):
@@ -95,7 +95,7 @@ def _rank(
     rank: int, info: StreamInfo | None, stream: StreamStats | None, degraded: str | None
 ) -> RankStatus:
     tiers = dict(info.tiers) if info is not None else {}
-    lag = stream.lag if stream is not None else None
+    lag = stream.lag_seconds if stream is not None else None
     if lag is None and info is not None and info.last_batch_ts is not None:
         lag = max(0.0, time.time() - info.last_batch_ts)
     return RankStatus(
@@ -137,7 +137,7 @@ def status(service: IndexService) -> Status:
             blocks=stats.blocks,
             entries=stats.entries,
             holders=stats.holders,
-            bytes_estimate=stats.bytes_estimate,
+            memory_bytes=stats.memory_bytes,
         ),
         workers=workers,
         bucket_seconds=log.bucket_seconds,

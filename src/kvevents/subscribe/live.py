@@ -68,7 +68,7 @@ class LiveStream:
             rank=self.spec.rank,
             state="failed" if self.state == "failed" else self.cursor.state,
             last_seq=self.last_seq,
-            lag=lag,
+            lag_seconds=lag,
             **self.counts,
         )
 

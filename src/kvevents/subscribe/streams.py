@@ -259,18 +259,18 @@ class StreamStats(StreamCounters):
     """One stream since it was added: its counters, plus where it stands.
 
     ``state``: ``"new"``, ``"live"``, ``"replaying"``, ``"incomplete"`` or ``"failed"``. ``last_seq``: the
-    last delivered sequence. ``lag``: seconds from the ``ts`` of the last delivered batch to
+    last delivered sequence. ``lag_seconds``: seconds from the ``ts`` of the last delivered batch to
     now (None before one).
     """
 
     #: Fields that are levels (Prometheus gauges); every other number only grows.
-    GAUGES: ClassVar[frozenset[str]] = frozenset({"lag", "last_seq"})
+    GAUGES: ClassVar[frozenset[str]] = frozenset({"lag_seconds", "last_seq"})
 
     worker_id: str
     rank: int
     state: StreamState
     last_seq: int | None
-    lag: float | None
+    lag_seconds: float | None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -342,7 +342,7 @@ class SubscriberOptions:
     ``max_buffered_bytes`` their payload bytes (past either the replay is abandoned and the
     hole reported unrecoverable). ``duplicate_window``: delivered batches remembered per
     stream to tell a duplicate from a restart. ``gap_log_interval``: at most one gap warning
-    per stream per that many seconds. ``wall_clock``: the clock ``lag`` is measured with.
+    per stream per that many seconds. ``wall_clock``: the clock ``lag_seconds`` is measured with.
     ``curve``: the CURVE client of every stream whose spec has none (``docs/security.md``).
     ``on_payload``: called on the I/O thread
     with ``(stream, seq, payload)`` of every batch due for delivery, before decoding; a

@@ -222,7 +222,7 @@ class Subscriber:
     def stats(self) -> SubscriberStats:
         """Totals over every stream, plus queue depth and callback errors."""
         per_stream = list(self.stream_stats().values())
-        lags = [s.lag for s in per_stream if s.lag is not None]
+        lags = [s.lag_seconds for s in per_stream if s.lag_seconds is not None]
 
         totals = {name: sum(getattr(s, name) for s in per_stream) for name in STREAM_COUNTERS}
         loop = self._loop
