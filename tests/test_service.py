@@ -780,16 +780,16 @@ def test_one_dump_at_a_time(client: httpx.Client, monkeypatch: pytest.MonkeyPatc
     assert first[0].json() == {"holders": [], "stats": {}}
 
 
-def test_a_large_payload_is_decoded_before_the_lock_is_taken(
-    feed: FakeFeed, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("prompts_count", [1, 16])
+def test_payloads_are_decoded_before_the_lock_is_taken(
+    feed: FakeFeed, monkeypatch: pytest.MonkeyPatch, prompts_count: int
 ) -> None:
-    """A payload over DECODE_OUTSIDE_LOCK is decoded with the index lock free and applied as
-    the fast lane applies it: same blocks, same Applied record."""
-    prompts = [list(range(i * 4096, (i + 1) * 4096)) for i in range(16)]  # 16 x 1024 blocks
+    """A payload, small or large, is decoded with the index lock free and applied as the index
+    applies it itself: same blocks, same Applied record."""
+    prompts = [list(range(i * 4096, (i + 1) * 4096)) for i in range(prompts_count)]
     big = batch(*(store_event(p, BS) for p in prompts), AllBlocksCleared(), ts=5.0)
     big = batch(*big.events[-1:], *big.events[:-1], ts=5.0)  # the clear first
     payload = encode_batch(big)
-    assert len(payload) > service_core.DECODE_OUTSIDE_LOCK
     lane, outside = make_service(FakeFeed()), make_service(feed)
     for service in (lane, outside):
         service.register(WorkerRegistration("a", LOCAL, BS))
@@ -807,9 +807,9 @@ def test_a_large_payload_is_decoded_before_the_lock_is_taken(
     want = lane.index.ingest_payload("a", 0, payload, seq=0)
     got = outside.apply_payload(StreamSpec("a", 0, LOCAL), 0, payload)
     assert decoded_free == [True]
-    assert got == want == Applied(5.0, 17, 0, True)
+    assert got == want == Applied(5.0, prompts_count + 1, 0, True)
     assert outside.index.snapshot() == lane.index.snapshot()
-    assert outside.query(prompts[3])["scores"] == {"a": {"0": 1024}}
+    assert outside.query(prompts[-1])["scores"] == {"a": {"0": 1024}}
     assert outside.stats().deliveries == 1
     small = encode_batch(batch(store_event(PROMPT, BS)))
     assert outside.apply_payload(StreamSpec("a", 0, LOCAL), 1, small) == Applied(0.0, 1)

@@ -56,9 +56,6 @@ __all__ = [
 
 log = logging.getLogger("kvevents.service.core")
 
-#: Payloads larger than this (bytes) are decoded before the index lock is taken. Typical
-#: batches are a few KB; a step storing thousands of blocks at once is the rare large one.
-DECODE_OUTSIDE_LOCK = 256 << 10
 _T = TypeVar("_T")
 
 
@@ -198,17 +195,10 @@ class IndexService:
         ``on_payload``): no delivery object, no decoded tokens. None for a stream of a worker
         no longer registered (the feed then delivers it, and :meth:`consume` ignores it).
 
-        A payload over :data:`DECODE_OUTSIDE_LOCK` bytes is decoded before the lock is taken:
-        the index's fast lane reads small batches in one C pass as it applies them, but a
-        large one it cannot take whole would be decoded in Python with every query waiting.
+        The payload is decoded before the index lock is taken: queries never wait on a
+        decode, however large or hostile the payload.
         """
-        if len(payload) > DECODE_OUTSIDE_LOCK:
-            return self._apply_decoded(stream, decode_batch_packed(payload, seq=seq))
-        with self.lock:
-            if not self._follows(stream):
-                return None
-            key = stream.worker_id, stream.rank
-            return self._counted(lambda: self.index.ingest_payload(*key, payload, seq=seq))
+        return self._apply_decoded(stream, decode_batch_packed(payload, seq=seq))
 
     def _apply_decoded(self, stream: StreamSpec, decoded: DecodedBatch) -> Applied | None:
         batch = decoded.batch
