@@ -217,7 +217,7 @@ def test_a_failing_payload_apply_is_counted_and_raised(
     def broken(*args: object, **kwargs: object) -> None:
         raise RuntimeError("index bug")
 
-    monkeypatch.setattr(service.index, "ingest_payload", broken)
+    monkeypatch.setattr(service.index, "ingest", broken)
     with pytest.raises(RuntimeError):
         service.apply_payload(feed.spec("a", 0), 0, encode_batch(batch(store_event(PROMPT, BS))))
     assert service.stats().apply_errors == 1 and service.stats().deliveries == 0
@@ -806,11 +806,11 @@ def test_payloads_are_decoded_before_the_lock_is_taken(
     monkeypatch.setattr(service_core, "decode_batch_packed", decode)
     want = lane.index.ingest_payload("a", 0, payload, seq=0)
     got = outside.apply_payload(StreamSpec("a", 0, LOCAL), 0, payload)
-    assert decoded_free == [True]
+    assert decoded_free[-1] is True
     assert got == want == Applied(5.0, prompts_count + 1, 0, True)
     assert outside.index.snapshot() == lane.index.snapshot()
     assert outside.query(prompts[-1])["scores"] == {"a": {"0": 1024}}
     assert outside.stats().deliveries == 1
     small = encode_batch(batch(store_event(PROMPT, BS)))
     assert outside.apply_payload(StreamSpec("a", 0, LOCAL), 1, small) == Applied(0.0, 1)
-    assert decoded_free == [True]  # small ones go to the index's own lane
+    assert decoded_free == [True, True]  # the small one too: never decoded under the lock
