@@ -35,5 +35,5 @@ def test_unrecoverable_holes_warn_once_per_interval(caplog: pytest.LogCaptureFix
             collector.wait(lambda c: sub.stream_stats()[spec.key].unrecoverable == holes + 4)
     lost = [r.getMessage() for r in caplog.records if "cannot be recovered" in r.getMessage()]
     assert len(lost) == 2
-    assert "suppressed" not in lost[0]
-    assert lost[1].endswith("(2 similar warnings suppressed)")
+    assert "held back" not in lost[0]
+    assert lost[1].endswith("(2 similar warnings held back)")

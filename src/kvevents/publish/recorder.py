@@ -8,8 +8,8 @@ the engine announced:
 - only full blocks (``len(token_ids) == block_size``); a partial block is never announced;
 - a block is announced once per medium while it is held; a repeated store is suppressed;
 - a removal is sent only for a block announced in that medium;
-- fail closed: a store whose parent is not announced and held right now (in any medium) is
-  suppressed, so a consumer never receives a child it cannot place; its children follow it;
+- fail closed: a store whose parent was never announced (in any medium, since the last clear)
+  is suppressed, so a consumer never receives a child it cannot place; its children follow it;
 - stores that continue a chain within a step merge into one ``BlockStored``, consecutive
   removals of one medium into one ``BlockRemoved``; the order of stores and removals is kept;
 - a clear supersedes the step's earlier events and emits ``AllBlocksCleared``;

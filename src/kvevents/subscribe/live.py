@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass, field
 
 import zmq
@@ -35,8 +34,6 @@ class LiveStream:
     recv: Recv
     ticket: int = 0
     state: StreamState = "new"
-    # Per kind of warning ("gap", "restart", ...): when it was last logged, how many held back.
-    warned: dict[str, tuple[float, int]] = field(default_factory=dict)
     counts: dict[str, int] = field(default_factory=dict)
     last_seq: int | None = None
     last_ts: float | None = None
@@ -46,19 +43,6 @@ class LiveStream:
 
     def add(self, name: str, amount: int = 1) -> None:
         self.counts[name] = self.counts.get(name, 0) + amount
-
-    def warn(self, options: SubscriberOptions, kind: str, fmt: str, *args: object) -> None:
-        """At most one warning per kind per ``gap_log_interval`` seconds: a lossy link or a
-        flapping publisher must not flood the log."""
-        now = options.wall_clock()
-        last, held = self.warned.get(kind, (-math.inf, 0))
-        if now - last < options.gap_log_interval:
-            self.warned[kind] = (last, held + 1)
-            return
-        spec = self.spec
-        extra = f" ({held} similar warnings suppressed)" if held else ""
-        log.warning("worker %s rank %d: " + fmt + "%s", spec.worker_id, spec.rank, *args, extra)
-        self.warned[kind] = (now, 0)
 
     def stats(self, now: float) -> StreamStats:
         """A snapshot of the counters (read from another thread: approximate)."""

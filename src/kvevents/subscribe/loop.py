@@ -16,6 +16,7 @@ import zmq
 
 from kvevents.errors import DecodeError, StreamAddError
 from kvevents.events import AllBlocksCleared
+from kvevents.ratelimit import RateLimitedWarning
 from kvevents.subscribe.commands import (
     AddFailed,
     AddRequest,
@@ -76,6 +77,9 @@ class Loop:
         # Before the first socket: libzmq fixes the limit when it creates its socket table.
         self._ctx.set(zmq.MAX_SOCKETS, options.max_sockets)
         self._limits = options.decode_limits
+        self._warnings = RateLimitedWarning(
+            log, interval=options.gap_log_interval, clock=options.wall_clock
+        )
         self._mailbox = Mailbox(self._ctx)
         self._by_socket: dict[zmq.Socket[bytes], LiveStream] = {}
         self._running = True
@@ -514,7 +518,11 @@ class Loop:
             self._turn.add(status)
 
     def _warn(self, stream: LiveStream, kind: str, fmt: str, *args: object) -> None:
-        stream.warn(self.options, kind, fmt, *args)
+        """At most one warning per stream and kind per ``gap_log_interval`` seconds: a lossy
+        link or a flapping publisher must not flood the log."""
+        spec = stream.spec
+        key = f"{spec.worker_id}/{spec.rank}/{kind}"
+        self._warnings(key, "worker %s rank %d: " + fmt, spec.worker_id, spec.rank, *args)
 
     # ------------------------------------------------------------------ stats
 
