@@ -7,6 +7,8 @@ indexer API, so it can be swapped in:
   ranks? | dp_size?, topic?, model_name?}``: index the worker's ranks and subscribe to them.
   ``endpoint`` and ``replay_endpoint`` are base endpoints (rank r uses base port + r).
 - ``POST /unregister`` ``{worker_id | instance_id, rank? | dp_rank?}``: forget it entirely.
+- ``POST /load`` ``{loads: [{worker_id, rank?, queued_blocks, active_blocks}]}``: the
+  targets' load, for load-aware routing (:mod:`.load`).
 - ``POST /query`` ``{token_ids | block_hashes, policy?, block_size?, lora_name?}``: matched
   blocks per worker, rank and tier, and an explained routing decision (:mod:`.query`).
 - ``GET /dump``: every holder's blocks, streamed; ``GET /workers``: workers with their stream
@@ -51,6 +53,7 @@ from kvevents.service.collector import ServiceCollector
 from kvevents.service.core import IndexService, WorkerRegistration
 from kvevents.service.dump import dump_chunks
 from kvevents.service.limits import STATUS_FIELDS, HttpCounters, HttpLimits, read_body
+from kvevents.service.load import load_endpoint
 from kvevents.service.memory import IdleTrim, release_free_memory
 from kvevents.service.openapi import openapi_route
 from kvevents.service.query import LeanQuery, QueryReader
@@ -67,7 +70,7 @@ from kvevents.service.status import status_routes
 __all__ = ["MUTATING", "AppOptions", "Guard", "create_app"]
 
 #: The endpoints that change the service's state: they need the token when one is set.
-MUTATING = frozenset({"/register", "/unregister"})
+MUTATING = frozenset({"/register", "/unregister", "/load"})
 # Seconds between checks whether a burst of batches is over (then free memory is trimmed).
 _TRIM_TICK = 0.25
 _register_decoder = msgspec.json.Decoder(RegisterBody)
@@ -315,6 +318,7 @@ def create_app(
     routes = [
         Route("/register", api.register, methods=["POST"]),
         Route("/unregister", api.unregister, methods=["POST"]),
+        Route("/load", load_endpoint(service, api._body), methods=["POST"]),
         # Answered by LeanQuery; the route still gives other methods their 405.
         Route("/query", api.query, methods=["POST"]),
         Route("/dump", api.dump, methods=["GET"]),

@@ -26,7 +26,7 @@ import msgspec
 from kvevents.errors import DecodeError, StreamAddError, SubscriberError
 from kvevents.events import AllBlocksCleared
 from kvevents.index.prefix import HolderKey, IndexStats, PrefixIndex
-from kvevents.index.router import DEFAULT_POLICY, Router
+from kvevents.index.router import DEFAULT_POLICY, Router, Target
 from kvevents.service.decisions import DecisionLog
 from kvevents.service.feed import (
     Feed,
@@ -35,6 +35,8 @@ from kvevents.service.feed import (
     default_feed,
     default_stream_specs,
 )
+from kvevents.service.loadreports import DEFAULT_LOAD_TTL, LoadLedger, LoadReport
+from kvevents.service.state import StateFile
 from kvevents.subscribe.streams import (
     Delivery,
     FeedHealth,
@@ -68,6 +70,10 @@ class IndexService:
     path), and the service starts no consumer thread. A feed that calls :meth:`consume` itself
     is passed with ``pushes=True``. ``subscriber_options`` configure that default subscriber
     (e.g. CurveZMQ keys).
+
+    ``load_ttl``: seconds a load report (:meth:`report_loads`) counts for routing
+    (``clock``, monotonic by default, measures them). ``state``: where registrations made
+    with ``persist=True`` (those over HTTP) are written after every change.
     """
 
     def __init__(
@@ -82,6 +88,9 @@ class IndexService:
         stream_specs: Callable[[WorkerRegistration], list[StreamSpec]] = default_stream_specs,
         policy: str = DEFAULT_POLICY,
         poll_interval: float = 0.1,
+        load_ttl: float = DEFAULT_LOAD_TTL,
+        clock: Callable[[], float] | None = None,
+        state: StateFile | None = None,
     ) -> None:
         self.index = index if index is not None else PrefixIndex()
         self.router = router if router is not None else Router(self.index, policy)
@@ -103,6 +112,9 @@ class IndexService:
         self._counts = {f.name: 0 for f in dataclasses.fields(ServiceStats)}
         #: The last queries' decisions and the hit rate over time (the status page's).
         self.decisions = DecisionLog()
+        self._loads = LoadLedger(self.router.loads, load_ttl, clock)
+        self._state = state
+        self._persisted: set[str] = set()
 
     @property
     def feed(self) -> Feed:
@@ -252,8 +264,11 @@ class IndexService:
         breaks a rule. Pure: nothing is registered."""
         return self._stream_specs(reg)
 
-    def register(self, reg: WorkerRegistration) -> list[StreamSpec]:
+    def register(self, reg: WorkerRegistration, *, persist: bool = True) -> list[StreamSpec]:
         """Index a worker's ranks and subscribe to them; re-registering replaces.
+
+        ``persist``: keep it in the state file (if the service has one); False for the
+        workers of the service's own configuration, which it registers at every start.
 
         Everything is checked before anything changes: endpoints that break a rule raise
         ``LayoutError`` and a stream the feed refuses raises
@@ -273,6 +288,10 @@ class IndexService:
                     self._add(old, self._stream_specs(old))
                 raise
             self._counts["registrations"] += 1
+            self._persisted.discard(reg.worker_id)
+            if persist:
+                self._persisted.add(reg.worker_id)
+            self._save()
         return specs
 
     def _add(self, reg: WorkerRegistration, specs: list[StreamSpec]) -> None:
@@ -301,6 +320,7 @@ class IndexService:
             if reg is None or (rank is not None and rank not in reg.ranks):
                 return False
             self._drop(reg, rank)
+            self._save()
             return True
 
     def _drop(self, reg: WorkerRegistration, rank: int | None) -> None:
@@ -313,15 +333,50 @@ class IndexService:
         with self.lock:
             self.index.remove_worker(worker_id, rank)
             self.router.loads.remove(worker_id, rank)
+            self._loads.forget(worker_id, rank)
             self.router.mark_healthy(worker_id, rank)
             if rank is None or reg.ranks == (rank,):
                 del self._workers[worker_id]
+                self._persisted.discard(worker_id)
             else:
                 ranks = tuple(r for r in reg.ranks if r != rank)
                 self._workers[worker_id] = dataclasses.replace(reg, ranks=ranks)
 
     def workers(self) -> list[WorkerRegistration]:
         return list(self._workers.values())
+
+    def _save(self) -> None:
+        """Write the persisted registrations to the state file (call with ``_changes`` held).
+
+        A failed write is logged and counted, not raised: the change itself was made, and
+        the next one writes the whole state again.
+        """
+        if self._state is None:
+            return
+        regs = [reg for wid, reg in self._workers.items() if wid in self._persisted]
+        try:
+            self._state.save(regs)
+        except OSError:
+            self._counts["state_write_errors"] += 1
+            log.exception("state file %s: not written", self._state.path)
+        else:
+            self._counts["state_writes"] += 1
+
+    # ----------------------------------------------------------------- load
+
+    def report_loads(self, reports: Sequence[LoadReport]) -> list[Target]:
+        """Apply load reports for routing; the targets not registered (not applied)."""
+        unknown: list[Target] = []
+        with self.lock:
+            for report in reports:
+                reg = self._workers.get(report.worker_id)
+                if reg is None or report.rank not in reg.ranks:
+                    unknown.append((report.worker_id, report.rank))
+                else:
+                    self._loads.apply(report)
+            self._counts["load_reports"] += len(reports) - len(unknown)
+            self._counts["load_unknown"] += len(unknown)
+        return unknown
 
     # ----------------------------------------------------------------- reads
 
@@ -349,6 +404,7 @@ class IndexService:
                 match = self.index.match_hashes(block_hashes, block_size=block_size)
             else:
                 raise ValueError("query needs token_ids or block_hashes")
+            self._counts["loads_expired"] += self._loads.expire()
             decision = self.router.decide(match, policy=policy)
             self._counts["queries"] += 1
         self.decisions.record(decision)

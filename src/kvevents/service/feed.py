@@ -63,6 +63,11 @@ class ServiceStats:
     queries: int = 0  #: queries answered
     registrations: int = 0  #: workers registered (a re-registration counts again)
     refused_registrations: int = 0  #: registrations refused whole (a stream could not be added)
+    load_reports: int = 0  #: (worker, rank) loads applied from POST /load
+    load_unknown: int = 0  #: load reports for a worker or rank not registered, not applied
+    loads_expired: int = 0  #: loads dropped for want of a newer report within the load TTL
+    state_writes: int = 0  #: state file rewrites after a registration changed
+    state_write_errors: int = 0  #: state file rewrites that failed (logged; the change stands)
 
 
 def default_stream_specs(reg: WorkerRegistration) -> list[StreamSpec]:

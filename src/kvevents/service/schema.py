@@ -12,12 +12,16 @@ from typing import Annotated, Any, TypeVar
 
 import msgspec
 
-from kvevents.service.core import WorkerRegistration
+from kvevents.service.feed import WorkerRegistration
 
 __all__ = [
     "MAX_BLOCK_SIZE",
+    "MAX_LOAD_BLOCKS",
+    "MAX_LOAD_ENTRIES",
     "MAX_RANKS",
     "BadRequest",
+    "LoadBody",
+    "LoadEntry",
     "QueryBody",
     "QueryPackedBody",
     "RegisterBody",
@@ -50,6 +54,12 @@ InstanceId = Annotated[int, msgspec.Meta(ge=-_INT64, le=_INT64)]
 BlockHash = Annotated[int, msgspec.Meta(ge=0)]
 _HASH_MAX = (1 << 64) - 1
 LoraId = Annotated[int, msgspec.Meta(ge=0, le=_INT64)]
+#: The largest load a report may give, in blocks: far above any engine's KV cache (a few
+#: million blocks), low enough that a sum of many stays exact in a float score.
+MAX_LOAD_BLOCKS = 1 << 40
+#: The most (worker, rank) entries one ``POST /load`` may carry.
+MAX_LOAD_ENTRIES = 4096
+LoadBlocks = Annotated[int, msgspec.Meta(ge=0, le=MAX_LOAD_BLOCKS)]
 
 
 class BadRequest(Exception):
@@ -81,6 +91,23 @@ class UnregisterBody(msgspec.Struct, kw_only=True):
     instance_id: Name | InstanceId | None = None
     rank: Rank | None = None
     dp_rank: Rank | None = None
+
+
+class LoadEntry(msgspec.Struct, kw_only=True):
+    """One (worker, rank)'s load in a ``POST /load``: both terms, as the router's ``Load``."""
+
+    queued_blocks: LoadBlocks
+    active_blocks: LoadBlocks
+    worker_id: Name | None = None
+    instance_id: Name | InstanceId | None = None
+    rank: Rank | None = None
+    dp_rank: Rank | None = None
+
+
+class LoadBody(msgspec.Struct, kw_only=True):
+    """``POST /load``: the current load of some (worker, rank) targets."""
+
+    loads: Annotated[list[LoadEntry], msgspec.Meta(min_length=1, max_length=MAX_LOAD_ENTRIES)]
 
 
 class QueryBody(msgspec.Struct, kw_only=True):
@@ -124,7 +151,7 @@ def check_hashes(hashes: list[int] | None) -> None:
         raise BadRequest(f"/query: block hash at `$.block_hashes[{i}]` is over {_HASH_MAX}")
 
 
-def worker_id(body: RegisterBody | UnregisterBody) -> str:
+def worker_id(body: RegisterBody | UnregisterBody | LoadEntry) -> str:
     """The worker named by ``worker_id`` or, Dynamo's name for it, ``instance_id``."""
     worker: Any = body.worker_id if body.worker_id is not None else body.instance_id
     if worker is None:

@@ -1,0 +1,131 @@
+"""The state file of ``kvevents serve --state-file``: registrations that survive a restart.
+
+Workers registered over HTTP are written here after every change, atomically (a temporary
+file in the same directory, flushed to disk, renamed over the old one): a crash leaves the old
+file or the new one, never half of one. At start the service reads it and registers them again.
+
+A file that cannot be read or is not a state file is an error naming the file: the service
+does not start. Moving it aside and starting empty would look healthy while every worker that
+registered over HTTP is silently forgotten; refusing makes the operator choose (fix the file,
+or remove it to start empty). A missing file is a first start: nothing to restore.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from pathlib import Path
+from typing import Annotated, Literal
+
+import msgspec
+
+from kvevents.service.feed import WorkerRegistration
+from kvevents.service.schema import MAX_RANKS, BlockSize, EndpointText, Name, Rank, Text
+
+__all__ = ["StateFile", "StateFileError"]
+
+
+class StateFileError(ValueError):
+    """The state file cannot be read or is not one; the message names the file."""
+
+
+class _Worker(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    worker_id: Name
+    endpoint: EndpointText
+    block_size: BlockSize
+    ranks: Annotated[list[Rank], msgspec.Meta(min_length=1, max_length=MAX_RANKS)]
+    replay_endpoint: EndpointText | None = None
+    topic: Text = ""
+    model_name: Text | None = None
+
+
+class _State(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    version: Literal[1]
+    workers: list[_Worker]
+
+
+_decoder = msgspec.json.Decoder(_State)
+
+
+class StateFile:
+    """Registrations kept in one JSON file at ``path``."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+
+    def load(self) -> list[WorkerRegistration]:
+        """The saved registrations ([] when the file does not exist); StateFileError otherwise."""
+        try:
+            data = self.path.read_bytes()
+        except FileNotFoundError:
+            return []
+        except OSError as exc:
+            raise StateFileError(f"state file {self.path}: {exc.strerror or exc}") from None
+        try:
+            state = _decoder.decode(data)
+        except (msgspec.DecodeError, RecursionError) as exc:
+            raise StateFileError(
+                f"state file {self.path}: not a kvevents state file ({exc}); fix it, or remove "
+                "it to start without the workers registered over HTTP"
+            ) from None
+        return [_registration(w) for w in state.workers]
+
+    def save(self, regs: list[WorkerRegistration]) -> None:
+        """Replace the file with ``regs``, atomically; OSError if it cannot be written."""
+        workers = [_saved(r) for r in regs]
+        payload = msgspec.json.format(msgspec.json.encode(_State(version=1, workers=workers)))
+        directory = self.path.parent
+        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=directory)
+        try:
+            with os.fdopen(fd, "wb") as out:
+                out.write(payload + b"\n")
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(tmp, self.path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        _sync_directory(directory)
+
+    def check_writable(self) -> None:
+        """StateFileError unless the file's directory takes a new file (checked at start,
+        so a wrong path fails there and not at the first registration)."""
+        if not os.access(self.path.parent, os.W_OK | os.X_OK):
+            raise StateFileError(f"state file {self.path}: its directory is not writable")
+
+
+def _saved(reg: WorkerRegistration) -> _Worker:
+    return _Worker(
+        worker_id=reg.worker_id,
+        endpoint=reg.endpoint,
+        block_size=reg.block_size,
+        ranks=list(reg.ranks),
+        replay_endpoint=reg.replay_endpoint,
+        topic=reg.topic,
+        model_name=reg.model_name,
+    )
+
+
+def _registration(w: _Worker) -> WorkerRegistration:
+    return WorkerRegistration(
+        worker_id=w.worker_id,
+        endpoint=w.endpoint,
+        block_size=w.block_size,
+        ranks=tuple(sorted(set(w.ranks))),
+        replay_endpoint=w.replay_endpoint,
+        topic=w.topic,
+        model_name=w.model_name,
+    )
+
+
+def _sync_directory(directory: Path) -> None:
+    # The rename is durable once the directory entry is on disk; not every platform lets a
+    # directory be opened for that, and the file itself is already whole either way.
+    with contextlib.suppress(OSError):
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
