@@ -16,6 +16,7 @@ from kvevents.cli.common import (
     positive_int,
     stop_on_sigterm,
 )
+from kvevents.cli.config import CONFIG_ENV, PublishSettings, apply_settings, default, track_given
 from kvevents.cli.output import JsonOutput
 from kvevents.cli.secure import add_server_options, server_curve
 
@@ -37,24 +38,31 @@ def add_parser(sub: Any) -> None:
         "publish",
         help="publish events from a simulated engine",
         description="Run one simulated engine (kvevents.sim.engine) with a real ZeroMQ publisher "
-        "per rank, fed with synthetic requests or a Mooncake trace, paced in real time.",
+        "per rank, fed with synthetic requests or a Mooncake trace, paced in real time. "
+        "Precedence: flags > $KVEVENTS_PUBLISH_<KEY> > the [publish] table of --config > the "
+        "defaults (docs/cli.md).",
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--endpoint", default="tcp://*:5557", help="base PUB endpoint to bind")
-    p.add_argument("--replay-endpoint", default="tcp://*:5600",
+    track_given(p)
+    p.add_argument("--config", metavar="FILE",
+                   help=f"TOML settings file, [publish] table (default: ${CONFIG_ENV})")  # fmt: skip
+    p.add_argument("--endpoint", default=_d("endpoint"), help="base PUB endpoint to bind")
+    p.add_argument("--replay-endpoint", default=_d("replay_endpoint"),
                    help="base replay endpoint to bind ('none': no replay)")  # fmt: skip
-    p.add_argument("--ranks", type=positive_int, default=1, help="attention-DP ranks")
-    p.add_argument("--topic", default="", help="topic frame of every message")
-    p.add_argument("--rate", type=positive_float, default=20.0,
+    p.add_argument("--ranks", type=positive_int, default=_d("ranks"), help="attention-DP ranks")
+    p.add_argument("--topic", default=_d("topic"), help="topic frame of every message")
+    p.add_argument("--rate", type=positive_float, default=_d("rate"),
                    help="engine steps per second; each publishes <= 1 batch per rank")  # fmt: skip
     p.add_argument("--trace", help="Mooncake JSON-lines trace to take requests from")
-    p.add_argument("--concurrency", type=positive_int, default=4,
-                   help="requests kept in flight (default 4)")  # fmt: skip
-    p.add_argument("--block-size", type=positive_int, default=16, help="tokens per block")
-    p.add_argument("--heartbeat", type=positive_float, default=1.0,
-                   help="seconds of silence before an empty batch (default 1)")  # fmt: skip
-    p.add_argument("--seed", type=non_negative_int, default=0, help="synthetic workload seed")
+    p.add_argument("--concurrency", type=positive_int, default=_d("concurrency"),
+                   help="requests kept in flight (default %(default)s)")  # fmt: skip
+    p.add_argument("--block-size", type=positive_int, default=_d("block_size"),
+                   help="tokens per block")  # fmt: skip
+    p.add_argument("--heartbeat", type=positive_float, default=_d("heartbeat"),
+                   help="seconds of silence before an empty batch (default %(default)s)")  # fmt: skip
+    p.add_argument("--seed", type=non_negative_int, default=_d("seed"),
+                   help="synthetic workload seed")  # fmt: skip
     p.add_argument("--count", type=positive_int, help="stop after N batches")
     p.add_argument("--duration", type=positive_float, help="stop after S seconds")
     p.add_argument("--metrics-port", type=non_negative_int,
@@ -62,6 +70,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--json", action="store_true", help="JSON lines on stdout")
     add_server_options(p)
     p.set_defaults(run=run)
+
+
+def _d(key: str) -> Any:
+    return default(PublishSettings, key)
 
 
 def synthetic_requests(seed: int, block_size: int) -> Iterator[Any]:
@@ -175,6 +187,7 @@ def run(args: argparse.Namespace) -> int:
     from kvevents.publish.publisher import PublisherOptions
     from kvevents.sim.engine import EngineConfig, SimulatedEngine, zmq_publisher_factory
 
+    args = apply_settings(PublishSettings, "publish", args)
     config = _config(args)
     source = (
         trace_requests(args.trace) if args.trace else synthetic_requests(args.seed, args.block_size)

@@ -13,6 +13,7 @@ from kvevents.cli.common import (
     positive_int,
     stop_on_sigterm,
 )
+from kvevents.cli.config import CONFIG_ENV, ServeSettings, apply_settings, default, track_given
 from kvevents.cli.secure import add_client_options, client_curve
 
 EXAMPLES = """examples:
@@ -25,10 +26,16 @@ EXAMPLES = """examples:
   curl -s localhost:8090/metrics                                # index + subscriber metrics
 
   KVEVENTS_AUTH_TOKEN=s3cret kvevents serve --allow-endpoint-host 10.0.0.0/8
-      POST /register and /unregister need "Authorization: Bearer s3cret"; workers may
+      POST /register, /unregister and /load need "Authorization: Bearer s3cret"; workers may
       publish on loopback or 10.x addresses only
 
-endpoints: POST /register /unregister /query, GET /dump /workers /metrics /health
+  kvevents serve --config /etc/kvevents/serve.toml --state-file /var/lib/kvevents/state.json
+      settings from the [serve] table of a file (docs/cli.md); workers registered over
+      HTTP are restored after a restart
+  curl -s localhost:8090/load -d '{"loads": [{"worker_id": "a", "rank": 0,
+      "queued_blocks": 12, "active_blocks": 300}]}'     # engines' load, for the router
+
+endpoints: POST /register /unregister /load /query, GET /dump /workers /metrics /health
 (see docs/service.md). A line "serving on URL" goes to stdout once it accepts connections.
 Registrations over HTTP may name loopback endpoints only unless --allow-endpoint-host says
 otherwise (--worker options are yours and are not checked); see docs/security.md.
@@ -40,30 +47,54 @@ def add_parser(sub: Any) -> None:
         "serve",
         help="run the index HTTP service",
         description="Index KV events from registered workers and answer prefix queries and "
-        "routing decisions over HTTP; /metrics serves index and subscriber metrics.",
+        "routing decisions over HTTP; /metrics serves index and subscriber metrics. "
+        "Precedence: flags > $KVEVENTS_SERVE_<KEY> > the [serve] table of --config > the "
+        "defaults (docs/cli.md).",
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    p.add_argument("--port", type=non_negative_int, default=8090, help="port (0: any free)")
-    # The router's default, named here without importing the index (the parser must build
-    # without the service extra); a test holds the two together.
-    p.add_argument(
-        "--policy", default="longest_prefix", help="routing policy (default: longest_prefix)"
-    )
-    p.add_argument("--worker", action="append", default=[], metavar="ID=EP[,REPLAY]",
+    track_given(p)
+    p.add_argument("--config", metavar="FILE",
+                   help=f"TOML settings file, [serve] table (default: ${CONFIG_ENV})")  # fmt: skip
+    p.add_argument("--host", default=_d("host"), help="address to listen on")
+    p.add_argument("--port", type=non_negative_int, default=_d("port"), help="port (0: any free)")
+    p.add_argument("--state-file", metavar="PATH",
+                   help="keep workers registered over HTTP in PATH, restored at start")  # fmt: skip
+    p.add_argument("--worker", dest="workers", action="append", default=[], metavar="ID=EP[,REPLAY]",
                    help="register a worker at start (base endpoints)")  # fmt: skip
-    p.add_argument("--ranks", type=positive_int, default=1, help="ranks of each --worker")
-    p.add_argument("--block-size", type=positive_int, default=16, help="block size of --worker")
+    p.add_argument("--ranks", type=positive_int, default=_d("ranks"), help="ranks of each --worker")
+    p.add_argument("--block-size", type=positive_int, default=_d("block_size"),
+                   help="block size of --worker")  # fmt: skip
+    _add_router_options(p)
     _add_access_options(p)
     _add_limit_options(p)
     add_client_options(p)
     p.set_defaults(run=run)
 
 
+def _d(key: str) -> Any:
+    return default(ServeSettings, key)
+
+
+def _add_router_options(p: Any) -> None:
+    g = p.add_argument_group("routing (see kvevents.index.router)")
+    # The policy names come from the settings model, not the index (the parser must build
+    # without the service extra); a test holds the two together.
+    g.add_argument("--policy", default=_d("policy"),
+                   help=f"routing policy (default: {_d('policy')})")  # fmt: skip
+    g.add_argument("--seed", type=non_negative_int, default=_d("seed"),
+                   help="seed of the policies' random tie-breaks")  # fmt: skip
+    g.add_argument("--prefill-weight", type=float, default=_d("prefill_weight"),
+                   help="prefix_load: weight of the prefill blocks")  # fmt: skip
+    g.add_argument("--load-weight", type=float, default=_d("load_weight"),
+                   help="prefix_load: weight of the reported load")  # fmt: skip
+    g.add_argument("--load-ttl", type=positive_float, default=_d("load_ttl"),
+                   help="seconds a POST /load report counts for (default: %(default)s)")  # fmt: skip
+
+
 def _add_access_options(p: Any) -> None:
     p.add_argument("--auth-token-file", metavar="FILE",
-                   help="bearer token for /register and /unregister (default: "
+                   help="bearer token for /register, /unregister and /load (default: "
                    "$KVEVENTS_AUTH_TOKEN; neither: no authentication)")  # fmt: skip
     p.add_argument("--auth-reads", action="store_true",
                    help="require the token on the read-only endpoints too")  # fmt: skip
@@ -73,13 +104,13 @@ def _add_access_options(p: Any) -> None:
 
 
 def _add_limit_options(p: Any) -> None:
-    p.add_argument("--max-body-bytes", type=positive_int, default=8 << 20,
+    p.add_argument("--max-body-bytes", type=positive_int, default=_d("max_body_bytes"),
                    help="largest request body (413 above)")  # fmt: skip
-    p.add_argument("--header-timeout", type=positive_float, default=10.0,
+    p.add_argument("--header-timeout", type=positive_float, default=_d("header_timeout"),
                    help="seconds a connection has to send a request's headers")  # fmt: skip
-    p.add_argument("--body-timeout", type=positive_float, default=30.0,
+    p.add_argument("--body-timeout", type=positive_float, default=_d("body_timeout"),
                    help="seconds a request has to send its body (408 after)")  # fmt: skip
-    p.add_argument("--max-connections", type=positive_int, default=256,
+    p.add_argument("--max-connections", type=positive_int, default=_d("max_connections"),
                    help="open HTTP connections; more are closed at once")  # fmt: skip
 
 
@@ -99,42 +130,84 @@ def _app_options(args: argparse.Namespace) -> Any:
     return AppOptions(TokenCheck(token, args.auth_reads), EndpointPolicy(hosts), limits)
 
 
-def _registrations(args: argparse.Namespace) -> list[Any]:
-    from kvevents.cli.specs import parse_worker
+def _registrations(settings: ServeSettings) -> list[Any]:
+    from kvevents.errors import LayoutError
     from kvevents.service.core import WorkerRegistration
+    from kvevents.service.feed import default_stream_specs
 
     regs = []
-    for text in args.worker:
-        specs = parse_worker(text, ranks=args.ranks)  # validates the endpoints
-        if ":" in text.partition("=")[0]:
-            raise UsageError(f"--worker {text!r}: serve registers base endpoints, not one rank")
-        endpoint, _, replay = text.partition("=")[2].partition(",")
-        regs.append(WorkerRegistration(specs[0].worker_id, endpoint, args.block_size,
-                                       tuple(range(args.ranks)), replay or None))  # fmt: skip
+    for entry in settings.workers:
+        reg = WorkerRegistration(entry.id, entry.endpoint, entry.block_size or settings.block_size,
+                                 entry.rank_numbers(settings.ranks), entry.replay_endpoint)  # fmt: skip
+        try:
+            default_stream_specs(reg)  # every rank's endpoint, derived by the WIRE.md rule
+        except LayoutError as exc:
+            raise UsageError(f"worker {entry.id!r}: {exc}") from None
+        regs.append(reg)
     return regs
 
 
-def run(args: argparse.Namespace) -> int:
-    from kvevents.index.router import POLICIES
-    from kvevents.metrics import subscriber_collector
+def _state(settings: ServeSettings) -> tuple[Any, list[Any]]:
+    """The state file (None without --state-file) and the registrations saved in it."""
+    if settings.state_file is None:
+        return None, []
+    from kvevents.service.state import StateFile
+
+    state = StateFile(settings.state_file)
+    saved = state.load()  # StateFileError (a ValueError) names the file: exit status 1
+    state.check_writable()
+    return state, saved
+
+
+def _restore(service: Any, saved: list[Any], policy: Any) -> None:
+    """Register the state file's workers again, as if over HTTP: the endpoint policy of now
+    applies. One refused is skipped with a warning (and leaves the file at the next change)."""
+    from kvevents.errors import LayoutError, StreamAddError
+
+    for reg in saved:
+        try:
+            for name in ("endpoint", "replay_endpoint"):
+                if getattr(reg, name) is not None:
+                    policy.check(name, getattr(reg, name), reg.ranks)
+            service.register(reg, persist=True)
+        except (LayoutError, StreamAddError) as exc:
+            print(f"kvevents serve: warning: state file: worker {reg.worker_id!r} not restored: "
+                  f"{exc}", file=sys.stderr, flush=True)  # fmt: skip
+
+
+def _service(settings: ServeSettings, args: argparse.Namespace, state: Any) -> Any:
+    from kvevents.index.prefix import PrefixIndex
+    from kvevents.index.router import Router
     from kvevents.service.core import IndexService
-    from kvevents.service.http import serve
     from kvevents.subscribe.streams import SubscriberOptions
 
-    if args.policy not in POLICIES:
-        raise UsageError(f"--policy {args.policy!r}: choose one of {', '.join(sorted(POLICIES))}")
-    regs = _registrations(args)
-    app_options = _app_options(args)
+    index = PrefixIndex()
+    router = Router(index, settings.policy, seed=settings.seed,
+                    prefill_weight=settings.prefill_weight, load_weight=settings.load_weight)  # fmt: skip
     # The default feed: a Subscriber applying each batch on its own I/O thread.
     options = SubscriberOptions(curve=client_curve(args))
-    service = IndexService(policy=args.policy, subscriber_options=options)
+    return IndexService(index, router=router, subscriber_options=options,
+                        load_ttl=settings.load_ttl, state=state)  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvevents.metrics import subscriber_collector
+    from kvevents.service.http import serve
+
+    args = apply_settings(ServeSettings, "serve", args)
+    settings: ServeSettings = args.settings
+    regs = _registrations(settings)
+    app_options = _app_options(args)
+    state, saved = _state(settings)
+    service = _service(settings, args, state)
     feed = service.feed
     with stop_on_sigterm():
-        server = serve(args.host, args.port, service=service, options=app_options,
+        server = serve(settings.host, settings.port, service=service, options=app_options,
                        collectors=[subscriber_collector(feed)])  # fmt: skip
         try:
+            _restore(service, saved, app_options.endpoints.with_forbidden_port(server.port))
             for reg in regs:
-                service.register(reg)
+                service.register(reg, persist=False)  # the settings' own: not in the state file
             print(f"serving on {server.url}", flush=True)
             server.wait()
         finally:
