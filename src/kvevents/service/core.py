@@ -277,6 +277,7 @@ class IndexService:
         """
         specs = self._stream_specs(reg)
         with self._changes:
+            was_persisted = reg.worker_id in self._persisted
             old = self._workers.get(reg.worker_id)
             if old is not None:
                 self._drop(old, None)
@@ -288,10 +289,12 @@ class IndexService:
                     self._add(old, self._stream_specs(old))
                 raise
             self._counts["registrations"] += 1
-            self._persisted.discard(reg.worker_id)
             if persist:
                 self._persisted.add(reg.worker_id)
-            self._save()
+            else:
+                self._persisted.discard(reg.worker_id)
+            if persist or was_persisted:
+                self._save()
         return specs
 
     def _add(self, reg: WorkerRegistration, specs: list[StreamSpec]) -> None:
@@ -319,8 +322,12 @@ class IndexService:
             reg = self._workers.get(worker_id)
             if reg is None or (rank is not None and rank not in reg.ranks):
                 return False
+            persisted = worker_id in self._persisted
             self._drop(reg, rank)
-            self._save()
+            if worker_id not in self._workers:
+                self._persisted.discard(worker_id)
+            if persisted:
+                self._save()
             return True
 
     def _drop(self, reg: WorkerRegistration, rank: int | None) -> None:
@@ -337,7 +344,6 @@ class IndexService:
             self.router.mark_healthy(worker_id, rank)
             if rank is None or reg.ranks == (rank,):
                 del self._workers[worker_id]
-                self._persisted.discard(worker_id)
             else:
                 ranks = tuple(r for r in reg.ranks if r != rank)
                 self._workers[worker_id] = dataclasses.replace(reg, ranks=ranks)
