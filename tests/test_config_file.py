@@ -213,3 +213,16 @@ def test_publish_runs_from_a_config_file(tmp_path: Path) -> None:
     assert lines[0]["ranks"][0]["endpoint"].startswith("tcp://127.0.0.1:")
     assert lines[0]["ranks"][0]["replay_endpoint"] is None
     assert lines[-1]["type"] == "summary" and lines[-1]["batches"] >= 2
+
+
+def test_the_documented_example_file_is_valid(tmp_path: Path) -> None:
+    """The TOML example of docs/cli.md is accepted as written, for serve and for publish."""
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "cli.md").read_text()
+    example = doc.split("```toml\n", 1)[1].split("```", 1)[0]
+    config = write(tmp_path, example)
+    settings = serve_settings("--config", config)
+    assert [w.id for w in settings.workers] == ["engine-0"]
+    assert settings.state_file == str(tmp_path / "state.json")
+    assert _registrations(settings)[0].ranks == (0, 1)
+    publish = resolve(PublishSettings, "publish", parse("publish", "--config", config), {})
+    assert publish.rate == 50.0

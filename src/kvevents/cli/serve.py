@@ -29,7 +29,7 @@ EXAMPLES = """examples:
       POST /register, /unregister and /load need "Authorization: Bearer s3cret"; workers may
       publish on loopback or 10.x addresses only
 
-  kvevents serve --config /etc/kvevents/serve.toml --state-file /var/lib/kvevents/state.json
+  kvevents serve --config serve.toml --state-file state.json
       settings from the [serve] table of a file (docs/cli.md); workers registered over
       HTTP are restored after a restart
   curl -s localhost:8090/load -d '{"loads": [{"worker_id": "a", "rank": 0,
