@@ -149,6 +149,19 @@ def test_a_load_report_is_dropped_after_the_ttl(running: Running) -> None:
     assert running.service.router.loads.snapshot() == {("b", 0): Load(1, 1)}
 
 
+def test_workers_show_the_reported_load_until_it_expires(running: Running) -> None:
+    """GET /workers shows each rank's last load report, and null once none counts."""
+
+    def loads() -> dict[str, Any]:
+        workers = running.http.get("/workers").json()["workers"]
+        return {w["worker_id"]: w["ranks"][0]["load"] for w in workers}
+
+    running.load({"worker_id": "a", "queued_blocks": 2, "active_blocks": 9})
+    assert loads() == {"a": {"queued_blocks": 2, "active_blocks": 9}, "b": None}
+    running.clock.now += TTL
+    assert loads() == {"a": None, "b": None}
+
+
 def test_loads_of_unknown_workers_are_listed_and_counted_not_kept(running: Running) -> None:
     """A report for a worker (or rank) not registered is not applied: the reply says which."""
     reply = running.load(

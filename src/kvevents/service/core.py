@@ -447,10 +447,13 @@ class IndexService:
         return self.feed.stream_stats()
 
     def workers_view(self) -> list[dict[str, Any]]:
-        """Workers with their per-rank index state and stream health (``GET /workers``)."""
+        """Workers with their per-rank index state, stream health and reported load
+        (``GET /workers``)."""
         with self.lock:
             streams = {(s.worker_id, s.rank): s for s in self.index.streams()}
             degraded = dict(self.router.degraded)
+            self._counts["loads_expired"] += self._loads.expire()
+            loads = self.router.loads.snapshot()
         health = self.stream_health()
         now = time.time()
         out = []
@@ -465,6 +468,8 @@ class IndexService:
                     row["lag_seconds"] = None if last is None else max(0.0, now - last)
                 row["stream"] = _builtins(health.get((reg.worker_id, rank)))
                 row["degraded"] = degraded.get((reg.worker_id, rank))
+                load = loads.get((reg.worker_id, rank))
+                row["load"] = None if load is None else load._asdict()  # None: no report
                 ranks.append(row)
             out.append({**_builtins(reg), "ranks": ranks})
         return out
