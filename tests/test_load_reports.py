@@ -7,10 +7,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+import msgspec
 import pytest
 
 from kvevents.index.prefix import PrefixIndex
 from kvevents.index.router import Load, LoadBook, Router
+from kvevents.service import openapi
 from kvevents.service.access import TokenCheck
 from kvevents.service.core import IndexService, WorkerRegistration
 from kvevents.service.http import AppOptions, serve
@@ -170,6 +172,7 @@ def test_loads_of_unknown_workers_are_listed_and_counted_not_kept(running: Runni
         {"instance_id": "b", "dp_rank": 3, "queued_blocks": 1, "active_blocks": 2},
     )
     assert reply.status_code == 200
+    msgspec.convert(reply.json(), openapi.LoadApplied)  # as /openapi.json describes it
     assert reply.json() == {
         "applied": 1,
         "unknown": [{"worker_id": "ghost", "rank": 0}, {"worker_id": "b", "rank": 3}],

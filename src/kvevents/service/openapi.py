@@ -18,7 +18,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from kvevents.index.prefix import IndexStats
-from kvevents.service.schema import QueryBody, RegisterBody, UnregisterBody
+from kvevents.service.schema import LoadBody, QueryBody, RegisterBody, UnregisterBody
 from kvevents.service.status import Status
 from kvevents.subscribe.streams import FeedState, StreamStats
 
@@ -41,6 +41,27 @@ class Unregistered(msgspec.Struct, forbid_unknown_fields=True):
 
     worker_id: str
     removed: bool
+
+
+class TargetRef(msgspec.Struct, forbid_unknown_fields=True):
+    """A (worker, rank) target."""
+
+    worker_id: str
+    rank: int
+
+
+class LoadApplied(msgspec.Struct, forbid_unknown_fields=True):
+    """``POST /load``: how many entries were applied; those of unregistered targets."""
+
+    applied: int
+    unknown: list[TargetRef]
+
+
+class RankLoad(msgspec.Struct, forbid_unknown_fields=True):
+    """A rank's last load report (``POST /load``), while it counts."""
+
+    queued_blocks: int
+    active_blocks: int
 
 
 class Match(msgspec.Struct, forbid_unknown_fields=True):
@@ -101,6 +122,7 @@ class RankView(msgspec.Struct, forbid_unknown_fields=True):
     rank: int
     stream: StreamStats | None
     degraded: str | None
+    load: RankLoad | None
     worker_id: str | None = None
     block_size: int | None = None
     registered: bool | None = None
@@ -170,9 +192,11 @@ class Error(msgspec.Struct, forbid_unknown_fields=True):
 _TYPES: tuple[Any, ...] = (
     RegisterBody,
     UnregisterBody,
+    LoadBody,
     QueryBody,
     Registered,
     Unregistered,
+    LoadApplied,
     QueryAnswer,
     Workers,
     Dump,
@@ -235,6 +259,7 @@ def _paths() -> dict[str, Any]:
             "Unregistered",
             **{"404": _answer("unknown worker or rank", "Error")},
         ),
+        "/load": _post("Set targets' load for load-aware routing", "LoadBody", "LoadApplied"),
         "/query": _post(
             "Matched blocks per worker, rank and tier, and a routing decision",
             "QueryBody",
