@@ -36,7 +36,7 @@ from kvevents.service.feed import (
     default_stream_specs,
 )
 from kvevents.service.loadreports import DEFAULT_LOAD_TTL, LoadLedger, LoadReport
-from kvevents.service.state import StateFile
+from kvevents.service.state import Persisted, StateFile
 from kvevents.subscribe.streams import (
     Delivery,
     FeedHealth,
@@ -113,8 +113,7 @@ class IndexService:
         #: The last queries' decisions and the hit rate over time (the status page's).
         self.decisions = DecisionLog()
         self._loads = LoadLedger(self.router.loads, load_ttl, clock)
-        self._state = state
-        self._persisted: set[str] = set()
+        self._persisted = Persisted(state)
 
     @property
     def feed(self) -> Feed:
@@ -277,7 +276,6 @@ class IndexService:
         """
         specs = self._stream_specs(reg)
         with self._changes:
-            was_persisted = reg.worker_id in self._persisted
             old = self._workers.get(reg.worker_id)
             if old is not None:
                 self._drop(old, None)
@@ -289,11 +287,7 @@ class IndexService:
                     self._add(old, self._stream_specs(old))
                 raise
             self._counts["registrations"] += 1
-            if persist:
-                self._persisted.add(reg.worker_id)
-            else:
-                self._persisted.discard(reg.worker_id)
-            if persist or was_persisted:
+            if self._persisted.registered(reg.worker_id, persist):
                 self._save()
         return specs
 
@@ -322,11 +316,8 @@ class IndexService:
             reg = self._workers.get(worker_id)
             if reg is None or (rank is not None and rank not in reg.ranks):
                 return False
-            persisted = worker_id in self._persisted
             self._drop(reg, rank)
-            if worker_id not in self._workers:
-                self._persisted.discard(worker_id)
-            if persisted:
+            if self._persisted.unregistered(worker_id, worker_id not in self._workers):
                 self._save()
             return True
 
@@ -352,21 +343,10 @@ class IndexService:
         return list(self._workers.values())
 
     def _save(self) -> None:
-        """Write the persisted registrations to the state file (call with ``_changes`` held).
-
-        A failed write is logged and counted, not raised: the change itself was made, and
-        the next one writes the whole state again.
-        """
-        if self._state is None:
-            return
-        regs = [reg for wid, reg in self._workers.items() if wid in self._persisted]
-        try:
-            self._state.save(regs)
-        except OSError:
-            self._counts["state_write_errors"] += 1
-            log.exception("state file %s: not written", self._state.path)
-        else:
-            self._counts["state_writes"] += 1
+        """Write the state file (call with ``_changes`` held). A failed write is counted, not
+        raised: the change itself was made, and the next one writes the whole state again."""
+        written = self._persisted.write(self._workers)
+        self._counts["state_writes" if written else "state_write_errors"] += 1
 
     # ----------------------------------------------------------------- load
 

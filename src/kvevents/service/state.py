@@ -13,8 +13,10 @@ or remove it to start empty). A missing file is a first start: nothing to restor
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -23,7 +25,9 @@ import msgspec
 from kvevents.service.feed import WorkerRegistration
 from kvevents.service.schema import MAX_RANKS, BlockSize, EndpointText, Name, Rank, Text
 
-__all__ = ["StateFile", "StateFileError"]
+__all__ = ["Persisted", "StateFile", "StateFileError"]
+
+log = logging.getLogger("kvevents.service.state")
 
 
 class StateFileError(ValueError):
@@ -94,6 +98,44 @@ class StateFile:
         so a wrong path fails there and not at the first registration)."""
         if not os.access(self.path.parent, os.W_OK | os.X_OK):
             raise StateFileError(f"state file {self.path}: its directory is not writable")
+
+
+class Persisted:
+    """Which workers go to the state file (those registered with ``persist``), and writing it.
+
+    The service calls it with its change lock held; without a file it tracks nothing to write.
+    """
+
+    def __init__(self, state: StateFile | None) -> None:
+        self.state = state
+        self._ids: set[str] = set()
+
+    def registered(self, worker_id: str, persist: bool) -> bool:
+        """Note a registration; whether the file must be written again."""
+        was = worker_id in self._ids
+        if persist:
+            self._ids.add(worker_id)
+        else:
+            self._ids.discard(worker_id)  # the settings' own worker now: not the file's
+        return self.state is not None and (persist or was)
+
+    def unregistered(self, worker_id: str, gone: bool) -> bool:
+        """Note an unregistration (``gone``: no rank left); whether to write the file."""
+        was = worker_id in self._ids
+        if gone:
+            self._ids.discard(worker_id)
+        return self.state is not None and was
+
+    def write(self, workers: Mapping[str, WorkerRegistration]) -> bool:
+        """Write the persisted ones of ``workers``; False (logged) if the file was not written."""
+        if self.state is None:
+            return True
+        try:
+            self.state.save([reg for wid, reg in workers.items() if wid in self._ids])
+        except OSError:
+            log.exception("state file %s: not written", self.state.path)
+            return False
+        return True
 
 
 def _saved(reg: WorkerRegistration) -> _Worker:
