@@ -180,6 +180,11 @@ def test_loads_of_unknown_workers_are_listed_and_counted_not_kept(running: Runni
     assert set(running.service.router.loads.snapshot()) == {("a", 0)}
     stats = running.service.stats()
     assert (stats.load_reports, stats.load_unknown) == (1, 2)
+    metrics = running.http.get("/metrics").text.splitlines()
+    assert {
+        "kvevents_service_load_reports_total 1.0",
+        "kvevents_service_load_unknown_total 2.0",
+    } < set(metrics)
 
 
 @pytest.mark.parametrize(
