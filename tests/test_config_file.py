@@ -115,8 +115,7 @@ def test_relative_paths_in_a_file_are_relative_to_the_file(tmp_path: Path) -> No
 
 
 def test_workers_from_the_file_become_registrations(tmp_path: Path) -> None:
-    """Per-worker entries: id, endpoints, ranks (count or numbers) and block size, or the
-    service's ranks and block size when left out."""
+    """Worker entries give id, endpoints, ranks and block size, or take the service's."""
     config = write(
         tmp_path,
         """[serve]
