@@ -175,3 +175,7 @@ def test_compose_serves_the_engine_it_starts() -> None:
     assert settings.ranks == engine.ranks and settings.block_size == engine.block_size
     assert serve["ports"] == [f"{settings.port}:{settings.port}"]
     assert serve["depends_on"] == ["engine"]
+    for service in services.values():  # built here, never pulled from a registry
+        assert (
+            ROOT / "deploy" / service["build"]["context"] / service["build"]["dockerfile"]
+        ).samefile(DEPLOY / "Dockerfile")
