@@ -243,7 +243,8 @@ class ServiceFollower:
     def __init__(self, engine: VllmEngine, worker: str = "vllm", name: str = "service") -> None:
         self.name = name
         self.worker = worker
-        self.service = ServiceIndexer().start()
+        # The engine publishes on ipc:// endpoints: allow them (loopback tcp only by default).
+        self.service = ServiceIndexer(args=["--allow-endpoint-host", "ipc"]).start()
         try:
             self.service.register(
                 worker,
