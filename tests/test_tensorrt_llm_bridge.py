@@ -379,7 +379,9 @@ def test_http_poll_reads_trtllm_serve_kv_cache_events() -> None:
     """http_poll POSTs /kv_cache_events and returns the decoded list of entries."""
     _Events.answers = [[created(0)]]
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Events)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread = threading.Thread(
+        target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+    )
     thread.start()
     try:
         poll = http_poll(f"http://127.0.0.1:{server.server_address[1]}/")
