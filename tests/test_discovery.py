@@ -18,6 +18,7 @@ from kvevents.errors import DiscoveryError
 from kvevents.events import BlockStored, KVEventBatch
 from kvevents.integrations.discovery import discover, parse_server_info
 from kvevents.publish.records import PublisherOptions
+from kvevents.service.feed import WorkerRegistration
 from kvevents.testing.publisher import started_publisher
 
 
@@ -102,7 +103,7 @@ def test_replay_port_and_explicit_host_are_used(engine: Engine) -> None:
         "tcp://10.1.2.3:5600",
         "tcp://10.1.2.3:5601",
     ]
-    reg = found.registration("sg", model_name="m")
+    reg = WorkerRegistration(**found.registration_fields("sg"), model_name="m")
     assert (reg.endpoint, reg.replay_endpoint, reg.block_size, reg.ranks, reg.model_name) == (
         "tcp://10.1.2.3:5557",
         "tcp://10.1.2.3:5600",

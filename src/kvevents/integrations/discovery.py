@@ -28,7 +28,6 @@ from kvevents.subscribe.streams import StreamSpec, worker_streams
 
 if TYPE_CHECKING:
     from kvevents.security import CurveClient
-    from kvevents.service.feed import WorkerRegistration
 
 __all__ = ["EngineEndpoints", "discover", "parse_server_info"]
 
@@ -64,19 +63,18 @@ class EngineEndpoints:
             curve=curve,
         )
 
-    def registration(self, worker_id: str, model_name: str | None = None) -> WorkerRegistration:
-        """The ``WorkerRegistration`` of ``kvevents serve`` for this engine."""
-        from kvevents.service.feed import WorkerRegistration
-
-        return WorkerRegistration(
-            worker_id=worker_id,
-            endpoint=self.endpoint,
-            block_size=self.block_size,
-            ranks=tuple(range(self.ranks)),
-            replay_endpoint=self.replay_endpoint,
-            topic=self.topic,
-            model_name=model_name,
-        )
+    def registration_fields(self, worker_id: str) -> dict[str, Any]:
+        """The fields of a ``kvevents.service.feed.WorkerRegistration`` for this engine
+        (``WorkerRegistration(**engine.registration_fields("a"))``; the service layer sits
+        above this one, so it is not built here)."""
+        return {
+            "worker_id": worker_id,
+            "endpoint": self.endpoint,
+            "block_size": self.block_size,
+            "ranks": tuple(range(self.ranks)),
+            "replay_endpoint": self.replay_endpoint,
+            "topic": self.topic,
+        }
 
 
 def discover(url: str, *, timeout: float = 5.0) -> EngineEndpoints:
