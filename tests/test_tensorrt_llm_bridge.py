@@ -190,6 +190,8 @@ def test_token_extra_ids_go_to_extra_keys() -> None:
         (removed(1, ["x"]), r"data.block_hashes\[0\]"),
         (created(1, rank=2), "attention_dp_rank = 2"),
         (stored(1, [{"block_hash": 1, "tokens": [{"token_id": "a"}]}]), "token_id is str"),
+        (stored(1, [block(1, [1, True, 3, 4])]), r"tokens\[1\].token_id is bool"),
+        (stored(1, [block(1, [1, 2, 2**64, 4])]), r"tokens\[2\].token_id = .* outside"),
     ],
 )
 def test_malformed_entries_name_the_field_and_the_rule(bad: Any, field: str) -> None:

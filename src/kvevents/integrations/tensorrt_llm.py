@@ -139,9 +139,29 @@ class _Block:
 
 
 def _tokens(value: object, where: str) -> tuple[list[int], list[int] | None]:
+    tokens = _list(value, f"{where}.tokens")
+    # The common case in two comprehensions (a store carries thousands of tokens); any doubt
+    # goes to the token-by-token reading, which names the first bad token.
+    try:
+        ids = [token["token_id"] for token in tokens]
+        extras = [token.get("token_extra_id") or 0 for token in tokens]
+    except (TypeError, KeyError, AttributeError):
+        return _tokens_one_by_one(tokens, where)
+    if not (_all_int64(ids) and _all_int64(extras)):
+        return _tokens_one_by_one(tokens, where)
+    return ids, (extras if any(extras) else None)
+
+
+def _all_int64(values: list[Any]) -> bool:
+    if not values:
+        return True
+    return set(map(type, values)) == {int} and min(values) >= _I64_MIN and max(values) < _U64
+
+
+def _tokens_one_by_one(tokens: list[Any], where: str) -> tuple[list[int], list[int] | None]:
     ids: list[int] = []
     extras: list[int] = []
-    for i, token in enumerate(_list(value, f"{where}.tokens")):
+    for i, token in enumerate(tokens):
         token = _mapping(token, f"{where}.tokens[{i}]")
         ids.append(
             _int(_get(token, "token_id", f"{where}.tokens[{i}]"), f"{where}.tokens[{i}].token_id")
