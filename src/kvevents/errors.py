@@ -13,6 +13,8 @@
     │   └── StreamAddError                a stream could not be added; the others run on
     │                                     (.worker_id, .rank, .endpoint, .reason)
     ├── TraceError (also ValueError)      a workload trace row cannot be read (.path, .line)
+    ├── DiscoveryError (also ValueError)  an engine's advertised endpoints cannot be read
+    │                                     (.url, .key, .reason)
     └── SyncTimeout (also TimeoutError)   a simulated cluster's index did not catch up (.lagging)
 
 Invalid configuration raises ``pydantic.ValidationError`` (a ``ValueError``) naming the field.
@@ -25,6 +27,7 @@ from __future__ import annotations
 __all__ = [
     "BindError",
     "DecodeError",
+    "DiscoveryError",
     "KVEventsError",
     "LayoutError",
     "PublisherClosed",
@@ -114,6 +117,17 @@ class TraceError(KVEventsError, ValueError):
         super().__init__(f"{path}:{line}: {message}")
         self.path = path
         self.line = line
+
+
+class DiscoveryError(KVEventsError, ValueError):
+    """An engine's advertised KV event endpoints could not be read from ``url``: ``key`` is
+    the missing or invalid field (None when the request itself failed), ``reason`` why."""
+
+    def __init__(self, url: str, reason: str, *, key: str | None = None) -> None:
+        super().__init__(f"{url}: {reason}")
+        self.url = url
+        self.key = key
+        self.reason = reason
 
 
 class SyncTimeout(KVEventsError, TimeoutError):

@@ -5,14 +5,16 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+import urllib.parse
 from typing import Any
 
-from kvevents.cli.common import positive_float, positive_int, stop_on_sigterm
+from kvevents.cli.common import UsageError, positive_float, positive_int, stop_on_sigterm
 from kvevents.cli.output import JsonOutput, LiveOutput, Output, TextOutput
 from kvevents.cli.render import ListenView, stats_record
 from kvevents.cli.secure import add_client_options, client_curve
 from kvevents.cli.specs import stream_specs
-from kvevents.subscribe.streams import ReplayOptions, SubscriberOptions
+from kvevents.integrations.discovery import discover
+from kvevents.subscribe.streams import ReplayOptions, StreamSpec, SubscriberOptions
 
 EXAMPLES = """examples:
   kvevents listen tcp://10.0.0.5:5557
@@ -23,6 +25,8 @@ EXAMPLES = """examples:
       two named workers as JSON lines (one object per batch, plus call-outs)
   kvevents listen --worker sim:1=tcp://127.0.0.1:40123 --count 10 --full --json
       rank 1 of worker "sim" at its own endpoint; stop after 10 batches; full events
+  kvevents listen --engine http://10.0.0.5:30000
+      the streams an SGLang server advertises in /server_info (ranks, replay, topic)
 
 output:
   a live table on a terminal; one line per batch otherwise (--plain forces it); --json
@@ -45,6 +49,10 @@ def add_parser(sub: Any) -> None:
                    help="base replay endpoint, one per positional ENDPOINT, in order")  # fmt: skip
     p.add_argument("--worker", action="append", default=[], metavar="ID[:RANK]=EP[,REPLAY]",
                    help="a named worker (with :RANK, that rank's own endpoints)")  # fmt: skip
+    p.add_argument("--engine", action="append", default=[], metavar="[ID=]URL",
+                   help="an engine's HTTP URL: read its streams from /server_info")  # fmt: skip
+    p.add_argument("--discovery-timeout", type=positive_float, default=5.0,
+                   help="seconds to wait for an engine's /server_info (default 5)")  # fmt: skip
     p.add_argument("--ranks", type=positive_int, default=1, help="ranks per worker (default 1)")
     p.add_argument("--topic", default="", help="topic prefix to subscribe to (default: all)")
     p.add_argument("--json", action="store_true", help="JSON lines on stdout")
@@ -75,8 +83,7 @@ def _done(args: argparse.Namespace, view: ListenView, deadline: float | None) ->
 def run(args: argparse.Namespace) -> int:
     from kvevents.subscribe.subscriber import Subscriber
 
-    specs = stream_specs(args.endpoints, args.worker, args.replay, ranks=args.ranks,
-                         topic=args.topic)  # fmt: skip
+    specs = _specs(args)
     options = SubscriberOptions(
         status_items=True,
         replay=ReplayOptions(idle_timeout=args.replay_timeout),
@@ -105,6 +112,42 @@ def run(args: argparse.Namespace) -> int:
         out.emit(stats_record(sub.stream_stats(), view.batches, time.monotonic() - began))
         out.close()
     return status
+
+
+def _specs(args: argparse.Namespace) -> list[StreamSpec]:
+    """Streams named on the command line, then those the ``--engine`` servers advertise."""
+    engines = [_engine_streams(text, args.discovery_timeout) for text in args.engine]
+    if engines and not (args.endpoints or args.worker):
+        specs: list[StreamSpec] = []
+    else:
+        specs = stream_specs(args.endpoints, args.worker, args.replay, ranks=args.ranks,
+                             topic=args.topic)  # fmt: skip
+    for streams in engines:
+        specs += streams
+    seen: set[tuple[str, int]] = set()
+    for stream in specs:
+        if stream.key in seen:
+            raise UsageError(f"worker {stream.worker_id} rank {stream.rank} is given twice")
+        seen.add(stream.key)
+    return specs
+
+
+def _engine_streams(text: str, timeout: float) -> list[StreamSpec]:
+    """``[ID=]URL``: the engine's advertised streams, named ID (default: the URL's host:port)."""
+    worker, sep, url = text.partition("=")
+    if not sep or "://" in worker:
+        worker, url = "", text
+    if not worker:
+        worker = urllib.parse.urlsplit(url).netloc or url
+    engine = discover(url, timeout=timeout)
+    print(
+        f"{worker}: {engine.ranks} rank(s) at {engine.endpoint}"
+        f"{'' if engine.replay_endpoint is None else ', replay ' + engine.replay_endpoint}"
+        f", block size {engine.block_size}",
+        file=sys.stderr,
+        flush=True,
+    )
+    return engine.streams(worker)
 
 
 def _feed_dead(sub: Any) -> bool:

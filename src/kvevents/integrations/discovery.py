@@ -1,0 +1,211 @@
+"""Engine discovery: the KV event endpoints an engine advertises over HTTP.
+
+SGLang describes its publisher in ``GET /server_info`` under ``kv_events`` (absent or null when
+it publishes nothing)::
+
+    {"publisher": "zmq", "endpoint_host": "*", "endpoint_port_base": 5557, "topic": "",
+     "block_size": 16, "dp_size": 2, "replay_endpoint_port_base": 5600}
+
+Rank r publishes on ``endpoint_port_base + r`` (and replays on ``replay_endpoint_port_base + r``,
+a key present only when replay is configured) for each of the ``dp_size`` ranks. A wildcard
+``endpoint_host`` (``*``, ``0.0.0.0``, ``::``) is the engine's bind address, not one to dial:
+the host of the URL asked is used instead. :func:`discover` reads it with the standard library
+and returns what ``worker_streams`` or a ``WorkerRegistration`` need.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from kvevents.errors import DiscoveryError
+from kvevents.subscribe.streams import StreamSpec, worker_streams
+
+if TYPE_CHECKING:
+    from kvevents.security import CurveClient
+
+__all__ = ["EngineEndpoints", "discover", "parse_server_info"]
+
+#: Paths tried in order: SGLang's current one, then the name older releases answer.
+INFO_PATHS = ("/server_info", "/get_server_info")
+_WILDCARDS = frozenset({"", "*", "0.0.0.0", "::", "[::]"})
+_MAX_BODY = 4 * 2**20  # a server_info is a few KB; more is not a server_info
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineEndpoints:
+    """One engine's KV event streams, as it advertises them.
+
+    ``endpoint`` and ``replay_endpoint`` are base endpoints (rank r: port + r); ``ranks`` is the
+    engine's data parallel size, ``block_size`` the size its stores use, ``url`` where it was read.
+    """
+
+    url: str
+    endpoint: str
+    replay_endpoint: str | None
+    topic: str
+    block_size: int
+    ranks: int
+
+    def streams(self, worker_id: str, *, curve: CurveClient | None = None) -> list[StreamSpec]:
+        """Every rank's stream, named ``worker_id``, for a ``Subscriber``."""
+        return worker_streams(
+            worker_id,
+            self.endpoint,
+            self.replay_endpoint,
+            ranks=self.ranks,
+            topic=self.topic,
+            curve=curve,
+        )
+
+    def registration_fields(self, worker_id: str) -> dict[str, Any]:
+        """The fields of a ``kvevents.service.feed.WorkerRegistration`` for this engine
+        (``WorkerRegistration(**engine.registration_fields("a"))``; the service layer sits
+        above this one, so it is not built here)."""
+        return {
+            "worker_id": worker_id,
+            "endpoint": self.endpoint,
+            "block_size": self.block_size,
+            "ranks": tuple(range(self.ranks)),
+            "replay_endpoint": self.replay_endpoint,
+            "topic": self.topic,
+        }
+
+
+def discover(url: str, *, timeout: float = 5.0) -> EngineEndpoints:
+    """The KV event endpoints of the engine serving at ``url`` (``http://HOST:PORT``).
+
+    Reads ``/server_info`` (``/get_server_info`` when that is a 404); a URL whose path already
+    names the page is read as given. Raises :class:`DiscoveryError` naming the URL and, for a
+    missing or invalid field, the key.
+    """
+    for target in _targets(url):
+        try:
+            info = _fetch(target, timeout)
+        except _NotFound:
+            continue
+        return parse_server_info(info, target)
+    raise DiscoveryError(url, f"no server info page ({', '.join(INFO_PATHS)} answer 404)")
+
+
+class _NotFound(Exception):
+    """The page is not there (HTTP 404): try the next name."""
+
+
+def _targets(url: str) -> list[str]:
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise DiscoveryError(url, "expected an http:// or https:// URL with a host")
+    if parts.path.rstrip("/").endswith(INFO_PATHS):
+        return [url]
+    base = url.rstrip("/")
+    return [base + path for path in INFO_PATHS]
+
+
+def _fetch(url: str, timeout: float) -> Any:
+    request = urllib.request.Request(url, headers={"accept": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            body = response.read(_MAX_BODY + 1)
+    except urllib.error.HTTPError as exc:
+        if exc.code == 404:
+            raise _NotFound from None
+        raise DiscoveryError(url, f"HTTP {exc.code} {exc.reason}") from None
+    except urllib.error.URLError as exc:
+        if isinstance(exc.reason, TimeoutError):
+            raise DiscoveryError(url, f"no answer within {timeout:g}s") from None
+        raise DiscoveryError(url, f"cannot connect: {exc.reason}") from None
+    except TimeoutError:
+        raise DiscoveryError(url, f"no answer within {timeout:g}s") from None
+    except OSError as exc:
+        raise DiscoveryError(url, f"cannot read the answer: {exc}") from None
+    if len(body) > _MAX_BODY:
+        raise DiscoveryError(url, f"the answer is over {_MAX_BODY} bytes")
+    try:
+        return json.loads(body)
+    except ValueError as exc:
+        raise DiscoveryError(url, f"the answer is not JSON ({exc})") from None
+
+
+def parse_server_info(info: Any, url: str) -> EngineEndpoints:
+    """The endpoints in a ``/server_info`` answer read from ``url`` (whose host replaces a
+    wildcard ``endpoint_host``)."""
+    if not isinstance(info, Mapping):
+        raise DiscoveryError(url, f"the answer is a JSON {type(info).__name__}, not an object")
+    kv = info.get("kv_events")
+    if kv is None:
+        raise DiscoveryError(
+            url,
+            "kv_events is missing: the engine publishes no KV events "
+            "(start it with --kv-events-config)",
+            key="kv_events",
+        )
+    if not isinstance(kv, Mapping):
+        raise DiscoveryError(url, "kv_events is not an object", key="kv_events")
+    publisher = kv.get("publisher", "zmq")
+    if publisher != "zmq":
+        raise DiscoveryError(
+            url, f"kv_events.publisher is {publisher!r}, not 'zmq'", key="kv_events.publisher"
+        )
+    host = _host(kv, "endpoint_host", url)
+    replay_port = _port(kv, "replay_endpoint_port_base", url, required=False)
+    replay_host = _host(kv, "replay_endpoint_host", url) if "replay_endpoint_host" in kv else host
+    return EngineEndpoints(
+        url=url,
+        endpoint=f"tcp://{host}:{_port(kv, 'endpoint_port_base', url)}",
+        replay_endpoint=None if replay_port is None else f"tcp://{replay_host}:{replay_port}",
+        topic=_topic(kv, url),
+        block_size=_positive(kv, "block_size", url),
+        ranks=_positive(kv, "dp_size", url),
+    )
+
+
+def _required(kv: Mapping[str, Any], key: str, url: str) -> Any:
+    if key not in kv:
+        raise DiscoveryError(url, f"kv_events.{key} is missing", key=f"kv_events.{key}")
+    return kv[key]
+
+
+def _host(kv: Mapping[str, Any], key: str, url: str) -> str:
+    host = _required(kv, key, url)
+    if not isinstance(host, str):
+        raise DiscoveryError(url, f"kv_events.{key} is not a string", key=f"kv_events.{key}")
+    if host.strip() in _WILDCARDS:
+        # A bind address: dial the host the engine was reached at.
+        host = urllib.parse.urlsplit(url).hostname or ""
+    host = host.strip()
+    if ":" in host and not host.startswith("["):
+        return f"[{host}]"  # an IPv6 address in an endpoint needs its brackets
+    return host
+
+
+def _port(kv: Mapping[str, Any], key: str, url: str, *, required: bool = True) -> int | None:
+    if not required and kv.get(key) is None:
+        return None
+    port = _required(kv, key, url)
+    if type(port) is not int or not 1 <= port <= 65535:
+        raise DiscoveryError(
+            url, f"kv_events.{key} = {port!r} is not a port in 1..65535", key=f"kv_events.{key}"
+        )
+    return port
+
+
+def _positive(kv: Mapping[str, Any], key: str, url: str) -> int:
+    value = _required(kv, key, url)
+    if type(value) is not int or value < 1:
+        raise DiscoveryError(
+            url, f"kv_events.{key} = {value!r} is not an integer >= 1", key=f"kv_events.{key}"
+        )
+    return value
+
+
+def _topic(kv: Mapping[str, Any], url: str) -> str:
+    topic = kv.get("topic", "")
+    if not isinstance(topic, str):
+        raise DiscoveryError(url, "kv_events.topic is not a string", key="kv_events.topic")
+    return topic

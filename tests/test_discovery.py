@@ -1,0 +1,248 @@
+"""Engine discovery (kvevents.integrations.discovery) against a local HTTP server in SGLang's
+``/server_info`` shape, and ``kvevents listen --engine``."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any, ClassVar
+
+import pytest
+
+from kvevents.cli import main
+from kvevents.errors import DiscoveryError
+from kvevents.events import BlockStored, KVEventBatch
+from kvevents.integrations.discovery import discover, parse_server_info
+from kvevents.publish.records import PublisherOptions
+from kvevents.service.feed import WorkerRegistration
+from kvevents.testing.publisher import started_publisher
+
+
+def kv_events(**overrides: Any) -> dict[str, Any]:
+    """SGLang's ``kv_events`` descriptor: a wildcard bind host, two DP ranks, no replay."""
+    kv = {
+        "publisher": "zmq",
+        "endpoint_host": "*",
+        "endpoint_port_base": 5557,
+        "topic": "",
+        "block_size": 16,
+        "dp_size": 2,
+    }
+    kv.update(overrides)
+    return kv
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    """Answers each path from ``pages``: (status, body bytes); anything else is a 404."""
+
+    pages: ClassVar[dict[str, tuple[int, bytes]]] = {}
+
+    def do_GET(self) -> None:
+        status, body = self.pages.get(self.path, (404, b"{}"))
+        self.send_response(status)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: Any) -> None:
+        """Quiet."""
+
+
+class Engine:
+    """A stand-in engine HTTP server on a free loopback port."""
+
+    def __init__(self) -> None:
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(
+            target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+        )
+
+    def serve(self, path: str, body: Any, status: int = 200) -> None:
+        raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+        _Handler.pages[path] = (status, raw)
+
+
+@pytest.fixture
+def engine() -> Iterator[Engine]:
+    _Handler.pages = {}
+    e = Engine()
+    e.thread.start()
+    yield e
+    e.server.shutdown()
+    e.server.server_close()
+    e.thread.join(5)
+
+
+def test_sglang_descriptor_gives_every_rank_at_the_url_host(engine: Engine) -> None:
+    """A wildcard host is replaced by the URL's host; dp_size ranks, block size and topic kept."""
+    engine.serve("/server_info", {"version": "x", "kv_events": kv_events(topic="kv")})
+    found = discover(engine.url)
+    assert found.endpoint == "tcp://127.0.0.1:5557" and found.replay_endpoint is None
+    assert (found.ranks, found.block_size, found.topic) == (2, 16, "kv")
+    assert found.url == engine.url + "/server_info"
+    streams = found.streams("sg")
+    assert [(s.worker_id, s.rank, s.endpoint, s.topic) for s in streams] == [
+        ("sg", 0, "tcp://127.0.0.1:5557", "kv"),
+        ("sg", 1, "tcp://127.0.0.1:5558", "kv"),
+    ]
+
+
+def test_replay_port_and_explicit_host_are_used(engine: Engine) -> None:
+    """replay_endpoint_port_base gives every rank a replay endpoint; a real host is kept."""
+    kv = kv_events(endpoint_host="10.1.2.3", replay_endpoint_port_base=5600)
+    engine.serve("/server_info", {"kv_events": kv})
+    found = discover(engine.url + "/")
+    assert found.endpoint == "tcp://10.1.2.3:5557"
+    assert [s.replay_endpoint for s in found.streams("sg")] == [
+        "tcp://10.1.2.3:5600",
+        "tcp://10.1.2.3:5601",
+    ]
+    reg = WorkerRegistration(**found.registration_fields("sg"), model_name="m")
+    assert (reg.endpoint, reg.replay_endpoint, reg.block_size, reg.ranks, reg.model_name) == (
+        "tcp://10.1.2.3:5557",
+        "tcp://10.1.2.3:5600",
+        16,
+        (0, 1),
+        "m",
+    )
+
+
+def test_older_engines_answer_get_server_info(engine: Engine) -> None:
+    """When /server_info is a 404, /get_server_info (older SGLang) is read."""
+    engine.serve("/get_server_info", {"kv_events": kv_events(dp_size=1)})
+    found = discover(engine.url)
+    assert found.url.endswith("/get_server_info") and found.ranks == 1
+
+
+def test_a_url_naming_the_page_is_read_as_given(engine: Engine) -> None:
+    """A URL ending in /server_info is not extended."""
+    engine.serve("/server_info", {"kv_events": kv_events()})
+    assert discover(engine.url + "/server_info").url == engine.url + "/server_info"
+
+
+def test_ipv6_hosts_get_brackets() -> None:
+    """An IPv6 host (advertised, or the URL's for a wildcard) is bracketed in the endpoint."""
+    found = parse_server_info({"kv_events": kv_events(endpoint_host="::")}, "http://[::1]:30000")
+    assert found.endpoint == "tcp://[::1]:5557"
+    found = parse_server_info({"kv_events": kv_events(endpoint_host="fd00::5")}, "http://h:1")
+    assert found.endpoint == "tcp://[fd00::5]:5557"
+
+
+@pytest.mark.parametrize(
+    ("info", "key", "words"),
+    [
+        ({"version": "x"}, "kv_events", "kv_events is missing"),
+        ({"kv_events": None}, "kv_events", "publishes no KV events"),
+        ({"kv_events": [1]}, "kv_events", "not an object"),
+        ({"kv_events": kv_events(publisher="null")}, "kv_events.publisher", "not 'zmq'"),
+        (
+            {"kv_events": {k: v for k, v in kv_events().items() if k != "endpoint_port_base"}},
+            "kv_events.endpoint_port_base",
+            "kv_events.endpoint_port_base is missing",
+        ),
+        (
+            {"kv_events": {k: v for k, v in kv_events().items() if k != "endpoint_host"}},
+            "kv_events.endpoint_host",
+            "is missing",
+        ),
+        ({"kv_events": kv_events(endpoint_port_base=70000)}, "kv_events.endpoint_port_base", "1..65535"),
+        ({"kv_events": kv_events(replay_endpoint_port_base="x")}, "kv_events.replay_endpoint_port_base", "1..65535"),
+        ({"kv_events": kv_events(block_size=0)}, "kv_events.block_size", ">= 1"),
+        ({"kv_events": kv_events(dp_size=True)}, "kv_events.dp_size", ">= 1"),
+        ({"kv_events": kv_events(topic=3)}, "kv_events.topic", "not a string"),
+    ],
+)  # fmt: skip
+def test_bad_descriptors_name_the_url_and_the_key(
+    engine: Engine, info: Any, key: str, words: str
+) -> None:
+    """Each missing or invalid field raises DiscoveryError naming the URL and the key."""
+    engine.serve("/server_info", info)
+    with pytest.raises(DiscoveryError, match=words) as caught:
+        discover(engine.url)
+    assert caught.value.key == key
+    assert caught.value.url == engine.url + "/server_info"
+    assert str(caught.value).startswith(engine.url)
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "words"),
+    [
+        (500, b"{}", "HTTP 500"),
+        (200, b"<html>", "not JSON"),
+        (200, b"[1, 2]", "JSON list, not an object"),
+    ],
+)
+def test_bad_answers_are_clear_errors(engine: Engine, status: int, body: bytes, words: str) -> None:
+    """An HTTP error or an answer that is not a JSON object is a DiscoveryError saying so."""
+    engine.serve("/server_info", body, status)
+    with pytest.raises(DiscoveryError, match=words) as caught:
+        discover(engine.url)
+    assert caught.value.key is None
+
+
+def test_no_page_at_all(engine: Engine) -> None:
+    """Both page names answering 404 is one error naming both."""
+    with pytest.raises(DiscoveryError, match="/server_info, /get_server_info"):
+        discover(engine.url)
+
+
+def test_unreachable_and_silent_engines_fail_within_the_timeout() -> None:
+    """A refused connection, or a server that never answers, fails within the timeout."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(1)  # accepts connections (backlog) but never answers
+        with pytest.raises(DiscoveryError, match=r"no answer within 0\.2s"):
+            discover(f"http://127.0.0.1:{silent.getsockname()[1]}", timeout=0.2)
+        port = silent.getsockname()[1]
+    with pytest.raises(DiscoveryError, match="cannot connect"):
+        discover(f"http://127.0.0.1:{port}", timeout=2)
+
+
+def test_not_an_http_url() -> None:
+    """A URL without http(s) and a host is refused before any request."""
+    with pytest.raises(DiscoveryError, match="http:// or https://"):
+        discover("tcp://127.0.0.1:5557")
+
+
+def test_listen_engine_reads_the_advertised_streams(
+    engine: Engine, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``kvevents listen --engine ID=URL`` subscribes to what the engine advertises."""
+    options = PublisherOptions(heartbeat_interval=0.05)
+    with started_publisher(options=options) as pub:
+        assert pub.endpoint is not None and pub.replay_endpoint is not None
+        kv = kv_events(
+            endpoint_host="127.0.0.1",
+            endpoint_port_base=int(pub.endpoint.rsplit(":", 1)[1]),
+            replay_endpoint_port_base=int(pub.replay_endpoint.rsplit(":", 1)[1]),
+            dp_size=1,
+            block_size=4,
+        )
+        engine.serve("/server_info", {"kv_events": kv})
+        block = BlockStored(block_hashes=[1], token_ids=[1, 2, 3, 4], block_size=4)
+        for _ in range(2):
+            pub.publish(KVEventBatch(ts=time.time(), events=[block]))
+        status = main(
+            ["listen", "--engine", f"sg={engine.url}", "--json", "--count", "2", "--duration", "20"]
+        )
+    out, err = capsys.readouterr()
+    assert status == 0
+    batches = [r for r in map(json.loads, out.splitlines()) if r["type"] == "batch"]
+    assert [(b["worker"], b["rank"], b["seq"]) for b in batches] == [("sg", 0, 0), ("sg", 0, 1)]
+    assert "sg: 1 rank(s) at tcp://127.0.0.1:" in err
+
+
+def test_listen_engine_failure_is_one_line(
+    engine: Engine, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An engine without KV events makes listen fail with one line naming the URL, status 1."""
+    engine.serve("/server_info", {"kv_events": None})
+    assert main(["listen", "--engine", engine.url, "--count", "1"]) == 1
+    err = capsys.readouterr().err
+    assert f"kvevents listen: error: {engine.url}/server_info: kv_events is missing" in err
