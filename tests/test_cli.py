@@ -149,7 +149,7 @@ def test_listen_json_late_join_replays_from_zero() -> None:
     summary = out[-1]
     assert summary["type"] == "summary" and summary["batches"] == 5
     assert summary["streams"][0]["gaps"] == 1 and summary["streams"][0]["missing"] == 0
-    assert "listening to 1 streams" in "".join(proc.err)
+    assert "listening to 1 stream\n" in "".join(proc.err)
 
 
 def test_listen_without_replay_reports_unrecoverable_range() -> None:
@@ -382,3 +382,18 @@ def test_ctrl_c_during_bench_says_what_finished() -> None:
     assert proc.returncode == 130
     assert "interrupted during bench_wire; finished: none; nothing recorded" in err
     assert "Traceback" not in err
+
+
+def test_listen_that_receives_nothing_says_why_and_exits_3() -> None:
+    """A listen run that saw no batch names the endpoint, lists the likely causes (nothing
+    publishing, wrong endpoint or topic, idle engine, encryption) and exits 3, not 0."""
+    with started_publisher() as pub:  # bound, but never publishes
+        done = subprocess.run(
+            [sys.executable, "-m", "kvevents.cli", "listen", "--plain", "--duration", "0.5",
+             connectable(pub.endpoint)],
+            capture_output=True, text=True, timeout=TIMEOUT,
+        )  # fmt: skip
+    assert done.returncode == 3, done.stderr
+    assert f"nothing received in 0.5 s from {connectable(pub.endpoint)}; maybe:" in done.stderr
+    for cause in ("kv events enabled", "--topic", "heartbeats", "--curve-server-key"):
+        assert cause in done.stderr, cause

@@ -8,7 +8,7 @@ import time
 import urllib.parse
 from typing import Any
 
-from kvevents.cli.common import UsageError, positive_float, positive_int, stop_on_sigterm
+from kvevents.cli.common import UsageError, plural, positive_float, positive_int, stop_on_sigterm
 from kvevents.cli.output import JsonOutput, LiveOutput, Output, TextOutput
 from kvevents.cli.render import ListenView, stats_record
 from kvevents.cli.secure import add_client_options, client_curve
@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
     status = 0
     with stop_on_sigterm(), Subscriber(specs, options=options) as sub:
         out = _output(args, sub.stream_stats)
-        print(f"listening to {len(specs)} streams", file=sys.stderr, flush=True)
+        print(f"listening to {plural(len(specs), 'stream')}", file=sys.stderr, flush=True)
         try:
             while not _done(args, view, deadline):
                 item = sub.get(timeout=0.25)
@@ -109,9 +109,32 @@ def run(args: argparse.Namespace) -> int:
                     out.emit(record)
         except KeyboardInterrupt:
             pass
-        out.emit(stats_record(sub.stream_stats(), view.batches, time.monotonic() - began))
+        elapsed = time.monotonic() - began
+        out.emit(stats_record(sub.stream_stats(), view.batches, elapsed))
         out.close()
+    if status == 0 and not view.batches:
+        print(nothing_received(specs, elapsed, curve=args.curve_server_key is not None),
+              file=sys.stderr)  # fmt: skip
+        return 3
     return status
+
+
+def nothing_received(specs: list[StreamSpec], seconds: float, *, curve: bool) -> str:
+    """Why a run may have seen no batch at all: the likely causes, in the order to check."""
+    endpoints = ", ".join(sorted({s.endpoint for s in specs})) or "no endpoint"
+    causes = [
+        "nothing publishes there (is the engine up, with kv events enabled?)",
+        "the endpoint or its rank offset is wrong (rank r publishes on base port + r)",
+        "the topic does not match the publisher's (--topic is a prefix)",
+        "the engine is idle: no cache change, no batch (publishers without heartbeats are silent)",
+    ]
+    causes.append(
+        "the CURVE keys do not match the publisher's (a refused handshake is silent)"
+        if curve
+        else "the publisher is encrypted (give --curve-server-key)"
+    )
+    lines = [f"kvevents listen: nothing received in {seconds:.1f} s from {endpoints}; maybe:"]
+    return "\n".join([*lines, *(f"  - {cause}" for cause in causes)])
 
 
 def _specs(args: argparse.Namespace) -> list[StreamSpec]:
