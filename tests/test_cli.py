@@ -397,3 +397,17 @@ def test_listen_that_receives_nothing_says_why_and_exits_3() -> None:
     assert f"nothing received in 0.5 s from {connectable(pub.endpoint)}; maybe:" in done.stderr
     for cause in ("kv events enabled", "--topic", "heartbeats", "--curve-server-key"):
         assert cause in done.stderr, cause
+
+
+def test_publish_on_an_ephemeral_endpoint_puts_replay_next_to_it() -> None:
+    """``publish --endpoint tcp://127.0.0.1:0`` alone binds replay on an ephemeral port of the
+    same host, not on the default tcp://*:5600."""
+    done = subprocess.run(
+        [sys.executable, "-m", "kvevents.cli", "publish", "--endpoint", "tcp://127.0.0.1:0",
+         "--json", "--count", "1"],
+        capture_output=True, text=True, timeout=TIMEOUT,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    ready = json.loads(done.stdout.splitlines()[0])
+    replay = ready["ranks"][0]["replay_endpoint"]
+    assert replay.startswith("tcp://127.0.0.1:") and not replay.endswith(":5600")

@@ -96,12 +96,30 @@ def trace_requests(path: str) -> Iterator[Any]:
     return (trace_request(row, i) for i, row in enumerate(rows))
 
 
+def _replay_next_to(endpoint: str, replay: str | None) -> str | None:
+    """The default replay endpoint follows an ephemeral publish endpoint: ``--endpoint
+    tcp://127.0.0.1:0`` alone must not leave replay on ``tcp://*:5600`` (a fixed port on every
+    interface); it gets an ephemeral port on the same host."""
+    from kvevents.cli.config import PublishSettings
+    from kvevents.errors import LayoutError
+    from kvevents.wire.endpoints import parse_endpoint
+
+    if replay != PublishSettings().replay_endpoint:
+        return replay  # chosen by the user
+    try:
+        parsed = parse_endpoint(endpoint)
+    except LayoutError:
+        return replay  # the config's own validation names the bad endpoint
+    return f"tcp://{parsed.host}:0" if parsed.is_ephemeral else replay
+
+
 def _config(args: argparse.Namespace) -> Any:
     import pydantic
 
     from kvevents.config import KVEventsConfig
 
     replay = None if args.replay_endpoint.lower() == "none" else args.replay_endpoint
+    replay = _replay_next_to(args.endpoint, replay)
     try:
         return KVEventsConfig(enable_kv_cache_events=True, endpoint=args.endpoint,
                               replay_endpoint=replay, topic=args.topic)  # fmt: skip
