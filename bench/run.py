@@ -89,8 +89,13 @@ def main(argv: list[str]) -> int:
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     header = f"# Benchmark results\n\nRecorded {stamp} by `make bench` on: {machine()}."
     if not argv:
+        from chart import ratio_svg
+
         (HERE / "RESULTS.md").write_text(render(rows, header))
-        print(f"recorded in {HERE / 'RESULTS.md'}")
+        (HERE / "RESULTS.svg").write_text(
+            ratio_svg(rows, f"kvevents against same-run baselines ({stamp})")
+        )
+        print(f"recorded in {HERE / 'RESULTS.md'} and {HERE / 'RESULTS.svg'}")
     return 0
 
 
