@@ -25,11 +25,23 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from operator import sub
 
+import msgspec
+
 from kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from kvevents.index import query
 from kvevents.index import table as bt
 from kvevents.index.holders import PAGE_SHIFT, Holder, Stream, tier_name
-from kvevents.index.keys import ROOT_SEED, chain_hashes, pack_tokens, root_seed
+from kvevents.index.keys import (
+    ROOT_SEED,
+    Extras,
+    MMSpan,
+    chain_hashes,
+    chain_keys,
+    event_extras,
+    pack_tokens,
+    request_extras,
+    root_seed,
+)
 from kvevents.index.orphans import Orphan, Stored
 from kvevents.index.records import (
     DEFAULT_TIER,
@@ -67,6 +79,45 @@ def _pack_ints(token_ids: Sequence[int]) -> bytes | None:
         return pack_tokens(token_ids)
     except (OverflowError, TypeError):
         return None
+
+
+_EMPTY = msgspec.Raw(b"\x90")
+
+
+def _no_tokens(event: Stored) -> bool:
+    tokens = event.token_ids
+    return tokens == _EMPTY if type(event) is PackedStored else not tokens
+
+
+def _has_extras(event: Stored, blocks: int) -> bool:
+    """Whether a store may have extras: a cheap test, as nearly every store has none."""
+    if event.cache_salt:
+        return True
+    if type(event) is PackedStored:
+        # vLLM sends one nil per block: compared still encoded, no list is built.
+        raw = event.extra_keys
+        return len(raw) > 1 and raw != (_NILS.get(blocks) or _nils(blocks))
+    extra = event.extra_keys
+    return bool(extra) and any(extra)  # type: ignore[arg-type]
+
+
+_NILS: dict[int, msgspec.Raw] = {}
+
+
+def _nils(blocks: int) -> msgspec.Raw:
+    """``[None] * blocks`` encoded, as vLLM sends the extra_keys of a store without extras."""
+    if len(_NILS) > 1024:  # bounded: counts are block runs, but a peer chooses them
+        _NILS.clear()
+    nils = _NILS[blocks] = msgspec.Raw(msgspec.msgpack.encode([None] * blocks))
+    return nils
+
+
+def _extras(event: Stored) -> list[Extras] | None:
+    """A store's extras per block; SGLang's ``cache_salt`` counts only at token 0 (a later
+    run's salt is in its parent's key already). ValueError when they cannot be read."""
+    salt = event.cache_salt if event.parent_block_hash is None else None
+    raw = event.extras() if type(event) is PackedStored else event.extra_keys
+    return event_extras(raw, len(event.block_hashes), lora_name=event.lora_name, cache_salt=salt)
 
 
 def _ranks(ranks: int | Iterable[int]) -> list[int]:
@@ -234,7 +285,7 @@ class PrefixIndex:
 
     def _store(self, stream: Stream, event: Stored) -> None:
         size = event.block_size
-        if size != stream.block_size and not self._adopt(stream, event):
+        if size != stream.block_size and not self._other_size(stream, event):
             return
         hashes = event.block_hashes
         if not hashes:
@@ -249,6 +300,9 @@ class PrefixIndex:
         if len(packed) != 4 * size * len(hashes):
             self._bad(stream, "token_ids length is not block_size * len(block_hashes)")
             return
+        salted = _has_extras(event, len(hashes))
+        if salted and not self._extras_ok(stream, event):
+            return
         holder = stream.by_medium.get(event.medium) or self._holder(stream, event.medium)
         parent = event.parent_block_hash
         if parent is None:
@@ -262,6 +316,9 @@ class PrefixIndex:
                     self._c.dropped += stream.orphans.hold(event, packed, self._max_orphans)
                     return
             seed = found
+        if salted:
+            self._store_extras(stream, holder, event, packed, seed)
+            return
         self._c.stored += len(hashes)
         shared = _store_run(holder.table, holder.engine, holder.bit, hashes, packed, size, seed)
         if shared is None:  # some engine hash is held already: the reference-counted way
@@ -270,6 +327,45 @@ class PrefixIndex:
             holder.share(shared)
         if stream.orphans.waiting:
             self._place_waiting(stream, hashes)
+
+    def _store_extras(
+        self, stream: Stream, holder: Holder, event: Stored, packed: bytes, seed: int
+    ) -> None:
+        """A store with extra inputs (a salt, multimodal items): keyed in Python, block by
+        block where there are extras (:func:`kvevents.index.keys.chain_keys`)."""
+        ours = self._keys(event, packed, event.block_size, seed)
+        hashes = event.block_hashes
+        self._c.stored += len(hashes)
+        self._c.duplicates += holder.add(hashes, ours)
+        if stream.orphans.waiting:
+            self._place_waiting(stream, hashes)
+
+    def _extras_ok(self, stream: Stream, event: Stored) -> bool:
+        """Whether a store's extras can be read (else it is a bad event, counted)."""
+        try:
+            _extras(event)
+        except ValueError as exc:
+            self._bad(stream, str(exc))
+            return False
+        return True
+
+    def _keys(self, event: Stored, packed: bytes, size: int, seed: int) -> list[int]:
+        """Our keys of a store's blocks, its extras (checked by :meth:`_extras_ok`) included."""
+        extras = _extras(event)
+        if extras is None:
+            return chain_hashes(packed, size, seed)
+        return chain_keys(packed, size, seed, extras)
+
+    def _other_size(self, stream: Stream, event: Stored) -> bool:
+        """Whether a store of another block size than the stream's may go on. Partial and
+        placeholder stores are legitimate traffic with nothing to key: counted, not logged."""
+        size, limit = event.block_size, stream.block_size
+        if (size == 0 and _no_tokens(event)) or (
+            limit is not None and 0 < size < limit and len(event.block_hashes) == 1
+        ):
+            self._c.partial += 1
+            return False
+        return self._adopt(stream, event)
 
     def _adopt(self, stream: Stream, event: Stored) -> bool:
         """Whether a store of another block size than the stream's may go on: only the first
@@ -338,7 +434,7 @@ class PrefixIndex:
         seed = stream.resolve(event.parent_block_hash)
         assert seed is not None
         hashes: Sequence[int] = event.block_hashes
-        ours = chain_hashes(orphan.packed, stream.block_size, seed)
+        ours = self._keys(event, orphan.packed, stream.block_size, seed)
         self._c.placed += len(hashes)
         self._c.stored += len(hashes)
         if orphan.removed:
@@ -355,11 +451,30 @@ class PrefixIndex:
 
     # ----------------------------------------------------------------- queries
 
-    def match(self, token_ids: Sequence[int], *, lora: str | int | None = None) -> MatchResult:
-        """Longest cached prefix of ``token_ids`` per holder and per (worker, rank)."""
-        return self.match_packed(pack_tokens(token_ids), lora=lora)
+    def match(
+        self,
+        token_ids: Sequence[int],
+        *,
+        lora: str | int | None = None,
+        cache_salt: str | None = None,
+        mm: Sequence[MMSpan] = (),
+    ) -> MatchResult:
+        """Longest cached prefix of ``token_ids`` per holder and per (worker, rank).
 
-    def match_packed(self, packed: bytes, *, lora: str | int | None = None) -> MatchResult:
+        ``cache_salt`` and ``mm`` (the request's multimodal items) enter the keys as the
+        engine's own do (:func:`kvevents.index.keys.request_extras`): a request matches only
+        blocks stored with the same salt and items, and an unsalted one no salted block.
+        """
+        return self.match_packed(pack_tokens(token_ids), lora=lora, cache_salt=cache_salt, mm=mm)
+
+    def match_packed(
+        self,
+        packed: bytes,
+        *,
+        lora: str | int | None = None,
+        cache_salt: str | None = None,
+        mm: Sequence[MMSpan] = (),
+    ) -> MatchResult:
         """:meth:`match` for tokens already packed as uint32 little-endian bytes
         (:func:`kvevents.index.keys.pack_tokens`), e.g. straight from a request body."""
         seed = root_seed(lora)
@@ -367,9 +482,16 @@ class PrefixIndex:
         streams: dict[tuple[str, int], int] = {}
         request_blocks: dict[int, int] = {}
         for size, masks in self._block_sizes().items():
-            request_blocks[size] = len(packed) // (4 * size)
-            run = (packed, size, seed)
-            found, prefixes = query.walk_packed(self._pages, self._by_id, self._streams, run, masks)
+            blocks = request_blocks[size] = len(packed) // (4 * size)
+            extras = request_extras(blocks, size, cache_salt, mm)
+            if extras is None:  # the common case: the walk hashes the tokens itself
+                run = (packed, size, seed)
+                found, prefixes = query.walk_packed(
+                    self._pages, self._by_id, self._streams, run, masks
+                )
+            else:
+                keys = chain_keys(packed, size, seed, extras)
+                found, prefixes = query.walk(self._pages, self._by_id, self._streams, keys, masks)
             holders.update(found)
             streams.update(prefixes)
         return MatchResult(len(packed) // 4, request_blocks, holders, streams)
@@ -425,6 +547,7 @@ class PrefixIndex:
             bad_events=c.bad_events,
             clears=c.clears,
             stream_resets=c.resets,
+            partial_stores=c.partial,
             memory_bytes=self._memory_bytes(holders),
         )
 
