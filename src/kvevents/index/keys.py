@@ -50,7 +50,6 @@ __all__ = [
     "block_hashes",
     "chain_hashes",
     "chain_keys",
-    "event_extras",
     "mix_extras",
     "pack_tokens",
     "request_extras",
@@ -155,34 +154,3 @@ def request_extras(
             extra.append(cache_salt)
         out.append(extra or None)
     return out
-
-
-def event_extras(
-    extra_keys: Any, blocks: int, *, lora_name: str | None = None, cache_salt: Any = None
-) -> list[Extras] | None:
-    """Each block's extras from a store event, None when it has none (the common case).
-
-    ``extra_keys`` is vLLM's list, one entry per block; the LoRA name vLLM puts first in an
-    entry is dropped (the root seed carries it). ``cache_salt`` is SGLang's field, given only
-    for a store starting at token 0: it is block 0's salt. Raises ValueError when
-    ``extra_keys`` is not a list of one entry per block.
-    """
-    out: list[Extras] | None = None
-    if extra_keys and any(extra_keys):
-        if not isinstance(extra_keys, list) or len(extra_keys) != blocks:
-            raise ValueError("extra_keys must hold one entry per block hash")
-        out = [_strip_lora(extra, lora_name) for extra in extra_keys]
-    if cache_salt and isinstance(cache_salt, str) and blocks:
-        out = out if out is not None else [None] * blocks
-        out[0] = [*(out[0] or ()), cache_salt]
-    return out if out is not None and any(out) else None
-
-
-def _strip_lora(extra: Any, lora_name: str | None) -> Extras:
-    if not extra:
-        return None
-    if not isinstance(extra, list | tuple):
-        raise ValueError("an extra_keys entry must be a list or null")
-    if lora_name is not None and extra[0] == lora_name:
-        extra = extra[1:]
-    return list(extra) or None

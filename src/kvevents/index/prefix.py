@@ -25,19 +25,16 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from operator import sub
 
-import msgspec
-
 from kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from kvevents.index import query
 from kvevents.index import table as bt
+from kvevents.index.extras import has_extras, no_tokens, store_extras
 from kvevents.index.holders import PAGE_SHIFT, Holder, Stream, tier_name
 from kvevents.index.keys import (
     ROOT_SEED,
-    Extras,
     MMSpan,
     chain_hashes,
     chain_keys,
-    event_extras,
     pack_tokens,
     request_extras,
     root_seed,
@@ -79,45 +76,6 @@ def _pack_ints(token_ids: Sequence[int]) -> bytes | None:
         return pack_tokens(token_ids)
     except (OverflowError, TypeError):
         return None
-
-
-_EMPTY = msgspec.Raw(b"\x90")
-
-
-def _no_tokens(event: Stored) -> bool:
-    tokens = event.token_ids
-    return tokens == _EMPTY if type(event) is PackedStored else not tokens
-
-
-def _has_extras(event: Stored, blocks: int) -> bool:
-    """Whether a store may have extras: a cheap test, as nearly every store has none."""
-    if event.cache_salt:
-        return True
-    if type(event) is PackedStored:
-        # vLLM sends one nil per block: compared still encoded, no list is built.
-        raw = event.extra_keys
-        return len(raw) > 1 and raw != (_NILS.get(blocks) or _nils(blocks))
-    extra = event.extra_keys
-    return bool(extra) and any(extra)  # type: ignore[arg-type]
-
-
-_NILS: dict[int, msgspec.Raw] = {}
-
-
-def _nils(blocks: int) -> msgspec.Raw:
-    """``[None] * blocks`` encoded, as vLLM sends the extra_keys of a store without extras."""
-    if len(_NILS) > 1024:  # bounded: counts are block runs, but a peer chooses them
-        _NILS.clear()
-    nils = _NILS[blocks] = msgspec.Raw(msgspec.msgpack.encode([None] * blocks))
-    return nils
-
-
-def _extras(event: Stored) -> list[Extras] | None:
-    """A store's extras per block; SGLang's ``cache_salt`` counts only at token 0 (a later
-    run's salt is in its parent's key already). ValueError when they cannot be read."""
-    salt = event.cache_salt if event.parent_block_hash is None else None
-    raw = event.extras() if type(event) is PackedStored else event.extra_keys
-    return event_extras(raw, len(event.block_hashes), lora_name=event.lora_name, cache_salt=salt)
 
 
 def _ranks(ranks: int | Iterable[int]) -> list[int]:
@@ -300,7 +258,7 @@ class PrefixIndex:
         if len(packed) != 4 * size * len(hashes):
             self._bad(stream, "token_ids length is not block_size * len(block_hashes)")
             return
-        salted = _has_extras(event, len(hashes))
+        salted = has_extras(event, len(hashes))
         if salted and not self._extras_ok(stream, event):
             return
         holder = stream.by_medium.get(event.medium) or self._holder(stream, event.medium)
@@ -343,7 +301,7 @@ class PrefixIndex:
     def _extras_ok(self, stream: Stream, event: Stored) -> bool:
         """Whether a store's extras can be read (else it is a bad event, counted)."""
         try:
-            _extras(event)
+            store_extras(event)
         except ValueError as exc:
             self._bad(stream, str(exc))
             return False
@@ -351,7 +309,7 @@ class PrefixIndex:
 
     def _keys(self, event: Stored, packed: bytes, size: int, seed: int) -> list[int]:
         """Our keys of a store's blocks, its extras (checked by :meth:`_extras_ok`) included."""
-        extras = _extras(event)
+        extras = store_extras(event)
         if extras is None:
             return chain_hashes(packed, size, seed)
         return chain_keys(packed, size, seed, extras)
@@ -360,7 +318,7 @@ class PrefixIndex:
         """Whether a store of another block size than the stream's may go on. Partial and
         placeholder stores are legitimate traffic with nothing to key: counted, not logged."""
         size, limit = event.block_size, stream.block_size
-        if (size == 0 and _no_tokens(event)) or (
+        if (size == 0 and no_tokens(event)) or (
             limit is not None and 0 < size < limit and len(event.block_hashes) == 1
         ):
             self._c.partial += 1
