@@ -118,7 +118,7 @@ def test_request_extras_follow_the_engine_rule() -> None:
     """Salt on block 0 only (after mm pairs); an item on every block it overlaps, offset
     relative to the block; an empty salt is none."""
     mm = [MMSpan("img", 4, 20)]
-    assert request_extras(3, BS, "s", mm) == [[["img", 4], "s"], [["img", -12]], None]
+    assert request_extras(3, BS, "s", mm) == [[["img", 4], "s"], [["img", -12]]]
     assert request_extras(3, BS, "", ()) is None
     assert request_extras(2, BS, None, [MMSpan("a", 16, 1)]) == [None, [["a", 0]]]
 

@@ -132,7 +132,8 @@ def chain_keys(packed: bytes, block_size: int, seed: int, extras: Sequence[Extra
 def request_extras(
     blocks: int, block_size: int, cache_salt: str | None = None, mm: Sequence[MMSpan] = ()
 ) -> list[Extras] | None:
-    """Each block's extras as vLLM computes them for a request (None when no block has any).
+    """Each block's extras as vLLM computes them for a request, up to the last block with
+    any (None when no block has any).
 
     Block ``i`` covers tokens ``[i * block_size, (i + 1) * block_size)``: it gets
     ``[identifier, offset - start]`` for every item it overlaps, in ``mm`` order, then the
@@ -141,8 +142,11 @@ def request_extras(
     if not cache_salt and not mm:
         return None
     spans = sorted(mm, key=lambda m: m.offset)
+    # Blocks past the last item and block 0 have none: the list stops there (chain_keys
+    # hashes the rest as one run).
+    last = max([1, *((m.offset + m.length + block_size - 1) // block_size for m in spans)])
     out: list[Extras] = []
-    for i in range(blocks):
+    for i in range(min(blocks, last)):
         start = i * block_size
         end = start + block_size
         extra: list[Any] = [

@@ -441,7 +441,7 @@ class PrefixIndex:
         request_blocks: dict[int, int] = {}
         for size, masks in self._block_sizes().items():
             blocks = request_blocks[size] = len(packed) // (4 * size)
-            extras = request_extras(blocks, size, cache_salt, mm)
+            extras = request_extras(blocks, size, cache_salt, mm) if cache_salt or mm else None
             if extras is None:  # the common case: the walk hashes the tokens itself
                 run = (packed, size, seed)
                 found, prefixes = query.walk_packed(
