@@ -275,6 +275,24 @@ def test_placeholder_store_is_not_a_mismatch(
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
+def test_removal_of_a_partial_store_is_not_unknown() -> None:
+    """vLLM removes a partial block's hash when the block grows full: that removal is of a
+    block the stream sent, so it is not counted as an unknown removal (another one still is)."""
+    partial = vllm_store([99], PROMPT[:5], None, block_size=5)
+    removed = {"type": "BlockRemoved", "block_hashes": [99, 98], "medium": "GPU"}
+    index = index_with(partial, removed)
+    assert (index.stats().unknown_removals, index.stats().partial_stores) == (1, 1)
+
+
+def test_query_fields_are_in_the_openapi_description() -> None:
+    """/openapi.json describes cache_salt and mm_items (derived from QueryBody)."""
+    from kvevents.service.openapi import openapi_document
+
+    schemas = openapi_document()["components"]["schemas"]
+    assert {"cache_salt", "mm_items"} <= set(schemas["QueryBody"]["properties"])
+    assert set(schemas["MMItem"]["properties"]) == {"hash", "offset", "length"}
+
+
 def test_other_block_size_is_still_a_mismatch() -> None:
     """A full-size store of another block size (several hashes) is still a mismatch."""
     index = index_with(vllm_store([1, 2], list(range(16)), None, block_size=8))

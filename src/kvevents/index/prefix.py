@@ -322,6 +322,7 @@ class PrefixIndex:
             limit is not None and 0 < size < limit and len(event.block_hashes) == 1
         ):
             self._c.partial += 1
+            stream.note_partials(event.block_hashes)
             return False
         return self._adopt(stream, event)
 
@@ -351,6 +352,8 @@ class PrefixIndex:
         hashes = event.block_hashes
         holder = stream.holder_of(event.medium)
         unknown = hashes if holder is None else holder.remove(hashes, stream.tombs)
+        if unknown and stream.partials:  # a partial block grown full, a placeholder gone
+            unknown = stream.known_partials(list(unknown))
         claimed = sum(1 for eh in unknown if stream.orphans.claim_removal(eh)) if unknown else 0
         self._c.unknown += len(unknown) - claimed
         self._c.removed += len(hashes) - len(unknown) + claimed
