@@ -384,3 +384,15 @@ def test_random_salted_traffic_keeps_unsalted_matches() -> None:
         events.append(vllm_store([10 * n + 10 + i for i in range(3)], PROMPT, [[salt], None, None]))
     index = index_with(*events)
     assert matched(index) == 3
+
+
+def test_packed_decode_bounds_extra_keys() -> None:
+    """The feed's packed decode keeps extra_keys encoded and skips a store whose extra_keys
+    are over max_extra_bytes, keeping the rest of the batch."""
+    from kvevents.wire import DecodeLimits
+
+    big = vllm_store([1], PROMPT[:BS], [["x" * 100]])
+    small = vllm_store([2], PROMPT[:BS], [["s"]])
+    decoded = decode_batch_packed(payload(big, small), limits=DecodeLimits(max_extra_bytes=64))
+    assert [e.block_hashes for e in decoded.batch.events] == [[2]]  # type: ignore[union-attr]
+    assert decoded.skipped[0].path == "$[1][0].extra_keys"
