@@ -448,7 +448,9 @@ def with_int_tokens(event: Any) -> Any:
         tokens = _int_tokens.decode(event.token_ids)
     except msgspec.DecodeError:
         tokens = [-1]
-    fields = {f: getattr(event, f) for f in event.__struct_fields__ if f != "token_ids"}
+    names = set(BlockStored.__struct_fields__) - {"token_ids"}
+    fields = {f: getattr(event, f) for f in event.__struct_fields__ if f in names}
+    fields["extra_keys"] = event.extras()
     return BlockStored(token_ids=tokens, **fields)
 
 

@@ -55,6 +55,13 @@ class BlockStored(
     group_idx: int | UnsetType = UNSET
     kv_cache_spec_kind: str | UnsetType = UNSET
     kv_cache_spec_sliding_window: int | UnsetType = UNSET
+    # Read so consumers have them; the index keys blocks by extra_keys and cache_salt only.
+    # Fifteen keys at most, the tag included: msgspec writes a struct of more with a longer
+    # map header, which would change the pinned bytes of every store. vLLM's ``locality`` and
+    # ``ownership`` (offloading placeholders) are read on PackedStored only.
+    lookahead_token_ids: list[int] | UnsetType | None = UNSET
+    session_id: str | UnsetType | None = UNSET
+    cache_salt: str | UnsetType | None = UNSET
 
 
 class BlockRemoved(

@@ -157,11 +157,6 @@ def test_same_cache_salt_hits(h: Harness) -> None:
     assert h.disagreements(rows) == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="index defect: blocks are keyed by tokens only; BlockStored.extra_keys (vLLM's "
-    "cache_salt, on the first block) is ignored, so another salt or none is predicted a hit",
-)
 def test_other_cache_salt_misses(h: Harness) -> None:
     """A prompt cached under one cache_salt is a miss under another salt or none."""
     rng = random.Random("salt-other")

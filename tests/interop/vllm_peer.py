@@ -226,9 +226,7 @@ class IndexFollower:
         return self.resets >= restarts and self.next_seq >= published
 
     def matched_blocks(self, tokens: Sequence[int], salt: str | None = None) -> int:
-        # The index takes no cache_salt yet (test_other_cache_salt_misses): pass it here once
-        # it does, or the same-salt test will start to fail for the right reason.
-        return self.index.match(tokens).streams.get((self.worker, 0), 0)
+        return self.index.match(tokens, cache_salt=salt).streams.get((self.worker, 0), 0)
 
     def stream(self) -> Any:
         return self.subscriber.stream_stats()[(self.worker, 0)]
@@ -276,8 +274,9 @@ class ServiceFollower:
         return stream.get("restarts", 0) >= restarts and delivered + 1 >= published
 
     def matched_blocks(self, tokens: Sequence[int], salt: str | None = None) -> int:
-        # /query takes no cache_salt yet: see IndexFollower.matched_blocks.
-        return self.service.matched_blocks(tokens).get((self.worker, 0), 0)
+        body = {"token_ids": list(tokens), "cache_salt": salt}
+        reply: dict[str, Any] = self.service.call("POST", "/query", body)
+        return int(reply["scores"].get(self.worker, {}).get("0", 0))
 
     def close(self) -> None:
         self.service.close()

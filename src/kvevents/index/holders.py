@@ -171,6 +171,7 @@ class Stream:
         "masks",
         "mismatches",
         "orphans",
+        "partials",
         "registered",
         "tombs",
     )
@@ -186,6 +187,7 @@ class Stream:
         self.masks: dict[int, int] = {}  # page -> bits of this stream's holders
         self.orphans = OrphanPen()
         self.tombs = Tombstones(tombstones)
+        self.partials: dict[int, int] = {}  # engine hashes of partial/placeholder stores
         self.mismatches = 0
         self.bad_events = 0
         self.batches = 0
@@ -204,9 +206,24 @@ class Stream:
         holder = self.by_medium.get(medium)
         return holder if holder is not None else self.holders.get(tier_name(medium))
 
+    def note_partials(self, hashes: Iterable[int]) -> None:
+        """Remember engine hashes stored without full blocks (the oldest forgotten past the
+        tombstone limit), so that their removal is not an unknown one."""
+        partials = self.partials
+        for eh in hashes:
+            partials[eh] = 1
+        while len(partials) > self.tombs.limit:
+            del partials[next(iter(partials))]
+
+    def known_partials(self, unknown: list[int]) -> list[int]:
+        """``unknown`` without the hashes of partial stores (which are forgotten now)."""
+        partials = self.partials
+        return [eh for eh in unknown if not partials.pop(eh, 0)]
+
     def drop_state(self) -> int:
         """Forget every block, orphan and tombstone; returns the orphan blocks dropped."""
         for holder in self.holders.values():
             holder.drop()
         self.tombs.clear()
+        self.partials = {}
         return self.orphans.clear()

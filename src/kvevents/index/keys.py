@@ -18,6 +18,14 @@ The scheme, exactly:
   ``xxh3_64(b"lora-id:" + decimal id, seed=ROOT_SEED) & MASK`` for an adapter id. The index
   uses the event's ``lora_name`` when set, else its ``lora_id``.
 - Only full blocks are hashed; trailing tokens that do not fill a block are ignored.
+- A block with *extra inputs* (vLLM's per-block ``extra_keys``: a cache salt on the first
+  block, ``[mm_identifier, offset]`` pairs on the blocks a multimodal item overlaps) is keyed
+  ``x[i] = xxh3_64(b"extra:" + msgpack(extras_i), seed=h[i]) & MASK``, where ``h[i]`` is the
+  token hash above and ``extras_i`` the block's extras as one msgpack array (strings, ints and
+  bytes as they came, pairs as 2-element arrays). ``x[i]`` then seeds the next block, so every
+  later block differs too. A block without extras is keyed as before: unsalted keys are
+  unchanged. The LoRA name vLLM puts first in every block's extras is not an extra here: the
+  root seed already carries it.
 
 Hashes are non-negative Python ints below 2**60. A token id outside ``0 .. 2**32 - 1`` raises
 ``OverflowError``.
@@ -26,13 +34,31 @@ Hashes are non-negative Python ints below 2**60. A token id outside ``0 .. 2**32
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any, NamedTuple
 
+import msgspec
 import xxhash
 
 from kvevents.index import table
 from kvevents.index._table_py import pack_tokens
 
-__all__ = ["MASK", "ROOT_SEED", "block_hashes", "chain_hashes", "pack_tokens", "root_seed"]
+__all__ = [
+    "MASK",
+    "ROOT_SEED",
+    "Extras",
+    "MMSpan",
+    "block_hashes",
+    "chain_hashes",
+    "chain_keys",
+    "mix_extras",
+    "pack_tokens",
+    "request_extras",
+    "root_seed",
+]
+
+#: One block's extra inputs (a list of msgpack-able values), or None for a block without.
+Extras = Sequence[Any] | None
+
 
 #: Seed of the first block of a base-model prefix (``xxh3_64(b"kvevents") & MASK``, fixed).
 ROOT_SEED: int = xxhash.xxh3_64_intdigest(b"kvevents") & (2**60 - 1)
@@ -63,3 +89,72 @@ def block_hashes(
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
     return chain_hashes(pack_tokens(token_ids), block_size, root_seed(lora))
+
+
+_encode = msgspec.msgpack.encode
+
+
+class MMSpan(NamedTuple):
+    """One multimodal item of a request: the engine's identifier (vLLM's ``mm_hash``) and the
+    tokens it covers, ``offset`` and ``length`` in the request's token ids."""
+
+    identifier: str
+    offset: int
+    length: int
+
+
+def mix_extras(token_hash: int, extras: Sequence[Any]) -> int:
+    """The key of a block with extra inputs, from the hash of its tokens (module docstring)."""
+    return _xxh3(b"extra:" + _encode(list(extras)), token_hash) & MASK
+
+
+def chain_keys(packed: bytes, block_size: int, seed: int, extras: Sequence[Extras]) -> list[int]:
+    """:func:`chain_hashes` where ``extras[i]`` (if any) enters block ``i``'s key.
+
+    Runs of blocks without extras are hashed by one table call each.
+    """
+    step = 4 * block_size
+    out: list[int] = []
+    start = 0
+    for i, extra in enumerate(extras[: len(packed) // step]):
+        if not extra:
+            continue
+        if i > start:
+            out += chain_hashes(packed[start * step : i * step], block_size, seed)
+        parent = out[-1] if out else seed
+        [token_hash] = chain_hashes(packed[i * step : (i + 1) * step], block_size, parent)
+        out.append(mix_extras(token_hash, extra))
+        start = i + 1
+    out += chain_hashes(packed[start * step :], block_size, out[-1] if out else seed)
+    return out
+
+
+def request_extras(
+    blocks: int, block_size: int, cache_salt: str | None = None, mm: Sequence[MMSpan] = ()
+) -> list[Extras] | None:
+    """Each block's extras as vLLM computes them for a request, up to the last block with
+    any (None when no block has any).
+
+    Block ``i`` covers tokens ``[i * block_size, (i + 1) * block_size)``: it gets
+    ``[identifier, offset - start]`` for every item it overlaps, in ``mm`` order, then the
+    salt if it is block 0 (an empty salt is none, as in vLLM).
+    """
+    if not cache_salt and not mm:
+        return None
+    spans = sorted(mm, key=lambda m: m.offset)
+    # Blocks past the last item and block 0 have none: the list stops there (chain_keys
+    # hashes the rest as one run).
+    last = max([1, *((m.offset + m.length + block_size - 1) // block_size for m in spans)])
+    out: list[Extras] = []
+    for i in range(min(blocks, last)):
+        start = i * block_size
+        end = start + block_size
+        extra: list[Any] = [
+            [m.identifier, m.offset - start]
+            for m in spans
+            if m.offset < end and start < m.offset + m.length
+        ]
+        if i == 0 and cache_salt:
+            extra.append(cache_salt)
+        out.append(extra or None)
+    return out

@@ -28,8 +28,17 @@ from operator import sub
 from kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from kvevents.index import query
 from kvevents.index import table as bt
+from kvevents.index.extras import has_extras, no_tokens, store_extras
 from kvevents.index.holders import PAGE_SHIFT, Holder, Stream, tier_name
-from kvevents.index.keys import ROOT_SEED, chain_hashes, pack_tokens, root_seed
+from kvevents.index.keys import (
+    ROOT_SEED,
+    MMSpan,
+    chain_hashes,
+    chain_keys,
+    pack_tokens,
+    request_extras,
+    root_seed,
+)
 from kvevents.index.orphans import Orphan, Stored
 from kvevents.index.records import (
     DEFAULT_TIER,
@@ -234,7 +243,7 @@ class PrefixIndex:
 
     def _store(self, stream: Stream, event: Stored) -> None:
         size = event.block_size
-        if size != stream.block_size and not self._adopt(stream, event):
+        if size != stream.block_size and not self._other_size(stream, event):
             return
         hashes = event.block_hashes
         if not hashes:
@@ -249,6 +258,9 @@ class PrefixIndex:
         if len(packed) != 4 * size * len(hashes):
             self._bad(stream, "token_ids length is not block_size * len(block_hashes)")
             return
+        salted = has_extras(event, len(hashes))
+        if salted and not self._extras_ok(stream, event):
+            return
         holder = stream.by_medium.get(event.medium) or self._holder(stream, event.medium)
         parent = event.parent_block_hash
         if parent is None:
@@ -262,6 +274,9 @@ class PrefixIndex:
                     self._c.dropped += stream.orphans.hold(event, packed, self._max_orphans)
                     return
             seed = found
+        if salted:
+            self._store_extras(stream, holder, event, packed, seed)
+            return
         self._c.stored += len(hashes)
         shared = _store_run(holder.table, holder.engine, holder.bit, hashes, packed, size, seed)
         if shared is None:  # some engine hash is held already: the reference-counted way
@@ -270,6 +285,46 @@ class PrefixIndex:
             holder.share(shared)
         if stream.orphans.waiting:
             self._place_waiting(stream, hashes)
+
+    def _store_extras(
+        self, stream: Stream, holder: Holder, event: Stored, packed: bytes, seed: int
+    ) -> None:
+        """A store with extra inputs (a salt, multimodal items): keyed in Python, block by
+        block where there are extras (:func:`kvevents.index.keys.chain_keys`)."""
+        ours = self._keys(event, packed, event.block_size, seed)
+        hashes = event.block_hashes
+        self._c.stored += len(hashes)
+        self._c.duplicates += holder.add(hashes, ours)
+        if stream.orphans.waiting:
+            self._place_waiting(stream, hashes)
+
+    def _extras_ok(self, stream: Stream, event: Stored) -> bool:
+        """Whether a store's extras can be read (else it is a bad event, counted)."""
+        try:
+            store_extras(event)
+        except ValueError as exc:
+            self._bad(stream, str(exc))
+            return False
+        return True
+
+    def _keys(self, event: Stored, packed: bytes, size: int, seed: int) -> list[int]:
+        """Our keys of a store's blocks, its extras (checked by :meth:`_extras_ok`) included."""
+        extras = store_extras(event)
+        if extras is None:
+            return chain_hashes(packed, size, seed)
+        return chain_keys(packed, size, seed, extras)
+
+    def _other_size(self, stream: Stream, event: Stored) -> bool:
+        """Whether a store of another block size than the stream's may go on. Partial and
+        placeholder stores are legitimate traffic with nothing to key: counted, not logged."""
+        size, limit = event.block_size, stream.block_size
+        if (size == 0 and no_tokens(event)) or (
+            limit is not None and 0 < size < limit and len(event.block_hashes) == 1
+        ):
+            self._c.partial += 1
+            stream.note_partials(event.block_hashes)
+            return False
+        return self._adopt(stream, event)
 
     def _adopt(self, stream: Stream, event: Stored) -> bool:
         """Whether a store of another block size than the stream's may go on: only the first
@@ -297,6 +352,8 @@ class PrefixIndex:
         hashes = event.block_hashes
         holder = stream.holder_of(event.medium)
         unknown = hashes if holder is None else holder.remove(hashes, stream.tombs)
+        if unknown and stream.partials:  # a partial block grown full, a placeholder gone
+            unknown = stream.known_partials(list(unknown))
         claimed = sum(1 for eh in unknown if stream.orphans.claim_removal(eh)) if unknown else 0
         self._c.unknown += len(unknown) - claimed
         self._c.removed += len(hashes) - len(unknown) + claimed
@@ -338,7 +395,7 @@ class PrefixIndex:
         seed = stream.resolve(event.parent_block_hash)
         assert seed is not None
         hashes: Sequence[int] = event.block_hashes
-        ours = chain_hashes(orphan.packed, stream.block_size, seed)
+        ours = self._keys(event, orphan.packed, stream.block_size, seed)
         self._c.placed += len(hashes)
         self._c.stored += len(hashes)
         if orphan.removed:
@@ -355,11 +412,30 @@ class PrefixIndex:
 
     # ----------------------------------------------------------------- queries
 
-    def match(self, token_ids: Sequence[int], *, lora: str | int | None = None) -> MatchResult:
-        """Longest cached prefix of ``token_ids`` per holder and per (worker, rank)."""
-        return self.match_packed(pack_tokens(token_ids), lora=lora)
+    def match(
+        self,
+        token_ids: Sequence[int],
+        *,
+        lora: str | int | None = None,
+        cache_salt: str | None = None,
+        mm: Sequence[MMSpan] = (),
+    ) -> MatchResult:
+        """Longest cached prefix of ``token_ids`` per holder and per (worker, rank).
 
-    def match_packed(self, packed: bytes, *, lora: str | int | None = None) -> MatchResult:
+        ``cache_salt`` and ``mm`` (the request's multimodal items) enter the keys as the
+        engine's own do (:func:`kvevents.index.keys.request_extras`): a request matches only
+        blocks stored with the same salt and items, and an unsalted one no salted block.
+        """
+        return self.match_packed(pack_tokens(token_ids), lora=lora, cache_salt=cache_salt, mm=mm)
+
+    def match_packed(
+        self,
+        packed: bytes,
+        *,
+        lora: str | int | None = None,
+        cache_salt: str | None = None,
+        mm: Sequence[MMSpan] = (),
+    ) -> MatchResult:
         """:meth:`match` for tokens already packed as uint32 little-endian bytes
         (:func:`kvevents.index.keys.pack_tokens`), e.g. straight from a request body."""
         seed = root_seed(lora)
@@ -367,9 +443,16 @@ class PrefixIndex:
         streams: dict[tuple[str, int], int] = {}
         request_blocks: dict[int, int] = {}
         for size, masks in self._block_sizes().items():
-            request_blocks[size] = len(packed) // (4 * size)
-            run = (packed, size, seed)
-            found, prefixes = query.walk_packed(self._pages, self._by_id, self._streams, run, masks)
+            blocks = request_blocks[size] = len(packed) // (4 * size)
+            extras = request_extras(blocks, size, cache_salt, mm) if cache_salt or mm else None
+            if extras is None:  # the common case: the walk hashes the tokens itself
+                run = (packed, size, seed)
+                found, prefixes = query.walk_packed(
+                    self._pages, self._by_id, self._streams, run, masks
+                )
+            else:
+                keys = chain_keys(packed, size, seed, extras)
+                found, prefixes = query.walk(self._pages, self._by_id, self._streams, keys, masks)
             holders.update(found)
             streams.update(prefixes)
         return MatchResult(len(packed) // 4, request_blocks, holders, streams)
@@ -425,6 +508,7 @@ class PrefixIndex:
             bad_events=c.bad_events,
             clears=c.clears,
             stream_resets=c.resets,
+            partial_stores=c.partial,
             memory_bytes=self._memory_bytes(holders),
         )
 

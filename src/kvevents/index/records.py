@@ -73,6 +73,9 @@ class IndexStats:
     bad_events: int  #: store events skipped for a token count that does not match
     clears: int  #: AllBlocksCleared events applied
     stream_resets: int  #: reset_stream calls
+    #: stores with no full block to key, accepted and not indexed: vLLM's partial-block stores
+    #: (``cache_partial_block``) and the offloading connector's tokenless placeholders
+    partial_stores: int
     memory_bytes: int  #: estimated bytes held by the index structures
 
     @property
@@ -122,6 +125,7 @@ class Counts:
         "duplicates",
         "mismatches",
         "orphaned",
+        "partial",
         "placed",
         "removed",
         "resets",
@@ -132,7 +136,7 @@ class Counts:
     def __init__(self) -> None:
         self.stored = self.removed = self.duplicates = self.unknown = 0
         self.orphaned = self.placed = self.dropped = 0
-        self.bad_events = self.mismatches = self.clears = self.resets = 0
+        self.bad_events = self.mismatches = self.clears = self.resets = self.partial = 0
 
     def snapshot(self) -> tuple[int, ...]:
         return (

@@ -33,6 +33,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple, Protocol
 
+from kvevents.index.keys import MMSpan
 from kvevents.index.prefix import MatchResult, PrefixIndex
 
 __all__ = [
@@ -479,14 +480,17 @@ class Router:
         block_hashes: Sequence[int] | None = None,
         block_size: int | None = None,
         lora: str | int | None = None,
+        cache_salt: str | None = None,
+        mm: Sequence[MMSpan] = (),
         targets: Sequence[Target] | None = None,
         policy: str | Policy | None = None,
     ) -> Decision:
-        """Match the request (tokens, or precomputed block hashes) and decide."""
+        """Match the request (tokens, or precomputed block hashes) and decide; ``cache_salt``
+        and ``mm`` as in :meth:`PrefixIndex.match`."""
         if (token_ids is None) == (block_hashes is None):
             raise ValueError("route() takes exactly one of token_ids and block_hashes")
         if token_ids is not None:
-            match = self.index.match(token_ids, lora=lora)
+            match = self.index.match(token_ids, lora=lora, cache_salt=cache_salt, mm=mm)
         else:
             assert block_hashes is not None
             match = self.index.match_hashes(block_hashes, block_size=block_size)

@@ -25,6 +25,7 @@ import msgspec
 
 from kvevents.errors import DecodeError, StreamAddError, SubscriberError
 from kvevents.events import AllBlocksCleared
+from kvevents.index.keys import MMSpan
 from kvevents.index.prefix import HolderKey, IndexStats, PrefixIndex
 from kvevents.index.router import DEFAULT_POLICY, Router, Target
 from kvevents.service.decisions import DecisionLog
@@ -374,18 +375,21 @@ class IndexService:
         block_hashes: Sequence[int] | None = None,
         block_size: int | None = None,
         lora: str | int | None = None,
+        cache_salt: str | None = None,
+        mm: Sequence[MMSpan] = (),
         policy: str | None = None,
     ) -> dict[str, Any]:
         """Matches per holder and a routing decision, JSON-ready.
 
         The request is ``token_ids``, or the same tokens ``packed`` as uint32 little-endian
-        bytes (what ``POST /query`` hands over), or precomputed ``block_hashes``.
+        bytes (what ``POST /query`` hands over), or precomputed ``block_hashes``;
+        ``cache_salt`` and ``mm`` as in :meth:`PrefixIndex.match`.
         """
         with self.lock:
             if packed is not None:
-                match = self.index.match_packed(packed, lora=lora)
+                match = self.index.match_packed(packed, lora=lora, cache_salt=cache_salt, mm=mm)
             elif token_ids is not None:
-                match = self.index.match(token_ids, lora=lora)
+                match = self.index.match(token_ids, lora=lora, cache_salt=cache_salt, mm=mm)
             elif block_hashes is not None:
                 match = self.index.match_hashes(block_hashes, block_size=block_size)
             else:

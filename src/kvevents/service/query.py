@@ -25,6 +25,7 @@ from kvevents.service.schema import (
     QueryPackedBody,
     check_hashes,
     decode,
+    mm_spans,
 )
 
 __all__ = ["JsonPacker", "LeanQuery", "MemberPacker", "QueryReader", "json_response"]
@@ -68,6 +69,7 @@ class QueryReader:
         """The answer to a ``POST /query`` body."""
         query, packed = self.read(body)
         check_hashes(query.block_hashes)
+        mm = mm_spans(query)
         lora = query.lora_name if query.lora_name is not None else query.lora_id
         try:
             return self.service.query(
@@ -75,6 +77,8 @@ class QueryReader:
                 block_hashes=query.block_hashes,
                 block_size=query.block_size,
                 lora=lora,
+                cache_salt=query.cache_salt,
+                mm=mm,
                 policy=query.policy,
             )
         except (ValueError, OverflowError) as exc:

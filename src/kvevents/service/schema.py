@@ -12,6 +12,7 @@ from typing import Annotated, Any, TypeVar
 
 import msgspec
 
+from kvevents.index.keys import MMSpan
 from kvevents.service.feed import WorkerRegistration
 
 __all__ = [
@@ -22,12 +23,14 @@ __all__ = [
     "BadRequest",
     "LoadBody",
     "LoadEntry",
+    "MMItem",
     "QueryBody",
     "QueryPackedBody",
     "RegisterBody",
     "UnregisterBody",
     "check_hashes",
     "decode",
+    "mm_spans",
     "registration",
     "worker_id",
 ]
@@ -42,6 +45,7 @@ _MAX_HASHES = 1 << 20
 _NAME_LEN = 256
 _ENDPOINT_LEN = 1024
 _INT64 = (1 << 63) - 1
+_MAX_MM_ITEMS = 4096
 
 BlockSize = Annotated[int, msgspec.Meta(ge=1, le=MAX_BLOCK_SIZE)]
 RankCount = Annotated[int, msgspec.Meta(ge=1, le=MAX_RANKS)]
@@ -110,6 +114,33 @@ class LoadBody(msgspec.Struct, kw_only=True):
     loads: Annotated[list[LoadEntry], msgspec.Meta(min_length=1, max_length=MAX_LOAD_ENTRIES)]
 
 
+class MMItem(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """One multimodal item of the request: the engine's hash of it (vLLM's ``mm_hash``) and
+    the token ids it covers, ``offset`` and ``length`` in ``token_ids``."""
+
+    hash: Name
+    offset: Annotated[int, msgspec.Meta(ge=0, le=_INT64)]
+    length: Annotated[int, msgspec.Meta(ge=1, le=_INT64)]
+
+
+CacheSalt = Annotated[
+    str,
+    msgspec.Meta(
+        max_length=_NAME_LEN,
+        description="the request's cache_salt, as sent to the engine: only blocks cached "
+        "under the same salt match (none: only unsalted blocks)",
+    ),
+]
+MMItems = Annotated[
+    list[MMItem],
+    msgspec.Meta(
+        max_length=_MAX_MM_ITEMS,
+        description="the request's multimodal items: blocks they overlap match only blocks "
+        "cached with the same items at the same offsets",
+    ),
+]
+
+
 class QueryBody(msgspec.Struct, kw_only=True):
     """``POST /query``. Token ids are checked by the packer (uint32), not here."""
 
@@ -120,6 +151,8 @@ class QueryBody(msgspec.Struct, kw_only=True):
     lora_name: Text | None = None
     lora_id: LoraId | None = None
     model_name: Text | None = None
+    cache_salt: CacheSalt | None = None
+    mm_items: MMItems | None = None
 
 
 class QueryPackedBody(QueryBody, kw_only=True):
@@ -149,6 +182,15 @@ def check_hashes(hashes: list[int] | None) -> None:
     if hashes and max(hashes) > _HASH_MAX:
         i = next(i for i, h in enumerate(hashes) if h > _HASH_MAX)
         raise BadRequest(f"/query: block hash at `$.block_hashes[{i}]` is over {_HASH_MAX}")
+
+
+def mm_spans(query: QueryBody) -> tuple[MMSpan, ...]:
+    """The query's multimodal items as the index takes them; BadRequest when used with
+    ``block_hashes`` (precomputed hashes have no tokens to key them by)."""
+    items = query.mm_items or ()
+    if (items or query.cache_salt) and query.block_hashes is not None:
+        raise BadRequest("/query: cache_salt and mm_items apply to token_ids, not block_hashes")
+    return tuple(MMSpan(m.hash, m.offset, m.length) for m in items)
 
 
 def worker_id(body: RegisterBody | UnregisterBody | LoadEntry) -> str:

@@ -165,7 +165,12 @@ def sglang_map_fixture() -> WireFixture:
         _TS,
         [
             BlockStored(
-                block_hashes=[-(2**63), -5], parent_block_hash=-9, token_ids=[0, 1], block_size=1
+                block_hashes=[-(2**63), -5],
+                parent_block_hash=-9,
+                token_ids=[0, 1],
+                block_size=1,
+                cache_salt="tenant-a",
+                session_id="s1",
             ),
             BlockRemoved(block_hashes=[-5]),
         ],

@@ -45,6 +45,7 @@ __all__ = [
 ]
 
 _batch_decoder = msgspec.msgpack.Decoder(KVEventBatch)
+_any_decoder = msgspec.msgpack.Decoder()
 
 
 # Typed shapes of the array-form events (vLLM up to 0.23, SGLang before its map change).
@@ -192,7 +193,8 @@ class PackedStored(
 ):
     """A ``BlockStored`` as :func:`decode_batch_packed` reads it: ``token_ids`` is still the
     msgpack array (a ``msgspec.Raw``), so a consumer that packs tokens itself (the prefix
-    index) makes no int object per token. Optional keys the index does not use are ignored."""
+    index) makes no int object per token. ``extra_keys`` stays encoded too (the index reads it
+    only when some block has extras: :meth:`extras`); the other optional keys are decoded."""
 
     block_hashes: list[int]
     parent_block_hash: int | None = None
@@ -201,6 +203,17 @@ class PackedStored(
     lora_id: int | None = None
     medium: str | None = None
     lora_name: str | None = None
+    extra_keys: msgspec.Raw = _NIL
+    lookahead_token_ids: list[int] | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    cache_salt: str | None = None
+
+    def extras(self) -> Any:
+        """``extra_keys`` decoded (None when absent or nil); raises ``msgspec.DecodeError``
+        only for bytes a typed decode already accepted, i.e. never in practice."""
+        return None if self.extra_keys is _NIL else _any_decoder.decode(self.extra_keys)
 
 
 class _PackedBatch(KVEventBatch, array_like=True, frozen=True, gc=False):
@@ -228,15 +241,21 @@ def decode_batch_packed(
 def _within(batch: KVEventBatch, size: int, limits: DecodeLimits) -> DecodedBatch:
     """``batch`` as decoded, or cut to ``limits``. A token takes at least a byte, so a
     payload smaller than ``max_tokens`` bytes needs no look at its events."""
-    if len(batch.events) <= limits.max_events and size <= limits.max_tokens:
+    if len(batch.events) <= limits.max_events and size <= min(
+        limits.max_tokens, limits.max_extra_bytes
+    ):
         return DecodedBatch(batch)
     kept: list[Any] = []
     skipped: list[SkippedEvent] = []
     for index, event in enumerate(batch.events[: limits.max_events]):
         tokens = _token_count(event)
+        extra = len(event.extra_keys) if isinstance(event, PackedStored) else 0
         if tokens > limits.max_tokens:
             path = f"$[1][{index}].token_ids"
             skipped.append(SkippedEvent(index, path, too_many_tokens(tokens, limits)))
+        elif extra > limits.max_extra_bytes:
+            reason = f"extra_keys is {extra} bytes, over the limit of {limits.max_extra_bytes}"
+            skipped.append(SkippedEvent(index, f"$[1][{index}].extra_keys", reason))
         else:
             kept.append(event)
     skipped += tail(len(batch.events), limits)

@@ -50,6 +50,7 @@ _loose_decoder = msgspec.msgpack.Decoder(_LooseBatch)
 _raw_list = msgspec.msgpack.Decoder(list[msgspec.Raw])
 _raw_map = msgspec.msgpack.Decoder(dict[str, msgspec.Raw])
 _int_list = msgspec.msgpack.Decoder(list[int])
+_opt_int_list = msgspec.msgpack.Decoder(list[int] | None)
 _hash_list = msgspec.msgpack.Decoder(list[int | bytes])
 _hash_one = msgspec.msgpack.Decoder(int | bytes | None)
 _opt_str_decoder = msgspec.msgpack.Decoder(str | None)
@@ -158,6 +159,10 @@ _STORED_FIELDS = (
     "kv_cache_spec_kind",
     "kv_cache_spec_sliding_window",
 )
+# Optional string keys of newer map-form stores, kept for consumers (the index reads only
+# cache_salt; BlockStored has no room for vLLM's locality and
+# ownership, see kvevents.events).
+_OPTIONAL_STR = ("session_id", "cache_salt")
 _REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
 _FIELDS = {"BlockStored": _STORED_FIELDS, "BlockRemoved": _REMOVED_FIELDS, "AllBlocksCleared": ()}
 Fields = dict[str, msgspec.Raw]
@@ -218,7 +223,27 @@ def _stored(fields: Fields, path: str, limits: DecodeLimits) -> BlockStored:
         group_idx=_opt_int(fields, "group_idx", path),
         kv_cache_spec_kind=msgspec.UNSET if kind is None else kind,
         kv_cache_spec_sliding_window=_opt_int(fields, "kv_cache_spec_sliding_window", path),
+        **_optional(fields, path, limits),
     )
+
+
+def _optional(fields: Fields, path: str, limits: DecodeLimits) -> dict[str, Any]:
+    """The newer optional keys a store may carry (vLLM 0.33, SGLang), where present."""
+    out: dict[str, Any] = {k: _opt_str(fields[k]) for k in _OPTIONAL_STR if k in fields}
+    raw = fields.get("lookahead_token_ids")
+    if raw is not None:
+        out["lookahead_token_ids"] = _lookahead(raw, f"{path}.lookahead_token_ids", limits)
+    return out
+
+
+def _lookahead(raw: msgspec.Raw, path: str, limits: DecodeLimits) -> list[int] | None:
+    head = container_len(memoryview(raw))
+    if head is not None and head[0] == "array" and head[1] > limits.max_tokens:
+        raise Skip(path, f"{head[1]} lookahead tokens, over the limit of {limits.max_tokens}")
+    try:
+        return _opt_int_list.decode(raw)
+    except msgspec.ValidationError:
+        raise Skip(path, "lookahead_token_ids must be a list of ints or null") from None
 
 
 def _tokens(raw: msgspec.Raw | None, path: str, limits: DecodeLimits) -> list[int]:
