@@ -21,7 +21,7 @@ VLLM_PLUGIN_STAMP := $(VLLM_VENV)/.kvevents
 # The index-facing tests, run a second time with the C block table switched off.
 FALLBACK_TESTS := tests/test_index.py tests/test_index_model.py tests/test_router.py \
 	tests/test_service.py tests/test_simulate.py tests/test_blocktable.py \
-	tests/test_index_payloads.py
+	tests/test_index_payloads.py tests/test_index_salt.py
 
 # The C table module again, built with AddressSanitizer and UndefinedBehaviorSanitizer, under
 # its native tests and a longer fuzz pass (a couple of minutes on 2 cores). ASan must be the
