@@ -217,3 +217,30 @@ def test_a_zero_cost_scores_zero_not_minus_zero() -> None:
     index.register_worker("a", block_size=BS)
     decision = Router(index, "prefix_load").route([])
     assert "score -0" not in decision.explain() and "score 0" in decision.explain()
+
+
+def test_cost_weights_can_be_set_per_decision() -> None:
+    """decide(..., prefill_weight=, load_weight=) overrides the router's weights for one
+    decision: a heavy load weight sends the request away from a loaded cache holder."""
+    router = make_router("prefix_load")
+    router.loads.set("b", queued_blocks=5)  # b: 2 new + 5 queued = 7 > a: 6 new
+    match = router.index.match(PROMPT)
+    assert router.decide(match).winner == ("a", 0)
+    assert router.decide(match, load_weight=0.1).winner == ("b", 0)  # load hardly counts
+    heavy = router.decide(match, load_weight=3.0)
+    assert heavy.winner == ("a", 0) and heavy.winner_score.terms["cost"] == 6.0  # type: ignore[union-attr]
+    assert router.decide(match).winner == ("a", 0)  # the router's own weights are unchanged
+
+
+def test_per_request_weights_keep_a_bounded_set_of_policies() -> None:
+    """Distinct client-chosen weights do not grow the router without bound, and repeated
+    weights reuse one policy, so its tie draws keep spreading."""
+    from kvevents.index import router as router_module
+
+    router = make_router("prefix_load")
+    match = router.index.match([9] * 32)
+    for i in range(3 * router_module._MAX_POLICIES):
+        router.decide(match, prefill_weight=1.0 + i)
+    assert len(router._policies) <= router_module._MAX_POLICIES
+    winners = {router.decide(match, prefill_weight=0.5).winner for _ in range(60)}
+    assert len(winners) == 3

@@ -718,6 +718,16 @@ def test_metrics_have_a_query_latency_histogram_and_process_metrics(
     assert "\nkvevents_service_feed_stalled_seconds 0.0" in text
 
 
+def test_query_takes_cost_weights_for_one_request(client: httpx.Client) -> None:
+    """POST /query accepts prefill_weight and load_weight (bounded, 400 naming the field when
+    out of range) and the decision uses them."""
+    body = {"token_ids": list(range(64)), "policy": "prefix_load", "load_weight": 0.5}
+    reply = client.post("/query", json=body)
+    assert reply.status_code == 200 and reply.json()["decision"]["policy"] == "prefix_load"
+    bad = client.post("/query", json={"token_ids": [1], "prefill_weight": -1})
+    assert bad.status_code == 400 and "$.prefill_weight" in bad.json()["error"]
+
+
 def test_dump_streams_every_holder_and_encodes_off_the_lock(
     client: httpx.Client,
     server: tuple[Server, IndexService],

@@ -421,6 +421,10 @@ def make_policy(
     return factory(seed=seed, prefill_weight=prefill_weight, load_weight=load_weight)
 
 
+# Policies with per-request cost weights a router keeps at most (the oldest such is dropped).
+_MAX_POLICIES = 64
+
+
 class Router:
     """Routes requests over a :class:`PrefixIndex` with a policy and a :class:`LoadBook`.
 
@@ -444,7 +448,7 @@ class Router:
         self._seed = seed
         self._prefill_weight = prefill_weight
         self._load_weight = load_weight
-        self._policies: dict[str, Policy] = {}
+        self._policies: dict[str | tuple[str, float, float], Policy] = {}
         self.policy = self._policy(policy)
         self.degraded: dict[Target, str] = {}
 
@@ -458,20 +462,35 @@ class Router:
             if rank is None or target[1] == rank:
                 del self.degraded[target]
 
-    def _policy(self, policy: str | Policy | None) -> Policy:
-        if policy is None:
+    def _policy(
+        self,
+        policy: str | Policy | None,
+        prefill_weight: float | None = None,
+        load_weight: float | None = None,
+    ) -> Policy:
+        if policy is None and prefill_weight is None and load_weight is None:
             return self.policy
-        if not isinstance(policy, str):
+        if policy is not None and not isinstance(policy, str):
             self._policies[policy.name] = policy
             return policy
-        if policy not in self._policies:
-            self._policies[policy] = make_policy(
-                policy,
-                seed=self._seed,
-                prefill_weight=self._prefill_weight,
-                load_weight=self._load_weight,
+        name = policy if policy is not None else self.policy.name
+        weights = (
+            self._prefill_weight if prefill_weight is None else prefill_weight,
+            self._load_weight if load_weight is None else load_weight,
+        )
+        key = name if weights == (self._prefill_weight, self._load_weight) else (name, *weights)
+        found = self._policies.get(key)
+        if found is None:
+            # Kept, not rebuilt per request: a fresh seeded policy would draw the same tied
+            # target every time. Bounded: weights come from clients.
+            if len(self._policies) >= _MAX_POLICIES:
+                oldest = next((k for k in self._policies if isinstance(k, tuple)), None)
+                if oldest is not None:
+                    self._policies.pop(oldest)
+            found = self._policies[key] = make_policy(
+                name, seed=self._seed, prefill_weight=weights[0], load_weight=weights[1]
             )
-        return self._policies[policy]
+        return found
 
     def route(
         self,
@@ -502,9 +521,12 @@ class Router:
         *,
         targets: Sequence[Target] | None = None,
         policy: str | Policy | None = None,
+        prefill_weight: float | None = None,
+        load_weight: float | None = None,
     ) -> Decision:
-        """Decide from a match already made (e.g. to compare policies on one request)."""
-        chosen = self._policy(policy)
+        """Decide from a match already made (e.g. to compare policies on one request);
+        ``prefill_weight`` and ``load_weight`` override the router's cost weights for it."""
+        chosen = self._policy(policy, prefill_weight, load_weight)
         targets = self.index.targets() if targets is None else list(targets)
         sizes = self.index.stream_block_size
         request = match.request_blocks

@@ -378,12 +378,15 @@ class IndexService:
         cache_salt: str | None = None,
         mm: Sequence[MMSpan] = (),
         policy: str | None = None,
+        prefill_weight: float | None = None,
+        load_weight: float | None = None,
     ) -> dict[str, Any]:
         """Matches per holder and a routing decision, JSON-ready.
 
         The request is ``token_ids``, or the same tokens ``packed`` as uint32 little-endian
         bytes (what ``POST /query`` hands over), or precomputed ``block_hashes``;
-        ``cache_salt`` and ``mm`` as in :meth:`PrefixIndex.match`.
+        ``cache_salt`` and ``mm`` as in :meth:`PrefixIndex.match`; ``prefill_weight`` and
+        ``load_weight`` override the router's cost weights for this decision.
         """
         with self.lock:
             if packed is not None:
@@ -395,7 +398,9 @@ class IndexService:
             else:
                 raise ValueError("query needs token_ids or block_hashes")
             self._counts["loads_expired"] += self._loads.expire()
-            decision = self.router.decide(match, policy=policy)
+            decision = self.router.decide(
+                match, policy=policy, prefill_weight=prefill_weight, load_weight=load_weight
+            )
             self._counts["queries"] += 1
         self.decisions.record(decision)
         scores: dict[str, dict[str, int]] = {}

@@ -80,6 +80,8 @@ class QueryReader:
                 cache_salt=query.cache_salt,
                 mm=mm,
                 policy=query.policy,
+                prefill_weight=query.prefill_weight,
+                load_weight=query.load_weight,
             )
         except (ValueError, OverflowError) as exc:
             raise BadRequest(f"{_WHERE}: {exc}") from None

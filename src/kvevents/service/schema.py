@@ -141,6 +141,18 @@ MMItems = Annotated[
 ]
 
 
+Weight = Annotated[
+    float,
+    msgspec.Meta(
+        ge=0,
+        le=1e6,
+        description="a cost weight of the routing policy for this request (prefix_load: "
+        "prefill_weight scales prefill blocks, load_weight the load terms; default: the "
+        "service's --prefill-weight / --load-weight)",
+    ),
+]
+
+
 class QueryBody(msgspec.Struct, kw_only=True):
     """``POST /query``. Token ids are checked by the packer (uint32), not here."""
 
@@ -153,6 +165,8 @@ class QueryBody(msgspec.Struct, kw_only=True):
     model_name: Text | None = None
     cache_salt: CacheSalt | None = None
     mm_items: MMItems | None = None
+    prefill_weight: Weight | None = None
+    load_weight: Weight | None = None
 
 
 class QueryPackedBody(QueryBody, kw_only=True):
