@@ -112,7 +112,11 @@ def subscriber_rate(publishers: int) -> float:
     procs = [p for p, _ in spawned]
     specs = [StreamSpec(f"w{i}", 0, out[0]) for i, (_, out) in enumerate(spawned)]
     try:
-        with Subscriber(specs, options=SubscriberOptions(queue_size=50_000)) as sub:
+        # The queue holds the whole burst: this measures delivery, not shedding (the default
+        # 8 MiB budget sheds a burst the reader is still catching up with, and these streams
+        # have no replay to rebuild it).
+        options = SubscriberOptions(queue_size=50_000, queue_bytes=512 << 20)
+        with Subscriber(specs, options=options) as sub:
             seen: set[str] = set()
             while len(seen) < publishers:
                 item = sub.get(1.0)
