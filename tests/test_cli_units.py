@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from rich.console import Console
 
@@ -233,3 +235,33 @@ def test_serve_defaults_to_the_routers_default_policy() -> None:
     from kvevents.index.router import DEFAULT_POLICY
 
     assert build_parser().parse_args(["serve"]).policy == DEFAULT_POLICY
+
+
+def _demo_view() -> Any:
+    from kvevents.sim.demo import DemoView, LaneView, WorkerView
+
+    def lane(policy: str, decided: str) -> LaneView:
+        workers = (WorkerView("w0", 10, 10, 3, 40), WorkerView("w1", 8, 8, 2, 30))
+        return LaneView(policy, 5, 9, 0.5, workers, 10.0, 0, 0, 0, 0, 0, decided)
+
+    return DemoView(1.0, 10.0, (lane("longest_prefix", "w1 <- most matched blocks (31)"),
+                                lane("round_robin", "w0 <- in turn, ignoring the cache")))  # fmt: skip
+
+
+def test_the_demo_shows_its_lanes_side_by_side_when_wide_and_each_latest_decision() -> None:
+    """On a wide terminal both lanes' tables share lines; on a narrow one they stack; each lane
+    names its latest decision and what decided it."""
+    from kvevents.cli.demo import _render
+    from kvevents.sim.demo import DemoConfig
+
+    def lines(width: int) -> list[str]:
+        console = Console(width=width, record=True, color_system=None)
+        console.print(_render(_demo_view(), DemoConfig()))
+        return console.export_text().splitlines()
+
+    wide = lines(200)
+    assert any("longest_prefix" in ln and "round_robin" in ln for ln in wide)
+    assert any("last decision: w1 <- most matched blocks (31)" in ln for ln in wide)
+    narrow = lines(70)
+    assert not any("longest_prefix" in ln and "round_robin" in ln for ln in narrow)
+    assert any("last decision: w0 <- in turn, ignoring the cache" in ln for ln in narrow)

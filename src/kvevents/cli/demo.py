@@ -119,6 +119,9 @@ def _run_live(demo: Any) -> Any:
 
 
 def _render(view: Any, config: Any) -> Any:
+    """The live view: the lanes side by side when the terminal is wide enough for both,
+    stacked otherwise; each with its latest decision and what decided it."""
+    from rich.columns import Columns
     from rich.console import Group
     from rich.progress_bar import ProgressBar
     from rich.table import Table
@@ -128,6 +131,7 @@ def _render(view: Any, config: Any) -> Any:
         f"trace {view.virtual:5.0f} s ({config.speedup:g}x), "
         f"{config.drop_rate:.0%} of live messages dropped on purpose"
     ]
+    lanes: list[Any] = []
     for lane in view.lanes:
         table = Table(
             title=f"{lane.policy}: reuse [bold]{lane.reuse:.1%}[/], {lane.events_per_s:.0f} "
@@ -148,8 +152,9 @@ def _render(view: Any, config: Any) -> Any:
                 style=style,
             )
         bar = ProgressBar(total=max(1, lane.total), completed=lane.submitted, width=50)
-        parts += [table, bar, f"{lane.submitted}/{lane.total} requests"]
-    return Group(*parts)
+        decided = f"last decision: {lane.last_decision}" if lane.last_decision else ""
+        lanes.append(Group(table, bar, f"{lane.submitted}/{lane.total} requests", decided))
+    return Group(*parts, Columns(lanes, padding=(0, 4)))
 
 
 def _summary(demo: Any, summary: Any) -> str:

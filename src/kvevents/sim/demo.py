@@ -22,7 +22,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from kvevents.index.router import DEFAULT_POLICY
+from kvevents.index.router import DEFAULT_POLICY, Decision
 from kvevents.sim.cluster import Accuracy, Cluster, ClusterConfig
 from kvevents.sim.simulate import PolicyReport, PolicyRun, SimulationConfig
 from kvevents.sim.trace import TraceRow, trace_request
@@ -88,6 +88,7 @@ class LaneView:
     replayed: int
     relay_dropped: int
     unrecoverable: int
+    last_decision: str = ""  #: the latest routing decision: the winner and what decided
 
 
 @dataclass(frozen=True)
@@ -179,7 +180,17 @@ class _Lane:
             feed.replayed,
             feed.relay_dropped,
             feed.unrecoverable,
+            _decision_line(self.run.last_decision),
         )
+
+
+def _decision_line(decision: Decision | None) -> str:
+    """``w2 <- most matched blocks (31)``, or ``w3 <- in turn`` for a policy without a reason."""
+    if decision is None or decision.winner is None:
+        return ""
+    worker, rank = decision.winner
+    where = worker if rank == 0 else f"{worker}/{rank}"
+    return f"{where} <- {decision.reason or 'in turn, ignoring the cache'}"
 
 
 class Demo:

@@ -23,7 +23,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvevents.index.router import DEFAULT_POLICY, RouteInputs, Router, Target, make_policy
+from kvevents.index.router import (
+    DEFAULT_POLICY,
+    Decision,
+    RouteInputs,
+    Router,
+    Target,
+    make_policy,
+)
 from kvevents.sim.cluster import Accuracy, Cluster, ClusterConfig, FeedCounters
 from kvevents.sim.engine import SimulatedEngine
 from kvevents.sim.records import Request
@@ -184,6 +191,8 @@ class PolicyRun:
         self.routed: Counter[Target] = Counter()
         self.rejected = 0
         self.steps = 0
+        #: The router's latest decision (for a live view: what decided, in words).
+        self.last_decision: Decision | None = None
         self.busy: defaultdict[str, float] = defaultdict(float)
         self.checks = 0
         self.exact_checks = 0
@@ -241,7 +250,8 @@ class PolicyRun:
             self._update_loads()
         if self.policy == "oracle":
             return self._oracle(request)
-        return self.router.route(request.token_ids, targets=self._targets).winner
+        self.last_decision = self.router.route(request.token_ids, targets=self._targets)
+        return self.last_decision.winner
 
     def _update_loads(self) -> None:
         loads = self.router.loads
