@@ -10,8 +10,9 @@ import httpx
 import msgspec
 import pytest
 
+from kvevents.index.decision import Load, LoadBook
 from kvevents.index.prefix import PrefixIndex
-from kvevents.index.router import Load, LoadBook, Router
+from kvevents.index.router import Router
 from kvevents.service import openapi
 from kvevents.service.access import TokenCheck
 from kvevents.service.core import IndexService, WorkerRegistration

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from kvevents.index.decision import Load, LoadBook
 from kvevents.index.keys import block_hashes
 from kvevents.index.prefix import PrefixIndex
-from kvevents.index.router import Load, LoadBook, Router, make_policy
+from kvevents.index.router import Router, make_policy
 from kvevents.testing.index import batch, store_event
 
 BS = 4

@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from kvevents.events import BlockStored, KVEventBatch
-from kvevents.index.router import Decision, Load, TargetScore
+from kvevents.index.decision import Decision, Load, TargetScore
 from kvevents.service.access import TokenCheck
 from kvevents.service.core import IndexService, WorkerRegistration
 from kvevents.service.decisions import DecisionLog

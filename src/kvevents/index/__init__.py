@@ -5,6 +5,7 @@ tables from ``kvevents.index.table`` (C where built, plain Python otherwise); :c
 scores workers with a policy over the index's matches and a load book.
 """
 
+from kvevents.index.decision import Decision, LoadBook
 from kvevents.index.prefix import (
     DEFAULT_TIER,
     ApplyResult,
@@ -14,7 +15,7 @@ from kvevents.index.prefix import (
     PrefixIndex,
     StreamInfo,
 )
-from kvevents.index.router import POLICIES, Decision, LoadBook, Policy, Router, make_policy
+from kvevents.index.router import POLICIES, Policy, Router, make_policy
 
 __all__ = [
     "DEFAULT_TIER",

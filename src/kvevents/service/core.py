@@ -25,9 +25,10 @@ import msgspec
 
 from kvevents.errors import DecodeError, StreamAddError, SubscriberError
 from kvevents.events import AllBlocksCleared
+from kvevents.index.decision import Target
 from kvevents.index.keys import MMSpan
 from kvevents.index.prefix import HolderKey, IndexStats, PrefixIndex
-from kvevents.index.router import DEFAULT_POLICY, Router, Target
+from kvevents.index.router import DEFAULT_POLICY, Router
 from kvevents.service.decisions import DecisionLog
 from kvevents.service.feed import (
     Feed,

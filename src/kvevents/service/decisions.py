@@ -14,7 +14,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvevents.index.router import Decision
+from kvevents.index.decision import Decision
 
 __all__ = ["DecisionLog", "HitBucket", "RoutedQuery"]
 

@@ -2,7 +2,7 @@
 
 Body ``{"loads": [{worker_id | instance_id, rank? | dp_rank?, queued_blocks, active_blocks},
 ...]}``: each (worker, rank)'s prefill blocks queued and KV blocks held by running requests,
-as :class:`~kvevents.index.router.Load` counts them. A report replaces the target's load and
+as :class:`~kvevents.index.decision.Load` counts them. A report replaces the target's load and
 counts for the service's load TTL (:mod:`kvevents.service.loadreports`). Entries for workers
 or ranks not registered are not applied: the reply lists them (``unknown``), and
 ``kvevents_service_load_unknown`` counts them. It is a mutating endpoint: behind the token.

@@ -2,7 +2,7 @@
 
 Engines (or a sidecar next to them) report each (worker, rank)'s load with ``POST /load``; the
 service's :class:`~kvevents.index.router.Router` reads it from its
-:class:`~kvevents.index.router.LoadBook`. A report is trusted for ``ttl`` seconds only: a
+:class:`~kvevents.index.decision.LoadBook`. A report is trusted for ``ttl`` seconds only: a
 reporter that died must not pin its worker as busy (or as idle, at the load it last had) for
 ever. After ``ttl`` without a new report the target's load is dropped, and it routes as idle.
 """
@@ -14,7 +14,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvevents.index.router import LoadBook
+from kvevents.index.decision import LoadBook
 
 __all__ = ["DEFAULT_LOAD_TTL", "LoadLedger", "LoadReport"]
 
@@ -27,7 +27,7 @@ Target = tuple[str, int]
 
 @dataclass(frozen=True)
 class LoadReport:
-    """One target's load, in KV blocks (the terms of :class:`~kvevents.index.router.Load`)."""
+    """One target's load, in KV blocks (the terms of :class:`~kvevents.index.decision.Load`)."""
 
     worker_id: str
     rank: int

@@ -22,7 +22,8 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from kvevents.index.router import DEFAULT_POLICY, Decision
+from kvevents.index.decision import Decision
+from kvevents.index.router import DEFAULT_POLICY
 from kvevents.sim.cluster import Accuracy, Cluster, ClusterConfig
 from kvevents.sim.simulate import PolicyReport, PolicyRun, SimulationConfig
 from kvevents.sim.trace import TraceRow, trace_request

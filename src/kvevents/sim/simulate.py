@@ -23,12 +23,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvevents.index.decision import Decision, RouteInputs, Target
 from kvevents.index.router import (
     DEFAULT_POLICY,
-    Decision,
-    RouteInputs,
     Router,
-    Target,
     make_policy,
 )
 from kvevents.sim.cluster import Accuracy, Cluster, ClusterConfig, FeedCounters
