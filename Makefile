@@ -65,8 +65,8 @@ $(VLLM_STAMP):
 # it ships in Debian's prometheus package, installed here when missing and apt-get can (root).
 promtool:
 	@command -v promtool >/dev/null || { test "$$(id -u)" = 0 && command -v apt-get >/dev/null && \
-		{ apt-get install -y -q --no-install-recommends prometheus >/dev/null 2>&1 || \
-		  { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends prometheus >/dev/null; }; }; }
+		{ DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus >/dev/null 2>&1 || \
+		  { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus >/dev/null; }; }; }
 
 # Headless Chromium for the status page's browser test (tests/test_status_page.py), from the OS
 # packages: installed only by root where apt-get exists (about 30 s, 155 MB of archives, 479 MB
