@@ -29,7 +29,7 @@ sys.path.insert(0, str(HERE.parent / "src"))
 
 from harness import Row  # noqa: E402
 from kvevents.events import KVEventBatch  # noqa: E402
-from kvevents.subscribe.subscriber import Delivery, StreamSpec, Subscriber, SubscriberOptions  # noqa: E402
+from kvevents.subscribe import Delivery, StreamSpec, Subscriber, SubscriberOptions  # noqa: E402
 from kvevents.testing.fixtures import heartbeat, typical_batch  # noqa: E402
 from kvevents.testing.peers import RawPublisher  # noqa: E402
 from kvevents.wire import decode_batch, encode_batch, live_frames  # noqa: E402

@@ -18,8 +18,8 @@ import pytest
 import zmq
 
 from kvevents.errors import DecodeError
+from kvevents.subscribe import StreamSpec, Subscriber, SubscriberOptions
 from kvevents.subscribe.replay import ReplayBatch, ReplayClient, ReplayEnd, ReplayOptions
-from kvevents.subscribe.subscriber import StreamSpec, Subscriber, SubscriberOptions
 from kvevents.testing.fixtures import heartbeat, typical_batch, wire_fixtures
 from kvevents.testing.peers import Collector, RawPublisher
 from kvevents.testing.sockets import Deadline, unique_inproc

@@ -6,8 +6,8 @@ import logging
 
 import pytest
 
+from kvevents.subscribe import Subscriber
 from kvevents.subscribe.streams import StreamSpec, SubscriberOptions
-from kvevents.subscribe.subscriber import Subscriber
 from kvevents.testing.fixtures import heartbeat
 from kvevents.testing.peers import Collector, RawPublisher
 

@@ -34,7 +34,7 @@ from kvevents.security import (
     load_public_keys,
     save_keypair,
 )
-from kvevents.subscribe.subscriber import Delivery, StreamSpec, Subscriber, SubscriberOptions
+from kvevents.subscribe import Delivery, StreamSpec, Subscriber, SubscriberOptions
 from kvevents.testing.fixtures import heartbeat, typical_batch
 from kvevents.testing.publisher import started_publisher, wait_subscribed
 from kvevents.testing.sockets import Deadline, wait_for

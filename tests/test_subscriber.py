@@ -10,8 +10,7 @@ import zmq
 
 from kvevents.errors import DecodeError, LayoutError, SubscriberClosed
 from kvevents.events import AllBlocksCleared, KVEventBatch
-from kvevents.subscribe.replay import ReplayOptions
-from kvevents.subscribe.subscriber import (
+from kvevents.subscribe import (
     AsyncSubscriber,
     Delivery,
     StreamReset,
@@ -21,6 +20,7 @@ from kvevents.subscribe.subscriber import (
     SubscriberOptions,
     worker_streams,
 )
+from kvevents.subscribe.replay import ReplayOptions
 from kvevents.testing.fixtures import heartbeat, typical_batch, wire_fixtures
 from kvevents.testing.peers import Collector, RawPublisher
 from kvevents.wire import Applied, decode_batch, pack_seq

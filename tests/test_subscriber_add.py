@@ -8,15 +8,15 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from kvevents.errors import LayoutError, StreamAddError
-from kvevents.subscribe.fdlimit import fds_needed, make_room
-from kvevents.subscribe.replay import ReplayOptions
-from kvevents.subscribe.subscriber import (
+from kvevents.subscribe import (
     AsyncSubscriber,
     StreamSpec,
     StreamStatus,
     Subscriber,
     SubscriberOptions,
 )
+from kvevents.subscribe.fdlimit import fds_needed, make_room
+from kvevents.subscribe.replay import ReplayOptions
 from kvevents.testing.fixtures import typical_batch
 from kvevents.testing.peers import Collector, RawPublisher
 from kvevents.testing.sockets import unique_ipc, wait_for

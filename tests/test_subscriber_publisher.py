@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from kvevents.config import KVEventsConfig
-from kvevents.subscribe.subscriber import Delivery, StreamSpec, Subscriber
+from kvevents.subscribe import Delivery, StreamSpec, Subscriber
 from kvevents.testing.fixtures import heartbeat, typical_batch
 from kvevents.testing.sockets import Deadline
 

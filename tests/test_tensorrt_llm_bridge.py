@@ -22,7 +22,7 @@ from kvevents.index.prefix import HolderKey, PrefixIndex
 from kvevents.integrations.tensorrt_llm import TensorRTLLMBridge, http_poll, map_event
 from kvevents.metrics import stats_samples
 from kvevents.publish.records import PublisherOptions
-from kvevents.subscribe.subscriber import Delivery, StreamSpec, Subscriber
+from kvevents.subscribe import Delivery, StreamSpec, Subscriber
 from kvevents.testing.sockets import Deadline
 
 BS = 4

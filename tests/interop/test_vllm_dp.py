@@ -25,8 +25,8 @@ from vllm_server import VllmServer
 
 from kvevents.deadline import Deadline
 from kvevents.index.prefix import PrefixIndex
+from kvevents.subscribe import Delivery, Subscriber
 from kvevents.subscribe.streams import worker_streams
-from kvevents.subscribe.subscriber import Delivery, Subscriber
 from kvevents.testing.service import ServiceIndexer
 
 pytestmark = [pytest.mark.interop, pytest.mark.vllm, pytest.mark.timeout(900)]

@@ -28,8 +28,8 @@ from typing import IO, Any, Protocol
 
 from kvevents.deadline import Deadline
 from kvevents.index.prefix import PrefixIndex
+from kvevents.subscribe import Delivery, StreamReset, Subscriber
 from kvevents.subscribe.streams import StreamSpec
-from kvevents.subscribe.subscriber import Delivery, StreamReset, Subscriber
 from kvevents.testing.service import ServiceIndexer
 
 VLLM_PYTHON_ENV = "KVEVENTS_VLLM_PYTHON"

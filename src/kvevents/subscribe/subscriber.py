@@ -31,32 +31,16 @@ from kvevents.subscribe.loop import Loop
 from kvevents.subscribe.outbox import Outbox
 from kvevents.subscribe.streams import (
     STREAM_COUNTERS,
-    Delivery,
     FeedHealth,
     Item,
     StreamKey,
-    StreamReset,
     StreamSpec,
     StreamStats,
-    StreamStatus,
     SubscriberOptions,
     SubscriberStats,
-    worker_streams,
 )
 
-__all__ = [
-    "AsyncSubscriber",
-    "Delivery",
-    "FeedHealth",
-    "StreamReset",
-    "StreamSpec",
-    "StreamStats",
-    "StreamStatus",
-    "Subscriber",
-    "SubscriberOptions",
-    "SubscriberStats",
-    "worker_streams",
-]
+__all__ = ["AsyncSubscriber", "Subscriber"]
 
 _START_TIMEOUT = 30.0
 
