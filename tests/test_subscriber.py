@@ -43,24 +43,6 @@ def pubs() -> Iterator[Callable[..., RawPublisher]]:
         pub.close()
 
 
-@pytest.fixture
-def subs() -> Iterator[Callable[..., Subscriber]]:
-    made: list[Subscriber] = []
-
-    def make(specs: list[StreamSpec], **options: object) -> Subscriber:
-        # A loaded CI machine can stall the replay server's thread for seconds; the default
-        # 2 s idle timeout would then turn a recoverable gap into a reported loss.
-        options.setdefault("replay", ReplayOptions(idle_timeout=15.0, total_timeout=60.0))
-        sub = Subscriber(specs, options=SubscriberOptions(**options))  # type: ignore[arg-type]
-        made.append(sub)
-        sub.start()
-        return sub
-
-    yield make
-    for sub in made:
-        sub.close()
-
-
 def spec_for(pub: RawPublisher, worker: str = W, rank: int = 0) -> StreamSpec:
     return StreamSpec(worker, rank, pub.endpoint, pub.replay_endpoint)
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 
@@ -13,7 +13,6 @@ from kvevents.subscribe import (
     StreamSpec,
     StreamStatus,
     Subscriber,
-    SubscriberOptions,
 )
 from kvevents.subscribe.fdlimit import fds_needed, make_room
 from kvevents.subscribe.replay import ReplayOptions
@@ -33,22 +32,6 @@ def pub() -> Iterator[RawPublisher]:
     publisher = RawPublisher()
     yield publisher
     publisher.close()
-
-
-@pytest.fixture
-def subs() -> Iterator[Callable[..., Subscriber]]:
-    made: list[Subscriber] = []
-
-    def make(specs: list[StreamSpec], **options: object) -> Subscriber:
-        options.setdefault("replay", ReplayOptions(idle_timeout=15.0, total_timeout=60.0))
-        sub = Subscriber(specs, options=SubscriberOptions(**options))  # type: ignore[arg-type]
-        made.append(sub)
-        sub.start()
-        return sub
-
-    yield make
-    for sub in made:
-        sub.close()
 
 
 def spec_for(pub: RawPublisher, worker: str = W) -> StreamSpec:

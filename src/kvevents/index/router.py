@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import random as _random
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvevents.index.decision import (
@@ -79,6 +79,7 @@ def _decision(
     terms: Sequence[Mapping[str, float]],
     winner: int | None,
     tied: int = 1,
+    reason: str = "",
 ) -> Decision:
     degraded = inputs.degraded or [None] * len(inputs.targets)
     rows = tuple(
@@ -95,7 +96,7 @@ def _decision(
         )
     )
     chosen = None if winner is None else inputs.targets[winner]
-    return Decision(chosen, name, rows, inputs.request_tokens, tied if chosen else 0)
+    return Decision(chosen, name, rows, inputs.request_tokens, tied if chosen else 0, reason)
 
 
 def _best(keys: Sequence[tuple[float, ...]], rng: _random.Random) -> tuple[int | None, int]:
@@ -130,8 +131,8 @@ class LongestPrefix:
             {"matched_blocks": s, "load_blocks": -k[1]} for s, k in zip(scores, keys, strict=True)
         ]
         winner, tied = _best(keys, self._rng)
-        decision = _decision(self.name, inputs, scores, terms, winner, tied)
-        return replace(decision, reason=_prefix_reason(keys, winner, tied))
+        reason = _prefix_reason(keys, winner, tied)
+        return _decision(self.name, inputs, scores, terms, winner, tied, reason)
 
 
 def _prefix_reason(keys: Sequence[tuple[float, float]], winner: int | None, tied: int) -> str:
