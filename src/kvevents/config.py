@@ -3,14 +3,27 @@
 Exactly the eight fields of TensorRT-LLM's and vLLM's model, with the same defaults. Anything
 kvevents adds (heartbeats, replay byte budget, linger) lives in ``PublisherOptions`` so that
 every config TensorRT-LLM accepts keeps its meaning.
+
+SGLang's ``--kv-events-config`` is another dialect of the same settings (no
+``enable_kv_cache_events``: giving the config enables it; plus ``bind`` and ``format``).
+:class:`SGLangKVEventsConfig` reads it as strictly as ``KVEventsConfig`` reads its own, and
+``to_kvevents()`` maps it onto ours; :func:`read_kv_events_config` takes either.
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+)
 
 from kvevents.errors import LayoutError
 from kvevents.wire.endpoints import (
@@ -21,7 +34,24 @@ from kvevents.wire.endpoints import (
     rank_endpoint,
 )
 
-__all__ = ["KVEventsConfig", "RankEndpoints", "check_layout", "rank_endpoints"]
+__all__ = [
+    "SGLANG_PUBLISHERS",
+    "KVEventsConfig",
+    "RankEndpoints",
+    "SGLangKVEventsConfig",
+    "check_layout",
+    "rank_endpoints",
+    "read_kv_events_config",
+]
+
+
+def _checked_endpoint(value: str | None) -> str | None:
+    if value is not None:
+        try:
+            parse_endpoint(value)
+        except LayoutError as exc:
+            raise ValueError(f"{exc} (rule: {exc.rule})") from None
+    return value
 
 
 class KVEventsConfig(BaseModel):
@@ -82,17 +112,125 @@ class KVEventsConfig(BaseModel):
     @field_validator("endpoint", "replay_endpoint", mode="after")
     @classmethod
     def _check_endpoint(cls, value: str | None) -> str | None:
-        if value is not None:
-            try:
-                parse_endpoint(value)
-            except LayoutError as exc:
-                raise ValueError(f"{exc} (rule: {exc.rule})") from None
-        return value
+        return _checked_endpoint(value)
 
     @property
     def publishing(self) -> bool:
         """True when this config asks for a real (ZeroMQ) publisher."""
         return self.enable_kv_cache_events and self.publisher == "zmq"
+
+
+#: The ``publisher`` names of SGLang's config that kvevents can stand for: its no-op, its own
+#: ZeroMQ publisher (the same wire) and the kvevents plugin (``kvevents.integrations.sglang``).
+SGLANG_PUBLISHERS = ("null", "zmq", "kvevents")
+_WILDCARD_HOSTS = frozenset({"*", "0.0.0.0", "[::]"})
+
+
+class SGLangKVEventsConfig(BaseModel):
+    """SGLang's ``--kv-events-config`` JSON, read as strictly as :class:`KVEventsConfig`.
+
+    SGLang's fields with SGLang's defaults. Unknown fields, values of the wrong type and
+    settings kvevents cannot honour are ``pydantic.ValidationError`` naming the field and the
+    rule (SGLang itself ignores unknown fields: a typo there silently keeps the default).
+    """
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, validate_default=True)
+
+    publisher: str = Field(
+        default="null",
+        description=f"SGLang's publisher name, one of {', '.join(SGLANG_PUBLISHERS)}; "
+        '"null" publishes nothing.',
+    )
+    endpoint: str = Field(
+        default="tcp://*:5557", min_length=1, description="Base endpoint of the PUB socket."
+    )
+    bind: bool | None = Field(
+        default=None,
+        description="SGLang: bind (true) or connect (false) the PUB socket; unset binds a "
+        "wildcard host, ipc or inproc and connects a concrete host. kvevents only binds.",
+    )
+    replay_endpoint: str | None = Field(
+        default=None, min_length=1, description="Base endpoint of the replay ROUTER socket."
+    )
+    buffer_steps: int = Field(default=10000, gt=0, description="Batches kept for replay.")
+    hwm: int = Field(default=100000, gt=0, description="High-water mark of the PUB socket.")
+    max_queue_size: int = Field(
+        default=100000, gt=0, description="Batches that may wait to be published."
+    )
+    topic: str = Field(default="", description="First frame of every message.")
+    format: Literal["default", "dynamo"] = Field(
+        default="default",
+        description='How SGLang computes block hashes ("dynamo": namespaced by extra key and '
+        "cache salt); both are the same msgpack wire, so the publisher never sees it.",
+    )
+
+    @field_validator("publisher", mode="after")
+    @classmethod
+    def _check_publisher(cls, value: str) -> str:
+        if value not in SGLANG_PUBLISHERS:
+            raise ValueError(
+                f"publisher {value!r} is not one kvevents can stand for; use one of "
+                f"{', '.join(SGLANG_PUBLISHERS)}"
+            )
+        return value
+
+    @field_validator("endpoint", "replay_endpoint", mode="after")
+    @classmethod
+    def _check_endpoint(cls, value: str | None) -> str | None:
+        return _checked_endpoint(value)
+
+    @field_validator("bind", mode="after")
+    @classmethod
+    def _check_bind(cls, value: bool | None, info: ValidationInfo) -> bool | None:
+        endpoint = info.data.get("endpoint")
+        if endpoint is None or _sglang_binds(endpoint, value):
+            return value  # an invalid endpoint has its own error
+        why = "bind is false" if value is False else "a concrete host and no bind"
+        raise ValueError(
+            f"SGLang would connect the PUB socket to {endpoint} ({why}); the kvevents "
+            "publisher only binds: set bind to true to bind that address, or use a wildcard "
+            "host (tcp://*:PORT)"
+        )
+
+    def to_kvevents(self) -> KVEventsConfig:
+        """The same settings as a :class:`KVEventsConfig` (publishing unless ``"null"``)."""
+        return KVEventsConfig(
+            enable_kv_cache_events=self.publisher != "null",
+            publisher="null" if self.publisher == "null" else "zmq",
+            endpoint=self.endpoint,
+            replay_endpoint=self.replay_endpoint,
+            buffer_steps=self.buffer_steps,
+            hwm=self.hwm,
+            max_queue_size=self.max_queue_size,
+            topic=self.topic,
+        )
+
+
+def _sglang_binds(endpoint: str, bind: bool | None) -> bool:
+    """Whether SGLang's own publisher binds ``endpoint``: ``bind`` when set, else by its rule
+    (a wildcard host, ipc and inproc bind; a concrete tcp host connects)."""
+    if bind is not None:
+        return bind
+    scheme, _, rest = endpoint.partition("://")
+    return scheme != "tcp" or rest.rpartition(":")[0] in _WILDCARD_HOSTS
+
+
+def read_kv_events_config(data: str | bytes | Mapping[str, Any]) -> KVEventsConfig:
+    """A ``--kv-events-config`` value in either dialect, as a :class:`KVEventsConfig`.
+
+    A config with ``enable_kv_cache_events`` is kvevents' (and vLLM's, TensorRT-LLM's) dialect;
+    one without it is SGLang's, which has no such field. Either is checked strictly: a field of
+    the other dialect is an unknown field, named in the ``pydantic.ValidationError``.
+    """
+    if isinstance(data, Mapping):
+        fields = dict(data)
+    else:
+        fields = json.loads(data)
+        if not isinstance(fields, dict):
+            raise ValueError(f"a KV events config is a JSON object, not {type(fields).__name__}")
+    if "enable_kv_cache_events" in fields:
+        return KVEventsConfig.model_validate(fields)
+    return SGLangKVEventsConfig.model_validate(fields).to_kvevents()
 
 
 @dataclass(frozen=True)
