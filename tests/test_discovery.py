@@ -1,11 +1,16 @@
 """Engine discovery (kvevents.integrations.discovery) against a local HTTP server in SGLang's
-``/server_info`` shape, and ``kvevents listen --engine``."""
+``/server_info`` shape, and ``kvevents listen --engine`` and ``kvevents serve --engine``."""
 
 from __future__ import annotations
 
 import http.server
 import json
+import os
+import select
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -14,12 +19,13 @@ from typing import Any, ClassVar
 import pytest
 
 from kvevents.cli import main
+from kvevents.deadline import Deadline
 from kvevents.errors import DiscoveryError
 from kvevents.events import BlockStored, KVEventBatch
 from kvevents.integrations.discovery import discover, parse_server_info
 from kvevents.publish.records import PublisherOptions
 from kvevents.service.feed import WorkerRegistration
-from kvevents.testing.publisher import started_publisher
+from kvevents.testing.publisher import local_config, started_publisher
 
 
 def kv_events(**overrides: Any) -> dict[str, Any]:
@@ -140,7 +146,7 @@ def test_ipv6_hosts_get_brackets() -> None:
         ({"version": "x"}, "kv_events", "kv_events is missing"),
         ({"kv_events": None}, "kv_events", "publishes no KV events"),
         ({"kv_events": [1]}, "kv_events", "not an object"),
-        ({"kv_events": kv_events(publisher="null")}, "kv_events.publisher", "not 'zmq'"),
+        ({"kv_events": kv_events(publisher="null")}, "kv_events.publisher", "not one of 'zmq', 'kvevents'"),
         (
             {"kv_events": {k: v for k, v in kv_events().items() if k != "endpoint_port_base"}},
             "kv_events.endpoint_port_base",
@@ -246,3 +252,109 @@ def test_listen_engine_failure_is_one_line(
     assert main(["listen", "--engine", engine.url, "--count", "1"]) == 1
     err = capsys.readouterr().err
     assert f"kvevents listen: error: {engine.url}/server_info: kv_events is missing" in err
+
+
+class Serve:
+    """``kvevents serve`` in a subprocess; ``url`` once it says "serving on"."""
+
+    def __init__(self, *args: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvevents.cli", "serve", "--port", "0", *args],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )  # fmt: skip
+
+    def url(self, timeout: float = 30.0) -> str:
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        line = self.proc.stdout.readline() if ready else ""
+        assert line.startswith("serving on "), f"serve did not start: {line!r} {self.stop()}"
+        return line.removeprefix("serving on ").strip()
+
+    def stop(self) -> str:
+        """SIGTERM, then the stderr it wrote (killed after a bound)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            _, err = self.proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            _, err = self.proc.communicate(timeout=30)
+        return err
+
+
+def test_serve_engine_registers_every_rank_and_indexes_it(engine: Engine) -> None:
+    """``kvevents serve --engine ID=URL`` registers each advertised DP rank with replay, block
+    size and topic, and indexes what rank 0 publishes."""
+    import httpx
+
+    options = PublisherOptions(heartbeat_interval=0.05)
+    with started_publisher(local_config(topic="kv"), options=options) as pub:
+        assert pub.endpoint is not None and pub.replay_endpoint is not None
+        kv = kv_events(
+            endpoint_host="127.0.0.1",
+            endpoint_port_base=int(pub.endpoint.rsplit(":", 1)[1]),
+            replay_endpoint_port_base=int(pub.replay_endpoint.rsplit(":", 1)[1]),
+            publisher="kvevents",
+            topic="kv",
+            block_size=4,
+        )
+        engine.serve("/server_info", {"kv_events": kv})
+        block = BlockStored(block_hashes=[7], token_ids=[1, 2, 3, 4], block_size=4)
+        pub.publish(KVEventBatch(ts=time.time(), events=[block]))
+        serve = Serve("--engine", f"sg={engine.url}")
+        try:
+            url = serve.url()
+            workers = httpx.get(f"{url}/workers").json()
+            deadline = Deadline(20.0)
+            while not httpx.get(f"{url}/dump").json()["holders"]:
+                assert not deadline.expired, "nothing indexed in time"
+                time.sleep(0.05)
+            query = httpx.post(f"{url}/query", json={"token_ids": [1, 2, 3, 4, 5]}).json()
+        finally:
+            err = serve.stop()
+    (worker,) = workers["workers"]
+    assert (worker["worker_id"], worker["block_size"], worker["topic"]) == ("sg", 4, "kv")
+    assert [r["rank"] for r in worker["ranks"]] == [0, 1]
+    assert worker["replay_endpoint"] == pub.replay_endpoint.replace("0.0.0.0", "127.0.0.1")
+    assert "sg: 2 rank(s) at tcp://127.0.0.1:" in err and "block size 4" in err
+    assert query["scores"] == {"sg": {"0": 1}}, "the block rank 0 stored is matched there"
+
+
+@pytest.mark.parametrize(
+    ("info", "words"),
+    [
+        ({"version": "x"}, "/server_info: kv_events is missing"),
+        ({"kv_events": kv_events(publisher="null")}, "kv_events.publisher is 'null'"),
+    ],
+)
+def test_serve_engine_without_events_fails_in_one_line(
+    engine: Engine, info: Any, words: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An engine that advertises no (usable) KV events stops serve before it serves: status 1,
+    one line naming the URL and the key."""
+    engine.serve("/server_info", info)
+    assert main(["serve", "--port", "0", "--engine", engine.url]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"kvevents serve: error: {engine.url}") and words in err
+    assert "\n" not in err
+
+
+def test_serve_engine_unreachable_fails_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """An engine nobody answers for is one line saying it cannot connect, status 1."""
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    status = main(["serve", "--port", "0", "--discovery-timeout", "2",
+                   "--engine", f"http://127.0.0.1:{port}"])  # fmt: skip
+    err = capsys.readouterr().err.strip()
+    assert status == 1 and "cannot connect" in err and f"127.0.0.1:{port}" in err
+
+
+def test_serve_engine_name_clash_is_a_usage_error(
+    engine: Engine, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An --engine named like a --worker is refused before any request (status 2)."""
+    argv = ["serve", "--worker", "a=tcp://127.0.0.1:5557", "--engine", f"a={engine.url}"]
+    assert main(argv) == 2
+    assert "worker 'a' is given twice" in capsys.readouterr().err

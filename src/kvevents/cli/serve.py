@@ -22,6 +22,9 @@ EXAMPLES = """examples:
   kvevents serve --host 0.0.0.0 --port 8090 --block-size 16 \\
       --worker a=tcp://10.0.0.5:5557,tcp://10.0.0.5:5600 --ranks 2
       and index worker "a" (ranks 0-1) from the start
+  kvevents serve --engine sg1=http://10.0.0.5:30000 --engine http://10.0.0.6:30000
+      index two SGLang servers from what their /server_info advertises (every DP rank,
+      replay, block size, topic); the second is named "10.0.0.6:30000"
   curl -s localhost:8090/query -d '{"token_ids": [1, 2, 3]}'   # then ask it
   curl -s localhost:8090/metrics                                # index + subscriber metrics
 
@@ -65,6 +68,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--ranks", type=positive_int, default=_d("ranks"), help="ranks of each --worker")
     p.add_argument("--block-size", type=positive_int, default=_d("block_size"),
                    help="block size of --worker")  # fmt: skip
+    _add_engine_options(p)
     _add_router_options(p)
     _add_access_options(p)
     _add_limit_options(p)
@@ -74,6 +78,14 @@ def add_parser(sub: Any) -> None:
 
 def _d(key: str) -> Any:
     return default(ServeSettings, key)
+
+
+def _add_engine_options(p: Any) -> None:
+    p.add_argument("--engine", dest="engines", action="append", default=[], metavar="[ID=]URL",
+                   help="register an engine's advertised streams (SGLang's /server_info) at "
+                   "start, named ID (default: the URL's host:port); repeatable")  # fmt: skip
+    p.add_argument("--discovery-timeout", type=positive_float, default=5.0,
+                   help="seconds to wait for an engine's /server_info (default 5)")  # fmt: skip
 
 
 def _add_router_options(p: Any) -> None:
@@ -147,6 +159,26 @@ def _registrations(settings: ServeSettings) -> list[Any]:
     return regs
 
 
+def _engine_registrations(args: argparse.Namespace, taken: set[str]) -> list[Any]:
+    """One registration per ``--engine``, from what it advertises; a DiscoveryError (the URL
+    and why: unreachable, no KV events, a bad field) stops the start (exit status 1)."""
+    from kvevents.integrations.discovery import discover, engine_option
+    from kvevents.service.core import WorkerRegistration
+
+    regs = []
+    for text in args.engines:
+        worker, url = engine_option(text)
+        if worker in taken:
+            raise UsageError(f"worker {worker!r} is given twice")
+        taken.add(worker)
+        engine = discover(url, timeout=args.discovery_timeout)
+        replay = "" if engine.replay_endpoint is None else f", replay {engine.replay_endpoint}"
+        print(f"{worker}: {engine.ranks} rank(s) at {engine.endpoint}{replay}, block size "
+              f"{engine.block_size}", file=sys.stderr, flush=True)  # fmt: skip
+        regs.append(WorkerRegistration(**engine.registration_fields(worker)))
+    return regs
+
+
 def _state(settings: ServeSettings) -> tuple[Any, list[Any]]:
     """The state file (None without --state-file) and the registrations saved in it."""
     if settings.state_file is None:
@@ -197,6 +229,7 @@ def run(args: argparse.Namespace) -> int:
     args = apply_settings(ServeSettings, "serve", args)
     settings: ServeSettings = args.settings
     regs = _registrations(settings)
+    regs += _engine_registrations(args, {reg.worker_id for reg in regs})
     app_options = _app_options(args)
     state, saved = _state(settings)
     service = _service(settings, args, state)

@@ -9,8 +9,11 @@ it publishes nothing)::
 Rank r publishes on ``endpoint_port_base + r`` (and replays on ``replay_endpoint_port_base + r``,
 a key present only when replay is configured) for each of the ``dp_size`` ranks. A wildcard
 ``endpoint_host`` (``*``, ``0.0.0.0``, ``::``) is the engine's bind address, not one to dial:
-the host of the URL asked is used instead. :func:`discover` reads it with the standard library
-and returns what ``worker_streams`` or a ``WorkerRegistration`` need.
+the host of the URL asked is used instead. ``publisher`` is the name in the engine's config:
+SGLang's ``"zmq"``, or ``"kvevents"`` when it publishes through kvevents' plugin
+(``kvevents.integrations.sglang``), the same wire. :func:`discover` reads it with the standard
+library and returns what ``worker_streams`` or a ``WorkerRegistration`` need;
+:func:`engine_option` reads the ``[ID=]URL`` of the CLI's ``--engine``.
 """
 
 from __future__ import annotations
@@ -29,11 +32,13 @@ from kvevents.subscribe.streams import StreamSpec, worker_streams
 if TYPE_CHECKING:
     from kvevents.security import CurveClient
 
-__all__ = ["EngineEndpoints", "discover", "parse_server_info"]
+__all__ = ["EngineEndpoints", "discover", "engine_option", "parse_server_info"]
 
 #: Paths tried in order: SGLang's current one, then the name older releases answer.
 INFO_PATHS = ("/server_info", "/get_server_info")
 _WILDCARDS = frozenset({"", "*", "0.0.0.0", "::", "[::]"})
+#: Publisher names whose streams are kvevents' wire: SGLang's own, and kvevents' plugin.
+PUBLISHERS = ("zmq", "kvevents")
 _MAX_BODY = 4 * 2**20  # a server_info is a few KB; more is not a server_info
 
 
@@ -93,6 +98,14 @@ def discover(url: str, *, timeout: float = 5.0) -> EngineEndpoints:
     raise DiscoveryError(url, f"no server info page ({', '.join(INFO_PATHS)} answer 404)")
 
 
+def engine_option(text: str) -> tuple[str, str]:
+    """``(worker id, URL)`` from ``[ID=]URL``; the ID defaults to the URL's ``host:port``."""
+    worker, sep, url = text.partition("=")
+    if not sep or "://" in worker:
+        worker, url = "", text
+    return worker or urllib.parse.urlsplit(url).netloc or url, url
+
+
 class _NotFound(Exception):
     """The page is not there (HTTP 404): try the next name."""
 
@@ -148,9 +161,11 @@ def parse_server_info(info: Any, url: str) -> EngineEndpoints:
     if not isinstance(kv, Mapping):
         raise DiscoveryError(url, "kv_events is not an object", key="kv_events")
     publisher = kv.get("publisher", "zmq")
-    if publisher != "zmq":
+    if publisher not in PUBLISHERS:
         raise DiscoveryError(
-            url, f"kv_events.publisher is {publisher!r}, not 'zmq'", key="kv_events.publisher"
+            url,
+            f"kv_events.publisher is {publisher!r}, not one of {', '.join(map(repr, PUBLISHERS))}",
+            key="kv_events.publisher",
         )
     host = _host(kv, "endpoint_host", url)
     replay_port = _port(kv, "replay_endpoint_port_base", url, required=False)
