@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
@@ -358,3 +359,14 @@ def test_serve_engine_name_clash_is_a_usage_error(
     argv = ["serve", "--worker", "a=tcp://127.0.0.1:5557", "--engine", f"a={engine.url}"]
     assert main(argv) == 2
     assert "worker 'a' is given twice" in capsys.readouterr().err
+
+
+def test_serve_engines_come_from_the_settings_file_too(
+    engine: Engine, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``engines`` and ``discovery_timeout`` are [serve] keys like every serve flag."""
+    engine.serve("/server_info", {"kv_events": None})
+    config = tmp_path / "serve.toml"
+    config.write_text(f'[serve]\nengines = ["sg={engine.url}"]\ndiscovery_timeout = 2\n')
+    assert main(["serve", "--port", "0", "--config", str(config)]) == 1
+    assert f"{engine.url}/server_info: kv_events is missing" in capsys.readouterr().err

@@ -130,6 +130,8 @@ class ServeSettings(Settings):
     workers: list[WorkerEntry] = []
     ranks: RankCount = 1
     block_size: BlockSize = 16
+    engines: list[Text] = []  #: ``[ID=]URL``: engines registered from their /server_info
+    discovery_timeout: Seconds = 5.0
     state_file: Text | None = None
     auth_token_file: Text | None = None
     auth_reads: bool = False

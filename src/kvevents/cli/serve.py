@@ -81,10 +81,10 @@ def _d(key: str) -> Any:
 
 
 def _add_engine_options(p: Any) -> None:
-    p.add_argument("--engine", dest="engines", action="append", default=[], metavar="[ID=]URL",
-                   help="register an engine's advertised streams (SGLang's /server_info) at "
+    p.add_argument("--engine", dest="engines", action="append", default=_d("engines"),
+                   metavar="[ID=]URL", help="register an engine's advertised streams (SGLang's /server_info) at "
                    "start, named ID (default: the URL's host:port); repeatable")  # fmt: skip
-    p.add_argument("--discovery-timeout", type=positive_float, default=5.0,
+    p.add_argument("--discovery-timeout", type=positive_float, default=_d("discovery_timeout"),
                    help="seconds to wait for an engine's /server_info (default 5)")  # fmt: skip
 
 
@@ -159,19 +159,19 @@ def _registrations(settings: ServeSettings) -> list[Any]:
     return regs
 
 
-def _engine_registrations(args: argparse.Namespace, taken: set[str]) -> list[Any]:
+def _engine_registrations(settings: ServeSettings, taken: set[str]) -> list[Any]:
     """One registration per ``--engine``, from what it advertises; a DiscoveryError (the URL
     and why: unreachable, no KV events, a bad field) stops the start (exit status 1)."""
     from kvevents.integrations.discovery import discover, engine_option
     from kvevents.service.core import WorkerRegistration
 
     regs = []
-    for text in args.engines:
+    for text in settings.engines:
         worker, url = engine_option(text)
         if worker in taken:
             raise UsageError(f"worker {worker!r} is given twice")
         taken.add(worker)
-        engine = discover(url, timeout=args.discovery_timeout)
+        engine = discover(url, timeout=settings.discovery_timeout)
         replay = "" if engine.replay_endpoint is None else f", replay {engine.replay_endpoint}"
         print(f"{worker}: {engine.ranks} rank(s) at {engine.endpoint}{replay}, block size "
               f"{engine.block_size}", file=sys.stderr, flush=True)  # fmt: skip
@@ -229,7 +229,7 @@ def run(args: argparse.Namespace) -> int:
     args = apply_settings(ServeSettings, "serve", args)
     settings: ServeSettings = args.settings
     regs = _registrations(settings)
-    regs += _engine_registrations(args, {reg.worker_id for reg in regs})
+    regs += _engine_registrations(settings, {reg.worker_id for reg in regs})
     app_options = _app_options(args)
     state, saved = _state(settings)
     service = _service(settings, args, state)
