@@ -283,3 +283,47 @@ def _until_end(dealer: zmq.Socket[Any], deadline: Deadline) -> list[list[bytes]]
         if frames[-1] == replay_end_frames():
             break
     return frames
+
+
+def test_our_live_frames_equal_sglangs_own(sglang: SGLang) -> None:
+    """Live, as on replay: the same topic and payload frames from both, sequence numbers
+    counting up from the same place."""
+    live = {}
+    for name in ("zmq", "kvevents"):
+        made = sglang.call("create", config=config(name), rank=0)
+        try:
+            live[name] = _live_frames(sglang, made, SAME_BYTES)
+        finally:
+            sglang.call("shutdown", id=made["id"])
+    assert live["zmq"] == live["kvevents"]
+    assert [f[:2] for f in live["zmq"]] == [(b"kv", s) for s in range(len(SAME_BYTES))]
+
+
+def _live_frames(
+    sglang: SGLang, made: dict[str, Any], batches: list[list[Any]]
+) -> list[tuple[bytes, int, bytes]]:
+    """(topic, seq after the handshake, payload) of ``batches`` as a SUB receives them.
+
+    Empty batches are published until one arrives (a SUB misses what precedes its
+    subscription); the batches then come after the probes still on their way, numbered from
+    the number of probes published."""
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    real: list[tuple[bytes, int, bytes]] = []
+    try:
+        sub.connect(made["source"]["endpoint"])
+        probes, deadline = 0, Deadline(20.0)
+        while not sub.poll(50):
+            assert not deadline.expired, "no probe arrived"
+            sglang.call("publish", id=made["id"], batches=[[]], ts=TS)
+            probes += 1
+        sglang.call("publish", id=made["id"], batches=batches, ts=TS)
+        while len(real) < len(batches):
+            assert sub.poll(max(1, int(deadline.remaining() * 1000))), "a batch did not arrive"
+            topic, seq, payload = sub.recv_multipart()
+            if int.from_bytes(seq, "big") >= probes:
+                real.append((topic, int.from_bytes(seq, "big") - probes, payload))
+    finally:
+        sub.close(linger=0)
+    return real
