@@ -56,10 +56,24 @@ def test_an_inproc_publisher_has_no_local_source() -> None:
         publisher.shutdown()
 
 
-def test_unknown_factory_keywords_are_refused_by_name() -> None:
-    """A keyword SGLang's config does not have (a newer SGLang's) is refused naming it."""
-    with pytest.raises(ValidationError, match="compression"):
-        SGLangPublisher(attn_dp_rank=0, compression="zstd", **FACTORY_FIELDS)
+def test_unknown_factory_keywords_are_ignored_with_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A keyword SGLang's config does not have yet (a newer SGLang's) is named in a warning and
+    ignored: SGLang validated its config already, so refusing would only stop the engine."""
+    with caplog.at_level("WARNING", logger="kvevents.integrations.sglang"):
+        publisher = SGLangPublisher(attn_dp_rank=0, compression="zstd", **FACTORY_FIELDS)
+    try:
+        assert publisher.describe_local_source(4) is not None
+    finally:
+        publisher.shutdown()
+    assert "compression" in caplog.text
+
+
+def test_a_bad_value_of_a_known_field_is_still_refused_by_name() -> None:
+    """Known fields keep their rules: a negative buffer_steps is a ValidationError naming it."""
+    with pytest.raises(ValidationError, match="buffer_steps"):
+        SGLangPublisher(attn_dp_rank=0, **{**FACTORY_FIELDS, "buffer_steps": -1})
 
 
 def test_unreadable_batches_are_counted_and_shutdown_is_idempotent() -> None:

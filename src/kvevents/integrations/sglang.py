@@ -61,7 +61,13 @@ class SGLangPublisher:
 
     def __init__(self, attn_dp_rank: int = 0, **fields: Any) -> None:
         fields.setdefault("publisher", PUBLISHER_NAME)
-        config = SGLangKVEventsConfig.model_validate(fields).to_kvevents()
+        # SGLang validated its config before its factory called us, so a field we do not know is
+        # one a newer SGLang added: warn and go on rather than refuse to start the engine.
+        unknown = sorted(set(fields) - set(SGLangKVEventsConfig.model_fields))
+        if unknown:
+            log.warning("kvevents publisher: ignoring SGLang config fields %s", ", ".join(unknown))
+        known = {name: value for name, value in fields.items() if name not in unknown}
+        config = SGLangKVEventsConfig.model_validate(known).to_kvevents()
         self.rank = attn_dp_rank
         # The layout check wants a world size; this rank's own endpoints are all it binds.
         self._publisher = ZmqPublisher(config, attn_dp_rank, world_size=attn_dp_rank + 1)
