@@ -4,13 +4,16 @@ Endpoints follow the shape users know from Dynamo's standalone KV indexer and th
 indexer API, so it can be swapped in:
 
 - ``POST /register`` ``{worker_id | instance_id, endpoint, replay_endpoint?, block_size,
-  ranks? | dp_size?, topic?, model_name?}``: index the worker's ranks and subscribe to them.
-  ``endpoint`` and ``replay_endpoint`` are base endpoints (rank r uses base port + r).
+  ranks? | dp_size? | dp_rank?, topic?, model_name?}``: index the worker's ranks and subscribe
+  to them. ``endpoint`` and ``replay_endpoint`` are base endpoints (rank r uses base port + r);
+  with ``dp_rank`` they are that one rank's, which joins the worker's other ranks (409 when its
+  model name or block size differs from theirs).
 - ``POST /unregister`` ``{worker_id | instance_id, rank? | dp_rank?}``: forget it entirely.
 - ``POST /load`` ``{loads: [{worker_id, rank?, queued_blocks, active_blocks}]}``: the
   targets' load, for load-aware routing (:mod:`.load`).
-- ``POST /query`` ``{token_ids | block_hashes, policy?, block_size?, lora_name?}``: matched
-  blocks per worker, rank and tier, and an explained routing decision (:mod:`.query`).
+- ``POST /query`` ``{token_ids | block_hashes, policy?, block_size?, lora_name?, model_name?}``:
+  matched blocks per worker, rank and tier, and an explained routing decision (:mod:`.query`);
+  with ``model_name``, among the workers registered for that model (or for none) only.
 - ``GET /dump``: every holder's blocks, streamed; ``GET /workers``: workers with their stream
   health; ``GET /metrics``: Prometheus text; ``GET /health``: 200 while the feed is sound.
 - ``GET /``: a live status page polling ``GET /status`` (:mod:`.status`); ``GET /openapi.json``:
@@ -46,7 +49,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kvevents.errors import LayoutError, StreamAddError
+from kvevents.errors import LayoutError, RegistrationConflict, StreamAddError
 from kvevents.metrics import StatsCollector
 from kvevents.service.access import ACCESS_RULES, EndpointPolicy, TokenCheck
 from kvevents.service.collector import ServiceCollector
@@ -137,8 +140,11 @@ class _Api:
     async def register(self, request: Request) -> Response:
         reg = registration(decode(await self._body(request), _register_decoder, "/register"))
         self._check_endpoints(reg)
+        add = self.service.add_rank if reg.own_endpoints else self.service.register
         try:
-            specs = await run_in_threadpool(self.service.register, reg)
+            specs = await run_in_threadpool(add, reg)
+        except RegistrationConflict as exc:
+            raise _Refused(409, str(exc), field=_conflict_field(exc)) from None
         except LayoutError as exc:  # a spec builder stricter with the pair than each alone
             raise _Refused(400, str(exc), field="endpoint", endpoint=exc.endpoint) from None
         except StreamAddError as exc:
@@ -157,9 +163,11 @@ class _Api:
             try:
                 # One field at a time through the service's own spec builder, so that a
                 # layout error names the field it comes from.
-                probe = dataclasses.replace(reg, endpoint=endpoint, replay_endpoint=None)
+                probe = _probe(reg, endpoint)
                 self.service.stream_specs(probe)
-                self.options.endpoints.check(name, endpoint, reg.ranks)
+                self.options.endpoints.check(
+                    name, endpoint, (0,) if reg.own_endpoints else reg.ranks
+                )
             except LayoutError as exc:
                 if exc.rule in ACCESS_RULES:  # forbidden here, though well-formed
                     raise _Refused(403, str(exc), field=name, endpoint=endpoint) from None
@@ -252,6 +260,17 @@ class _Api:
             await asyncio.sleep(_TRIM_TICK)
             if idle.due(self.service.stats().deliveries):
                 await loop.run_in_executor(None, release_free_memory)
+
+
+def _probe(reg: WorkerRegistration, endpoint: str) -> WorkerRegistration:
+    """``reg`` with ``endpoint`` alone, where the registration names its endpoint."""
+    own = tuple(e._replace(endpoint=endpoint, replay_endpoint=None) for e in reg.own_endpoints)
+    return dataclasses.replace(reg, endpoint=endpoint, replay_endpoint=None, own_endpoints=own)
+
+
+def _conflict_field(exc: RegistrationConflict) -> str:
+    """The request field a conflict is about (a rank already registered: ``dp_rank``)."""
+    return "dp_rank" if exc.field == "rank" else exc.field
 
 
 class _Refused(BadRequest):

@@ -18,13 +18,14 @@ import dataclasses
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from kvevents.errors import DecodeError
 from kvevents.events import AllBlocksCleared
 from kvevents.index.keys import MMSpan
 from kvevents.index.prefix import PrefixIndex
 from kvevents.index.router import DEFAULT_POLICY, Router
+from kvevents.service.answers import Shape, answer, scoped
 from kvevents.service.decisions import DecisionLog
 from kvevents.service.feed import (
     Feed,
@@ -56,6 +57,7 @@ __all__ = [
 log = logging.getLogger("kvevents.service.core")
 
 _T = TypeVar("_T")
+_R = TypeVar("_R")
 
 
 class IndexService(ServiceWorkers, ServiceViews):
@@ -268,13 +270,18 @@ class IndexService(ServiceWorkers, ServiceViews):
         policy: str | None = None,
         prefill_weight: float | None = None,
         load_weight: float | None = None,
-    ) -> dict[str, Any]:
-        """Matches per holder and a routing decision, JSON-ready.
+        model_name: str | None = None,
+        shape: Shape[_R] = answer,  # type: ignore[assignment]
+    ) -> _R:
+        """Matches per holder and a routing decision, JSON-ready (by ``shape``: ours, or
+        another API's, e.g. :mod:`.dynamo`).
 
         The request is ``token_ids``, or the same tokens ``packed`` as uint32 little-endian
         bytes (what ``POST /query`` hands over), or precomputed ``block_hashes``;
         ``cache_salt`` and ``mm`` as in :meth:`PrefixIndex.match`; ``prefill_weight`` and
-        ``load_weight`` override the router's cost weights for this decision.
+        ``load_weight`` override the router's cost weights for this decision. With
+        ``model_name``, only the workers registered for that model (or for none) match and are
+        routed to.
         """
         with self.lock:
             if packed is not None:
@@ -285,25 +292,20 @@ class IndexService(ServiceWorkers, ServiceViews):
                 match = self.index.match_hashes(block_hashes, block_size=block_size)
             else:
                 raise ValueError("query needs token_ids or block_hashes")
+            targets = None if model_name is None else self._model_targets(model_name)
+            if targets is not None:
+                match = scoped(match, targets)
             self._counts["loads_expired"] += self._loads.expire()
             decision = self.router.decide(
-                match, policy=policy, prefill_weight=prefill_weight, load_weight=load_weight
+                match,
+                targets=targets,
+                policy=policy,
+                prefill_weight=prefill_weight,
+                load_weight=load_weight,
             )
             self._counts["queries"] += 1
         self.decisions.record(decision)
-        scores: dict[str, dict[str, int]] = {}
-        for (worker, rank), blocks in match.streams.items():
-            scores.setdefault(worker, {})[str(rank)] = blocks
-        return {
-            "request_tokens": match.request_tokens,
-            "request_blocks": {str(k): v for k, v in match.request_blocks.items()},
-            "scores": scores,
-            "matches": [
-                {"worker_id": k.worker_id, "rank": k.rank, "tier": k.tier, "matched_blocks": v}
-                for k, v in match.holders.items()
-            ],
-            "decision": decision.to_dict(),
-        }
+        return shape(match, decision)
 
     def stats(self) -> ServiceStats:
         return ServiceStats(**self._counts)

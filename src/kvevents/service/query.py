@@ -82,6 +82,7 @@ class QueryReader:
                 policy=query.policy,
                 prefill_weight=query.prefill_weight,
                 load_weight=query.load_weight,
+                model_name=query.model_name,
             )
         except (ValueError, OverflowError) as exc:
             raise BadRequest(f"{_WHERE}: {exc}") from None

@@ -81,7 +81,8 @@ class ServiceViews:
                 load = loads.get((reg.worker_id, rank))
                 row["load"] = None if load is None else load._asdict()  # None: no report
                 ranks.append(row)
-            out.append({**builtins(reg), "ranks": ranks})
+            own = [e._asdict() for e in reg.own_endpoints]
+            out.append({**builtins(reg), "ranks": ranks, "own_endpoints": own})
         return out
 
     def holders(self) -> list[tuple[HolderKey, int | None]]:

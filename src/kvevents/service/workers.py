@@ -9,11 +9,10 @@ they are only taken for registered ranks.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import threading
 from collections.abc import Callable, Sequence
 
-from kvevents.errors import StreamAddError, SubscriberError
+from kvevents.errors import RegistrationConflict, StreamAddError, SubscriberError
 from kvevents.index.decision import Target
 from kvevents.index.prefix import PrefixIndex
 from kvevents.index.router import Router
@@ -60,20 +59,78 @@ class ServiceWorkers:
         """
         specs = self._stream_specs(reg)
         with self._changes:
-            old = self._workers.get(reg.worker_id)
-            if old is not None:
-                self._drop(old, None)
-            try:
-                self._add(reg, specs)
-            except StreamAddError:
-                self._counts["refused_registrations"] += 1
-                if old is not None:
-                    self._add(old, self._stream_specs(old))
-                raise
-            self._counts["registrations"] += 1
-            if self._persisted.registered(reg.worker_id, persist):
-                self._save()
+            self._replace(reg, specs, persist)
         return specs
+
+    def _replace(self, reg: WorkerRegistration, specs: list[StreamSpec], persist: bool) -> None:
+        """:meth:`register` with ``_changes`` held."""
+        old = self._workers.get(reg.worker_id)
+        if old is not None:
+            self._drop(old, None)
+        try:
+            self._add(reg, specs)
+        except StreamAddError:
+            self._counts["refused_registrations"] += 1
+            if old is not None:
+                self._add(old, self._stream_specs(old))
+            raise
+        self._registered(reg.worker_id, persist)
+
+    def _registered(self, worker_id: str, persist: bool) -> None:
+        """Count a registration made and write the state file if it is kept there."""
+        self._counts["registrations"] += 1
+        if self._persisted.registered(worker_id, persist):
+            self._save()
+
+    def add_rank(
+        self, reg: WorkerRegistration, *, replace: bool = True, persist: bool = True
+    ) -> list[StreamSpec]:
+        """Register one rank on endpoints of its own (``reg`` has one rank, in its
+        ``own_endpoints``) next to the worker's other ranks, which keep their streams.
+
+        A new worker is registered as :meth:`register` does. For a known one, a rank already
+        registered is replaced when ``replace`` (its stream alone starts afresh), else
+        refused; a model name or block size other than the worker's is refused. Refusals raise
+        :class:`~kvevents.errors.RegistrationConflict` and, as in :meth:`register`,
+        ``LayoutError`` and ``StreamAddError`` leave everything as it was.
+        """
+        own = reg.own_endpoints[0]
+        (spec,) = self._stream_specs(reg)
+        with self._changes:
+            old = self._workers.get(reg.worker_id)
+            if old is None:
+                self._replace(reg, [spec], persist)
+                return [spec]
+            _check_fits(old, reg, own.rank, replace)
+            if own.rank in old.ranks:
+                self._drop(old, own.rank)
+            try:
+                self._add_one(old.with_rank(own), spec)
+            except StreamAddError:
+                if own.rank in old.ranks:  # the rank it replaced comes back
+                    with contextlib.suppress(StreamAddError):
+                        self._add_one(old, self._spec_of(old, own.rank))
+                raise
+            self._registered(reg.worker_id, persist)
+        return [spec]
+
+    def _spec_of(self, reg: WorkerRegistration, rank: int) -> StreamSpec:
+        return next(s for s in self._stream_specs(reg) if s.rank == rank)
+
+    def _add_one(self, merged: WorkerRegistration, spec: StreamSpec) -> None:
+        """Add one rank's stream as ``merged``, or (StreamAddError) leave the others as
+        they were."""
+        with self.lock:
+            self.index.register_worker(
+                merged.worker_id, block_size=merged.block_size, ranks=(spec.rank,)
+            )
+            self._workers[merged.worker_id] = merged
+        try:
+            self.feed.add_stream(spec)
+        except (SubscriberError, ValueError) as exc:
+            self._counts["refused_registrations"] += 1
+            self._forget(merged, spec.rank)
+            raise (exc if isinstance(exc, StreamAddError) else _add_error(spec, exc)) from exc
 
     def _add(self, reg: WorkerRegistration, specs: list[StreamSpec]) -> None:
         """Register ``reg`` in the index and the feed, or (StreamAddError) not at all."""
@@ -120,14 +177,23 @@ class ServiceWorkers:
             if rank is None or reg.ranks == (rank,):
                 del self._workers[worker_id]
             else:
-                ranks = tuple(r for r in reg.ranks if r != rank)
-                self._workers[worker_id] = dataclasses.replace(reg, ranks=ranks)
+                self._workers[worker_id] = reg.without(rank)
 
     def _save(self) -> None:
         """Write the state file (call with ``_changes`` held). A failed write is counted, not
         raised: the change itself was made, and the next one writes the whole state again."""
         written = self._persisted.write(self._workers)
         self._counts["state_writes" if written else "state_write_errors"] += 1
+
+    def _model_targets(self, model_name: str) -> list[Target]:
+        """The (worker, rank) targets serving ``model_name`` (call with the lock): those
+        registered for it, and those registered with no model name, which serve any."""
+        return [
+            (reg.worker_id, rank)
+            for reg in self._workers.values()
+            if reg.model_name in (model_name, None)
+            for rank in reg.ranks
+        ]
 
     def report_loads(self, reports: Sequence[LoadReport]) -> list[Target]:
         """Apply load reports for routing; the targets not registered (not applied)."""
@@ -142,6 +208,24 @@ class ServiceWorkers:
             self._counts["load_reports"] += len(reports) - len(unknown)
             self._counts["load_unknown"] += len(unknown)
         return unknown
+
+
+def _check_fits(old: WorkerRegistration, new: WorkerRegistration, rank: int, replace: bool) -> None:
+    """RegistrationConflict unless rank ``rank`` of ``new`` may join ``old``'s ranks."""
+    if rank in old.ranks and not replace:
+        raise RegistrationConflict(
+            worker_id=old.worker_id, rank=rank, field="rank", existing=rank, requested=rank
+        )
+    for name in ("model_name", "block_size"):
+        existing, requested = getattr(old, name), getattr(new, name)
+        if existing != requested:
+            raise RegistrationConflict(
+                worker_id=old.worker_id,
+                rank=rank,
+                field=name,
+                existing=existing,
+                requested=requested,
+            )
 
 
 def _add_error(spec: StreamSpec, exc: Exception) -> StreamAddError:
