@@ -65,6 +65,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--ranks", type=positive_int, default=_d("ranks"), help="ranks of each --worker")
     p.add_argument("--block-size", type=positive_int, default=_d("block_size"),
                    help="block size of --worker")  # fmt: skip
+    p.add_argument("--api", choices=("kvevents", "dynamo"), default=_d("api"),
+                   help="request and reply shapes of /register, /unregister, /query and /workers: "
+                   "ours, or NVIDIA Dynamo's standalone indexer's (docs/service.md)")  # fmt: skip
     _add_router_options(p)
     _add_access_options(p)
     _add_limit_options(p)
@@ -127,7 +130,7 @@ def _app_options(args: argparse.Namespace) -> Any:
     hosts = tuple(args.allow_endpoint_host) or DEFAULT_ALLOWED_HOSTS
     limits = HttpLimits(args.max_body_bytes, args.header_timeout, args.body_timeout,
                         args.max_connections)  # fmt: skip
-    return AppOptions(TokenCheck(token, args.auth_reads), EndpointPolicy(hosts), limits)
+    return AppOptions(TokenCheck(token, args.auth_reads), EndpointPolicy(hosts), limits, args.api)
 
 
 def _registrations(settings: ServeSettings) -> list[Any]:

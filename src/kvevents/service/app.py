@@ -30,7 +30,7 @@ import contextlib
 import dataclasses
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 from prometheus_client import (
@@ -55,6 +55,7 @@ from kvevents.service.access import ACCESS_RULES, EndpointPolicy, TokenCheck
 from kvevents.service.collector import ServiceCollector
 from kvevents.service.core import IndexService, WorkerRegistration
 from kvevents.service.dump import dump_chunks
+from kvevents.service.dynamo import DynamoApi, DynamoQueryReader
 from kvevents.service.limits import STATUS_FIELDS, HttpCounters, HttpLimits, read_body
 from kvevents.service.load import load_endpoint
 from kvevents.service.memory import IdleTrim, release_free_memory
@@ -70,7 +71,7 @@ from kvevents.service.schema import (
 )
 from kvevents.service.status import status_routes
 
-__all__ = ["MUTATING", "AppOptions", "Guard", "create_app"]
+__all__ = ["MUTATING", "Api", "AppOptions", "Guard", "create_app"]
 
 #: The endpoints that change the service's state: they need the token when one is set.
 MUTATING = frozenset({"/register", "/unregister", "/load"})
@@ -80,13 +81,20 @@ _register_decoder = msgspec.json.Decoder(RegisterBody)
 _unregister_decoder = msgspec.json.Decoder(UnregisterBody)
 
 
+#: Whose API shape the service answers in: ours, or NVIDIA Dynamo's standalone indexer's.
+Api = Literal["kvevents", "dynamo"]
+
+
 @dataclass(frozen=True)
 class AppOptions:
-    """Who may do what, and what a client may cost (see docs/security.md)."""
+    """Who may do what, and what a client may cost (see docs/security.md); ``api``: whose
+    request and reply shapes ``/register``, ``/unregister``, ``/query`` and ``/workers`` take
+    (``"dynamo"``: :mod:`.dynamo`)."""
 
     auth: TokenCheck = field(default_factory=TokenCheck)
     endpoints: EndpointPolicy = field(default_factory=EndpointPolicy)
     limits: HttpLimits = field(default_factory=HttpLimits)
+    api: Api = "kvevents"
 
 
 def _json(value: Any, status: int = 200) -> Response:
@@ -316,6 +324,24 @@ async def _unauthorized(scope: Scope, send: Send) -> None:
     await send({"type": "http.response.body", "body": payload})
 
 
+def _own_routes(api: _Api) -> list[Route]:
+    return [
+        Route("/register", api.register, methods=["POST"]),
+        Route("/unregister", api.unregister, methods=["POST"]),
+        Route("/workers", api.workers, methods=["GET"]),
+    ]
+
+
+def _dynamo_routes(service: IndexService, api: _Api) -> list[Route]:
+    dynamo = DynamoApi(service, api._body, api._check_endpoints, _json)
+    return [
+        Route("/register", dynamo.register, methods=["POST"]),
+        Route("/unregister", dynamo.unregister, methods=["POST"]),
+        Route("/workers", dynamo.workers, methods=["GET"]),
+        Route("/query_by_hash", dynamo.query_by_hash, methods=["POST"]),
+    ]
+
+
 def create_app(
     service: IndexService,
     *,
@@ -335,19 +361,17 @@ def create_app(
     counters = counters if counters is not None else HttpCounters()
     api = _Api(service, options, collectors, counters)
     routes = [
-        Route("/register", api.register, methods=["POST"]),
-        Route("/unregister", api.unregister, methods=["POST"]),
+        *(_dynamo_routes(service, api) if options.api == "dynamo" else _own_routes(api)),
         Route("/load", load_endpoint(service, api._body), methods=["POST"]),
         # Answered by LeanQuery; the route still gives other methods their 405.
         Route("/query", api.query, methods=["POST"]),
         Route("/dump", api.dump, methods=["GET"]),
-        Route("/workers", api.workers, methods=["GET"]),
         Route("/metrics", api.metrics, methods=["GET"]),
         Route("/health", api.health, methods=["GET"]),
         *status_routes(service),  # GET / (the status page) and GET /status
         openapi_route(),
     ]
-    reader = QueryReader(service)
+    reader = DynamoQueryReader(service) if options.api == "dynamo" else QueryReader(service)
     app = Starlette(
         routes=routes,
         middleware=[

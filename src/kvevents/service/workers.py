@@ -211,11 +211,8 @@ class ServiceWorkers:
 
 
 def _check_fits(old: WorkerRegistration, new: WorkerRegistration, rank: int, replace: bool) -> None:
-    """RegistrationConflict unless rank ``rank`` of ``new`` may join ``old``'s ranks."""
-    if rank in old.ranks and not replace:
-        raise RegistrationConflict(
-            worker_id=old.worker_id, rank=rank, field="rank", existing=rank, requested=rank
-        )
+    """RegistrationConflict unless rank ``rank`` of ``new`` may join ``old``'s ranks (the
+    model first, as Dynamo checks it: a rank of another model is not "already registered")."""
     for name in ("model_name", "block_size"):
         existing, requested = getattr(old, name), getattr(new, name)
         if existing != requested:
@@ -226,6 +223,10 @@ def _check_fits(old: WorkerRegistration, new: WorkerRegistration, rank: int, rep
                 existing=existing,
                 requested=requested,
             )
+    if rank in old.ranks and not replace:
+        raise RegistrationConflict(
+            worker_id=old.worker_id, rank=rank, field="rank", existing=rank, requested=rank
+        )
 
 
 def _add_error(spec: StreamSpec, exc: Exception) -> StreamAddError:
