@@ -143,3 +143,18 @@ def test_lower_tiers_count_cumulatively_in_instances() -> None:
         "cpu": 16,
         "disk": 20,
     }
+
+
+def test_unregister_under_another_model_names_the_instance_s_model(
+    served: tuple[httpx.Client, IndexService],
+) -> None:
+    """An instance unregistered under a model it is not registered for: Dynamo's 404 saying
+    which model it is registered for, and it stays registered."""
+    client, service = served
+    register(client, 1, E0)
+    reply = client.post("/unregister", json={"instance_id": 1, "model_name": "B"})
+    assert (reply.status_code, reply.json()) == (
+        404,
+        {"error": "instance 1 is registered for model=A routing_group=default"},
+    )
+    assert len(service.workers()) == 1

@@ -9,7 +9,8 @@ What Dynamo's indexer (ai-dynamo-runtime 1.6.1) does, and what this module does 
   another model, or a block size other than the model's.
 - ``POST /unregister`` ``{instance_id, model_name, routing_group?, dp_rank?}``: with
   ``routing_group`` and ``dp_rank``, that rank; otherwise the whole instance (``dp_rank`` alone
-  is ignored). 200 ``{"status": "ok"}``; 404 ``instance N not found``.
+  is ignored). 200 ``{"status": "ok"}``; 404 ``instance N not found`` (or registered for
+  another model).
 - ``POST /query`` ``{token_ids, model_name, lora_name?, cache_salt?}``: matched *tokens*
   (blocks x block size) of the model's workers only: ``scores`` (device tier per instance and
   dp rank), ``frequencies`` (empty) and ``instances`` (per instance ``longest_matched``,
@@ -231,8 +232,14 @@ class DynamoApi:
         body: UnregisterBody = _decode(await self._body(request), _unregister, "/unregister")
         worker = str(body.instance_id)
         reg = next((r for r in self.service.workers() if r.worker_id == worker), None)
-        if reg is None or reg.model_name != body.model_name:
+        if reg is None:
             raise BadRequest(f"instance {worker} not found", 404)
+        if reg.model_name != body.model_name:
+            raise BadRequest(
+                f"instance {worker} is registered for model={reg.model_name} "
+                f"routing_group={DEFAULT_GROUP}",
+                404,
+            )
         # As Dynamo: a rank alone only within a named routing group; else the whole instance.
         rank = body.dp_rank if body.routing_group is not None else None
         if body.routing_group not in (None, DEFAULT_GROUP):
