@@ -3,16 +3,18 @@ in process (tests/interop/test_dynamo_api.py compares it with the real one)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 
+from kvevents.index._table_py import pack_json_member
 from kvevents.index.prefix import PrefixIndex
 from kvevents.index.records import HolderKey, MatchResult
 from kvevents.service.core import IndexService
-from kvevents.service.dynamo import dynamo_scores
+from kvevents.service.dynamo import DynamoQueryReader, dynamo_scores
 from kvevents.service.http import AppOptions, serve
 from kvevents.testing.index import batch, store_event
 from test_service import BS, PROMPT, FakeFeed, applied
@@ -158,3 +160,50 @@ def test_unregister_under_another_model_names_the_instance_s_model(
         {"error": "instance 1 is registered for model=A routing_group=default"},
     )
     assert len(service.workers()) == 1
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/register", b"[" * 100_000),
+        ("/register", b'{"instance_id": 18446744073709551616, "endpoint": "tcp://127.0.0.1:1"}'),
+        ("/register", b'{"instance_id": 1, "endpoint": null, "model_name": "A", "block_size": 4}'),
+        ("/unregister", b'{"instance_id": 1e400, "model_name": "A"}'),
+        ("/unregister", b'{"instance_id": 1, "model_name": "A", "dp_rank": 70000}'),
+        ("/query", b'{"token_ids": [4294967296], "model_name": "A"}'),
+        ("/query", b'{"token_ids": [1], "model_name": "' + b"x" * 300 + b'"}'),
+        ("/query", b'{"token_ids": {"a": 1}, "model_name": "A"}'),
+        ("/query", b"\xff\xfe"),
+    ],
+)
+def test_hostile_bodies_are_4xx_json_errors(
+    served: tuple[httpx.Client, IndexService], path: str, body: bytes
+) -> None:
+    """Whatever a Dynamo client sends is a 4xx with a JSON error, never a 500."""
+    client, _ = served
+    register(client, 1, E0)
+    reply = client.post(path, content=body)
+    assert 400 <= reply.status_code < 500, reply.text
+    assert reply.json()["error"]
+
+
+def test_the_one_pass_packer_answers_as_the_full_decode(
+    served: tuple[httpx.Client, IndexService], feed: FakeFeed
+) -> None:
+    """token_ids packed from the JSON text give the same reply as a full decode, a repeated
+    member included (the last one wins, as in a full decode)."""
+    client, service = served
+    register(client, 1, E0)
+    feed.deliver("1", 0, batch(store_event(PROMPT, BS)))
+    applied(service, 1)
+    fast, full = DynamoQueryReader(service), DynamoQueryReader(service)
+    fast.pack_member, full.pack_member = pack_json_member, None
+    short = json.dumps(PROMPT[:8])
+    bodies = [
+        json.dumps({"token_ids": PROMPT, "model_name": "A"}),
+        f'{{"token_ids": {short}, "model_name": "A", "token_ids": {json.dumps(PROMPT)}}}',
+        f'{{"model_name": "A", "lora_name": null, "token_ids": {short}}}',
+    ]
+    for text in bodies:
+        assert fast.answer(text.encode()) == full.answer(text.encode()), text
+    assert fast.answer(bodies[1].encode())["scores"] == {"1": {"0": 24}}

@@ -40,6 +40,7 @@ from kvevents.index.keys import pack_tokens
 from kvevents.index.records import DEFAULT_TIER, MatchResult
 from kvevents.service.core import IndexService
 from kvevents.service.feed import OwnEndpoints, WorkerRegistration
+from kvevents.service.query import json_packers
 from kvevents.service.schema import (
     BadRequest,
     BlockSize,
@@ -91,9 +92,17 @@ class QueryBody(msgspec.Struct, kw_only=True):
     cache_salt: CacheSalt | None = None
 
 
+class QueryRest(QueryBody, kw_only=True):
+    """``QueryBody`` with ``token_ids`` left as JSON text (packed apart, in one pass)."""
+
+    token_ids: msgspec.Raw  # type: ignore[assignment]
+
+
 _register = msgspec.json.Decoder(RegisterBody)
 _unregister = msgspec.json.Decoder(UnregisterBody)
 _query = msgspec.json.Decoder(QueryBody)
+_query_rest = msgspec.json.Decoder(QueryRest)
+_NULL = b"null"
 _OK = {"status": "ok"}
 
 
@@ -170,24 +179,41 @@ def _add_rank(
 
 class DynamoQueryReader:
     """Turns a Dynamo ``POST /query`` body into Dynamo's reply (the ``LeanQuery`` reader of
-    ``--api dynamo``), or a BadRequest with Dynamo's status."""
+    ``--api dynamo``), or a BadRequest with Dynamo's status.
+
+    With the native block table, ``token_ids`` are packed straight from the JSON text, as
+    our own reader does; a body the packer does not take is decoded whole, which names what
+    is wrong with it.
+    """
 
     def __init__(self, service: IndexService) -> None:
         self.service = service
+        self.pack_member = json_packers()[1]
 
     def answer(self, body: bytes) -> dict[str, Any]:
-        query: QueryBody = _decode(body, _query, "/query")
+        query, packed = self.read(body)
         if not _serves(self.service, query.model_name, query.routing_group):
             raise _no_indexer(query.model_name, query.routing_group)
         sizes = {r.worker_id: r.block_size for r in self.service.workers()}
         result: dict[str, Any] = self.service.query(
-            packed=pack_tokens(query.token_ids),
+            packed=packed,
             lora=query.lora_name,
             cache_salt=query.cache_salt,
             model_name=query.model_name,
             shape=lambda match, _decision: dynamo_scores(match, sizes),
         )
         return result
+
+    def read(self, body: bytes) -> tuple[QueryBody, bytes]:
+        """The decoded query and its tokens packed as uint32 little-endian."""
+        found = None if self.pack_member is None else self.pack_member(body, b"token_ids")
+        if found is not None:
+            packed, start, end = found
+            rest: QueryRest = _decode(body[:start] + _NULL + body[end:], _query_rest, "/query")
+            if bytes(rest.token_ids) == _NULL:  # else a repeated member: decode it whole
+                return rest, packed
+        query: QueryBody = _decode(body, _query, "/query")
+        return query, pack_tokens(query.token_ids)
 
 
 Json = Callable[[Any, int], Response]
