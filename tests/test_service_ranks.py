@@ -117,6 +117,28 @@ def test_a_rank_the_feed_refuses_leaves_the_other_ranks_running() -> None:
         assert service.stats().refused_registrations == 1
 
 
+def test_a_replacement_the_feed_refuses_puts_the_old_rank_back() -> None:
+    """A rank moved to an endpoint the feed refuses comes back on its old endpoint; the
+    worker's other ranks were never touched."""
+    feed = _RefuseEndpoint()
+    with IndexService(PrefixIndex(), feed=feed, poll_interval=0.01) as service:
+        service.add_rank(rank("w", 0, E0))
+        service.add_rank(rank("w", 1, E1))
+        with pytest.raises(StreamAddError):
+            service.add_rank(rank("w", 1, E2))
+        assert sorted((s.rank, s.endpoint) for s in feed.specs) == [(0, E0), (1, E1)]
+        assert feed.removed == [("w", 1)]
+        (reg,) = service.workers()
+        assert (reg.ranks, reg.own(1)) == ((0, 1), OwnEndpoints(1, E1, None))
+
+
+def test_add_rank_takes_one_rank_with_its_own_endpoints(service: IndexService) -> None:
+    """A registration of base endpoints is not a rank of its own: refused, nothing added."""
+    with pytest.raises(ValueError, match="one rank"):
+        service.add_rank(WorkerRegistration("w", E0, BS))
+    assert service.workers() == []
+
+
 def test_queries_for_a_model_match_only_its_workers(service: IndexService, feed: FakeFeed) -> None:
     """The same tokens cached by two models' workers: a query for model A neither matches
     nor routes to model B's worker; a query with no model sees both."""

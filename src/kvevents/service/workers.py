@@ -94,6 +94,8 @@ class ServiceWorkers:
         :class:`~kvevents.errors.RegistrationConflict` and, as in :meth:`register`,
         ``LayoutError`` and ``StreamAddError`` leave everything as it was.
         """
+        if len(reg.ranks) != 1 or reg.own(reg.ranks[0]) is None:
+            raise ValueError("add_rank takes one rank, with its own endpoints")
         own = reg.own_endpoints[0]
         (spec,) = self._stream_specs(reg)
         with self._changes:
