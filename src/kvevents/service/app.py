@@ -173,9 +173,9 @@ class _Api:
                 # layout error names the field it comes from.
                 probe = _probe(reg, endpoint)
                 self.service.stream_specs(probe)
-                self.options.endpoints.check(
-                    name, endpoint, (0,) if reg.own_endpoints else reg.ranks
-                )
+                # A rank registered on its own publishes on the endpoint itself, not base + rank.
+                offsets = (0,) if reg.own_endpoints else reg.ranks
+                self.options.endpoints.check(name, endpoint, offsets)
             except LayoutError as exc:
                 if exc.rule in ACCESS_RULES:  # forbidden here, though well-formed
                     raise _Refused(403, str(exc), field=name, endpoint=endpoint) from None

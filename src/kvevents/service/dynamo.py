@@ -27,6 +27,7 @@ is a 501, since this index keys blocks by its own chained hashes, not by Dynamo'
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Awaitable, Callable
 from typing import Annotated, Any
 
@@ -241,11 +242,9 @@ class DynamoApi:
             raise BadRequest(f"/register: only the routing_group {DEFAULT_GROUP!r} is served", 422)
         reg = _registration(body)
         self._check_endpoints(reg)
-        existing = _model_block_size(self.service, body.model_name)
-        if existing not in (None, body.block_size):
-            raise _block_size_conflict(body.model_name, existing, body.block_size)
+        add = functools.partial(self.service.add_rank, replace=False, one_size_per_model=True)
         try:
-            await run_in_threadpool(self.service.add_rank, reg, replace=False)
+            await run_in_threadpool(add, reg)
         except RegistrationConflict as exc:
             raise _conflict(exc, body) from None
         except LayoutError as exc:

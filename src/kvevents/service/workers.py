@@ -83,7 +83,12 @@ class ServiceWorkers:
             self._save()
 
     def add_rank(
-        self, reg: WorkerRegistration, *, replace: bool = True, persist: bool = True
+        self,
+        reg: WorkerRegistration,
+        *,
+        replace: bool = True,
+        persist: bool = True,
+        one_size_per_model: bool = False,
     ) -> list[StreamSpec]:
         """Register one rank on endpoints of its own (``reg`` has one rank, in its
         ``own_endpoints``) next to the worker's other ranks, which keep their streams.
@@ -93,12 +98,16 @@ class ServiceWorkers:
         refused; a model name or block size other than the worker's is refused. Refusals raise
         :class:`~kvevents.errors.RegistrationConflict` and, as in :meth:`register`,
         ``LayoutError`` and ``StreamAddError`` leave everything as it was.
+        ``one_size_per_model``: refuse a block size other than that of the model's other
+        workers too (Dynamo keeps one per model).
         """
         if len(reg.ranks) != 1 or reg.own(reg.ranks[0]) is None:
             raise ValueError("add_rank takes one rank, with its own endpoints")
         own = reg.own_endpoints[0]
         (spec,) = self._stream_specs(reg)
         with self._changes:
+            if one_size_per_model:
+                self._check_model_size(reg)
             old = self._workers.get(reg.worker_id)
             if old is None:
                 self._replace(reg, [spec], persist)
@@ -115,6 +124,18 @@ class ServiceWorkers:
                 raise
             self._registered(reg.worker_id, persist)
         return [spec]
+
+    def _check_model_size(self, reg: WorkerRegistration) -> None:
+        """RegistrationConflict when another worker of ``reg``'s model has another block size."""
+        for other in self._workers.values():
+            if other.model_name == reg.model_name and other.block_size != reg.block_size:
+                raise RegistrationConflict(
+                    worker_id=reg.worker_id,
+                    rank=reg.ranks[0],
+                    field="block_size",
+                    existing=other.block_size,
+                    requested=reg.block_size,
+                )
 
     def _spec_of(self, reg: WorkerRegistration, rank: int) -> StreamSpec:
         return next(s for s in self._stream_specs(reg) if s.rank == rank)
