@@ -4,6 +4,7 @@ service and over our own HTTP API."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -17,6 +18,7 @@ from kvevents.service.state import StateFile
 from kvevents.subscribe.streams import StreamSpec
 from kvevents.testing.index import batch, store_event
 from test_service import BS, PROMPT, FakeFeed, applied
+from test_state_file import serving
 
 E0, E1, E2 = "tcp://127.0.0.1:7100", "tcp://127.0.0.1:7301", "tcp://127.0.0.1:7502"
 
@@ -207,3 +209,18 @@ def test_workers_registered_without_a_model_serve_every_model(
     feed.deliver("any", 0, batch(store_event(PROMPT, BS)))
     applied(service, 1)
     assert service.query(PROMPT, model_name="A")["scores"] == {"any": {"0": 6}}
+
+
+def test_a_saved_rank_on_a_host_now_refused_is_not_restored(tmp_path: Path) -> None:
+    """Restoring from the state file checks every rank's own endpoint against today's
+    allow-list, not only the first rank's: a rank on a refused host skips the worker."""
+    path = tmp_path / "state.json"
+    far = rank("far", 0, E0).with_rank(OwnEndpoints(1, "tcp://10.1.2.3:5557", None))
+    StateFile(path).save([far, rank("near", 0, E1)])
+    with serving("--state-file", str(path)) as (proc, url):
+        workers = httpx.get(f"{url}/workers", timeout=10).json()["workers"]
+        assert [w["worker_id"] for w in workers] == ["near"]
+        assert workers[0]["own_endpoints"] == [{"rank": 0, "endpoint": E1, "replay_endpoint": None}]
+        status, err = proc.stop()
+    assert status == 0
+    assert "warning: state file: worker 'far' not restored" in err

@@ -169,9 +169,10 @@ def _restore(service: Any, saved: list[Any], policy: Any) -> None:
 
     for reg in saved:
         try:
-            for name in ("endpoint", "replay_endpoint"):
-                if getattr(reg, name) is not None:
-                    policy.check(name, getattr(reg, name), reg.ranks)
+            for spec in service.stream_specs(reg):  # each rank's own endpoints too
+                for name in ("endpoint", "replay_endpoint"):
+                    if getattr(spec, name) is not None:
+                        policy.check(name, getattr(spec, name), (0,))
             service.register(reg, persist=True)
         except (LayoutError, StreamAddError) as exc:
             print(f"kvevents serve: warning: state file: worker {reg.worker_id!r} not restored: "
