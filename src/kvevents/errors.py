@@ -15,6 +15,8 @@
     ├── TraceError (also ValueError)      a workload trace row cannot be read (.path, .line)
     ├── DiscoveryError (also ValueError)  an engine's advertised endpoints cannot be read
     │                                     (.url, .key, .reason)
+    ├── RegistrationConflict (also ValueError)  a rank added on its own does not fit its
+    │                                     worker's registration (.worker_id, .rank, .field)
     └── SyncTimeout (also TimeoutError)   a simulated cluster's index did not catch up (.lagging)
 
 Invalid configuration raises ``pydantic.ValidationError`` (a ``ValueError``) naming the field.
@@ -32,6 +34,7 @@ __all__ = [
     "LayoutError",
     "PublisherClosed",
     "PublisherError",
+    "RegistrationConflict",
     "StreamAddError",
     "SubscriberClosed",
     "SubscriberError",
@@ -108,6 +111,29 @@ class StreamAddError(SubscriberError):
         self.rank = rank
         self.endpoint = endpoint
         self.reason = reason
+
+
+class RegistrationConflict(KVEventsError, ValueError):
+    """A rank registered on its own (``dp_rank``) does not fit the worker's other ranks:
+    ``field`` is ``"rank"`` (already registered), ``"model_name"`` or ``"block_size"`` (the
+    worker's differ; ``existing`` and ``requested`` hold both values). Nothing was changed."""
+
+    def __init__(
+        self, *, worker_id: str, rank: int, field: str, existing: object, requested: object
+    ) -> None:
+        if field == "rank":
+            message = f"worker {worker_id!r} rank {rank} is already registered"
+        else:
+            message = (
+                f"worker {worker_id!r} is registered with {field} {existing!r}; "
+                f"rank {rank} asks for {requested!r}"
+            )
+        super().__init__(message)
+        self.worker_id = worker_id
+        self.rank = rank
+        self.field = field
+        self.existing = existing
+        self.requested = requested
 
 
 class TraceError(KVEventsError, ValueError):

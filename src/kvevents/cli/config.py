@@ -122,6 +122,7 @@ class ServeSettings(Settings):
 
     host: Text = "127.0.0.1"
     port: Port = 8090
+    api: Literal["kvevents", "dynamo"] = "kvevents"
     policy: PolicyName = "longest_prefix"
     seed: Annotated[int, Field(ge=0)] = 0
     prefill_weight: Weight = 1.0

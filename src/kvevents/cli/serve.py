@@ -69,6 +69,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--block-size", type=positive_int, default=_d("block_size"),
                    help="block size of --worker")  # fmt: skip
     _add_engine_options(p)
+    p.add_argument("--api", choices=("kvevents", "dynamo"), default=_d("api"),
+                   help="request and reply shapes of /register, /unregister, /query and /workers: "
+                   "ours, or NVIDIA Dynamo's standalone indexer's (docs/service.md)")  # fmt: skip
     _add_router_options(p)
     _add_access_options(p)
     _add_limit_options(p)
@@ -139,7 +142,7 @@ def _app_options(args: argparse.Namespace) -> Any:
     hosts = tuple(args.allow_endpoint_host) or DEFAULT_ALLOWED_HOSTS
     limits = HttpLimits(args.max_body_bytes, args.header_timeout, args.body_timeout,
                         args.max_connections)  # fmt: skip
-    return AppOptions(TokenCheck(token, args.auth_reads), EndpointPolicy(hosts), limits)
+    return AppOptions(TokenCheck(token, args.auth_reads), EndpointPolicy(hosts), limits, args.api)
 
 
 def _registrations(settings: ServeSettings) -> list[Any]:
@@ -198,9 +201,10 @@ def _restore(service: Any, saved: list[Any], policy: Any) -> None:
 
     for reg in saved:
         try:
-            for name in ("endpoint", "replay_endpoint"):
-                if getattr(reg, name) is not None:
-                    policy.check(name, getattr(reg, name), reg.ranks)
+            for spec in service.stream_specs(reg):  # each rank's own endpoints too
+                for name in ("endpoint", "replay_endpoint"):
+                    if getattr(spec, name) is not None:
+                        policy.check(name, getattr(spec, name), (0,))
             service.register(reg, persist=True)
         except (LayoutError, StreamAddError) as exc:
             print(f"kvevents serve: warning: state file: worker {reg.worker_id!r} not restored: "

@@ -4,13 +4,16 @@ Endpoints follow the shape users know from Dynamo's standalone KV indexer and th
 indexer API, so it can be swapped in:
 
 - ``POST /register`` ``{worker_id | instance_id, endpoint, replay_endpoint?, block_size,
-  ranks? | dp_size?, topic?, model_name?}``: index the worker's ranks and subscribe to them.
-  ``endpoint`` and ``replay_endpoint`` are base endpoints (rank r uses base port + r).
+  ranks? | dp_size? | dp_rank?, topic?, model_name?}``: index the worker's ranks and subscribe
+  to them. ``endpoint`` and ``replay_endpoint`` are base endpoints (rank r uses base port + r);
+  with ``dp_rank`` they are that one rank's, which joins the worker's other ranks (409 when its
+  model name or block size differs from theirs).
 - ``POST /unregister`` ``{worker_id | instance_id, rank? | dp_rank?}``: forget it entirely.
 - ``POST /load`` ``{loads: [{worker_id, rank?, queued_blocks, active_blocks}]}``: the
   targets' load, for load-aware routing (:mod:`.load`).
-- ``POST /query`` ``{token_ids | block_hashes, policy?, block_size?, lora_name?}``: matched
-  blocks per worker, rank and tier, and an explained routing decision (:mod:`.query`).
+- ``POST /query`` ``{token_ids | block_hashes, policy?, block_size?, lora_name?, model_name?}``:
+  matched blocks per worker, rank and tier, and an explained routing decision (:mod:`.query`);
+  with ``model_name``, among the workers registered for that model (or for none) only.
 - ``GET /dump``: every holder's blocks, streamed; ``GET /workers``: workers with their stream
   health; ``GET /metrics``: Prometheus text; ``GET /health``: 200 while the feed is sound.
 - ``GET /``: a live status page polling ``GET /status`` (:mod:`.status`); ``GET /openapi.json``:
@@ -27,7 +30,7 @@ import contextlib
 import dataclasses
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 from prometheus_client import (
@@ -46,12 +49,13 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kvevents.errors import LayoutError, StreamAddError
+from kvevents.errors import LayoutError, RegistrationConflict, StreamAddError
 from kvevents.metrics import StatsCollector
 from kvevents.service.access import ACCESS_RULES, EndpointPolicy, TokenCheck
 from kvevents.service.collector import ServiceCollector
 from kvevents.service.core import IndexService, WorkerRegistration
 from kvevents.service.dump import dump_chunks
+from kvevents.service.dynamo import DynamoApi, DynamoQueryReader
 from kvevents.service.limits import STATUS_FIELDS, HttpCounters, HttpLimits, read_body
 from kvevents.service.load import load_endpoint
 from kvevents.service.memory import IdleTrim, release_free_memory
@@ -67,7 +71,7 @@ from kvevents.service.schema import (
 )
 from kvevents.service.status import status_routes
 
-__all__ = ["MUTATING", "AppOptions", "Guard", "create_app"]
+__all__ = ["MUTATING", "Api", "AppOptions", "Guard", "create_app"]
 
 #: The endpoints that change the service's state: they need the token when one is set.
 MUTATING = frozenset({"/register", "/unregister", "/load"})
@@ -77,13 +81,20 @@ _register_decoder = msgspec.json.Decoder(RegisterBody)
 _unregister_decoder = msgspec.json.Decoder(UnregisterBody)
 
 
+#: Whose API shape the service answers in: ours, or NVIDIA Dynamo's standalone indexer's.
+Api = Literal["kvevents", "dynamo"]
+
+
 @dataclass(frozen=True)
 class AppOptions:
-    """Who may do what, and what a client may cost (see docs/security.md)."""
+    """Who may do what, and what a client may cost (see docs/security.md); ``api``: whose
+    request and reply shapes ``/register``, ``/unregister``, ``/query`` and ``/workers`` take
+    (``"dynamo"``: :mod:`.dynamo`)."""
 
     auth: TokenCheck = field(default_factory=TokenCheck)
     endpoints: EndpointPolicy = field(default_factory=EndpointPolicy)
     limits: HttpLimits = field(default_factory=HttpLimits)
+    api: Api = "kvevents"
 
 
 def _json(value: Any, status: int = 200) -> Response:
@@ -137,8 +148,11 @@ class _Api:
     async def register(self, request: Request) -> Response:
         reg = registration(decode(await self._body(request), _register_decoder, "/register"))
         self._check_endpoints(reg)
+        add = self.service.add_rank if reg.own_endpoints else self.service.register
         try:
-            specs = await run_in_threadpool(self.service.register, reg)
+            specs = await run_in_threadpool(add, reg)
+        except RegistrationConflict as exc:
+            raise _Refused(409, str(exc), field=_conflict_field(exc)) from None
         except LayoutError as exc:  # a spec builder stricter with the pair than each alone
             raise _Refused(400, str(exc), field="endpoint", endpoint=exc.endpoint) from None
         except StreamAddError as exc:
@@ -157,9 +171,11 @@ class _Api:
             try:
                 # One field at a time through the service's own spec builder, so that a
                 # layout error names the field it comes from.
-                probe = dataclasses.replace(reg, endpoint=endpoint, replay_endpoint=None)
+                probe = _probe(reg, endpoint)
                 self.service.stream_specs(probe)
-                self.options.endpoints.check(name, endpoint, reg.ranks)
+                # A rank registered on its own publishes on the endpoint itself, not base + rank.
+                offsets = (0,) if reg.own_endpoints else reg.ranks
+                self.options.endpoints.check(name, endpoint, offsets)
             except LayoutError as exc:
                 if exc.rule in ACCESS_RULES:  # forbidden here, though well-formed
                     raise _Refused(403, str(exc), field=name, endpoint=endpoint) from None
@@ -254,6 +270,17 @@ class _Api:
                 await loop.run_in_executor(None, release_free_memory)
 
 
+def _probe(reg: WorkerRegistration, endpoint: str) -> WorkerRegistration:
+    """``reg`` with ``endpoint`` alone, where the registration names its endpoint."""
+    own = tuple(e._replace(endpoint=endpoint, replay_endpoint=None) for e in reg.own_endpoints)
+    return dataclasses.replace(reg, endpoint=endpoint, replay_endpoint=None, own_endpoints=own)
+
+
+def _conflict_field(exc: RegistrationConflict) -> str:
+    """The request field a conflict is about (a rank already registered: ``dp_rank``)."""
+    return "dp_rank" if exc.field == "rank" else exc.field
+
+
 class _Refused(BadRequest):
     """A refused request with more JSON members than ``error`` (``field``, ``endpoint``...)."""
 
@@ -297,6 +324,24 @@ async def _unauthorized(scope: Scope, send: Send) -> None:
     await send({"type": "http.response.body", "body": payload})
 
 
+def _own_routes(api: _Api) -> list[Route]:
+    return [
+        Route("/register", api.register, methods=["POST"]),
+        Route("/unregister", api.unregister, methods=["POST"]),
+        Route("/workers", api.workers, methods=["GET"]),
+    ]
+
+
+def _dynamo_routes(service: IndexService, api: _Api) -> list[Route]:
+    dynamo = DynamoApi(service, api._body, api._check_endpoints, _json)
+    return [
+        Route("/register", dynamo.register, methods=["POST"]),
+        Route("/unregister", dynamo.unregister, methods=["POST"]),
+        Route("/workers", dynamo.workers, methods=["GET"]),
+        Route("/query_by_hash", dynamo.query_by_hash, methods=["POST"]),
+    ]
+
+
 def create_app(
     service: IndexService,
     *,
@@ -316,19 +361,17 @@ def create_app(
     counters = counters if counters is not None else HttpCounters()
     api = _Api(service, options, collectors, counters)
     routes = [
-        Route("/register", api.register, methods=["POST"]),
-        Route("/unregister", api.unregister, methods=["POST"]),
+        *(_dynamo_routes(service, api) if options.api == "dynamo" else _own_routes(api)),
         Route("/load", load_endpoint(service, api._body), methods=["POST"]),
         # Answered by LeanQuery; the route still gives other methods their 405.
         Route("/query", api.query, methods=["POST"]),
         Route("/dump", api.dump, methods=["GET"]),
-        Route("/workers", api.workers, methods=["GET"]),
         Route("/metrics", api.metrics, methods=["GET"]),
         Route("/health", api.health, methods=["GET"]),
         *status_routes(service),  # GET / (the status page) and GET /status
         openapi_route(),
     ]
-    reader = QueryReader(service)
+    reader = DynamoQueryReader(service) if options.api == "dynamo" else QueryReader(service)
     app = Starlette(
         routes=routes,
         middleware=[

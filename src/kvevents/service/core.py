@@ -7,28 +7,25 @@ is applied, a ``StreamReset`` resets that stream, a stream that lost events for 
 degraded in routing until it is whole again. Queries take the same lock as the feed.
 
 The feed protocol, the records and the default feed are in :mod:`kvevents.service.feed`
-(re-exported here); the HTTP API over the service (``kvevents serve``) is
-:mod:`kvevents.service.http`.
+(re-exported here); registrations are kept by :mod:`.workers` and the read views are in
+:mod:`.views`, both bases of the service; the HTTP API over the service (``kvevents serve``)
+is :mod:`kvevents.service.http`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import threading
-import time
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import TypeVar
 
-import msgspec
-
-from kvevents.errors import DecodeError, StreamAddError, SubscriberError
+from kvevents.errors import DecodeError
 from kvevents.events import AllBlocksCleared
-from kvevents.index.decision import Target
 from kvevents.index.keys import MMSpan
-from kvevents.index.prefix import HolderKey, IndexStats, PrefixIndex
+from kvevents.index.prefix import PrefixIndex
 from kvevents.index.router import DEFAULT_POLICY, Router
+from kvevents.service.answers import Shape, answer, scoped
 from kvevents.service.decisions import DecisionLog
 from kvevents.service.feed import (
     Feed,
@@ -37,15 +34,14 @@ from kvevents.service.feed import (
     default_feed,
     default_stream_specs,
 )
-from kvevents.service.loadreports import DEFAULT_LOAD_TTL, LoadLedger, LoadReport
+from kvevents.service.loadreports import DEFAULT_LOAD_TTL, LoadLedger
 from kvevents.service.state import Persisted, StateFile
+from kvevents.service.views import ServiceViews
+from kvevents.service.workers import ServiceWorkers
 from kvevents.subscribe.streams import (
     Delivery,
-    FeedHealth,
     Item,
-    StreamKey,
     StreamSpec,
-    StreamStats,
     StreamStatus,
     SubscriberOptions,
 )
@@ -61,9 +57,10 @@ __all__ = [
 log = logging.getLogger("kvevents.service.core")
 
 _T = TypeVar("_T")
+_R = TypeVar("_R")
 
 
-class IndexService:
+class IndexService(ServiceWorkers, ServiceViews):
     """The index, a router, and the thread that feeds the index from a feed.
 
     The service owns its feed (passed in, or made by ``feed_factory`` on first use) and
@@ -258,114 +255,6 @@ class IndexService:
             elif status.state == "live":
                 self.router.mark_healthy(worker_id, rank)
 
-    # ----------------------------------------------------------------- workers
-
-    def stream_specs(self, reg: WorkerRegistration) -> list[StreamSpec]:
-        """The streams ``reg`` would add; ``LayoutError`` (a ``ValueError``) if an endpoint
-        breaks a rule. Pure: nothing is registered."""
-        return self._stream_specs(reg)
-
-    def register(self, reg: WorkerRegistration, *, persist: bool = True) -> list[StreamSpec]:
-        """Index a worker's ranks and subscribe to them; re-registering replaces.
-
-        ``persist``: keep it in the state file (if the service has one); False for the
-        workers of the service's own configuration, which it registers at every start.
-
-        Everything is checked before anything changes: endpoints that break a rule raise
-        ``LayoutError`` and a stream the feed refuses raises
-        :class:`~kvevents.errors.StreamAddError`, and in both cases a worker registered before
-        keeps its old registration and streams.
-        """
-        specs = self._stream_specs(reg)
-        with self._changes:
-            old = self._workers.get(reg.worker_id)
-            if old is not None:
-                self._drop(old, None)
-            try:
-                self._add(reg, specs)
-            except StreamAddError:
-                self._counts["refused_registrations"] += 1
-                if old is not None:
-                    self._add(old, self._stream_specs(old))
-                raise
-            self._counts["registrations"] += 1
-            if self._persisted.registered(reg.worker_id, persist):
-                self._save()
-        return specs
-
-    def _add(self, reg: WorkerRegistration, specs: list[StreamSpec]) -> None:
-        """Register ``reg`` in the index and the feed, or (StreamAddError) not at all."""
-        with self.lock:
-            self.index.register_worker(reg.worker_id, block_size=reg.block_size, ranks=reg.ranks)
-            self._workers[reg.worker_id] = reg
-        added: list[StreamSpec] = []
-        for spec in specs:
-            try:
-                self.feed.add_stream(spec)
-            except (SubscriberError, ValueError) as exc:
-                refused = exc if isinstance(exc, StreamAddError) else _add_error(spec, exc)
-                for done in added:
-                    # The feed may have dropped a stream it could not keep: nothing to undo.
-                    with contextlib.suppress(KeyError):
-                        self.feed.remove_stream(done.worker_id, done.rank)
-                self._forget(reg, None)
-                raise refused from exc
-            added.append(spec)
-
-    def unregister(self, worker_id: str, rank: int | None = None) -> bool:
-        """Stop following a worker (or one rank) and drop its blocks. False if unknown."""
-        with self._changes:
-            reg = self._workers.get(worker_id)
-            if reg is None or (rank is not None and rank not in reg.ranks):
-                return False
-            self._drop(reg, rank)
-            if self._persisted.unregistered(worker_id, worker_id not in self._workers):
-                self._save()
-            return True
-
-    def _drop(self, reg: WorkerRegistration, rank: int | None) -> None:
-        self.feed.remove_stream(reg.worker_id, rank)
-        self._forget(reg, rank)
-
-    def _forget(self, reg: WorkerRegistration, rank: int | None) -> None:
-        """Drop a worker (or one rank) from the index, the router and the registrations."""
-        worker_id = reg.worker_id
-        with self.lock:
-            self.index.remove_worker(worker_id, rank)
-            self.router.loads.remove(worker_id, rank)
-            self._loads.forget(worker_id, rank)
-            self.router.mark_healthy(worker_id, rank)
-            if rank is None or reg.ranks == (rank,):
-                del self._workers[worker_id]
-            else:
-                ranks = tuple(r for r in reg.ranks if r != rank)
-                self._workers[worker_id] = dataclasses.replace(reg, ranks=ranks)
-
-    def workers(self) -> list[WorkerRegistration]:
-        return list(self._workers.values())
-
-    def _save(self) -> None:
-        """Write the state file (call with ``_changes`` held). A failed write is counted, not
-        raised: the change itself was made, and the next one writes the whole state again."""
-        written = self._persisted.write(self._workers)
-        self._counts["state_writes" if written else "state_write_errors"] += 1
-
-    # ----------------------------------------------------------------- load
-
-    def report_loads(self, reports: Sequence[LoadReport]) -> list[Target]:
-        """Apply load reports for routing; the targets not registered (not applied)."""
-        unknown: list[Target] = []
-        with self.lock:
-            for report in reports:
-                reg = self._workers.get(report.worker_id)
-                if reg is None or report.rank not in reg.ranks:
-                    unknown.append((report.worker_id, report.rank))
-                else:
-                    self._loads.apply(report)
-            self._counts["load_reports"] += len(reports) - len(unknown)
-            self._counts["load_unknown"] += len(unknown)
-        return unknown
-
     # ----------------------------------------------------------------- reads
 
     def query(
@@ -381,13 +270,18 @@ class IndexService:
         policy: str | None = None,
         prefill_weight: float | None = None,
         load_weight: float | None = None,
-    ) -> dict[str, Any]:
-        """Matches per holder and a routing decision, JSON-ready.
+        model_name: str | None = None,
+        shape: Shape[_R] = answer,  # type: ignore[assignment]
+    ) -> _R:
+        """Matches per holder and a routing decision, JSON-ready (by ``shape``: ours, or
+        another API's, e.g. :mod:`.dynamo`).
 
         The request is ``token_ids``, or the same tokens ``packed`` as uint32 little-endian
         bytes (what ``POST /query`` hands over), or precomputed ``block_hashes``;
         ``cache_salt`` and ``mm`` as in :meth:`PrefixIndex.match`; ``prefill_weight`` and
-        ``load_weight`` override the router's cost weights for this decision.
+        ``load_weight`` override the router's cost weights for this decision. With
+        ``model_name``, only the workers registered for that model (or for none) match and are
+        routed to.
         """
         with self.lock:
             if packed is not None:
@@ -398,124 +292,20 @@ class IndexService:
                 match = self.index.match_hashes(block_hashes, block_size=block_size)
             else:
                 raise ValueError("query needs token_ids or block_hashes")
+            targets = None if model_name is None else self._model_targets(model_name)
+            if targets is not None:
+                match = scoped(match, targets)
             self._counts["loads_expired"] += self._loads.expire()
             decision = self.router.decide(
-                match, policy=policy, prefill_weight=prefill_weight, load_weight=load_weight
+                match,
+                targets=targets,
+                policy=policy,
+                prefill_weight=prefill_weight,
+                load_weight=load_weight,
             )
             self._counts["queries"] += 1
         self.decisions.record(decision)
-        scores: dict[str, dict[str, int]] = {}
-        for (worker, rank), blocks in match.streams.items():
-            scores.setdefault(worker, {})[str(rank)] = blocks
-        return {
-            "request_tokens": match.request_tokens,
-            "request_blocks": {str(k): v for k, v in match.request_blocks.items()},
-            "scores": scores,
-            "matches": [
-                {"worker_id": k.worker_id, "rank": k.rank, "tier": k.tier, "matched_blocks": v}
-                for k, v in match.holders.items()
-            ],
-            "decision": decision.to_dict(),
-        }
+        return shape(match, decision)
 
     def stats(self) -> ServiceStats:
         return ServiceStats(**self._counts)
-
-    def index_stats(self) -> IndexStats:
-        with self.lock:
-            return self.index.stats()
-
-    def health(self) -> FeedHealth:
-        """Whether the feed is serving: the feed's own health, or ``"dead"`` when the
-        service's consumer thread stopped on a feed error."""
-        if self._consumer_error is not None:
-            return FeedHealth("dead", False, 0.0, self._consumer_error)
-        return self.feed.health()
-
-    def stream_health(self) -> dict[StreamKey, StreamStats]:
-        """The feed's per-stream stats."""
-        return self.feed.stream_stats()
-
-    def workers_view(self) -> list[dict[str, Any]]:
-        """Workers with their per-rank index state, stream health and reported load
-        (``GET /workers``)."""
-        with self.lock:
-            streams = {(s.worker_id, s.rank): s for s in self.index.streams()}
-            degraded = dict(self.router.degraded)
-            self._counts["loads_expired"] += self._loads.expire()
-            loads = self.router.loads.snapshot()
-        health = self.stream_health()
-        now = time.time()
-        out = []
-        for reg in list(self._workers.values()):
-            ranks = []
-            for rank in reg.ranks:
-                info = streams.get((reg.worker_id, rank))
-                row: dict[str, Any] = {"rank": rank}
-                if info is not None:
-                    row.update(_builtins(info))
-                    last = info.last_batch_ts
-                    row["lag_seconds"] = None if last is None else max(0.0, now - last)
-                row["stream"] = _builtins(health.get((reg.worker_id, rank)))
-                row["degraded"] = degraded.get((reg.worker_id, rank))
-                load = loads.get((reg.worker_id, rank))
-                row["load"] = None if load is None else load._asdict()  # None: no report
-                ranks.append(row)
-            out.append({**_builtins(reg), "ranks": ranks})
-        return out
-
-    def holders(self) -> list[tuple[HolderKey, int | None]]:
-        """Every holder with its stream's block size, taken under the lock (cheap)."""
-        with self.lock:
-            return [
-                (HolderKey(s.worker_id, s.rank, tier), s.block_size)
-                for s in self.index.streams()
-                for tier in s.tiers
-            ]
-
-    def holder_blocks(self, key: HolderKey) -> list[tuple[int, int]]:
-        """One holder's ``(engine_hash, our_hash)`` pairs, copied under the lock.
-
-        The lock is held for one holder's copy (about 0.2 s per million blocks in C), not for
-        a walk of the whole index, and nothing is encoded under it.
-        """
-        with self.lock:
-            return _holder_pairs(self.index, key)
-
-    def dump(self) -> dict[str, Any]:
-        """Every holder's blocks and the index stats, in memory (``GET /dump`` streams it)."""
-        holders = [
-            {**_holder_header(key, size), "blocks": [list(p) for p in self.holder_blocks(key)]}
-            for key, size in self.holders()
-        ]
-        return {"holders": holders, "stats": _builtins(self.index_stats())}
-
-
-def _add_error(spec: StreamSpec, exc: Exception) -> StreamAddError:
-    """A feed's own refusal (a duplicate stream: ValueError) as the Subscriber reports one."""
-    return StreamAddError(
-        worker_id=spec.worker_id, rank=spec.rank, endpoint=spec.endpoint, reason=str(exc)
-    )
-
-
-def _holder_header(key: HolderKey, block_size: int | None) -> dict[str, Any]:
-    return {
-        "worker_id": key.worker_id,
-        "rank": key.rank,
-        "tier": key.tier,
-        "block_size": block_size,
-    }
-
-
-def _holder_pairs(index: PrefixIndex, key: HolderKey) -> list[tuple[int, int]]:
-    # The index has no per-holder accessor; its dump() walks every holder in one go, which
-    # would hold the service lock for seconds on a large index. Reading one holder's table
-    # here keeps each hold short. (To move into PrefixIndex as a public method.)
-    stream = index._streams.get((key.worker_id, key.rank))
-    holder = None if stream is None else stream.holders.get(key.tier)
-    return [] if holder is None else holder.engine.items()
-
-
-def _builtins(value: Any) -> Any:
-    """Dataclasses, structs and named tuples as plain JSON-ready values."""
-    return msgspec.to_builtins(value, builtin_types=None, str_keys=True)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from kvevents.subscribe.streams import (
     FeedHealth,
@@ -22,8 +22,16 @@ from kvevents.subscribe.streams import (
     worker_streams,
 )
 from kvevents.wire import Applied
+from kvevents.wire.endpoints import rank_endpoint
 
-__all__ = ["Feed", "ServiceStats", "WorkerRegistration", "default_feed", "default_stream_specs"]
+__all__ = [
+    "Feed",
+    "OwnEndpoints",
+    "ServiceStats",
+    "WorkerRegistration",
+    "default_feed",
+    "default_stream_specs",
+]
 
 
 class Feed(Protocol):
@@ -39,9 +47,22 @@ class Feed(Protocol):
     def health(self) -> FeedHealth: ...
 
 
+class OwnEndpoints(NamedTuple):
+    """A rank registered on its own: it publishes on ``endpoint`` itself, not a base + rank."""
+
+    rank: int
+    endpoint: str
+    replay_endpoint: str | None = None
+
+
 @dataclasses.dataclass(frozen=True)
 class WorkerRegistration:
-    """A registered worker: where its ranks publish and how its blocks are sized."""
+    """A registered worker: where its ranks publish and how its blocks are sized.
+
+    Rank r publishes on ``endpoint``'s port + r (and replays on ``replay_endpoint``'s), except
+    the ranks in ``own_endpoints``: those were registered one at a time (``dp_rank``, as
+    Dynamo's API does), each with endpoints of its own.
+    """
 
     worker_id: str
     endpoint: str
@@ -50,6 +71,28 @@ class WorkerRegistration:
     replay_endpoint: str | None = None
     topic: str = ""
     model_name: str | None = None
+    own_endpoints: tuple[OwnEndpoints, ...] = ()
+
+    def own(self, rank: int) -> OwnEndpoints | None:
+        """The endpoints ``rank`` was registered with on its own, if it was."""
+        return next((e for e in self.own_endpoints if e.rank == rank), None)
+
+    def without(self, rank: int) -> WorkerRegistration:
+        """This registration less ``rank`` (which must not be its only one)."""
+        return dataclasses.replace(
+            self,
+            ranks=tuple(r for r in self.ranks if r != rank),
+            own_endpoints=tuple(e for e in self.own_endpoints if e.rank != rank),
+        )
+
+    def with_rank(self, own: OwnEndpoints) -> WorkerRegistration:
+        """This registration plus (or with a new endpoint for) one rank of its own."""
+        rest = self.without(own.rank) if own.rank in self.ranks else self
+        return dataclasses.replace(
+            rest,
+            ranks=tuple(sorted((*rest.ranks, own.rank))),
+            own_endpoints=(*rest.own_endpoints, own),
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,9 +114,26 @@ class ServiceStats:
 
 
 def default_stream_specs(reg: WorkerRegistration) -> list[StreamSpec]:
-    """Stream specs of a worker's ranks from its base endpoints (rank r: base port + r)."""
-    return worker_streams(
-        reg.worker_id, reg.endpoint, reg.replay_endpoint, ranks=list(reg.ranks), topic=reg.topic
+    """Stream specs of a worker's ranks: from its base endpoints (rank r: base port + r), or
+    the rank's own endpoints for a rank registered on its own."""
+    if not reg.own_endpoints:
+        return worker_streams(
+            reg.worker_id, reg.endpoint, reg.replay_endpoint, ranks=list(reg.ranks), topic=reg.topic
+        )
+    return [_rank_spec(reg, rank) for rank in reg.ranks]
+
+
+def _rank_spec(reg: WorkerRegistration, rank: int) -> StreamSpec:
+    own = reg.own(rank)
+    if own is not None:
+        return StreamSpec(reg.worker_id, rank, own.endpoint, own.replay_endpoint, reg.topic)
+    replay = reg.replay_endpoint
+    return StreamSpec(
+        reg.worker_id,
+        rank,
+        rank_endpoint(reg.endpoint, rank),
+        None if replay is None else rank_endpoint(replay, rank),
+        reg.topic,
     )
 
 

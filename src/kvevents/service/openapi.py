@@ -135,8 +135,17 @@ class RankView(msgspec.Struct, forbid_unknown_fields=True):
     lag_seconds: float | None = None
 
 
+class OwnEndpointsView(msgspec.Struct, forbid_unknown_fields=True):
+    """A rank registered on its own (``dp_rank``), publishing on these endpoints."""
+
+    rank: int
+    endpoint: str
+    replay_endpoint: str | None
+
+
 class WorkerView(msgspec.Struct, forbid_unknown_fields=True):
-    """A registration with its ranks."""
+    """A registration with its ranks (rank r on ``endpoint``'s port + r, except the ranks
+    registered on their own, in ``own_endpoints``)."""
 
     worker_id: str
     endpoint: str
@@ -145,6 +154,7 @@ class WorkerView(msgspec.Struct, forbid_unknown_fields=True):
     replay_endpoint: str | None
     topic: str
     model_name: str | None
+    own_endpoints: list[OwnEndpointsView]
 
 
 class Workers(msgspec.Struct, forbid_unknown_fields=True):

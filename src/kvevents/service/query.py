@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from time import perf_counter
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -28,7 +28,14 @@ from kvevents.service.schema import (
     mm_spans,
 )
 
-__all__ = ["JsonPacker", "LeanQuery", "MemberPacker", "QueryReader", "json_response"]
+__all__ = [
+    "JsonPacker",
+    "LeanQuery",
+    "MemberPacker",
+    "QueryReader",
+    "Reader",
+    "json_response",
+]
 
 #: Reads a JSON array of token ids into packed uint32 little-endian bytes; None if it is not one.
 JsonPacker = Callable[[bytes], "bytes | None"]
@@ -41,6 +48,7 @@ _encoder = msgspec.json.Encoder()
 _NULL = b"null"
 _TOKEN_MAX = 2**32 - 1
 _WHERE = "/query"
+_UNREAD = (408, 413)  # refusals that leave the body unread: the connection is spent
 
 
 def json_packers() -> tuple[JsonPacker | None, MemberPacker | None]:
@@ -52,6 +60,12 @@ def json_packers() -> tuple[JsonPacker | None, MemberPacker | None]:
     if table.IMPLEMENTATION == "python":
         return None, None
     return table.pack_json_tokens, table.pack_json_member
+
+
+class Reader(Protocol):
+    """What :class:`LeanQuery` needs: a body in, a JSON-ready answer (or a BadRequest) out."""
+
+    def answer(self, body: bytes) -> Any: ...
 
 
 class QueryReader:
@@ -82,6 +96,7 @@ class QueryReader:
                 policy=query.policy,
                 prefill_weight=query.prefill_weight,
                 load_weight=query.load_weight,
+                model_name=query.model_name,
             )
         except (ValueError, OverflowError) as exc:
             raise BadRequest(f"{_WHERE}: {exc}") from None
@@ -150,7 +165,7 @@ class LeanQuery:
     def __init__(
         self,
         app: ASGIApp,
-        reader: QueryReader,
+        reader: Reader,
         limits: HttpLimits,
         count: Callable[[int], None] = lambda status: None,
         observe: Callable[[float], None] = lambda seconds: None,
@@ -176,6 +191,6 @@ class LeanQuery:
             self.count(exc.status)
             error = _encoder.encode({"error": str(exc)})
             # 408 and 413 leave a body unread on the connection: it cannot be reused.
-            await json_response(send, exc.status, error, close=exc.status != 400)
+            await json_response(send, exc.status, error, close=exc.status in _UNREAD)
             return
         await json_response(send, status, payload)

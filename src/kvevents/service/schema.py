@@ -13,7 +13,7 @@ from typing import Annotated, Any, TypeVar
 import msgspec
 
 from kvevents.index.keys import MMSpan
-from kvevents.service.feed import WorkerRegistration
+from kvevents.service.feed import OwnEndpoints, WorkerRegistration
 
 __all__ = [
     "MAX_BLOCK_SIZE",
@@ -84,6 +84,7 @@ class RegisterBody(msgspec.Struct, kw_only=True):
     replay_endpoint: EndpointText | None = None
     ranks: RankCount | Annotated[list[Rank], msgspec.Meta(max_length=MAX_RANKS)] | None = None
     dp_size: RankCount | None = None
+    dp_rank: Rank | None = None
     topic: Text = ""
     model_name: Text | None = None
 
@@ -225,13 +226,26 @@ def _ranks(body: RegisterBody) -> tuple[int, ...]:
 
 
 def registration(body: RegisterBody) -> WorkerRegistration:
-    """The registration a valid ``POST /register`` body asks for (endpoints not yet checked)."""
+    """The registration a valid ``POST /register`` body asks for (endpoints not yet checked).
+
+    With ``dp_rank``, the one rank publishing on ``endpoint`` itself, to be added to the
+    worker's other ranks (``IndexService.add_rank``).
+    """
+    own: tuple[OwnEndpoints, ...] = ()
+    if body.dp_rank is not None:
+        if body.ranks is not None or body.dp_size is not None:
+            raise BadRequest(
+                "dp_rank registers one rank on an endpoint of its own: "
+                "it cannot be combined with ranks or dp_size"
+            )
+        own = (OwnEndpoints(body.dp_rank, body.endpoint, body.replay_endpoint),)
     return WorkerRegistration(
         worker_id=worker_id(body),
         endpoint=body.endpoint,
         block_size=body.block_size,
-        ranks=_ranks(body),
+        ranks=(body.dp_rank,) if body.dp_rank is not None else _ranks(body),
         replay_endpoint=body.replay_endpoint,
         topic=body.topic,
         model_name=body.model_name,
+        own_endpoints=own,
     )

@@ -11,6 +11,7 @@ app (:func:`kvevents.service.limits.read_body`).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import socket
 import threading
 import time
@@ -226,7 +227,7 @@ def serve(
     options = options if options is not None else AppOptions()
     sock = _bound_socket(host, port)
     endpoints = options.endpoints.with_forbidden_port(sock.getsockname()[1])
-    options = AppOptions(options.auth, endpoints, options.limits)
+    options = dataclasses.replace(options, endpoints=endpoints)
     app = create_app(service, collectors=collectors, options=options)
     server = Server(app, host, port, limits=options.limits, sock=sock)
     try:

@@ -22,7 +22,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from kvevents.service.feed import WorkerRegistration
+from kvevents.service.feed import OwnEndpoints, WorkerRegistration
 from kvevents.service.schema import MAX_RANKS, BlockSize, EndpointText, Name, Rank, Text
 
 __all__ = ["Persisted", "StateFile", "StateFileError"]
@@ -42,6 +42,8 @@ class _Worker(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     replay_endpoint: EndpointText | None = None
     topic: Text = ""
     model_name: Text | None = None
+    # Ranks registered one at a time: [rank, endpoint, replay_endpoint or null].
+    own_endpoints: list[tuple[Rank, EndpointText, EndpointText | None]] = []
 
 
 class _State(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -147,6 +149,7 @@ def _saved(reg: WorkerRegistration) -> _Worker:
         replay_endpoint=reg.replay_endpoint,
         topic=reg.topic,
         model_name=reg.model_name,
+        own_endpoints=[(e.rank, e.endpoint, e.replay_endpoint) for e in reg.own_endpoints],
     )
 
 
@@ -159,6 +162,7 @@ def _registration(w: _Worker) -> WorkerRegistration:
         replay_endpoint=w.replay_endpoint,
         topic=w.topic,
         model_name=w.model_name,
+        own_endpoints=tuple(OwnEndpoints(*e) for e in w.own_endpoints),
     )
 
 

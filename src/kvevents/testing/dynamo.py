@@ -10,7 +10,10 @@ parents, then the running interpreter.
 Facts about the peer (ai-dynamo-runtime 1.6.1) that the helpers below rely on:
 
 - it runs with no etcd or NATS: HTTP on ``0.0.0.0:PORT``, ZMQ SUB/DEALER sockets that connect;
-- ``/query`` answers in matched *tokens* per instance and dp rank (blocks x block size);
+- ``/query`` answers in matched *tokens* per instance and dp rank (blocks x block size), of
+  the named model's workers only (``model_name`` is required);
+- ``/register`` takes one dp rank on its own endpoint; a rank registered twice, an instance
+  under a second model or a model under a second block size is a 409;
 - it keys blocks by its own hash of each block's tokens, XXH3-64 with seed 1337 over the token
   ids as little-endian u32, not chained (the tree gives the prefix); see
   :func:`dynamo_block_hashes`. Engine hashes are kept per worker for parents and removals.
@@ -243,10 +246,14 @@ class DynamoIndexer(IndexerProcess):
         self.call("POST", "/register", body)
 
     def unregister(self, instance_id: int, dp_rank: int | None = None) -> None:
-        """Drop an instance (or one of its ranks) and everything it held."""
+        """Drop an instance (or one of its ranks) and everything it held.
+
+        The indexer drops a rank alone only when the body names the routing group too; a
+        ``dp_rank`` without it drops the whole instance.
+        """
         body: dict[str, Any] = {"instance_id": instance_id, "model_name": self.model_name}
         if dp_rank is not None:
-            body["dp_rank"] = dp_rank
+            body.update(dp_rank=dp_rank, routing_group="default")
         self.call("POST", "/unregister", body)
 
     def workers(self) -> list[dict[str, Any]]:

@@ -35,8 +35,10 @@ class ServiceIndexer(IndexerProcess):
     """``kvevents serve`` in a subprocess on a free port, with an HTTP client.
 
     ``python``: the interpreter (default: the running one). ``args``: more ``serve`` options
-    (e.g. ``["--policy", "longest_prefix"]``). ``env``: extra environment variables. One
-    instance is used from one thread.
+    (e.g. ``["--policy", "longest_prefix"]``; ``["--api", "dynamo"]`` answers in Dynamo's
+    shapes, for a client of Dynamo's indexer: then use :meth:`call` and :meth:`send`, as the
+    helpers below speak our own API). ``env``: extra environment variables. One instance is
+    used from one thread.
     """
 
     error = ServiceIndexerError
