@@ -46,6 +46,7 @@ from kvevents.index.records import (
     HolderKey,
     IndexStats,
     MatchResult,
+    ReportMode,
     StreamInfo,
 )
 from kvevents.index.views import IndexViews
@@ -59,6 +60,7 @@ __all__ = [
     "IndexStats",
     "MatchResult",
     "PrefixIndex",
+    "ReportMode",
     "StreamInfo",
 ]
 
@@ -123,20 +125,30 @@ class PrefixIndex(IndexViews):
     # ----------------------------------------------------------------- workers and streams
 
     def register_worker(
-        self, worker_id: str, *, block_size: int, ranks: int | Iterable[int] = 1
+        self,
+        worker_id: str,
+        *,
+        block_size: int,
+        ranks: int | Iterable[int] = 1,
+        report_mode: ReportMode = "incremental",
     ) -> None:
         """Declare a worker's ranks and block size; stores of another block size are refused.
 
+        ``report_mode`` says what a second store of a held block means (:data:`ReportMode`):
+        ``"full"`` for a vLLM engine whose requests use ``kv_cache_report_mode="full"``.
         Re-registering a stream with a different block size drops what it held.
         """
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
+        if report_mode not in ("incremental", "full"):
+            raise ValueError(f"report_mode must be 'incremental' or 'full', got {report_mode!r}")
         for rank in _ranks(ranks):
             stream = self._stream(worker_id, rank, block_size)
             if stream.block_size not in (None, block_size):
                 self._drop_stream_state(stream)
             stream.block_size = block_size
             stream.registered = True
+            stream.refreshes = report_mode == "full"
         self._sizes = None
 
     def remove_worker(self, worker_id: str, rank: int | None = None) -> None:
@@ -280,7 +292,10 @@ class PrefixIndex(IndexViews):
         self._c.stored += len(hashes)
         shared = _store_run(holder.table, holder.engine, holder.bit, hashes, packed, size, seed)
         if shared is None:  # some engine hash is held already: the reference-counted way
-            self._c.duplicates += holder.add(hashes, chain_hashes(packed, size, seed))
+            self._held_again(
+                stream,
+                holder.add(hashes, chain_hashes(packed, size, seed), refresh=stream.refreshes),
+            )
         elif shared:
             holder.share(shared)
         if stream.orphans.waiting:
@@ -294,7 +309,7 @@ class PrefixIndex(IndexViews):
         ours = self._keys(event, packed, event.block_size, seed)
         hashes = event.block_hashes
         self._c.stored += len(hashes)
-        self._c.duplicates += holder.add(hashes, ours)
+        self._held_again(stream, holder.add(hashes, ours, refresh=stream.refreshes))
         if stream.orphans.waiting:
             self._place_waiting(stream, hashes)
 
@@ -408,7 +423,14 @@ class PrefixIndex(IndexViews):
             stream.tombs.settle()
             hashes, ours = [hashes[i] for i in kept], [ours[i] for i in kept]
         holder = self._holder(stream, event.medium)
-        self._c.duplicates += holder.add(hashes, ours)
+        self._held_again(stream, holder.add(hashes, ours, refresh=stream.refreshes))
+
+    def _held_again(self, stream: Stream, blocks: int) -> None:
+        """Count stores of blocks their holder had: refreshes or second references."""
+        if stream.refreshes:
+            self._c.refreshed += blocks
+        else:
+            self._c.duplicates += blocks
 
     # ----------------------------------------------------------------- queries
 

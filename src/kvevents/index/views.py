@@ -48,6 +48,7 @@ class IndexViews:
             stream_resets=c.resets,
             partial_stores=c.partial,
             memory_bytes=self._memory_bytes(holders),
+            refreshed_stores=c.refreshed,
         )
 
     def _memory_bytes(self, holders: list[Holder]) -> int:
