@@ -15,6 +15,7 @@ import msgspec
 import pytest
 
 from kvevents.index.prefix import PrefixIndex
+from kvevents.wire import decode_batch
 
 BS = 4
 PROMPT = list(range(100, 100 + 4 * BS))
@@ -118,3 +119,173 @@ def test_register_refuses_an_unknown_report_mode() -> None:
     """A misspelt report mode is a clear error naming the field, not a silent default."""
     with pytest.raises(ValueError, match="report_mode"):
         PrefixIndex().register_worker("w", block_size=BS, report_mode="fulll")  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------ lookahead (items 2, 3)
+
+NEXT = 999  # a token after PROMPT's blocks
+
+
+def test_vllm_lookahead_block_needs_the_token_after_it() -> None:
+    """vLLM's lookahead-aware hashing (PR 50897: the successor token enters a block's hash,
+    sent as ``lookahead_token_ids``): a request without the stored successor, or with another
+    one, reuses one block less; with it, all of them."""
+    index = PrefixIndex()
+    feed(index, vllm_store(HASHES[:2], PROMPT[: 2 * BS], lookahead_token_ids=[NEXT]))
+    assert matched(index, PROMPT[: 2 * BS]) == 1
+    assert matched(index, [*PROMPT[: 2 * BS], NEXT]) == 2
+    assert matched(index, [*PROMPT[: 2 * BS], NEXT + 1]) == 1
+    assert matched(index, PROMPT[: BS + 1]) == 1
+    assert matched(index, PROMPT[:BS]) == 0
+
+
+def test_vllm_lookahead_continuation_and_orphan_chain_on() -> None:
+    """A continuation store (and one arriving before its parent) keys on from the parent's
+    lookahead key, so the whole prefix matches."""
+    index = PrefixIndex()
+    third = vllm_store(
+        HASHES[2:3], PROMPT[2 * BS : 3 * BS], parent=HASHES[1], lookahead_token_ids=[NEXT]
+    )
+    feed(index, third)  # its parent is not known yet: held
+    first = vllm_store(HASHES[:2], PROMPT[: 2 * BS], lookahead_token_ids=[PROMPT[2 * BS]])
+    feed(index, first)
+    assert index.stats().orphans_placed == 1
+    assert matched(index, [*PROMPT[: 3 * BS], NEXT]) == 3
+    assert matched(index, PROMPT[: 3 * BS]) == 2
+
+
+def test_a_lookahead_stream_leaves_plain_streams_alone() -> None:
+    """Queries key each stream its own way: a plain worker beside a lookahead one still
+    matches every full block."""
+    index = PrefixIndex()
+    feed(index, vllm_store(HASHES[:2], PROMPT[: 2 * BS]), worker="plain")
+    feed(index, vllm_store(HASHES[:2], PROMPT[: 2 * BS], lookahead_token_ids=[NEXT]), worker="la")
+    result = index.match(PROMPT[: 2 * BS])
+    assert result.streams == {("plain", 0): 2, ("la", 0): 1}
+    assert result.request_blocks == {BS: 2}
+
+
+def sglang_bigram_stores(tokens: list[int], hashes: list[int]) -> list[dict[str, Any]]:
+    """SGLang with EAGLE (``RadixCache._record_store_event`` over ``convert_to_bigram_key``):
+    one store per page of ``(t[i], t[i+1])`` pairs, ``block_size`` the page's length."""
+    pairs = [[tokens[i], tokens[i + 1]] for i in range(len(tokens) - 1)]
+    out, parent = [], None
+    for n, h in enumerate(hashes):
+        page = pairs[n * BS : (n + 1) * BS]
+        out.append(
+            {
+                "type": "BlockStored",
+                "block_hashes": [h],
+                "parent_block_hash": parent,
+                "token_ids": page,
+                "block_size": len(page),
+                "lora_id": None,
+                "medium": "GPU",
+            }
+        )
+        parent = h
+    return out
+
+
+def test_sglang_bigram_stores_are_indexed_as_the_engine_matches_them() -> None:
+    """SGLang's EAGLE bigram stores were skipped; now a page of pairs is its tokens plus the
+    one after, and a query matches ``(len(tokens) - 1) // page`` pages at most, as SGLang's
+    own bigram match does."""
+    tokens = [*PROMPT[: 2 * BS], NEXT]
+    index = PrefixIndex()
+    feed(index, *sglang_bigram_stores(tokens, HASHES[:2]))
+    assert index.stats().bad_events == 0
+    assert matched(index, tokens) == 2
+    assert matched(index, tokens[:-1]) == 1
+    assert matched(index, [*tokens[:-1], NEXT + 1]) == 1
+
+
+def test_sglang_bigram_and_vllm_lookahead_share_keys() -> None:
+    """The same tokens stored as SGLang bigrams or as vLLM lookahead stores get the same keys,
+    by either decoder (packed for the service, typed for ``apply``)."""
+    tokens = [*PROMPT[: 2 * BS], NEXT]
+    bigram, lookahead, typed = PrefixIndex(), PrefixIndex(), PrefixIndex()
+    feed(bigram, *sglang_bigram_stores(tokens, HASHES[:2]))
+    feed(lookahead, vllm_store(HASHES[:2], tokens[:-1], lookahead_token_ids=[NEXT]))
+    payload = msgspec.msgpack.encode([1.0, sglang_bigram_stores(tokens, HASHES[:2]), 0])
+    typed.apply("w", 0, decode_batch(payload).batch)
+
+    def keys(index: PrefixIndex) -> set[int]:
+        return {ours for holder in index.dump() for _, ours in holder["blocks"]}  # type: ignore[attr-defined]
+
+    assert keys(bigram) == keys(lookahead) == keys(typed)
+    assert len(keys(bigram)) == 2
+
+
+def test_a_bigram_store_that_does_not_chain_costs_only_itself() -> None:
+    """Pairs that do not chain ([a, b] then [c, d] with c != b) are a bad event, counted;
+    the good store beside it in the batch is indexed."""
+    good = sglang_bigram_stores([*PROMPT[:BS], NEXT], HASHES[:1])[0]
+    bad = {**good, "block_hashes": [77], "token_ids": [[1, 2], [3, 4], [4, 5], [5, 6]]}
+    index = PrefixIndex()
+    feed(index, bad, good)
+    assert (index.stats().bad_events, index.stats().entries) == (1, 1)
+    decoded = decode_batch(msgspec.msgpack.encode([1.0, [bad, good], 0]))
+    assert [s.path for s in decoded.skipped] == ["$[1][0].token_ids"]
+    assert len(decoded.batch.events) == 1
+
+
+# ------------------------------------------------------------------ digest tokens (item 4)
+
+DIGEST = "9f" * 32  # a multimodal item's hex digest (SHA-256), where its tokens are
+
+
+def trtllm_store(tokens: list[int | str], hashes: list[int]) -> dict[str, Any]:
+    """A TensorRT-LLM map-form store of a multimodal request: ints, and the item's digest in
+    place of each of its tokens."""
+    return {
+        "type": "BlockStored",
+        "block_hashes": hashes,
+        "parent_block_hash": None,
+        "token_ids": tokens,
+        "block_size": BS,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+    }
+
+
+MM_TOKENS: list[int | str] = [*PROMPT[:BS], *[DIGEST] * BS, *PROMPT[2 * BS : 3 * BS]]
+
+
+def test_trtllm_digest_tokens_are_part_of_the_key() -> None:
+    """A store mixing ints and digests is indexed (it was skipped); a query naming the same
+    digest at the same positions matches it all, another digest or plain ids only the text
+    block before the item."""
+    index = PrefixIndex()
+    feed(index, trtllm_store(MM_TOKENS, HASHES[:3]))
+    assert index.stats().bad_events == 0
+    assert matched(index, MM_TOKENS) == 3
+    other: list[int | str] = [t if t != DIGEST else "00" * 32 for t in MM_TOKENS]
+    assert matched(index, other) == 1
+    assert matched(index, PROMPT[: 3 * BS]) == 1
+
+
+def test_trtllm_digest_tokens_by_the_typed_decoder() -> None:
+    """``decode_batch`` keeps digest tokens as strings and ``apply`` keys them as
+    ``ingest_payload`` does."""
+    payload = msgspec.msgpack.encode([1.0, [trtllm_store(MM_TOKENS, HASHES[:3])], 0])
+    decoded = decode_batch(payload)
+    assert decoded.skipped == ()
+    assert decoded.batch.events[0].token_ids == MM_TOKENS  # type: ignore[union-attr]
+    index = PrefixIndex()
+    index.apply("w", 0, decoded.batch)
+    assert matched(index, MM_TOKENS) == 3
+
+
+def test_an_overlong_digest_token_costs_only_its_event() -> None:
+    """A digest token over 256 characters is refused with the rule named; the rest of the
+    batch is kept."""
+    bad = trtllm_store([*PROMPT[: BS - 1], "f" * 257], [77])
+    good = trtllm_store(MM_TOKENS, HASHES[:3])
+    index = PrefixIndex()
+    feed(index, bad, good)
+    assert (index.stats().bad_events, matched(index, MM_TOKENS)) == (1, 3)
+    decoded = decode_batch(msgspec.msgpack.encode([1.0, [bad, good], 0]))
+    assert [s.path for s in decoded.skipped] == [f"$[1][0].token_ids[{BS - 1}]"]
+    assert "longer than 256" in decoded.skipped[0].reason

@@ -15,20 +15,31 @@ Encoding rules pinned by golden-bytes tests:
 
 from __future__ import annotations
 
-from typing import Any, TypeAlias
+from collections.abc import Sequence
+from typing import Annotated, Any, TypeAlias
 
 import msgspec
-from msgspec import UNSET, UnsetType
+from msgspec import UNSET, Meta, UnsetType
 
 __all__ = [
+    "MAX_DIGEST",
     "UNSET",
     "AllBlocksCleared",
     "BlockRemoved",
     "BlockStored",
+    "Digest",
     "Event",
     "KVEventBatch",
     "UnsetType",
 ]
+
+
+#: Longest digest token, in characters (a SHA-512 hex digest is 128).
+MAX_DIGEST = 256
+
+#: A token that is a multimodal item's digest (TensorRT-LLM writes one where the item's tokens
+#: are); a longer string is not a digest but a malformed event.
+Digest = Annotated[str, Meta(max_length=MAX_DIGEST)]
 
 
 # gc=False: these records hold only ints, strings and lists of them, so they can never be part
@@ -41,12 +52,15 @@ class BlockStored(
 
     ``block_hashes`` are the engine's hashes in token order; ``parent_block_hash`` is the hash
     of the block before ``block_hashes[0]`` (None when the run starts at token 0);
-    ``token_ids`` holds ``block_size * len(block_hashes)`` ids.
+    ``token_ids`` holds ``block_size * len(block_hashes)`` ids: ints, or a multimodal item's
+    digest (a str) for each of its tokens (TensorRT-LLM). SGLang's EAGLE bigram stores (pairs
+    ``[t[i], t[i+1]]``) decode to their first tokens, with the last pair's second token as
+    ``lookahead_token_ids``: the same block, as vLLM's lookahead-aware stores send it.
     """
 
     block_hashes: list[int]
     parent_block_hash: int | None = None
-    token_ids: list[int]
+    token_ids: Sequence[int | Digest]
     block_size: int
     lora_id: int | None = None
     medium: str | None = None

@@ -173,6 +173,7 @@ class Stream:
         "holders",
         "key",
         "last_ts",
+        "lookahead",
         "masks",
         "mismatches",
         "orphans",
@@ -190,6 +191,7 @@ class Stream:
         self.registered = registered
         # "full" report mode: a store of a held block is the same block announced again
         self.refreshes = False
+        self.lookahead = 0  # tokens after a block that its key covers (EAGLE-style engines)
         self.holders: dict[str, Holder] = {}  # by tier
         self.by_medium: dict[str | None, Holder] = {}  # by the event's medium, as written
         self.masks: dict[int, int] = {}  # page -> bits of this stream's holders

@@ -31,12 +31,15 @@ from kvevents.index.extras import has_extras, no_tokens, store_extras
 from kvevents.index.holders import PAGE_SHIFT, Holder, Stream, tier_name
 from kvevents.index.keys import (
     ROOT_SEED,
+    Extras,
     MMSpan,
     chain_hashes,
-    chain_keys,
+    digest_blocks,
+    merge_extras,
     pack_tokens,
     request_extras,
     root_seed,
+    split_digests,
 )
 from kvevents.index.orphans import Orphan, Stored
 from kvevents.index.records import (
@@ -49,6 +52,7 @@ from kvevents.index.records import (
     ReportMode,
     StreamInfo,
 )
+from kvevents.index.tokens import Run, read_run, special_run, store_keys
 from kvevents.index.views import IndexViews
 from kvevents.ratelimit import RateLimitedWarning
 from kvevents.wire import Applied, PackedStored, decode_batch_packed
@@ -72,10 +76,10 @@ _pack_msgpack = bt.pack_msgpack_tokens
 _store_run = bt.store_run
 
 
-def _pack_ints(token_ids: Sequence[int]) -> bytes | None:
+def _pack_ints(token_ids: Sequence[int | str]) -> bytes | None:
     """Int token ids as packed uint32 LE, None when one is not an int in range."""
     try:
-        return pack_tokens(token_ids)
+        return pack_tokens(token_ids)  # type: ignore[arg-type]  # a str raises TypeError
     except (OverflowError, TypeError):
         return None
 
@@ -119,7 +123,8 @@ class PrefixIndex(IndexViews):
         self._free_ids: list[int] = []
         self._next_id = 0
         self._roots: dict[str | int, int] = {}
-        self._sizes: dict[int, dict[int, int]] | None = None  # block size -> page -> mask
+        # (block size, lookahead tokens) -> page -> mask of the streams keyed that way
+        self._sizes: dict[tuple[int, int], dict[int, int]] | None = None
         self._c = Counts()
 
     # ----------------------------------------------------------------- workers and streams
@@ -264,15 +269,21 @@ class PrefixIndex(IndexViews):
             packed = _pack_msgpack(event.token_ids)
         else:
             packed = _pack_ints(event.token_ids)
-        if packed is None:
-            self._bad(stream, "token_ids is not an array of ints in 0..2**32-1")
-            return
+        run: Run | None = None
+        if packed is None or event.lookahead_token_ids:  # bigrams, digests, lookahead
+            read = read_run(event, size)
+            if isinstance(read, str):
+                self._bad(stream, read)
+                return
+            run, packed = read, read.packed
         if len(packed) != 4 * size * len(hashes):
             self._bad(stream, "token_ids length is not block_size * len(block_hashes)")
             return
-        salted = has_extras(event, len(hashes))
+        salted = run is not None or has_extras(event, len(hashes))
         if salted and not self._extras_ok(stream, event):
             return
+        if run is not None:
+            self._note_lookahead(stream, len(run.after) // 4)
         holder = stream.by_medium.get(event.medium) or self._holder(stream, event.medium)
         parent = event.parent_block_hash
         if parent is None:
@@ -287,7 +298,11 @@ class PrefixIndex(IndexViews):
                     return
             seed = found
         if salted:
-            self._store_extras(stream, holder, event, packed, seed)
+            ours = store_keys(event, packed, size, seed, run)
+            self._c.stored += len(hashes)
+            self._held_again(stream, holder.add(hashes, ours, refresh=stream.refreshes))
+            if stream.orphans.waiting:
+                self._place_waiting(stream, hashes)
             return
         self._c.stored += len(hashes)
         shared = _store_run(holder.table, holder.engine, holder.bit, hashes, packed, size, seed)
@@ -301,18 +316,6 @@ class PrefixIndex(IndexViews):
         if stream.orphans.waiting:
             self._place_waiting(stream, hashes)
 
-    def _store_extras(
-        self, stream: Stream, holder: Holder, event: Stored, packed: bytes, seed: int
-    ) -> None:
-        """A store with extra inputs (a salt, multimodal items): keyed in Python, block by
-        block where there are extras (:func:`kvevents.index.keys.chain_keys`)."""
-        ours = self._keys(event, packed, event.block_size, seed)
-        hashes = event.block_hashes
-        self._c.stored += len(hashes)
-        self._held_again(stream, holder.add(hashes, ours, refresh=stream.refreshes))
-        if stream.orphans.waiting:
-            self._place_waiting(stream, hashes)
-
     def _extras_ok(self, stream: Stream, event: Stored) -> bool:
         """Whether a store's extras can be read (else it is a bad event, counted)."""
         try:
@@ -322,12 +325,11 @@ class PrefixIndex(IndexViews):
             return False
         return True
 
-    def _keys(self, event: Stored, packed: bytes, size: int, seed: int) -> list[int]:
-        """Our keys of a store's blocks, its extras (checked by :meth:`_extras_ok`) included."""
-        extras = store_extras(event)
-        if extras is None:
-            return chain_hashes(packed, size, seed)
-        return chain_keys(packed, size, seed, extras)
+    def _note_lookahead(self, stream: Stream, tokens: int) -> None:
+        """A store's blocks cover ``tokens`` after them: queries of the stream must too."""
+        if stream.lookahead != tokens:
+            stream.lookahead = tokens
+            self._sizes = None
 
     def _other_size(self, stream: Stream, event: Stored) -> bool:
         """Whether a store of another block size than the stream's may go on. Partial and
@@ -410,7 +412,9 @@ class PrefixIndex(IndexViews):
         seed = stream.resolve(event.parent_block_hash)
         assert seed is not None
         hashes: Sequence[int] = event.block_hashes
-        ours = self._keys(event, orphan.packed, stream.block_size, seed)
+        run = special_run(event, stream.block_size)
+        assert not isinstance(run, str)  # it was read when held
+        ours = store_keys(event, orphan.packed, stream.block_size, seed, run)
         self._c.placed += len(hashes)
         self._c.stored += len(hashes)
         if orphan.removed:
@@ -436,7 +440,7 @@ class PrefixIndex(IndexViews):
 
     def match(
         self,
-        token_ids: Sequence[int],
+        token_ids: Sequence[int | str],
         *,
         lora: str | int | None = None,
         cache_salt: str | None = None,
@@ -446,9 +450,13 @@ class PrefixIndex(IndexViews):
 
         ``cache_salt`` and ``mm`` (the request's multimodal items) enter the keys as the
         engine's own do (:func:`kvevents.index.keys.request_extras`): a request matches only
-        blocks stored with the same salt and items, and an unsalted one no salted block.
+        blocks stored with the same salt and items, and an unsalted one no salted block. A str
+        token is a multimodal digest where the item's tokens are (TensorRT-LLM's form).
         """
-        return self.match_packed(pack_tokens(token_ids), lora=lora, cache_salt=cache_salt, mm=mm)
+        ints, digests = split_digests(token_ids)
+        return self.match_packed(
+            pack_tokens(ints), lora=lora, cache_salt=cache_salt, mm=mm, digests=digests
+        )
 
     def match_packed(
         self,
@@ -457,52 +465,54 @@ class PrefixIndex(IndexViews):
         lora: str | int | None = None,
         cache_salt: str | None = None,
         mm: Sequence[MMSpan] = (),
+        digests: Sequence[tuple[int, str]] = (),
     ) -> MatchResult:
         """:meth:`match` for tokens already packed as uint32 little-endian bytes
-        (:func:`kvevents.index.keys.pack_tokens`), e.g. straight from a request body."""
-        seed = root_seed(lora)
-        holders: dict[HolderKey, int] = {}
-        streams: dict[tuple[str, int], int] = {}
-        request_blocks: dict[int, int] = {}
-        for size, masks in self._block_sizes().items():
-            blocks = request_blocks[size] = len(packed) // (4 * size)
+        (:func:`kvevents.index.keys.pack_tokens`), e.g. straight from a request body;
+        ``digests`` are the ``(position, digest)`` of digest tokens (0 in ``packed``)."""
+
+        def extras_of(blocks: int, size: int) -> list[Extras] | None:
             extras = request_extras(blocks, size, cache_salt, mm) if cache_salt or mm else None
-            if extras is None:  # the common case: the walk hashes the tokens itself
-                run = (packed, size, seed)
-                found, prefixes = query.walk_packed(
-                    self._pages, self._by_id, self._streams, run, masks
-                )
-            else:
-                keys = chain_keys(packed, size, seed, extras)
-                found, prefixes = query.walk(self._pages, self._by_id, self._streams, keys, masks)
-            holders.update(found)
-            streams.update(prefixes)
-        return MatchResult(len(packed) // 4, request_blocks, holders, streams)
+            if digests:
+                extras = merge_extras(extras, digest_blocks(digests, blocks, size))
+            return extras
+
+        tokens = len(packed) // 4
+        holders, streams, request_blocks = query.match_all(
+            (self._pages, self._by_id, self._streams),
+            self._block_sizes(),
+            packed,
+            root_seed(lora),
+            extras_of,
+        )
+        return MatchResult(tokens, request_blocks, holders, streams)
 
     def match_hashes(self, hashes: Sequence[int], *, block_size: int | None = None) -> MatchResult:
         """Like :meth:`match` with precomputed block hashes (:func:`tokenhash.block_hashes`).
 
         ``block_size`` selects the streams the hashes apply to; by default the index's own
-        block size, or the only one in use.
+        block size, or the only one in use. Streams keyed with lookahead are not matched
+        (plain block hashes cannot name their blocks).
         """
-        sizes = self._block_sizes()
+        sizes = {size for size, _ in self._block_sizes()}
         size = block_size if block_size is not None else self.block_size
         if size is None:
             if len(sizes) > 1:
                 raise ValueError(f"streams use block sizes {sorted(sizes)}: pass block_size")
             size = next(iter(sizes), 0)
-        if size not in sizes:
+        masks = self._block_sizes().get((size, 0))
+        if masks is None:
             return MatchResult(len(hashes) * size, {size: len(hashes)})
-        found, prefixes = query.walk(self._pages, self._by_id, self._streams, hashes, sizes[size])
+        found, prefixes = query.walk(self._pages, self._by_id, self._streams, hashes, masks)
         return MatchResult(len(hashes) * size, {size: len(hashes)}, found, prefixes)
 
-    def _block_sizes(self) -> dict[int, dict[int, int]]:
+    def _block_sizes(self) -> dict[tuple[int, int], dict[int, int]]:
         if self._sizes is not None:
             return self._sizes
-        sizes: dict[int, dict[int, int]] = {}
+        sizes: dict[tuple[int, int], dict[int, int]] = {}
         for stream in self._streams.values():
             if stream.block_size is not None:
-                pages = sizes.setdefault(stream.block_size, {})
+                pages = sizes.setdefault((stream.block_size, stream.lookahead), {})
                 for page, mask in stream.masks.items():
                     pages[page] = pages.get(page, 0) | mask
         self._sizes = sizes
