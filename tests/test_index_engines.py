@@ -15,7 +15,7 @@ import msgspec
 import pytest
 
 from kvevents.index.prefix import PrefixIndex
-from kvevents.wire import decode_batch
+from kvevents.wire import decode_batch, decode_batch_packed
 
 BS = 4
 PROMPT = list(range(100, 100 + 4 * BS))
@@ -289,3 +289,31 @@ def test_an_overlong_digest_token_costs_only_its_event() -> None:
     decoded = decode_batch(msgspec.msgpack.encode([1.0, [bad, good], 0]))
     assert [s.path for s in decoded.skipped] == [f"$[1][0].token_ids[{BS - 1}]"]
     assert "longer than 256" in decoded.skipped[0].reason
+
+
+# ------------------------------------------------------------------ fields kept (item 5)
+
+
+def test_vllm_033_placement_fields_reach_the_decoded_events() -> None:
+    """vLLM 0.33's ``locality``/``ownership`` on stores and removals and ``session_id`` on
+    stores are kept on the decoded events (packed and typed decoders), not dropped."""
+    store = vllm_store(HASHES[:1], PROMPT[:BS], locality="REMOTE", ownership="lmcache")
+    store["session_id"] = "s-1"
+    gone = removed(HASHES[:1], group_idx=0, locality="LOCAL", ownership="lmcache")
+    payload = msgspec.msgpack.encode([1.0, [store, gone], 0])
+    packed_store, packed_gone = decode_batch_packed(payload).batch.events
+    assert (packed_store.locality, packed_store.ownership) == ("REMOTE", "lmcache")  # type: ignore[union-attr]
+    assert packed_store.session_id == "s-1"  # type: ignore[union-attr]
+    typed_store, typed_gone = decode_batch(payload).batch.events
+    assert typed_store.session_id == "s-1"  # type: ignore[union-attr]
+    for event in (packed_gone, typed_gone):
+        assert (event.locality, event.ownership) == ("LOCAL", "lmcache")  # type: ignore[union-attr]
+
+
+def test_placement_fields_on_a_generic_path_removal() -> None:
+    """A removal read by the tolerant per-event path (a batch with an unknown event) keeps
+    its placement fields too."""
+    gone = removed(HASHES[:1], locality="REMOTE", ownership="x")
+    payload = msgspec.msgpack.encode([1.0, [["Unknown", 1], gone], 0])
+    [event] = decode_batch(payload).batch.events
+    assert (event.locality, event.ownership) == ("REMOTE", "x")  # type: ignore[union-attr]

@@ -8,8 +8,8 @@ Encoding rules pinned by golden-bytes tests:
 - events are msgpack maps whose ``"type"`` key holds the tag, keys in declaration order;
 - the always-present keys (``parent_block_hash``, ``lora_id``, ``medium``, ``lora_name``) are
   written even when nil, because vLLM-typed decoders reject a map without them;
-- optional keys (``extra_keys``, ``group_idx``, ``kv_cache_spec_*``) default to ``UNSET`` and
-  are omitted until set;
+- optional keys (``extra_keys``, ``group_idx``, ``kv_cache_spec_*``, and the newer keys real
+  engines send) default to ``UNSET`` and are omitted until set;
 - a batch is a 3-element array ``[ts, events, data_parallel_rank]``.
 """
 
@@ -69,10 +69,12 @@ class BlockStored(
     group_idx: int | UnsetType = UNSET
     kv_cache_spec_kind: str | UnsetType = UNSET
     kv_cache_spec_sliding_window: int | UnsetType = UNSET
-    # Read so consumers have them; the index keys blocks by extra_keys and cache_salt only.
-    # Fifteen keys at most, the tag included: msgspec writes a struct of more with a longer
-    # map header, which would change the pinned bytes of every store. vLLM's ``locality`` and
-    # ``ownership`` (offloading placeholders) are read on PackedStored only.
+    # Read so consumers have them. The index keys blocks by cache_salt (with extra_keys) and
+    # lookahead_token_ids; session_id names the request that caused the store, not an owner
+    # of the block, so the index ignores it. Fifteen keys at most, the tag included: msgspec
+    # writes a struct of more with a longer map header, which would change the pinned bytes
+    # of every store. vLLM's ``locality`` and ``ownership`` are kept on PackedStored (what
+    # decode_batch_packed returns) and BlockRemoved.
     lookahead_token_ids: list[int] | UnsetType | None = UNSET
     session_id: str | UnsetType | None = UNSET
     cache_salt: str | UnsetType | None = UNSET
@@ -81,11 +83,17 @@ class BlockStored(
 class BlockRemoved(
     msgspec.Struct, tag="BlockRemoved", tag_field="type", kw_only=True, frozen=True, gc=False
 ):
-    """Blocks left the cache (``medium``: the tier they left, None for the default tier)."""
+    """Blocks left the cache (``medium``: the tier they left, None for the default tier).
+
+    ``locality`` (``"LOCAL"``/``"REMOTE"`` relative to the publisher) and ``ownership`` (the
+    secondary offloading tier that generated the event) are vLLM 0.33's, kept for consumers.
+    """
 
     block_hashes: list[int]
     medium: str | None = None
     group_idx: int | UnsetType = UNSET
+    locality: str | UnsetType | None = UNSET
+    ownership: str | UnsetType | None = UNSET
 
 
 class AllBlocksCleared(

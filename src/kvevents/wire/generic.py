@@ -169,10 +169,12 @@ _STORED_FIELDS = (
     "kv_cache_spec_sliding_window",
 )
 # Optional string keys of newer map-form stores, kept for consumers (the index reads only
-# cache_salt; BlockStored has no room for vLLM's locality and
-# ownership, see kvevents.events).
+# cache_salt; BlockStored has no room for vLLM's locality and ownership, see
+# kvevents.events: decode_batch_packed's PackedStored keeps them).
 _OPTIONAL_STR = ("session_id", "cache_salt")
 _REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
+# vLLM 0.33's placement keys: kept on BlockRemoved and PackedStored (BlockStored is full).
+_PLACEMENT = ("locality", "ownership")
 _FIELDS = {"BlockStored": _STORED_FIELDS, "BlockRemoved": _REMOVED_FIELDS, "AllBlocksCleared": ()}
 Fields = dict[str, msgspec.Raw]
 
@@ -186,6 +188,7 @@ def _event(raw: msgspec.Raw, path: str, limits: DecodeLimits) -> Event:
             block_hashes=_hashes(fields, path),
             medium=_opt_str(fields.get("medium")),
             group_idx=_opt_int(fields, "group_idx", path),
+            **{k: _opt_str(fields[k]) for k in _PLACEMENT if k in fields},
         )
     if tag == "AllBlocksCleared":
         return AllBlocksCleared()
