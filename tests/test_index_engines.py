@@ -317,3 +317,76 @@ def test_placement_fields_on_a_generic_path_removal() -> None:
     payload = msgspec.msgpack.encode([1.0, [["Unknown", 1], gone], 0])
     [event] = decode_batch(payload).batch.events
     assert (event.locality, event.ownership) == ("REMOTE", "x")  # type: ignore[union-attr]
+
+
+# ------------------------------------------------------------------ hybrid models (item 6)
+
+WINDOW = 2 * BS + 1  # a sliding window needing cdiv(WINDOW - 1, BS) = 2 blocks before a hit
+
+
+def fa(hashes: list[int], first: int, parent: int | None = None) -> dict[str, Any]:
+    """vLLM's full-attention group (0) storing blocks ``first..`` of PROMPT."""
+    tokens = PROMPT[first * BS : (first + len(hashes)) * BS]
+    return vllm_store(hashes, tokens, parent, kv_cache_spec_kind="full_attention")
+
+
+def swa(hashes: list[int], first: int, parent: int | None = None) -> dict[str, Any]:
+    """vLLM's sliding-window group (1): the same block hashes, its own events."""
+    tokens = PROMPT[first * BS : (first + len(hashes)) * BS]
+    return vllm_store(
+        hashes,
+        tokens,
+        parent,
+        group_idx=1,
+        kv_cache_spec_kind="sliding_window",
+        kv_cache_spec_sliding_window=WINDOW,
+    )
+
+
+def test_hybrid_hit_needs_the_sliding_window_blocks_before_it() -> None:
+    """Full attention + sliding window (vLLM ``SlidingWindowManager``): a hit of n blocks
+    needs full attention's blocks 0..n-1 and the window's last blocks before n; once the
+    window group evicted blocks 2-3, only a 2-block hit is left."""
+    index = PrefixIndex()
+    feed(index, fa(HASHES, 0), swa(HASHES, 0))
+    assert matched(index, PROMPT) == 4
+    feed(index, removed(HASHES[2:], group_idx=1))
+    assert matched(index, PROMPT) == 2
+    stats = index.stats()
+    assert (stats.group_events, stats.entries, stats.unknown_removals) == (2, 4, 0)
+
+
+def test_hybrid_full_attention_eviction_still_cuts_the_prefix() -> None:
+    """The full-attention group's own eviction shortens the hit as before."""
+    index = PrefixIndex()
+    feed(index, fa(HASHES, 0), swa(HASHES, 0))
+    feed(index, removed(HASHES[3:], group_idx=0))
+    assert matched(index, PROMPT) == 3
+
+
+def test_hybrid_sparse_window_stores_allow_only_hits_at_their_end() -> None:
+    """vLLM caches only the window blocks a hit can use: with window blocks 2-3 alone, a
+    4-block hit is whole, and a 3-block request has no hit (its window blocks are missing)."""
+    index = PrefixIndex()
+    feed(index, fa(HASHES, 0), swa(HASHES[2:], 2, parent=HASHES[1]))
+    assert matched(index, PROMPT) == 4
+    assert matched(index, PROMPT[: 3 * BS]) == 0
+
+
+def test_hybrid_mamba_group_needs_the_state_at_the_hit() -> None:
+    """A Mamba group needs only its block at the hit point: with its state at block 1 (of
+    2 stored, block 3 evicted), the hit is 2 blocks."""
+    index = PrefixIndex()
+    mamba = vllm_store(HASHES, PROMPT, group_idx=1, kv_cache_spec_kind="mamba")
+    feed(index, fa(HASHES, 0), mamba, removed(HASHES[2:], group_idx=1))
+    assert matched(index, PROMPT) == 2
+    feed(index, {"type": "AllBlocksCleared"})
+    assert matched(index, PROMPT) == 0
+
+
+def test_single_group_full_attention_stores_are_unchanged() -> None:
+    """A non-hybrid vLLM stream (one full-attention group) is indexed as before: no group
+    followed apart, every block matched."""
+    index = PrefixIndex()
+    feed(index, fa(HASHES, 0))
+    assert (matched(index, PROMPT), index.stats().group_events) == (4, 0)

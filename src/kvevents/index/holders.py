@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from kvevents.index import table as bt
+from kvevents.index.groups import TailGroup
 from kvevents.index.orphans import OrphanPen
 from kvevents.index.records import DEFAULT_TIER, HolderKey
 
@@ -180,6 +181,7 @@ class Stream:
         "partials",
         "refreshes",
         "registered",
+        "tails",
         "tombs",
     )
 
@@ -192,6 +194,7 @@ class Stream:
         # "full" report mode: a store of a held block is the same block announced again
         self.refreshes = False
         self.lookahead = 0  # tokens after a block that its key covers (EAGLE-style engines)
+        self.tails: dict[object, TailGroup] = {}  # group_idx -> a windowed or Mamba group
         self.holders: dict[str, Holder] = {}  # by tier
         self.by_medium: dict[str | None, Holder] = {}  # by the event's medium, as written
         self.masks: dict[int, int] = {}  # page -> bits of this stream's holders
@@ -234,6 +237,8 @@ class Stream:
         """Forget every block, orphan and tombstone; returns the orphan blocks dropped."""
         for holder in self.holders.values():
             holder.drop()
+        for tail in self.tails.values():
+            tail.clear()
         self.tombs.clear()
         self.partials = {}
         return self.orphans.clear()

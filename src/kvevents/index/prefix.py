@@ -27,10 +27,11 @@ from operator import sub
 from kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from kvevents.index import query
 from kvevents.index import table as bt
-from kvevents.index.extras import has_extras, no_tokens, store_extras
+from kvevents.index.checks import StoreChecks, pack_ints
+from kvevents.index.extras import has_extras
+from kvevents.index.groups import WHOLE_PREFIX
 from kvevents.index.holders import PAGE_SHIFT, Holder, Stream, tier_name
 from kvevents.index.keys import (
-    ROOT_SEED,
     Extras,
     MMSpan,
     chain_hashes,
@@ -76,14 +77,6 @@ _pack_msgpack = bt.pack_msgpack_tokens
 _store_run = bt.store_run
 
 
-def _pack_ints(token_ids: Sequence[int | str]) -> bytes | None:
-    """Int token ids as packed uint32 LE, None when one is not an int in range."""
-    try:
-        return pack_tokens(token_ids)  # type: ignore[arg-type]  # a str raises TypeError
-    except (OverflowError, TypeError):
-        return None
-
-
 def _ranks(ranks: int | Iterable[int]) -> list[int]:
     if isinstance(ranks, int):
         if ranks < 1:
@@ -92,7 +85,7 @@ def _ranks(ranks: int | Iterable[int]) -> list[int]:
     return sorted(set(ranks))
 
 
-class PrefixIndex(IndexViews):
+class PrefixIndex(StoreChecks, IndexViews):
     """Which (worker, rank, tier) holds which block; longest-prefix queries.
 
     ``block_size`` is used for workers that neither register one nor have sent an event yet;
@@ -259,6 +252,9 @@ class PrefixIndex(IndexViews):
         return Applied(batch.ts, len(batch.events), decoded.skipped_count, self._c.clears != before)
 
     def _store(self, stream: Stream, event: Stored) -> None:
+        kind = event.kv_cache_spec_kind
+        if ((kind and kind not in WHOLE_PREFIX) or stream.tails) and self._grouped(stream, event):
+            return
         size = event.block_size
         if size != stream.block_size and not self._other_size(stream, event):
             return
@@ -268,7 +264,7 @@ class PrefixIndex(IndexViews):
         if type(event) is PackedStored:
             packed = _pack_msgpack(event.token_ids)
         else:
-            packed = _pack_ints(event.token_ids)
+            packed = pack_ints(event.token_ids)
         run: Run | None = None
         if packed is None or event.lookahead_token_ids:  # bigrams, digests, lookahead
             read = read_run(event, size)
@@ -316,57 +312,14 @@ class PrefixIndex(IndexViews):
         if stream.orphans.waiting:
             self._place_waiting(stream, hashes)
 
-    def _extras_ok(self, stream: Stream, event: Stored) -> bool:
-        """Whether a store's extras can be read (else it is a bad event, counted)."""
-        try:
-            store_extras(event)
-        except ValueError as exc:
-            self._bad(stream, str(exc))
-            return False
-        return True
-
-    def _note_lookahead(self, stream: Stream, tokens: int) -> None:
-        """A store's blocks cover ``tokens`` after them: queries of the stream must too."""
-        if stream.lookahead != tokens:
-            stream.lookahead = tokens
-            self._sizes = None
-
-    def _other_size(self, stream: Stream, event: Stored) -> bool:
-        """Whether a store of another block size than the stream's may go on. Partial and
-        placeholder stores are legitimate traffic with nothing to key: counted, not logged."""
-        size, limit = event.block_size, stream.block_size
-        if (size == 0 and no_tokens(event)) or (
-            limit is not None and 0 < size < limit and len(event.block_hashes) == 1
-        ):
-            self._c.partial += 1
-            stream.note_partials(event.block_hashes)
-            return False
-        return self._adopt(stream, event)
-
-    def _adopt(self, stream: Stream, event: Stored) -> bool:
-        """Whether a store of another block size than the stream's may go on: only the first
-        store of a stream with none sets it; any other is counted (and logged)."""
-        if stream.block_size is not None:
-            self._mismatch(stream, event)
-            return False
-        if event.block_size <= 0:
-            self._bad(stream, "block_size must be positive")
-            return False
-        stream.block_size = event.block_size
-        self._sizes = None
-        return True
-
-    def _root(self, event: Stored) -> int:
-        lora = event.lora_name if event.lora_name is not None else event.lora_id
-        if lora is None:
-            return ROOT_SEED
-        seed = self._roots.get(lora)
-        if seed is None:
-            seed = self._roots[lora] = root_seed(lora)
-        return seed
-
     def _remove(self, stream: Stream, event: BlockRemoved) -> None:
         hashes = event.block_hashes
+        if stream.tails and (tail := stream.tails.get(event.group_idx)) is not None:
+            missed = tail.remove(hashes)
+            self._c.grouped += 1
+            self._c.unknown += missed
+            self._c.removed += len(hashes) - missed
+            return
         holder = stream.holder_of(event.medium)
         unknown = hashes if holder is None else holder.remove(hashes, stream.tombs)
         if unknown and stream.partials:  # a partial block grown full, a placeholder gone
@@ -375,26 +328,6 @@ class PrefixIndex(IndexViews):
         self._c.unknown += len(unknown) - claimed
         self._c.removed += len(hashes) - len(unknown) + claimed
         stream.tombs.settle()
-
-    def _bad(self, stream: Stream, reason: str) -> None:
-        stream.bad_events += 1
-        self._c.bad_events += 1
-        log.debug("worker %s rank %d: store skipped: %s", stream.key[0], stream.key[1], reason)
-
-    def _mismatch(self, stream: Stream, event: Stored) -> None:
-        stream.mismatches += 1
-        self._c.mismatches += 1
-        self._log_mismatch(
-            f"{stream.key[0]}\0{stream.key[1]}",
-            "worker %s rank %d: BlockStored with block_size %d but the stream's block_size is "
-            "%s; %d store event(s) skipped so far. Register the worker with the engine's "
-            "block size.",
-            stream.key[0],
-            stream.key[1],
-            event.block_size,
-            stream.block_size,
-            stream.mismatches,
-        )
 
     # ----------------------------------------------------------------- orphans
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 
 from kvevents.index import table as bt
+from kvevents.index.groups import cut
 from kvevents.index.holders import PAGE_SHIFT, Holder, Stream
 from kvevents.index.keys import Extras, chain_hashes, chain_keys
 from kvevents.index.records import HolderKey
@@ -46,12 +47,18 @@ def match_all(
         request_blocks[size] = tokens // size
         blocks = max(0, tokens - ahead) // size
         extras = extras_of(blocks, size)
+        keys: list[int] | None = None
         if extras is None and not ahead:  # the common case: the walk hashes the tokens
             found, deepest = walk_packed(pages, by_id, streams, (packed, size, seed), masks)
         else:
             end = 4 * size * blocks
             keys = chain_keys(packed[:end], size, seed, extras or (), packed[end : end + 4 * ahead])
             found, deepest = walk(pages, by_id, streams, keys, masks)
+        for skey, depth in deepest.items():
+            tails = streams[skey].tails
+            if tails and depth:  # a hybrid model's stream: what its other groups allow
+                keys = chain_hashes(packed, size, seed) if keys is None else keys
+                deepest[skey] = cut(depth, keys, list(tails.values()))
         holders.update(found)
         prefixes.update(deepest)
     return holders, prefixes, request_blocks

@@ -88,6 +88,9 @@ class IndexStats:
     #: stores of a block its holder already had, on a stream in ``"full"`` report mode: the
     #: engine announcing a reused block again (not a second reference)
     refreshed_stores: int = 0
+    #: events of a hybrid model's sliding-window or Mamba group, followed apart from the
+    #: block tables (a hit needs only the blocks before its end from such a group)
+    group_events: int = 0
 
     @property
     def bytes_per_block(self) -> float:
@@ -134,6 +137,7 @@ class Counts:
         "clears",
         "dropped",
         "duplicates",
+        "grouped",
         "mismatches",
         "orphaned",
         "partial",
@@ -149,7 +153,7 @@ class Counts:
         self.stored = self.removed = self.duplicates = self.unknown = 0
         self.orphaned = self.placed = self.dropped = 0
         self.bad_events = self.mismatches = self.clears = self.resets = self.partial = 0
-        self.refreshed = 0
+        self.refreshed = self.grouped = 0
 
     def snapshot(self) -> tuple[int, ...]:
         return (
