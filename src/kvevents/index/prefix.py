@@ -386,10 +386,13 @@ class PrefixIndex(StoreChecks, IndexViews):
         blocks stored with the same salt and items, and an unsalted one no salted block. A str
         token is a multimodal digest where the item's tokens are (TensorRT-LLM's form).
         """
-        ints, digests = split_digests(token_ids)
-        return self.match_packed(
-            pack_tokens(ints), lora=lora, cache_salt=cache_salt, mm=mm, digests=digests
-        )
+        digests: list[tuple[int, str]] = []
+        try:
+            packed = pack_tokens(token_ids)  # type: ignore[arg-type]  # a str raises TypeError
+        except TypeError:  # digest tokens: rare, so the plain case pays nothing for them
+            ints, digests = split_digests(token_ids)
+            packed = pack_tokens(ints)
+        return self.match_packed(packed, lora=lora, cache_salt=cache_salt, mm=mm, digests=digests)
 
     def match_packed(
         self,
