@@ -390,3 +390,14 @@ def test_single_group_full_attention_stores_are_unchanged() -> None:
     index = PrefixIndex()
     feed(index, fa(HASHES, 0))
     assert (matched(index, PROMPT), index.stats().group_events) == (4, 0)
+
+
+def test_vllm_lookahead_as_one_successor_per_block_reads_the_same() -> None:
+    """``lookahead_token_ids`` holding each block's successor (the last block's included)
+    keys exactly as the single token after the last block does."""
+    per_block, after_last = PrefixIndex(), PrefixIndex()
+    successors = [PROMPT[BS], NEXT]
+    feed(per_block, vllm_store(HASHES[:2], PROMPT[: 2 * BS], lookahead_token_ids=successors))
+    feed(after_last, vllm_store(HASHES[:2], PROMPT[: 2 * BS], lookahead_token_ids=[NEXT]))
+    assert per_block.dump() == after_last.dump()
+    assert matched(per_block, [*PROMPT[: 2 * BS], NEXT]) == 2

@@ -66,7 +66,19 @@ def read_run(event: Stored, block_size: int) -> Run | str:
         if isinstance(unpaired, str):
             return unpaired
         tokens, after = unpaired
-    return _run(tokens, after, block_size)
+    return _run(tokens, _one_successor(tokens, after, block_size), block_size)
+
+
+def _one_successor(tokens: list[Any], after: list[Any], block_size: int) -> list[Any]:
+    """``after`` as the tokens following the last block. A list of one successor per block
+    (each block's first token after it, the last one's included) says the same thing and
+    is read as its last entry."""
+    blocks = len(tokens) // block_size
+    if 1 < blocks == len(after) and all(
+        after[i] == tokens[(i + 1) * block_size] for i in range(blocks - 1)
+    ):
+        return after[-1:]
+    return after
 
 
 def _run(tokens: list[Any], after: list[Any], block_size: int) -> Run | str:
