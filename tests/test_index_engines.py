@@ -13,6 +13,8 @@ from typing import Any
 
 import msgspec
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvevents.index.prefix import PrefixIndex
 from kvevents.wire import decode_batch, decode_batch_packed
@@ -401,3 +403,34 @@ def test_vllm_lookahead_as_one_successor_per_block_reads_the_same() -> None:
     feed(after_last, vllm_store(HASHES[:2], PROMPT[: 2 * BS], lookahead_token_ids=[NEXT]))
     assert per_block.dump() == after_last.dump()
     assert matched(per_block, [*PROMPT[: 2 * BS], NEXT]) == 2
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    tokens=st.lists(st.integers(0, 50), min_size=BS + 1, max_size=6 * BS + 3),
+    cuts=st.lists(st.integers(1, 3), max_size=6),
+    bigram=st.booleans(),
+    query_len=st.integers(0, 6 * BS + 3),
+)
+def test_lookahead_stores_in_any_split_match_what_the_engine_reuses(
+    tokens: list[int], cuts: list[int], bigram: bool, query_len: int
+) -> None:
+    """However a lookahead stream's blocks are split into stores (vLLM lookahead or SGLang
+    bigram form), a query of the same tokens matches ``(len - 1) // block_size`` blocks."""
+    blocks = (len(tokens) - 1) // BS
+    hashes = [1000 + i for i in range(blocks)]
+    index, start, parent = PrefixIndex(), 0, None
+    for size in [*cuts, blocks]:
+        end = min(blocks, start + size)
+        if end <= start:
+            break
+        span = tokens[start * BS : end * BS + 1]
+        if bigram:
+            pairs = [[span[i], span[i + 1]] for i in range(len(span) - 1)]
+            event = {**vllm_store(hashes[start:end], [], parent), "token_ids": pairs}
+        else:
+            event = vllm_store(hashes[start:end], span[:-1], parent, lookahead_token_ids=span[-1:])
+        feed(index, event)
+        start, parent = end, hashes[end - 1]
+    query = tokens[:query_len]
+    assert matched(index, query) == min(blocks, max(0, len(query) - 1) // BS)
