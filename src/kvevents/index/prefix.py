@@ -6,12 +6,16 @@ holder only to resolve parents and removals. Storage is in :mod:`kvevents.index.
 held orphans in :mod:`kvevents.index.orphans`, the query walk in :mod:`kvevents.index.query`;
 every rule is written once, in Python, over table primitives (:mod:`kvevents.index.table`).
 
-Rules (each has its own test): duplicate stores and removals are reference counted per holder;
+Rules (each has its own test): duplicate stores and removals are reference counted per holder
+(on a stream in ``"full"`` report mode a repeated store is the same block announced again);
 a removal of an unknown block is counted and harmless; ``AllBlocksCleared`` drops the stream's
 blocks; a store whose parent is unknown is held as an orphan (bounded, counted) and placed
 exactly once when its parent arrives, never re-rooted at token 0; a ``block_size`` different
 from the stream's is a loud error and a counter, and the event is not applied; a store whose
 ``token_ids`` length is not ``block_size * len(block_hashes)`` is skipped and counted.
+Stores in other engines' forms (lookahead, bigrams, digest tokens) are read by
+:mod:`kvevents.index.tokens`; a hybrid model's windowed and Mamba groups are followed apart
+(:mod:`kvevents.index.groups`).
 
 The index is not thread-safe: one writer at a time (the service holds a lock).
 """
