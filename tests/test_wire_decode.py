@@ -113,8 +113,9 @@ def test_sglang_map_without_nil_keys() -> None:
     assert (stored.medium, stored.lora_name) == (None, None)
 
 
-def test_newer_optional_keys_are_ignored() -> None:
-    """Keys a future engine adds (locality, ownership, lookahead_token_ids) do not break decoding."""
+def test_newer_optional_keys_do_not_break_decoding() -> None:
+    """Keys a newer engine adds do not break decoding: a removal keeps its locality, reads an
+    ownership that is not a string as None, and ignores a key it has no field for."""
     event = {
         "type": "BlockRemoved",
         "block_hashes": [1],
@@ -124,7 +125,9 @@ def test_newer_optional_keys_are_ignored() -> None:
         "lookahead_token_ids": [1, 2],
     }
     got = decode_batch(pack([1.0, [event], 0]))
-    assert got.batch.events == [BlockRemoved(block_hashes=[1], medium="CPU")]
+    assert got.batch.events == [
+        BlockRemoved(block_hashes=[1], medium="CPU", locality="local", ownership=None)
+    ]
 
 
 def test_bytes_hashes_map_to_vllm_int_hashes() -> None:

@@ -8,27 +8,38 @@ Encoding rules pinned by golden-bytes tests:
 - events are msgpack maps whose ``"type"`` key holds the tag, keys in declaration order;
 - the always-present keys (``parent_block_hash``, ``lora_id``, ``medium``, ``lora_name``) are
   written even when nil, because vLLM-typed decoders reject a map without them;
-- optional keys (``extra_keys``, ``group_idx``, ``kv_cache_spec_*``) default to ``UNSET`` and
-  are omitted until set;
+- optional keys (``extra_keys``, ``group_idx``, ``kv_cache_spec_*``, and the newer keys real
+  engines send) default to ``UNSET`` and are omitted until set;
 - a batch is a 3-element array ``[ts, events, data_parallel_rank]``.
 """
 
 from __future__ import annotations
 
-from typing import Any, TypeAlias
+from collections.abc import Sequence
+from typing import Annotated, Any, TypeAlias
 
 import msgspec
-from msgspec import UNSET, UnsetType
+from msgspec import UNSET, Meta, UnsetType
 
 __all__ = [
+    "MAX_DIGEST",
     "UNSET",
     "AllBlocksCleared",
     "BlockRemoved",
     "BlockStored",
+    "Digest",
     "Event",
     "KVEventBatch",
     "UnsetType",
 ]
+
+
+#: Longest digest token, in characters (a SHA-512 hex digest is 128).
+MAX_DIGEST = 256
+
+#: A token that is a multimodal item's digest (TensorRT-LLM writes one where the item's tokens
+#: are); a longer string is not a digest but a malformed event.
+Digest = Annotated[str, Meta(max_length=MAX_DIGEST)]
 
 
 # gc=False: these records hold only ints, strings and lists of them, so they can never be part
@@ -41,12 +52,15 @@ class BlockStored(
 
     ``block_hashes`` are the engine's hashes in token order; ``parent_block_hash`` is the hash
     of the block before ``block_hashes[0]`` (None when the run starts at token 0);
-    ``token_ids`` holds ``block_size * len(block_hashes)`` ids.
+    ``token_ids`` holds ``block_size * len(block_hashes)`` ids: ints, or a multimodal item's
+    digest (a str) for each of its tokens (TensorRT-LLM). SGLang's EAGLE bigram stores (pairs
+    ``[t[i], t[i+1]]``) decode to their first tokens, with the last pair's second token as
+    ``lookahead_token_ids``: the same block, as vLLM's lookahead-aware stores send it.
     """
 
     block_hashes: list[int]
     parent_block_hash: int | None = None
-    token_ids: list[int]
+    token_ids: Sequence[int | Digest]
     block_size: int
     lora_id: int | None = None
     medium: str | None = None
@@ -55,10 +69,12 @@ class BlockStored(
     group_idx: int | UnsetType = UNSET
     kv_cache_spec_kind: str | UnsetType = UNSET
     kv_cache_spec_sliding_window: int | UnsetType = UNSET
-    # Read so consumers have them; the index keys blocks by extra_keys and cache_salt only.
-    # Fifteen keys at most, the tag included: msgspec writes a struct of more with a longer
-    # map header, which would change the pinned bytes of every store. vLLM's ``locality`` and
-    # ``ownership`` (offloading placeholders) are read on PackedStored only.
+    # Read so consumers have them. The index keys blocks by cache_salt (with extra_keys) and
+    # lookahead_token_ids; session_id names the request that caused the store, not an owner
+    # of the block, so the index ignores it. Fifteen keys at most, the tag included: msgspec
+    # writes a struct of more with a longer map header, which would change the pinned bytes
+    # of every store. vLLM's ``locality`` and ``ownership`` are kept on PackedStored (what
+    # decode_batch_packed returns) and BlockRemoved.
     lookahead_token_ids: list[int] | UnsetType | None = UNSET
     session_id: str | UnsetType | None = UNSET
     cache_salt: str | UnsetType | None = UNSET
@@ -67,11 +83,17 @@ class BlockStored(
 class BlockRemoved(
     msgspec.Struct, tag="BlockRemoved", tag_field="type", kw_only=True, frozen=True, gc=False
 ):
-    """Blocks left the cache (``medium``: the tier they left, None for the default tier)."""
+    """Blocks left the cache (``medium``: the tier they left, None for the default tier).
+
+    ``locality`` (``"LOCAL"``/``"REMOTE"`` relative to the publisher) and ``ownership`` (the
+    secondary offloading tier that generated the event) are vLLM 0.33's, kept for consumers.
+    """
 
     block_hashes: list[int]
     medium: str | None = None
     group_idx: int | UnsetType = UNSET
+    locality: str | UnsetType | None = UNSET
+    ownership: str | UnsetType | None = UNSET
 
 
 class AllBlocksCleared(

@@ -13,6 +13,7 @@ from kvevents.index.prefix import (
     IndexStats,
     MatchResult,
     PrefixIndex,
+    ReportMode,
     StreamInfo,
 )
 from kvevents.index.router import POLICIES, Policy, Router, make_policy
@@ -28,6 +29,7 @@ __all__ = [
     "MatchResult",
     "Policy",
     "PrefixIndex",
+    "ReportMode",
     "Router",
     "StreamInfo",
     "make_policy",

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from kvevents.index import table as bt
+from kvevents.index.groups import TailGroup
 from kvevents.index.orphans import OrphanPen
 from kvevents.index.records import DEFAULT_TIER, HolderKey
 
@@ -93,11 +94,15 @@ class Holder:
         self.dups: dict[int, int] = {}
         self.shared: dict[int, int] = {}
 
-    def add(self, hashes: Sequence[int], ours: Sequence[int]) -> int:
-        """Store blocks whose hashes are known; returns the duplicate stores."""
+    def add(self, hashes: Sequence[int], ours: Sequence[int], *, refresh: bool = False) -> int:
+        """Store blocks whose hashes are known; returns how many the holder had already.
+
+        Such a store is a second reference (removed twice), or with ``refresh`` a report of
+        the same block again (one removal takes it).
+        """
         shared = bt.store_chain(self.table, self.engine, self.bit, hashes, ours)
         if shared is None:
-            return self._add_each(hashes, ours)
+            return self._add_each(hashes, ours, refresh)
         self.share(shared)
         return 0
 
@@ -124,15 +129,16 @@ class Holder:
         self.dups = {}
         self.shared = {}
 
-    def _add_each(self, hashes: Sequence[int], ours: Sequence[int]) -> int:
+    def _add_each(self, hashes: Sequence[int], ours: Sequence[int], refresh: bool) -> int:
         engine, fresh, dups = self.engine, [], 0
         for eh, oh in zip(hashes, ours, strict=True):
             if engine.get(eh) is None:
                 engine[eh] = oh
                 fresh.append(oh)
-            else:
+                continue
+            if not refresh:
                 self.dups[eh] = self.dups.get(eh, 0) + 1
-                dups += 1
+            dups += 1
         blocks, bit, shared = self.table, self.bit, []
         for oh in fresh:
             mask = blocks.get(oh, 0)
@@ -168,11 +174,14 @@ class Stream:
         "holders",
         "key",
         "last_ts",
+        "lookahead",
         "masks",
         "mismatches",
         "orphans",
         "partials",
+        "refreshes",
         "registered",
+        "tails",
         "tombs",
     )
 
@@ -182,6 +191,10 @@ class Stream:
         self.key = key
         self.block_size = block_size
         self.registered = registered
+        # "full" report mode: a store of a held block is the same block announced again
+        self.refreshes = False
+        self.lookahead = 0  # tokens after a block that its key covers (EAGLE-style engines)
+        self.tails: dict[object, TailGroup] = {}  # group_idx -> a windowed or Mamba group
         self.holders: dict[str, Holder] = {}  # by tier
         self.by_medium: dict[str | None, Holder] = {}  # by the event's medium, as written
         self.masks: dict[int, int] = {}  # page -> bits of this stream's holders
@@ -224,6 +237,8 @@ class Stream:
         """Forget every block, orphan and tombstone; returns the orphan blocks dropped."""
         for holder in self.holders.values():
             holder.drop()
+        for tail in self.tails.values():
+            tail.clear()
         self.tombs.clear()
         self.partials = {}
         return self.orphans.clear()

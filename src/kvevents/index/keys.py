@@ -26,6 +26,14 @@ The scheme, exactly:
   later block differs too. A block without extras is keyed as before: unsalted keys are
   unchanged. The LoRA name vLLM puts first in every block's extras is not an extra here: the
   root seed already carries it.
+- A *digest token* (TensorRT-LLM puts a multimodal item's hex digest in ``token_ids`` where
+  the item's tokens are) packs as 0 and adds ``["digest", offset_in_block, digest]`` to its
+  block's extras, in token order, after the block's other extras.
+- A block whose identity covers the ``L`` tokens after it (*lookahead*: vLLM's
+  lookahead-aware hashing for EAGLE-style drafters, SGLang's EAGLE bigram keys, ``L = 1``) is
+  keyed ``y[i] = xxh3_64(b"next:" + next_L_tokens_packed, seed=k[i]) & MASK``, where
+  ``k[i]`` is its key as above (token hash, extras mixed in) seeded by ``y[i-1]``. A request
+  has such a block only when it holds the ``L`` tokens after it.
 
 Hashes are non-negative Python ints below 2**60. A token id outside ``0 .. 2**32 - 1`` raises
 ``OverflowError``.
@@ -50,10 +58,14 @@ __all__ = [
     "block_hashes",
     "chain_hashes",
     "chain_keys",
+    "digest_blocks",
+    "digest_extras",
+    "merge_extras",
     "mix_extras",
     "pack_tokens",
     "request_extras",
     "root_seed",
+    "split_digests",
 ]
 
 #: One block's extra inputs (a list of msgpack-able values), or None for a block without.
@@ -108,11 +120,17 @@ def mix_extras(token_hash: int, extras: Sequence[Any]) -> int:
     return _xxh3(b"extra:" + _encode(list(extras)), token_hash) & MASK
 
 
-def chain_keys(packed: bytes, block_size: int, seed: int, extras: Sequence[Extras]) -> list[int]:
-    """:func:`chain_hashes` where ``extras[i]`` (if any) enters block ``i``'s key.
+def chain_keys(
+    packed: bytes, block_size: int, seed: int, extras: Sequence[Extras], after: bytes = b""
+) -> list[int]:
+    """:func:`chain_hashes` where ``extras[i]`` (if any) enters block ``i``'s key, and with
+    ``after`` (the packed tokens following the last block) each block's lookahead does too:
+    its key covers as many tokens after it as ``after`` holds (module docstring).
 
-    Runs of blocks without extras are hashed by one table call each.
+    Runs of blocks without extras or lookahead are hashed by one table call each.
     """
+    if after:
+        return _chain_ahead(packed, block_size, seed, extras, after)
     step = 4 * block_size
     out: list[int] = []
     start = 0
@@ -126,6 +144,71 @@ def chain_keys(packed: bytes, block_size: int, seed: int, extras: Sequence[Extra
         out.append(mix_extras(token_hash, extra))
         start = i + 1
     out += chain_hashes(packed[start * step :], block_size, out[-1] if out else seed)
+    return out
+
+
+def _chain_ahead(
+    packed: bytes, block_size: int, seed: int, extras: Sequence[Extras], after: bytes
+) -> list[int]:
+    step, width = 4 * block_size, len(after)
+    tail = packed + after
+    out: list[int] = []
+    parent = seed
+    for i in range(len(packed) // step):
+        end = (i + 1) * step
+        [key] = chain_hashes(packed[end - step : end], block_size, parent)
+        extra = extras[i] if i < len(extras) else None
+        if extra:
+            key = mix_extras(key, extra)
+        parent = _xxh3(b"next:" + tail[end : end + width], key) & MASK
+        out.append(parent)
+    return out
+
+
+def digest_extras(tokens: Sequence[int | str], block_size: int) -> tuple[bytes, list[Extras]]:
+    """Tokens where some are digests (str), packed with 0 in their place, and each full
+    block's digest extras (:func:`digest_blocks`).
+
+    Raises ``OverflowError`` for an int token outside uint32 and ``TypeError`` for a token
+    that is neither an int nor a str.
+    """
+    ints, digests = split_digests(tokens)
+    return pack_tokens(ints), digest_blocks(digests, len(tokens) // block_size, block_size)
+
+
+def split_digests(tokens: Sequence[int | str]) -> tuple[list[int], list[tuple[int, str]]]:
+    """Int tokens (0 where a digest is) and the ``(position, digest)`` of every digest token."""
+    ints: list[int] = []
+    digests: list[tuple[int, str]] = []
+    for i, token in enumerate(tokens):
+        if isinstance(token, str):
+            digests.append((i, token))
+            ints.append(0)
+        elif isinstance(token, int) and not isinstance(token, bool):
+            ints.append(token)
+        else:
+            raise TypeError(f"token {i} is a {type(token).__name__}, not an int or a digest")
+    return ints, digests
+
+
+def digest_blocks(digests: Sequence[tuple[int, str]], blocks: int, block_size: int) -> list[Extras]:
+    """Each of ``blocks`` blocks' digest extras: ``["digest", offset_in_block, digest]`` per
+    digest token in it, in token order (None for a block without)."""
+    out: list[Extras] = [None] * blocks
+    for position, digest in digests:
+        block = position // block_size
+        if block < blocks:
+            out[block] = [*(out[block] or ()), ["digest", position % block_size, digest]]
+    return out
+
+
+def merge_extras(first: Sequence[Extras] | None, then: Sequence[Extras] | None) -> list[Extras]:
+    """Per block, ``first``'s extras followed by ``then``'s (either may be shorter or None)."""
+    a, b = first or (), then or ()
+    out: list[Extras] = []
+    for i in range(max(len(a), len(b))):
+        x = [*(a[i] or () if i < len(a) else ()), *(b[i] or () if i < len(b) else ())]
+        out.append(x or None)
     return out
 
 

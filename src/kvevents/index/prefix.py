@@ -6,12 +6,16 @@ holder only to resolve parents and removals. Storage is in :mod:`kvevents.index.
 held orphans in :mod:`kvevents.index.orphans`, the query walk in :mod:`kvevents.index.query`;
 every rule is written once, in Python, over table primitives (:mod:`kvevents.index.table`).
 
-Rules (each has its own test): duplicate stores and removals are reference counted per holder;
+Rules (each has its own test): duplicate stores and removals are reference counted per holder
+(on a stream in ``"full"`` report mode a repeated store is the same block announced again);
 a removal of an unknown block is counted and harmless; ``AllBlocksCleared`` drops the stream's
 blocks; a store whose parent is unknown is held as an orphan (bounded, counted) and placed
 exactly once when its parent arrives, never re-rooted at token 0; a ``block_size`` different
 from the stream's is a loud error and a counter, and the event is not applied; a store whose
 ``token_ids`` length is not ``block_size * len(block_hashes)`` is skipped and counted.
+Stores in other engines' forms (lookahead, bigrams, digest tokens) are read by
+:mod:`kvevents.index.tokens`; a hybrid model's windowed and Mamba groups are followed apart
+(:mod:`kvevents.index.groups`).
 
 The index is not thread-safe: one writer at a time (the service holds a lock).
 """
@@ -27,16 +31,20 @@ from operator import sub
 from kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from kvevents.index import query
 from kvevents.index import table as bt
-from kvevents.index.extras import has_extras, no_tokens, store_extras
+from kvevents.index.checks import StoreChecks, pack_ints
+from kvevents.index.extras import has_extras
+from kvevents.index.groups import WHOLE_PREFIX
 from kvevents.index.holders import PAGE_SHIFT, Holder, Stream, tier_name
 from kvevents.index.keys import (
-    ROOT_SEED,
+    Extras,
     MMSpan,
     chain_hashes,
-    chain_keys,
+    digest_blocks,
+    merge_extras,
     pack_tokens,
     request_extras,
     root_seed,
+    split_digests,
 )
 from kvevents.index.orphans import Orphan, Stored
 from kvevents.index.records import (
@@ -46,8 +54,10 @@ from kvevents.index.records import (
     HolderKey,
     IndexStats,
     MatchResult,
+    ReportMode,
     StreamInfo,
 )
+from kvevents.index.tokens import Run, read_run, special_run, store_keys
 from kvevents.index.views import IndexViews
 from kvevents.ratelimit import RateLimitedWarning
 from kvevents.wire import Applied, PackedStored, decode_batch_packed
@@ -59,6 +69,7 @@ __all__ = [
     "IndexStats",
     "MatchResult",
     "PrefixIndex",
+    "ReportMode",
     "StreamInfo",
 ]
 
@@ -70,14 +81,6 @@ _pack_msgpack = bt.pack_msgpack_tokens
 _store_run = bt.store_run
 
 
-def _pack_ints(token_ids: Sequence[int]) -> bytes | None:
-    """Int token ids as packed uint32 LE, None when one is not an int in range."""
-    try:
-        return pack_tokens(token_ids)
-    except (OverflowError, TypeError):
-        return None
-
-
 def _ranks(ranks: int | Iterable[int]) -> list[int]:
     if isinstance(ranks, int):
         if ranks < 1:
@@ -86,7 +89,7 @@ def _ranks(ranks: int | Iterable[int]) -> list[int]:
     return sorted(set(ranks))
 
 
-class PrefixIndex(IndexViews):
+class PrefixIndex(StoreChecks, IndexViews):
     """Which (worker, rank, tier) holds which block; longest-prefix queries.
 
     ``block_size`` is used for workers that neither register one nor have sent an event yet;
@@ -117,26 +120,37 @@ class PrefixIndex(IndexViews):
         self._free_ids: list[int] = []
         self._next_id = 0
         self._roots: dict[str | int, int] = {}
-        self._sizes: dict[int, dict[int, int]] | None = None  # block size -> page -> mask
+        # (block size, lookahead tokens) -> page -> mask of the streams keyed that way
+        self._sizes: dict[tuple[int, int], dict[int, int]] | None = None
         self._c = Counts()
 
     # ----------------------------------------------------------------- workers and streams
 
     def register_worker(
-        self, worker_id: str, *, block_size: int, ranks: int | Iterable[int] = 1
+        self,
+        worker_id: str,
+        *,
+        block_size: int,
+        ranks: int | Iterable[int] = 1,
+        report_mode: ReportMode = "incremental",
     ) -> None:
         """Declare a worker's ranks and block size; stores of another block size are refused.
 
+        ``report_mode`` says what a second store of a held block means (:data:`ReportMode`):
+        ``"full"`` for a vLLM engine whose requests use ``kv_cache_report_mode="full"``.
         Re-registering a stream with a different block size drops what it held.
         """
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
+        if report_mode not in ("incremental", "full"):
+            raise ValueError(f"report_mode must be 'incremental' or 'full', got {report_mode!r}")
         for rank in _ranks(ranks):
             stream = self._stream(worker_id, rank, block_size)
             if stream.block_size not in (None, block_size):
                 self._drop_stream_state(stream)
             stream.block_size = block_size
             stream.registered = True
+            stream.refreshes = report_mode == "full"
         self._sizes = None
 
     def remove_worker(self, worker_id: str, rank: int | None = None) -> None:
@@ -242,6 +256,9 @@ class PrefixIndex(IndexViews):
         return Applied(batch.ts, len(batch.events), decoded.skipped_count, self._c.clears != before)
 
     def _store(self, stream: Stream, event: Stored) -> None:
+        kind = event.kv_cache_spec_kind
+        if ((kind and kind not in WHOLE_PREFIX) or stream.tails) and self._grouped(stream, event):
+            return
         size = event.block_size
         if size != stream.block_size and not self._other_size(stream, event):
             return
@@ -251,16 +268,22 @@ class PrefixIndex(IndexViews):
         if type(event) is PackedStored:
             packed = _pack_msgpack(event.token_ids)
         else:
-            packed = _pack_ints(event.token_ids)
-        if packed is None:
-            self._bad(stream, "token_ids is not an array of ints in 0..2**32-1")
-            return
+            packed = pack_ints(event.token_ids)
+        run: Run | None = None
+        if packed is None or event.lookahead_token_ids:  # bigrams, digests, lookahead
+            read = read_run(event, size)
+            if isinstance(read, str):
+                self._bad(stream, read)
+                return
+            run, packed = read, read.packed
         if len(packed) != 4 * size * len(hashes):
             self._bad(stream, "token_ids length is not block_size * len(block_hashes)")
             return
-        salted = has_extras(event, len(hashes))
+        salted = run is not None or has_extras(event, len(hashes))
         if salted and not self._extras_ok(stream, event):
             return
+        if run is not None:
+            self._note_lookahead(stream, len(run.after) // 4)
         holder = stream.by_medium.get(event.medium) or self._holder(stream, event.medium)
         parent = event.parent_block_hash
         if parent is None:
@@ -275,81 +298,32 @@ class PrefixIndex(IndexViews):
                     return
             seed = found
         if salted:
-            self._store_extras(stream, holder, event, packed, seed)
+            ours = store_keys(event, packed, size, seed, run)
+            self._c.stored += len(hashes)
+            self._held_again(stream, holder.add(hashes, ours, refresh=stream.refreshes))
+            if stream.orphans.waiting:
+                self._place_waiting(stream, hashes)
             return
         self._c.stored += len(hashes)
         shared = _store_run(holder.table, holder.engine, holder.bit, hashes, packed, size, seed)
         if shared is None:  # some engine hash is held already: the reference-counted way
-            self._c.duplicates += holder.add(hashes, chain_hashes(packed, size, seed))
+            self._held_again(
+                stream,
+                holder.add(hashes, chain_hashes(packed, size, seed), refresh=stream.refreshes),
+            )
         elif shared:
             holder.share(shared)
         if stream.orphans.waiting:
             self._place_waiting(stream, hashes)
 
-    def _store_extras(
-        self, stream: Stream, holder: Holder, event: Stored, packed: bytes, seed: int
-    ) -> None:
-        """A store with extra inputs (a salt, multimodal items): keyed in Python, block by
-        block where there are extras (:func:`kvevents.index.keys.chain_keys`)."""
-        ours = self._keys(event, packed, event.block_size, seed)
-        hashes = event.block_hashes
-        self._c.stored += len(hashes)
-        self._c.duplicates += holder.add(hashes, ours)
-        if stream.orphans.waiting:
-            self._place_waiting(stream, hashes)
-
-    def _extras_ok(self, stream: Stream, event: Stored) -> bool:
-        """Whether a store's extras can be read (else it is a bad event, counted)."""
-        try:
-            store_extras(event)
-        except ValueError as exc:
-            self._bad(stream, str(exc))
-            return False
-        return True
-
-    def _keys(self, event: Stored, packed: bytes, size: int, seed: int) -> list[int]:
-        """Our keys of a store's blocks, its extras (checked by :meth:`_extras_ok`) included."""
-        extras = store_extras(event)
-        if extras is None:
-            return chain_hashes(packed, size, seed)
-        return chain_keys(packed, size, seed, extras)
-
-    def _other_size(self, stream: Stream, event: Stored) -> bool:
-        """Whether a store of another block size than the stream's may go on. Partial and
-        placeholder stores are legitimate traffic with nothing to key: counted, not logged."""
-        size, limit = event.block_size, stream.block_size
-        if (size == 0 and no_tokens(event)) or (
-            limit is not None and 0 < size < limit and len(event.block_hashes) == 1
-        ):
-            self._c.partial += 1
-            stream.note_partials(event.block_hashes)
-            return False
-        return self._adopt(stream, event)
-
-    def _adopt(self, stream: Stream, event: Stored) -> bool:
-        """Whether a store of another block size than the stream's may go on: only the first
-        store of a stream with none sets it; any other is counted (and logged)."""
-        if stream.block_size is not None:
-            self._mismatch(stream, event)
-            return False
-        if event.block_size <= 0:
-            self._bad(stream, "block_size must be positive")
-            return False
-        stream.block_size = event.block_size
-        self._sizes = None
-        return True
-
-    def _root(self, event: Stored) -> int:
-        lora = event.lora_name if event.lora_name is not None else event.lora_id
-        if lora is None:
-            return ROOT_SEED
-        seed = self._roots.get(lora)
-        if seed is None:
-            seed = self._roots[lora] = root_seed(lora)
-        return seed
-
     def _remove(self, stream: Stream, event: BlockRemoved) -> None:
         hashes = event.block_hashes
+        if stream.tails and (tail := stream.tails.get(event.group_idx)) is not None:
+            missed = tail.remove(hashes)
+            self._c.grouped += 1
+            self._c.unknown += missed
+            self._c.removed += len(hashes) - missed
+            return
         holder = stream.holder_of(event.medium)
         unknown = hashes if holder is None else holder.remove(hashes, stream.tombs)
         if unknown and stream.partials:  # a partial block grown full, a placeholder gone
@@ -358,26 +332,6 @@ class PrefixIndex(IndexViews):
         self._c.unknown += len(unknown) - claimed
         self._c.removed += len(hashes) - len(unknown) + claimed
         stream.tombs.settle()
-
-    def _bad(self, stream: Stream, reason: str) -> None:
-        stream.bad_events += 1
-        self._c.bad_events += 1
-        log.debug("worker %s rank %d: store skipped: %s", stream.key[0], stream.key[1], reason)
-
-    def _mismatch(self, stream: Stream, event: Stored) -> None:
-        stream.mismatches += 1
-        self._c.mismatches += 1
-        self._log_mismatch(
-            f"{stream.key[0]}\0{stream.key[1]}",
-            "worker %s rank %d: BlockStored with block_size %d but the stream's block_size is "
-            "%s; %d store event(s) skipped so far. Register the worker with the engine's "
-            "block size.",
-            stream.key[0],
-            stream.key[1],
-            event.block_size,
-            stream.block_size,
-            stream.mismatches,
-        )
 
     # ----------------------------------------------------------------- orphans
 
@@ -395,7 +349,9 @@ class PrefixIndex(IndexViews):
         seed = stream.resolve(event.parent_block_hash)
         assert seed is not None
         hashes: Sequence[int] = event.block_hashes
-        ours = self._keys(event, orphan.packed, stream.block_size, seed)
+        run = special_run(event, stream.block_size)
+        assert not isinstance(run, str)  # it was read when held
+        ours = store_keys(event, orphan.packed, stream.block_size, seed, run)
         self._c.placed += len(hashes)
         self._c.stored += len(hashes)
         if orphan.removed:
@@ -408,13 +364,20 @@ class PrefixIndex(IndexViews):
             stream.tombs.settle()
             hashes, ours = [hashes[i] for i in kept], [ours[i] for i in kept]
         holder = self._holder(stream, event.medium)
-        self._c.duplicates += holder.add(hashes, ours)
+        self._held_again(stream, holder.add(hashes, ours, refresh=stream.refreshes))
+
+    def _held_again(self, stream: Stream, blocks: int) -> None:
+        """Count stores of blocks their holder had: refreshes or second references."""
+        if stream.refreshes:
+            self._c.refreshed += blocks
+        else:
+            self._c.duplicates += blocks
 
     # ----------------------------------------------------------------- queries
 
     def match(
         self,
-        token_ids: Sequence[int],
+        token_ids: Sequence[int | str],
         *,
         lora: str | int | None = None,
         cache_salt: str | None = None,
@@ -424,9 +387,16 @@ class PrefixIndex(IndexViews):
 
         ``cache_salt`` and ``mm`` (the request's multimodal items) enter the keys as the
         engine's own do (:func:`kvevents.index.keys.request_extras`): a request matches only
-        blocks stored with the same salt and items, and an unsalted one no salted block.
+        blocks stored with the same salt and items, and an unsalted one no salted block. A str
+        token is a multimodal digest where the item's tokens are (TensorRT-LLM's form).
         """
-        return self.match_packed(pack_tokens(token_ids), lora=lora, cache_salt=cache_salt, mm=mm)
+        digests: list[tuple[int, str]] = []
+        try:
+            packed = pack_tokens(token_ids)  # type: ignore[arg-type]  # a str raises TypeError
+        except TypeError:  # digest tokens: rare, so the plain case pays nothing for them
+            ints, digests = split_digests(token_ids)
+            packed = pack_tokens(ints)
+        return self.match_packed(packed, lora=lora, cache_salt=cache_salt, mm=mm, digests=digests)
 
     def match_packed(
         self,
@@ -435,52 +405,54 @@ class PrefixIndex(IndexViews):
         lora: str | int | None = None,
         cache_salt: str | None = None,
         mm: Sequence[MMSpan] = (),
+        digests: Sequence[tuple[int, str]] = (),
     ) -> MatchResult:
         """:meth:`match` for tokens already packed as uint32 little-endian bytes
-        (:func:`kvevents.index.keys.pack_tokens`), e.g. straight from a request body."""
-        seed = root_seed(lora)
-        holders: dict[HolderKey, int] = {}
-        streams: dict[tuple[str, int], int] = {}
-        request_blocks: dict[int, int] = {}
-        for size, masks in self._block_sizes().items():
-            blocks = request_blocks[size] = len(packed) // (4 * size)
+        (:func:`kvevents.index.keys.pack_tokens`), e.g. straight from a request body;
+        ``digests`` are the ``(position, digest)`` of digest tokens (0 in ``packed``)."""
+
+        def extras_of(blocks: int, size: int) -> list[Extras] | None:
             extras = request_extras(blocks, size, cache_salt, mm) if cache_salt or mm else None
-            if extras is None:  # the common case: the walk hashes the tokens itself
-                run = (packed, size, seed)
-                found, prefixes = query.walk_packed(
-                    self._pages, self._by_id, self._streams, run, masks
-                )
-            else:
-                keys = chain_keys(packed, size, seed, extras)
-                found, prefixes = query.walk(self._pages, self._by_id, self._streams, keys, masks)
-            holders.update(found)
-            streams.update(prefixes)
-        return MatchResult(len(packed) // 4, request_blocks, holders, streams)
+            if digests:
+                extras = merge_extras(extras, digest_blocks(digests, blocks, size))
+            return extras
+
+        tokens = len(packed) // 4
+        holders, streams, request_blocks = query.match_all(
+            (self._pages, self._by_id, self._streams),
+            self._block_sizes(),
+            packed,
+            root_seed(lora),
+            extras_of,
+        )
+        return MatchResult(tokens, request_blocks, holders, streams)
 
     def match_hashes(self, hashes: Sequence[int], *, block_size: int | None = None) -> MatchResult:
         """Like :meth:`match` with precomputed block hashes (:func:`tokenhash.block_hashes`).
 
         ``block_size`` selects the streams the hashes apply to; by default the index's own
-        block size, or the only one in use.
+        block size, or the only one in use. Streams keyed with lookahead are not matched
+        (plain block hashes cannot name their blocks).
         """
-        sizes = self._block_sizes()
+        sizes = {size for size, _ in self._block_sizes()}
         size = block_size if block_size is not None else self.block_size
         if size is None:
             if len(sizes) > 1:
                 raise ValueError(f"streams use block sizes {sorted(sizes)}: pass block_size")
             size = next(iter(sizes), 0)
-        if size not in sizes:
+        masks = self._block_sizes().get((size, 0))
+        if masks is None:
             return MatchResult(len(hashes) * size, {size: len(hashes)})
-        found, prefixes = query.walk(self._pages, self._by_id, self._streams, hashes, sizes[size])
+        found, prefixes = query.walk(self._pages, self._by_id, self._streams, hashes, masks)
         return MatchResult(len(hashes) * size, {size: len(hashes)}, found, prefixes)
 
-    def _block_sizes(self) -> dict[int, dict[int, int]]:
+    def _block_sizes(self) -> dict[tuple[int, int], dict[int, int]]:
         if self._sizes is not None:
             return self._sizes
-        sizes: dict[int, dict[int, int]] = {}
+        sizes: dict[tuple[int, int], dict[int, int]] = {}
         for stream in self._streams.values():
             if stream.block_size is not None:
-                pages = sizes.setdefault(stream.block_size, {})
+                pages = sizes.setdefault((stream.block_size, stream.lookahead), {})
                 for page, mask in stream.masks.items():
                     pages[page] = pages.get(page, 0) | mask
         self._sizes = sizes

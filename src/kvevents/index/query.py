@@ -8,16 +8,60 @@ ones) is then extended over the union of its tiers.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from kvevents.index import table as bt
+from kvevents.index.groups import cut
 from kvevents.index.holders import PAGE_SHIFT, Holder, Stream
-from kvevents.index.keys import chain_hashes
+from kvevents.index.keys import Extras, chain_hashes, chain_keys
 from kvevents.index.records import HolderKey
 
-__all__ = ["record", "walk", "walk_packed"]
+__all__ = ["match_all", "record", "walk", "walk_packed"]
+
+#: The index's tables: pages of block tables, holders by id, streams by (worker, rank).
+Tables = tuple[Sequence[bt.U64Map], Mapping[int, Holder], Mapping[tuple[str, int], Stream]]
+
 
 _chain_walk = bt.chain_walk
+
+
+def match_all(
+    tables: Tables,
+    sizes: Mapping[tuple[int, int], Mapping[int, int]],
+    packed: bytes,
+    seed: int,
+    extras_of: Callable[[int, int], Sequence[Extras] | None],
+) -> tuple[dict[HolderKey, int], dict[tuple[str, int], int], dict[int, int]]:
+    """Blocks matched per holder and per stream, and the request's full blocks per block
+    size, over the streams of every ``(block_size, lookahead)`` in ``sizes`` (page -> mask).
+
+    ``extras_of(blocks, block_size)`` gives the request's extras per block. A stream keyed
+    with lookahead matches a block only when the request holds the tokens after it.
+    """
+    pages, by_id, streams = tables
+    holders: dict[HolderKey, int] = {}
+    prefixes: dict[tuple[str, int], int] = {}
+    request_blocks: dict[int, int] = {}
+    tokens = len(packed) // 4
+    for (size, ahead), masks in sizes.items():
+        request_blocks[size] = tokens // size
+        blocks = max(0, tokens - ahead) // size
+        extras = extras_of(blocks, size)
+        keys: list[int] | None = None
+        if extras is None and not ahead:  # the common case: the walk hashes the tokens
+            found, deepest = walk_packed(pages, by_id, streams, (packed, size, seed), masks)
+        else:
+            end = 4 * size * blocks
+            keys = chain_keys(packed[:end], size, seed, extras or (), packed[end : end + 4 * ahead])
+            found, deepest = walk(pages, by_id, streams, keys, masks)
+        for skey, depth in deepest.items():
+            tails = streams[skey].tails
+            if tails and depth:  # a hybrid model's stream: what its other groups allow
+                keys = chain_hashes(packed, size, seed) if keys is None else keys
+                deepest[skey] = cut(depth, keys, list(tails.values()))
+        holders.update(found)
+        prefixes.update(deepest)
+    return holders, prefixes, request_blocks
 
 
 def walk(

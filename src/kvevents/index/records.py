@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import ClassVar, NamedTuple
+from typing import ClassVar, Literal, NamedTuple
 
 __all__ = [
     "DEFAULT_TIER",
@@ -16,8 +16,16 @@ __all__ = [
     "HolderKey",
     "IndexStats",
     "MatchResult",
+    "ReportMode",
     "StreamInfo",
 ]
+
+#: How a stream reports blocks. ``"incremental"``: a store announces a new copy of a block,
+#: so a second store of a held block is a second reference (vLLM's default: its cache does
+#: not de-duplicate blocks, each copy is stored and evicted on its own). ``"full"``: stores
+#: also announce blocks reused from the cache (vLLM ``kv_cache_report_mode="full"``), which
+#: are evicted once however often they were announced.
+ReportMode = Literal["incremental", "full"]
 
 #: Tier of blocks whose event carries no ``medium``.
 DEFAULT_TIER = "GPU"
@@ -77,6 +85,12 @@ class IndexStats:
     #: (``cache_partial_block``) and the offloading connector's tokenless placeholders
     partial_stores: int
     memory_bytes: int  #: estimated bytes held by the index structures
+    #: stores of a block its holder already had, on a stream in ``"full"`` report mode: the
+    #: engine announcing a reused block again (not a second reference)
+    refreshed_stores: int = 0
+    #: events of a hybrid model's sliding-window or Mamba group, followed apart from the
+    #: block tables (a hit needs only the blocks before its end from such a group)
+    group_events: int = 0
 
     @property
     def bytes_per_block(self) -> float:
@@ -123,10 +137,12 @@ class Counts:
         "clears",
         "dropped",
         "duplicates",
+        "grouped",
         "mismatches",
         "orphaned",
         "partial",
         "placed",
+        "refreshed",
         "removed",
         "resets",
         "stored",
@@ -137,6 +153,7 @@ class Counts:
         self.stored = self.removed = self.duplicates = self.unknown = 0
         self.orphaned = self.placed = self.dropped = 0
         self.bad_events = self.mismatches = self.clears = self.resets = self.partial = 0
+        self.refreshed = self.grouped = 0
 
     def snapshot(self) -> tuple[int, ...]:
         return (

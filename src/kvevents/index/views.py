@@ -48,6 +48,8 @@ class IndexViews:
             stream_resets=c.resets,
             partial_stores=c.partial,
             memory_bytes=self._memory_bytes(holders),
+            refreshed_stores=c.refreshed,
+            group_events=c.grouped,
         )
 
     def _memory_bytes(self, holders: list[Holder]) -> int:

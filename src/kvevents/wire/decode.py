@@ -204,6 +204,9 @@ class PackedStored(
     medium: str | None = None
     lora_name: str | None = None
     extra_keys: msgspec.Raw = _NIL
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
     lookahead_token_ids: list[int] | None = None
     locality: str | None = None
     ownership: str | None = None

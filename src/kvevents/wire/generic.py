@@ -14,7 +14,14 @@ from typing import Any
 import msgspec
 
 from kvevents.errors import DecodeError
-from kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored, Event, KVEventBatch
+from kvevents.events import (
+    MAX_DIGEST,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Event,
+    KVEventBatch,
+)
 from kvevents.wire.records import (
     DecodedBatch,
     DecodeLimits,
@@ -51,6 +58,8 @@ _raw_list = msgspec.msgpack.Decoder(list[msgspec.Raw])
 _raw_map = msgspec.msgpack.Decoder(dict[str, msgspec.Raw])
 _int_list = msgspec.msgpack.Decoder(list[int])
 _opt_int_list = msgspec.msgpack.Decoder(list[int] | None)
+_mixed_list = msgspec.msgpack.Decoder(list[int | str])
+_pair_list = msgspec.msgpack.Decoder(list[tuple[int, int]])
 _hash_list = msgspec.msgpack.Decoder(list[int | bytes])
 _hash_one = msgspec.msgpack.Decoder(int | bytes | None)
 _opt_str_decoder = msgspec.msgpack.Decoder(str | None)
@@ -160,10 +169,12 @@ _STORED_FIELDS = (
     "kv_cache_spec_sliding_window",
 )
 # Optional string keys of newer map-form stores, kept for consumers (the index reads only
-# cache_salt; BlockStored has no room for vLLM's locality and
-# ownership, see kvevents.events).
+# cache_salt; BlockStored has no room for vLLM's locality and ownership, see
+# kvevents.events: decode_batch_packed's PackedStored keeps them).
 _OPTIONAL_STR = ("session_id", "cache_salt")
 _REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
+# vLLM 0.33's placement keys: kept on BlockRemoved and PackedStored (BlockStored is full).
+_PLACEMENT = ("locality", "ownership")
 _FIELDS = {"BlockStored": _STORED_FIELDS, "BlockRemoved": _REMOVED_FIELDS, "AllBlocksCleared": ()}
 Fields = dict[str, msgspec.Raw]
 
@@ -177,6 +188,7 @@ def _event(raw: msgspec.Raw, path: str, limits: DecodeLimits) -> Event:
             block_hashes=_hashes(fields, path),
             medium=_opt_str(fields.get("medium")),
             group_idx=_opt_int(fields, "group_idx", path),
+            **{k: _opt_str(fields[k]) for k in _PLACEMENT if k in fields},
         )
     if tag == "AllBlocksCleared":
         return AllBlocksCleared()
@@ -204,7 +216,7 @@ def _tag_and_fields(raw: msgspec.Raw, path: str) -> tuple[Any, Fields]:
 
 
 def _stored(fields: Fields, path: str, limits: DecodeLimits) -> BlockStored:
-    token_ids = _tokens(fields.get("token_ids"), path, limits)
+    token_ids, after = _tokens(fields.get("token_ids"), path, limits)
     block_size: Any = _scalar(fields.get("block_size"))
     if not _is_int(block_size) or block_size <= 0:
         raise Skip(f"{path}.block_size", f"block_size must be a positive int, got {block_size!r}")
@@ -223,15 +235,20 @@ def _stored(fields: Fields, path: str, limits: DecodeLimits) -> BlockStored:
         group_idx=_opt_int(fields, "group_idx", path),
         kv_cache_spec_kind=msgspec.UNSET if kind is None else kind,
         kv_cache_spec_sliding_window=_opt_int(fields, "kv_cache_spec_sliding_window", path),
-        **_optional(fields, path, limits),
+        **_optional(fields, path, limits, after),
     )
 
 
-def _optional(fields: Fields, path: str, limits: DecodeLimits) -> dict[str, Any]:
-    """The newer optional keys a store may carry (vLLM 0.33, SGLang), where present."""
+def _optional(
+    fields: Fields, path: str, limits: DecodeLimits, after: list[int] | None
+) -> dict[str, Any]:
+    """The newer optional keys a store may carry (vLLM 0.33, SGLang), where present;
+    ``after`` is the lookahead a bigram store's last pair carries."""
     out: dict[str, Any] = {k: _opt_str(fields[k]) for k in _OPTIONAL_STR if k in fields}
     raw = fields.get("lookahead_token_ids")
-    if raw is not None:
+    if after is not None:
+        out["lookahead_token_ids"] = after
+    elif raw is not None:
         out["lookahead_token_ids"] = _lookahead(raw, f"{path}.lookahead_token_ids", limits)
     return out
 
@@ -246,16 +263,43 @@ def _lookahead(raw: msgspec.Raw, path: str, limits: DecodeLimits) -> list[int] |
         raise Skip(path, "lookahead_token_ids must be a list of ints or null") from None
 
 
-def _tokens(raw: msgspec.Raw | None, path: str, limits: DecodeLimits) -> list[int]:
+def _tokens(
+    raw: msgspec.Raw | None, path: str, limits: DecodeLimits
+) -> tuple[list[int | str], list[int] | None]:
+    """A store's token ids, and the lookahead token of SGLang's EAGLE bigram form: its
+    ``[a, b]`` pairs (pair ``i`` is tokens ``i`` and ``i + 1``) read as their first tokens
+    plus the last pair's second. TensorRT-LLM's multimodal digest tokens stay strings."""
+    where = f"{path}.token_ids"
     head = None if raw is None else container_len(memoryview(raw))
     if raw is None or head is None or head[0] != "array":
-        raise Skip(f"{path}.token_ids", "token_ids must be a list of ints")
+        raise Skip(where, _TOKENS_RULE)
     if head[1] > limits.max_tokens:
-        raise Skip(f"{path}.token_ids", too_many_tokens(head[1], limits))
+        raise Skip(where, too_many_tokens(head[1], limits))
     try:
-        return _int_list.decode(raw)
+        return _int_list.decode(raw), None  # type: ignore[return-value]
     except msgspec.ValidationError:
-        raise Skip(f"{path}.token_ids", "token_ids must be a list of ints") from None
+        pass
+    try:
+        return _digest_tokens(_mixed_list.decode(raw), where), None
+    except msgspec.ValidationError:
+        pass
+    try:
+        pairs = _pair_list.decode(raw)
+    except msgspec.ValidationError:
+        raise Skip(where, _TOKENS_RULE) from None
+    if any(pairs[i][1] != pairs[i + 1][0] for i in range(len(pairs) - 1)):
+        raise Skip(where, "bigram token_ids do not chain: a pair must start with the last's end")
+    return [p[0] for p in pairs], [pairs[-1][1]] if pairs else None
+
+
+_TOKENS_RULE = "token_ids must be a list of ints, of ints and digest strings, or of [a, b] pairs"
+
+
+def _digest_tokens(tokens: list[int | str], where: str) -> list[int | str]:
+    for i, token in enumerate(tokens):
+        if isinstance(token, str) and len(token) > MAX_DIGEST:
+            raise Skip(f"{where}[{i}]", f"a digest token is longer than {MAX_DIGEST} characters")
+    return tokens
 
 
 def _extra(raw: msgspec.Raw | None, path: str, limits: DecodeLimits) -> Any:
