@@ -9,7 +9,9 @@ from setuptools import Extension, setup
 setup(
     ext_modules=[
         # The prefix index's tables and hot loops (kvevents.index.table; reference: _table_py).
-        Extension("kvevents.index._blocktable", ["src/kvevents/index/_blocktable.c"], optional=True),
+        Extension(
+            "kvevents.index._blocktable", ["src/kvevents/index/_blocktable.c"], optional=True
+        ),
         # One-call receive of a whole ZeroMQ message for the subscriber.
         Extension(
             "kvevents.subscribe._zmqrecv", ["src/kvevents/subscribe/_zmqrecv.c"], optional=True

@@ -16,7 +16,7 @@ from kvevents.service.feed import OwnEndpoints
 from kvevents.service.http import serve
 from kvevents.service.state import StateFile
 from kvevents.subscribe.streams import StreamSpec
-from kvevents.testing.index import batch, store_event
+from kvevents.testing.index import batch, remove_event, store_event
 from test_service import BS, PROMPT, FakeFeed, applied
 from test_state_file import serving
 
@@ -224,3 +224,36 @@ def test_a_saved_rank_on_a_host_now_refused_is_not_restored(tmp_path: Path) -> N
         status, err = proc.stop()
     assert status == 0
     assert "warning: state file: worker 'far' not restored" in err
+
+
+def test_report_mode_full_over_http_evicts_reannounced_blocks_once(feed: FakeFeed) -> None:
+    """A worker registered with report_mode "full" (vLLM's kv_cache_report_mode): a block
+    announced again on reuse goes with its one eviction; /workers says the mode; an
+    unknown mode is a 400 naming the field."""
+    service = IndexService(PrefixIndex(), feed=feed, poll_interval=0.01)
+    with (
+        serve("127.0.0.1", 0, service=service) as server,
+        httpx.Client(base_url=server.url, timeout=10.0) as client,
+    ):
+        body = {"worker_id": "v", "endpoint": E0, "block_size": BS}
+        bad = client.post("/register", json={**body, "report_mode": "partial"})
+        assert bad.status_code == 400 and "report_mode" in bad.json()["error"]
+        assert client.post("/register", json={**body, "report_mode": "full"}).status_code == 200
+        feed.deliver("v", 0, batch(store_event(PROMPT, BS)))
+        feed.deliver("v", 0, batch(store_event(PROMPT, BS)))
+        applied(service, 2)
+        assert client.post("/query", json={"token_ids": PROMPT}).json()["scores"] == {"v": {"0": 6}}
+        feed.deliver("v", 0, batch(remove_event(PROMPT, BS)))
+        applied(service, 3)
+        assert client.post("/query", json={"token_ids": PROMPT}).json()["scores"] == {}
+        (worker,) = client.get("/workers").json()["workers"]
+        assert worker["report_mode"] == "full"
+
+
+def test_report_mode_survives_a_restart_from_the_state_file(tmp_path: Path) -> None:
+    """The state file keeps a worker's report mode."""
+    state = StateFile(tmp_path / "state.json")
+    with IndexService(PrefixIndex(), feed=FakeFeed(), state=state) as service:
+        service.register(WorkerRegistration("v", E0, BS, report_mode="full"))
+    (restored,) = state.load()
+    assert restored.report_mode == "full"

@@ -115,8 +115,9 @@ class StreamAddError(SubscriberError):
 
 class RegistrationConflict(KVEventsError, ValueError):
     """A rank registered on its own (``dp_rank``) does not fit the worker's other ranks:
-    ``field`` is ``"rank"`` (already registered), ``"model_name"`` or ``"block_size"`` (the
-    worker's differ; ``existing`` and ``requested`` hold both values). Nothing was changed."""
+    ``field`` is ``"rank"`` (already registered), ``"model_name"``, ``"block_size"`` or
+    ``"report_mode"`` (the worker's differ; ``existing`` and ``requested`` hold both values).
+    Nothing was changed."""
 
     def __init__(
         self, *, worker_id: str, rank: int, field: str, existing: object, requested: object

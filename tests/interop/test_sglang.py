@@ -124,21 +124,27 @@ def test_configs_ours_cannot_honour_fail_at_start(
 
 
 def test_sglang_events_reach_our_subscriber_through_ours(sglang: SGLang) -> None:
-    """SGLang's events, published by ours, arrive decoded and rank-stamped; an event we cannot
-    read (bigram token pairs) is skipped and counted, its batch's other events delivered."""
+    """SGLang's events, published by ours, arrive decoded and rank-stamped; an EAGLE bigram
+    store arrives as its tokens plus the one after them; an event we cannot read (pairs that
+    do not chain) is skipped and counted, its batch's other events delivered."""
     made = sglang.call("create", config=config(), rank=0)
     source = made["source"]
     bigram = {**stored(9), "token_ids": [[1, 2], [2, 3], [3, 4], [4, 5]]}
+    broken = {**stored(8), "token_ids": [[1, 2], [7, 8], [3, 4], [4, 5]]}
     batches = [
         [stored(0, 2)],
         [stored(2, 1, parent=1), {"type": "BlockRemoved", "block_hashes": [0], "medium": "GPU"}],
-        [bigram, stored(3, 1, parent=2)],
+        [bigram, broken, stored(3, 1, parent=2)],
         [{"type": "AllBlocksCleared"}],
     ]
+    read_bigram = BlockStored(
+        block_hashes=[9], parent_block_hash=None, token_ids=[1, 2, 3, 4], block_size=BLOCK,
+        medium="GPU", lookahead_token_ids=[5],
+    )  # fmt: skip
     expected = [
         [ours(0, 2)],
         [ours(2, 1, parent=1), BlockRemoved(block_hashes=[0], medium="GPU")],
-        [ours(3, 1, parent=2)],
+        [read_bigram, ours(3, 1, parent=2)],
         [AllBlocksCleared()],
     ]
     spec = StreamSpec("sg", 0, source["endpoint"], source["replay_endpoint"], topic="kv")

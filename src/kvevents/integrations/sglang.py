@@ -14,8 +14,10 @@ Where SGLang's ``SGLANG_PLUGINS`` lists the plugins to load, it must name ``kvev
 
 Differences from SGLang's publisher: the PUB socket always binds, so a config SGLang would
 connect (``bind: false``, or a concrete host without ``bind``) is refused at start with the
-way out (:class:`kvevents.config.SGLangKVEventsConfig`); events kvevents cannot read (the
-token pairs of SGLang's bigram keys) are skipped and counted rather than sent.
+way out (:class:`kvevents.config.SGLangKVEventsConfig`); an EAGLE bigram store (token pairs)
+is sent as its tokens plus the token after them (``lookahead_token_ids``), which every
+kvevents consumer keys as SGLang reuses it; an event kvevents cannot read (pairs that do not
+chain, say) is skipped and counted rather than sent.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Endpoints follow the shape users know from Dynamo's standalone KV indexer and th
 indexer API, so it can be swapped in:
 
 - ``POST /register`` ``{worker_id | instance_id, endpoint, replay_endpoint?, block_size,
-  ranks? | dp_size? | dp_rank?, topic?, model_name?}``: index the worker's ranks and subscribe
+  ranks? | dp_size? | dp_rank?, topic?, model_name?, report_mode?}``: index the worker's ranks and subscribe
   to them. ``endpoint`` and ``replay_endpoint`` are base endpoints (rank r uses base port + r);
   with ``dp_rank`` they are that one rank's, which joins the worker's other ranks (409 when its
   model name or block size differs from theirs).

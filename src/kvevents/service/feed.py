@@ -10,6 +10,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
+from kvevents.index import ReportMode
 from kvevents.subscribe.streams import (
     FeedHealth,
     Item,
@@ -72,6 +73,8 @@ class WorkerRegistration:
     topic: str = ""
     model_name: str | None = None
     own_endpoints: tuple[OwnEndpoints, ...] = ()
+    #: What a second store of a held block means (vLLM's ``kv_cache_report_mode``).
+    report_mode: ReportMode = "incremental"
 
     def own(self, rank: int) -> OwnEndpoints | None:
         """The endpoints ``rank`` was registered with on its own, if it was."""

@@ -10,7 +10,7 @@ real answers to these descriptions.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 from starlette.requests import Request
@@ -155,6 +155,7 @@ class WorkerView(msgspec.Struct, forbid_unknown_fields=True):
     topic: str
     model_name: str | None
     own_endpoints: list[OwnEndpointsView]
+    report_mode: Literal["incremental", "full"]
 
 
 class Workers(msgspec.Struct, forbid_unknown_fields=True):

@@ -8,7 +8,7 @@ reaches the index. Pure: no sockets, no service.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 
@@ -87,6 +87,7 @@ class RegisterBody(msgspec.Struct, kw_only=True):
     dp_rank: Rank | None = None
     topic: Text = ""
     model_name: Text | None = None
+    report_mode: Literal["incremental", "full"] = "incremental"
 
 
 class UnregisterBody(msgspec.Struct, kw_only=True):
@@ -248,4 +249,5 @@ def registration(body: RegisterBody) -> WorkerRegistration:
         topic=body.topic,
         model_name=body.model_name,
         own_endpoints=own,
+        report_mode=body.report_mode,
     )

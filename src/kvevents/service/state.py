@@ -44,6 +44,7 @@ class _Worker(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     model_name: Text | None = None
     # Ranks registered one at a time: [rank, endpoint, replay_endpoint or null].
     own_endpoints: list[tuple[Rank, EndpointText, EndpointText | None]] = []
+    report_mode: Literal["incremental", "full"] = "incremental"
 
 
 class _State(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -150,6 +151,7 @@ def _saved(reg: WorkerRegistration) -> _Worker:
         topic=reg.topic,
         model_name=reg.model_name,
         own_endpoints=[(e.rank, e.endpoint, e.replay_endpoint) for e in reg.own_endpoints],
+        report_mode=reg.report_mode,
     )
 
 
@@ -163,6 +165,7 @@ def _registration(w: _Worker) -> WorkerRegistration:
         topic=w.topic,
         model_name=w.model_name,
         own_endpoints=tuple(OwnEndpoints(*e) for e in w.own_endpoints),
+        report_mode=w.report_mode,
     )
 
 

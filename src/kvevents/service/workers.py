@@ -145,7 +145,10 @@ class ServiceWorkers:
         they were."""
         with self.lock:
             self.index.register_worker(
-                merged.worker_id, block_size=merged.block_size, ranks=(spec.rank,)
+                merged.worker_id,
+                block_size=merged.block_size,
+                ranks=(spec.rank,),
+                report_mode=merged.report_mode,
             )
             self._workers[merged.worker_id] = merged
         try:
@@ -158,7 +161,12 @@ class ServiceWorkers:
     def _add(self, reg: WorkerRegistration, specs: list[StreamSpec]) -> None:
         """Register ``reg`` in the index and the feed, or (StreamAddError) not at all."""
         with self.lock:
-            self.index.register_worker(reg.worker_id, block_size=reg.block_size, ranks=reg.ranks)
+            self.index.register_worker(
+                reg.worker_id,
+                block_size=reg.block_size,
+                ranks=reg.ranks,
+                report_mode=reg.report_mode,
+            )
             self._workers[reg.worker_id] = reg
         added: list[StreamSpec] = []
         for spec in specs:
@@ -236,7 +244,7 @@ class ServiceWorkers:
 def _check_fits(old: WorkerRegistration, new: WorkerRegistration, rank: int, replace: bool) -> None:
     """RegistrationConflict unless rank ``rank`` of ``new`` may join ``old``'s ranks (the
     model first, as Dynamo checks it: a rank of another model is not "already registered")."""
-    for name in ("model_name", "block_size"):
+    for name in ("model_name", "block_size", "report_mode"):
         existing, requested = getattr(old, name), getattr(new, name)
         if existing != requested:
             raise RegistrationConflict(
