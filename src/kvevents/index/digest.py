@@ -14,12 +14,13 @@ they describe the path, not the contents.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from kvevents.index.prefix import PrefixIndex
 from kvevents.index.records import HolderKey
 
-__all__ = ["IndexDigest", "StreamDigest", "index_digest"]
+__all__ = ["IndexDigest", "StreamDigest", "holders_digest", "index_digest"]
 
 _MASK = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -80,22 +81,38 @@ def _holder_sum(tier: str, pairs: list[tuple[int, int]]) -> int:
 
 
 def index_digest(index: PrefixIndex, *, include_empty: bool = False) -> IndexDigest:
-    """The digest of every stream of ``index`` (streams holding no block are left out unless
-    ``include_empty``: a stream registered but never fed holds what one never seen holds)."""
+    """The digest of every stream of ``index``. Streams holding no block are left out (a
+    stream registered but never fed holds what one never seen holds), unless
+    ``include_empty`` lists those that had blocks once."""
+    holders = [
+        (HolderKey(info.worker_id, info.rank, tier), info.block_size)
+        for info in index.streams()
+        for tier in info.tiers
+    ]
+    return holders_digest(holders, index.holder_blocks, include_empty=include_empty)
+
+
+def holders_digest(
+    holders: Iterable[tuple[HolderKey, int | None]],
+    blocks_of: Callable[[HolderKey], list[tuple[int, int]]],
+    *,
+    include_empty: bool = False,
+) -> IndexDigest:
+    """:func:`index_digest` from ``holders`` (key, block size) and each one's pairs, read
+    through ``blocks_of`` (a service copies one holder at a time under its lock, so queries
+    never wait for the whole digest)."""
+    sums: dict[tuple[str, int], list[int]] = {}  # stream -> [sum, blocks, block size]
+    for key, block_size in holders:
+        pairs = blocks_of(key)
+        entry = sums.setdefault((key.worker_id, key.rank), [0, 0, block_size or 0])
+        entry[0] += _holder_sum(key.tier, pairs)
+        entry[1] += len(pairs)
     out = []
-    for info in index.streams():
-        total, blocks = 0, 0
-        for tier in info.tiers:
-            pairs = index.holder_blocks(HolderKey(info.worker_id, info.rank, tier))
-            total += _holder_sum(tier, pairs)
-            blocks += len(pairs)
+    for (worker_id, rank), (total, blocks, size) in sorted(sums.items()):
         if blocks == 0 and not include_empty:
             continue
-        total = (total + _mix((info.block_size or 0) ^ _GOLDEN)) & _MASK
-        out.append(
-            StreamDigest(info.worker_id, info.rank, info.block_size, blocks, f"{total:016x}")
-        )
-    out.sort(key=lambda s: (s.worker_id, s.rank))
+        total = (total + _mix(size ^ _GOLDEN)) & _MASK
+        out.append(StreamDigest(worker_id, rank, size or None, blocks, f"{total:016x}"))
     return IndexDigest(tuple(out), _total(out))
 
 

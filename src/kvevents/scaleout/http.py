@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from kvevents.index.digest import index_digest
+from kvevents.scaleout.digest import service_digest
 from kvevents.service.core import IndexService
 
 __all__ = ["digest_route"]
@@ -29,9 +29,7 @@ def digest_route(service: IndexService, extra: Callable[[], dict[str, Any]] | No
         # The stream's position is read before the digest: a replica applying meanwhile
         # shows a covered_seq at most as new as the blocks digested.
         more = extra() if extra is not None else {}
-        with service.lock:
-            digest = index_digest(service.index)
-        return {**digest.to_dict(), **more}
+        return {**service_digest(service).to_dict(), **more}
 
     async def endpoint(request: Request) -> JSONResponse:
         return JSONResponse(await run_in_threadpool(compute))

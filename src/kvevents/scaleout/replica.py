@@ -27,9 +27,10 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from kvevents.errors import DecodeError, LayoutError
-from kvevents.index.digest import IndexDigest, index_digest
+from kvevents.index.digest import IndexDigest
 from kvevents.scaleout import snapshot as snap
 from kvevents.scaleout.cursor import DEFAULT_WINDOW, StreamCursor
+from kvevents.scaleout.digest import service_digest
 from kvevents.scaleout.jetstream import JetStreamOptions, LoopThread, connect, ensure_stream
 from kvevents.scaleout.records import RecordError, RelayRecord, parse_record
 from kvevents.scaleout.retention import newest_snapshots, trim
@@ -470,8 +471,7 @@ class Replica:
 
     def digest(self) -> IndexDigest:
         """The digest of the replica's index (:func:`kvevents.index.digest.index_digest`)."""
-        with self.service.lock:
-            return index_digest(self.service.index)
+        return service_digest(self.service)
 
     def stats(self) -> ReplicaStats:
         return ReplicaStats(**self._counts)
