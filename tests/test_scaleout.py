@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import itertools
 import os
+import select
 import signal
+import subprocess
+import sys
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -331,3 +335,53 @@ def test_a_replica_refuses_registrations_over_http(
         body = b'{"worker_id": "x", "endpoint": "tcp://127.0.0.1:5557", "block_size": 16}'
         status, reply = service.send("POST", "/register", body)
         assert 400 <= status < 500 and b"relay" in reply
+
+
+def _line(proc: subprocess.Popen[str], prefix: str, timeout: float = 20.0) -> str:
+    """The first stdout line of ``proc`` starting with ``prefix`` (bounded wait)."""
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stdout], [], [], 0.1)
+        if ready:
+            line = proc.stdout.readline()
+            if line.startswith(prefix):
+                return line.strip()
+            if not line:
+                break
+    raise AssertionError(f"no {prefix!r} line from the process")
+
+
+def test_the_relay_command_feeds_a_replica(
+    server: NatsServer, js: JetStreamOptions, engines: Callable[[str], Engine]
+) -> None:
+    """``kvevents relay`` relays a worker until SIGTERM, then says what it wrote."""
+    a = engines("a")
+    command = [sys.executable, "-m", "kvevents.cli", "relay", "--nats", server.url,
+               "--worker", f"a={a.pub.endpoint},{a.pub.replay_endpoint}", "--block-size", str(BS),
+               "--nats-stream", js.stream, "--nats-prefix", js.prefix, "--metrics-port", "0"]  # fmt: skip
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert "relaying 1 worker(s)" in _line(proc, "relaying")
+        metrics_url = _line(proc, "metrics on").split()[-1]
+        r1 = replica(server, js, "r1")
+        try:
+
+            def fed() -> bool:
+                a.pub.publish(heartbeat())  # until the relay's subscriber has joined
+                return r1.stats().applied > 0
+
+            wait_until(fed, "the relay's first batch")
+            a.publish(30)
+            agrees(r1, a.truth)
+        finally:
+            r1.close()
+        with urllib.request.urlopen(metrics_url, timeout=10) as reply:
+            assert b"kvevents_relay_batches_total" in reply.read()
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=20)
+        assert proc.returncode == 0 and "batches relayed" in err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=10)

@@ -41,6 +41,8 @@ def add_parser(sub: Any) -> None:
                    metavar="ID=EP[,REPLAY]", help="a worker to relay (base endpoints; repeatable)")  # fmt: skip
     p.add_argument("--ranks", type=positive_int, default=1, help="ranks of each --worker")
     p.add_argument("--block-size", type=positive_int, default=16, help="block size of --worker")
+    p.add_argument("--metrics-port", type=non_negative_int, metavar="PORT",
+                   help="serve /metrics (kvevents_relay_*, kvevents_subscriber_*) on this port")  # fmt: skip
     add_jetstream_options(p)
     p.set_defaults(run=run)
 
@@ -135,20 +137,36 @@ def run(args: argparse.Namespace) -> int:
     with stop_on_sigterm():
         try:
             relay.start()
-        except (OSError, TimeoutError) as exc:
-            raise UsageError(f"--nats {args.nats}: cannot connect ({exc})") from None
+        except Exception as exc:  # the client's own errors: no servers, a refused stream
+            relay.close()
+            raise UsageError(f"--nats {args.nats}: cannot start the relay ({exc!r})") from None
         print(f"relaying {len(regs)} worker(s) to {args.nats} stream {args.nats_stream}",
               flush=True)  # fmt: skip
+        exporter = _metrics(relay, args.metrics_port)
         try:
             _wait()
         except KeyboardInterrupt:
             pass
         finally:
+            if exporter is not None:
+                exporter.shutdown()
             relay.close()
     stats = relay.stats()
     print(f"stopped: {stats.batches} batches relayed ({stats.duplicates} duplicates dropped, "
           f"{stats.losses} losses recorded)", file=sys.stderr)  # fmt: skip
     return 0
+
+
+def _metrics(relay: Any, port: int | None) -> Any:
+    """The /metrics server of ``--metrics-port`` (None without it)."""
+    if port is None:
+        return None
+    from kvevents.metrics import StatsCollector, start_exporter, subscriber_collector
+
+    relayed = StatsCollector("kvevents_relay", lambda: [({}, relay.stats())])
+    server, bound = start_exporter([relayed, subscriber_collector(relay.subscriber)], port)
+    print(f"metrics on http://127.0.0.1:{bound}/metrics", flush=True)
+    return server
 
 
 def _wait() -> None:
