@@ -23,7 +23,7 @@ from kvevents.publish.publisher import PublisherOptions, ZmqPublisher
 from kvevents.service.feed import WorkerRegistration
 from kvevents.subscribe import StreamSpec, Subscriber, SubscriberOptions
 from kvevents.testing.fixtures import typical_batch
-from kvevents.testing.nats import NatsServer
+from kvevents.testing.nats import NatsServer, find_nats_server
 from kvevents.testing.publisher import local_config
 from kvevents.wire import Applied
 
@@ -111,6 +111,9 @@ def run() -> list[Row]:
     from kvevents.scaleout import JetStreamOptions, Replica, ReplicaOptions
     from kvevents.testing.service import ServiceIndexer
 
+    if find_nats_server() is None:
+        print("bench_scaleout: skipped, nats-server not installed (the nats extra)")
+        return []
     logging.getLogger("kvevents").setLevel(logging.ERROR)
     rows: list[Row] = []
     js = JetStreamOptions(stream="BENCH", prefix="bench", bucket="bench-snaps")
