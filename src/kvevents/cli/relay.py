@@ -104,6 +104,14 @@ def new_replica(args: argparse.Namespace, **service_options: Any) -> Any:
     return replica
 
 
+def start_replica(replica: Any) -> None:
+    """Start ``replica``; a NATS server that cannot be reached is a one-line error."""
+    try:
+        replica.start()
+    except Exception as exc:  # the client's own errors: no servers, a refused stream
+        raise UsageError(f"--nats {replica.url}: cannot start the replica ({exc!r})") from None
+
+
 def replica_collector(replica: Any) -> Any:
     from kvevents.metrics import StatsCollector
 

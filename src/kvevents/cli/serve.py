@@ -14,7 +14,7 @@ from kvevents.cli.common import (
     stop_on_sigterm,
 )
 from kvevents.cli.config import CONFIG_ENV, ServeSettings, apply_settings, default, track_given
-from kvevents.cli.relay import add_replica_options, new_replica, replica_collector
+from kvevents.cli.relay import add_replica_options, new_replica, replica_collector, start_replica
 from kvevents.cli.secure import add_client_options, client_curve
 
 EXAMPLES = """examples:
@@ -232,7 +232,7 @@ def run(args: argparse.Namespace) -> int:
     collectors = [subscriber_collector(feed) if replica is None else replica_collector(replica)]
     with stop_on_sigterm():
         if replica is not None:
-            replica.start()  # the snapshot is loaded before the first query is answered
+            start_replica(replica)  # the snapshot is loaded before the first query is answered
         server = serve(settings.host, settings.port, service=service, options=app_options,
                        collectors=collectors, routes=_routes(service, replica))  # fmt: skip
         try:

@@ -9,16 +9,23 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import threading
 from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from kvevents.ratelimit import RateLimitedWarning
 from kvevents.scaleout.records import DEFAULT_PREFIX, DEFAULT_STREAM
 
 __all__ = ["JetStreamOptions", "LoopThread", "connect", "ensure_stream"]
 
 T = TypeVar("T")
+
+log = logging.getLogger("kvevents.scaleout.jetstream")
+# A server restarting makes the client report every failed attempt (5 a second): one line
+# per URL per 10 s says it, with how many were held back.
+_warn = RateLimitedWarning(log, 10.0)
 
 
 @dataclass(frozen=True)
@@ -78,18 +85,28 @@ class LoopThread:
             self.loop.close()
 
 
+_RECONNECT_WAIT = 0.2
+
+
 async def connect(url: str, options: JetStreamOptions, name: str) -> Any:
-    """A NATS connection that reconnects for ever (a server restart is a pause, not an end)."""
+    """A NATS connection: the first one fails after about ``connect_timeout`` (a wrong URL is
+    an error at start), once made it reconnects for ever (a server restart is a pause)."""
     import nats
 
-    return await nats.connect(
+    async def on_error(exc: Exception) -> None:
+        _warn(url, "nats %s: %r (reconnecting)", url, exc)
+
+    nc = await nats.connect(
         url,
         name=name,
         connect_timeout=options.connect_timeout,
-        reconnect_time_wait=0.2,
-        max_reconnect_attempts=-1,
+        reconnect_time_wait=_RECONNECT_WAIT,
+        max_reconnect_attempts=max(1, int(options.connect_timeout / _RECONNECT_WAIT)),
         allow_reconnect=True,
+        error_cb=on_error,
     )
+    nc.options["max_reconnect_attempts"] = -1  # read at each reconnect, not only at start
+    return nc
 
 
 async def ensure_stream(js: Any, options: JetStreamOptions) -> None:

@@ -193,7 +193,11 @@ class Replica:
     def start(self) -> Replica:
         """Connect, load the newest snapshot, create the consumer and start applying."""
         self._aio = LoopThread(f"kvevents-replica-{self.options.name}")
-        self._aio.run(self._start(), self.options.start_timeout)
+        try:
+            self._aio.run(self._start(), self.options.start_timeout)
+        except BaseException:
+            self.close()
+            raise
         self.service.start()
         return self
 
