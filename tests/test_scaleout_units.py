@@ -3,6 +3,8 @@ snapshot codec, the trim point. No NATS server."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
@@ -230,3 +232,59 @@ def test_trim_keeps_what_the_slowest_replica_and_the_snapshot_need() -> None:
     assert trim_point(100, [250, 80]) == 81
     assert trim_point(100, [250]) == 101
     assert trim_point(100, []) == 101
+
+
+# ----------------------------------------------------------------------------- replica rules
+
+
+def _replica_fed(*messages: tuple[dict[str, str], bytes]) -> object:
+    from kvevents.scaleout.replica import Replica
+
+    replica = Replica("nats://127.0.0.1:1")  # never started: records are applied by hand
+    for headers, body in messages:
+        replica._apply(headers, body)
+    return replica
+
+
+def _records(*outgoing: tuple[str, bytes, dict[str, str]]) -> list[tuple[dict[str, str], bytes]]:
+    return [(headers, body) for _, body, headers in outgoing]
+
+
+def test_a_replica_degrades_a_stream_on_a_loss_and_trusts_it_again_when_live() -> None:
+    """A loss after applied batches marks the rank degraded in routing; ``live`` clears it; a
+    loss of batches another relay delivered changes nothing."""
+    from kvevents.scaleout.records import live_record
+    from kvevents.wire import encode_batch
+
+    reg = WorkerRegistration("w", "tcp://127.0.0.1:5557", 16, (0,))
+    payloads = [encode_batch(typical_batch(s)) for s in range(4)]
+    replica: Any = _replica_fed(
+        *_records(worker_record("kv", reg)),
+        *_records(*(batch_record("kv", "w", 0, s, p) for s, p in enumerate(payloads))),
+        *_records(loss_record("kv", "w", 0, 1, 3)),  # applied already: no effect
+    )
+    assert replica.stats().applied == 4 and replica.stats().losses == 0
+    assert ("w", 0) not in replica.service.router.degraded
+    replica._apply(*_records(loss_record("kv", "w", 0, 4, 6))[0])
+    assert replica.stats().losses == 1
+    assert "lost seq 4..5" in str(replica.service.router.degraded[("w", 0)])
+    replica._apply(*_records(live_record("kv", "w", 0, 5))[0])
+    assert ("w", 0) not in replica.service.router.degraded
+
+
+def test_a_replica_counts_what_it_cannot_apply() -> None:
+    """Malformed messages, batches of unknown workers and undecodable payloads are counted
+    and skipped one at a time; the next good batch is applied."""
+    from kvevents.wire import encode_batch
+
+    reg = WorkerRegistration("w", "tcp://127.0.0.1:5557", 16, (0,))
+    good = encode_batch(typical_batch(1))
+    replica: Any = _replica_fed(
+        ({"Kv-Kind": "batch"}, b""),
+        *_records(batch_record("kv", "stranger", 0, 0, good)),
+        *_records(worker_record("kv", reg)),
+        *_records(batch_record("kv", "w", 0, 0, b"\xc1not msgpack")),
+        *_records(batch_record("kv", "w", 0, 1, good)),
+    )
+    stats = replica.stats()
+    assert (stats.malformed, stats.unregistered, stats.undecodable, stats.applied) == (1, 1, 1, 1)
