@@ -19,7 +19,8 @@ from kvevents._lazy import lazy_exports
 if TYPE_CHECKING:
     from kvevents.scaleout.jetstream import JetStreamOptions
     from kvevents.scaleout.relay import Relay, RelayOptions, RelayStats
-    from kvevents.scaleout.replica import Replica, ReplicaOptions, ReplicaStats
+    from kvevents.scaleout.replica import Replica
+    from kvevents.scaleout.replica_records import ReplicaOptions, ReplicaStats
 
 __all__ = [
     "JetStreamOptions",
@@ -36,6 +37,7 @@ __getattr__, __dir__ = lazy_exports(
     {
         "kvevents.scaleout.jetstream": ["JetStreamOptions"],
         "kvevents.scaleout.relay": ["Relay", "RelayOptions", "RelayStats"],
-        "kvevents.scaleout.replica": ["Replica", "ReplicaOptions", "ReplicaStats"],
+        "kvevents.scaleout.replica": ["Replica"],
+        "kvevents.scaleout.replica_records": ["ReplicaOptions", "ReplicaStats"],
     },
 )
