@@ -13,7 +13,9 @@ from __future__ import annotations
 import logging
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from harness import Row, percentile
@@ -83,8 +85,11 @@ def relay_rate(server: NatsServer, pub: ZmqPublisher, js: object) -> tuple[float
     return BATCHES / (time.perf_counter() - start), relay
 
 
-def delay_samples(pub: ZmqPublisher, replica: object) -> list[float]:
-    """Seconds from a batch's ``ts`` (set by the engine) to its apply in the replica."""
+def delay_samples(
+    pub: ZmqPublisher, replica: object, step0: int, midway: Callable[[], None] | None = None
+) -> list[float]:
+    """Seconds from a batch's ``ts`` (set by the engine) to its apply in the replica;
+    ``midway`` runs on another thread halfway through (a fault)."""
     service = replica.service  # type: ignore[attr-defined]
     samples: list[float] = []
     apply = service.apply_payload
@@ -98,11 +103,16 @@ def delay_samples(pub: ZmqPublisher, replica: object) -> list[float]:
     service.apply_payload = timed
     gap = 1.0 / DELAY_RATE
     next_at = time.perf_counter()
+    fault = None if midway is None else threading.Timer(DELAY_BATCHES * gap / 2, midway)
+    if fault is not None:
+        fault.start()
     for step in range(DELAY_BATCHES):
-        pub.publish(typical_batch(BATCHES + step, blocks=16, block_size=BS))
+        pub.publish(typical_batch(step0 + step, blocks=16, block_size=BS))
         next_at += gap
         time.sleep(max(0.0, next_at - time.perf_counter()))
     _wait(lambda: len(samples) >= DELAY_BATCHES, "delay batches applied", 60.0)
+    if fault is not None:
+        fault.join()
     service.apply_payload = apply
     return samples
 
@@ -150,11 +160,17 @@ def run() -> list[Row]:
             rows.append(Row(SECTION, case, "snapshot save (capture, encode, upload)", save_s, "s"))
             memory = first.service.index_stats().memory_bytes / 1e6
             rows.append(Row(SECTION, case, "index memory (its own accounting)", memory, "MB"))
-            samples = delay_samples(pub, warm)
+            samples = delay_samples(pub, warm, BATCHES)
+            case = f"engine -> relay -> JetStream -> replica, {DELAY_RATE:.0f} batches/s"
             for q in (50, 99):
-                rows.append(Row(SECTION, f"engine -> relay -> JetStream -> replica, "
-                                f"{DELAY_RATE:.0f} batches/s", f"delay p{q}",
-                                percentile(samples, q) * 1e3, "ms"))  # fmt: skip
+                rows.append(Row(SECTION, case, f"delay p{q}", percentile(samples, q) * 1e3, "ms"))
+            retries = relay.stats().retries
+            hit = delay_samples(pub, warm, BATCHES + DELAY_BATCHES, server.restart)
+            case = "the NATS server restarted mid-stream (file storage, 1M-block stream)"
+            rows.append(Row(SECTION, case, "longest engine -> replica delay", max(hit), "s",
+                            max(samples), "no fault"))  # fmt: skip
+            rows.append(Row(SECTION, case, "relay windows sent again",
+                            relay.stats().retries - retries, "windows"))  # fmt: skip
             warm.close()
             first.close()
             relay.close()
@@ -172,12 +188,18 @@ def _rss_rows(server: NatsServer, js: object, indexer: type, blocks: int) -> lis
         return ["--nats", server.url, "--replica-name", name, "--nats-stream", stream,
                 "--nats-prefix", stream.lower(), "--nats-bucket", bucket]  # fmt: skip
 
+    started = time.perf_counter()
     with indexer(args=args("m1", js.stream, js.bucket), startup_timeout=120.0) as full:  # type: ignore[attr-defined]
+        serving = time.perf_counter() - started
         full_rss = full.rss_bytes() / 1e6
     with indexer(args=args("m2", "EMPTY", "empty-snaps")) as empty:
         empty_rss = empty.rss_bytes() / 1e6
-    return [Row(SECTION, f"replica process, {blocks:,}-block index", "resident memory",
-                full_rss, "MB", empty_rss, "empty replica")]  # fmt: skip
+    case = f"replica process, {blocks:,}-block index"
+    return [
+        Row(SECTION, case, "resident memory", full_rss, "MB", empty_rss, "empty replica"),
+        Row(SECTION, case, "(re)started: serving after (process start, snapshot load)",
+            serving, "s"),
+    ]  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -269,8 +269,9 @@ class Relay:
                         await asyncio.wait_for(self._wake.wait(), 0.5)
                 self._sleeping = False
                 continue
-            window = [queue.popleft() for _ in range(min(len(queue), self.options.window))]
-            self._counts["pending"] = len(window)
+            size = min(len(queue), self.options.window)
+            self._counts["pending"] = size  # before the pops: flush() never sees both empty
+            window = [queue.popleft() for _ in range(size)]
             await self._send(window)
             self._counts["pending"] = 0
             with self._room:
