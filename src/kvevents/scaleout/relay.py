@@ -62,8 +62,10 @@ class RelayOptions:
 
     window: int = 512
     max_pending: int = 50_000
-    ack_timeout: float = 5.0
-    retry_backoff: float = 0.2
+    # Short: acknowledgements lost with a connection never come, and a window sent again
+    # costs only the copies JetStream drops (a server restart measured 5.3 s of delay at 5 s).
+    ack_timeout: float = 1.0
+    retry_backoff: float = 0.1
     name: str = "kvevents-relay"
 
     def __post_init__(self) -> None:
