@@ -25,6 +25,7 @@ from kvevents.index.digest import index_digest
 from kvevents.index.prefix import PrefixIndex
 from kvevents.publish.publisher import ZmqPublisher
 from kvevents.service.feed import WorkerRegistration
+from kvevents.subscribe import ReplayOptions, SubscriberOptions
 from kvevents.testing.fixtures import heartbeat, typical_batch
 from kvevents.testing.nats import NatsServer, find_nats_server
 from kvevents.testing.publisher import local_config
@@ -149,6 +150,13 @@ def agrees(replica: Replica, truth: PrefixIndex, timeout: float = 20.0) -> None:
     assert replica.digest().total == expected.total
 
 
+def relay_for(server: NatsServer, workers: list[WorkerRegistration], js: JetStreamOptions) -> Relay:
+    """A relay whose replays wait long enough for a loaded machine (as tests/conftest.py's
+    subscribers do): a replay given up would be a loss, and these tests want none."""
+    options = SubscriberOptions(replay=ReplayOptions(idle_timeout=15.0, total_timeout=60.0))
+    return Relay(server.url, workers, jetstream=js, subscriber_options=options)
+
+
 def replica(server: NatsServer, js: JetStreamOptions, name: str, **options: Any) -> Replica:
     return Replica(server.url, jetstream=js, options=ReplicaOptions(name=name, **options)).start()
 
@@ -158,7 +166,7 @@ def test_replicas_agree_with_an_index_built_from_the_engines(
 ) -> None:
     """Two engines through one relay: two replicas hold exactly what the engines hold."""
     a, b = engines("a"), engines("b")
-    with Relay(server.url, [a.registration, b.registration], jetstream=js) as relay:
+    with relay_for(server, [a.registration, b.registration], js) as relay:
         joined(relay, a)
         joined(relay, b)
         r1, r2 = replica(server, js, "r1"), replica(server, js, "r2")
@@ -180,8 +188,8 @@ def test_two_relays_for_one_engine_write_each_batch_once(
     """Two relays for availability: JetStream keeps one copy of every batch, by message id."""
     a = engines("a")
     with (
-        Relay(server.url, [a.registration], jetstream=js) as one,
-        Relay(server.url, [a.registration], jetstream=js) as two,
+        relay_for(server, [a.registration], js) as one,
+        relay_for(server, [a.registration], js) as two,
     ):
         joined(one, a)
         joined(two, a)
@@ -207,12 +215,12 @@ def test_a_relay_restart_neither_loses_nor_doubles(
     a = engines("a")
     r1 = replica(server, js, "r1")
     try:
-        with Relay(server.url, [a.registration], jetstream=js) as relay:
+        with relay_for(server, [a.registration], js) as relay:
             joined(relay, a)
             a.publish(40)
             agrees(r1, a.truth)
         a.publish(30)  # nobody relays these: the engine's replay ring keeps them
-        with Relay(server.url, [a.registration], jetstream=js) as again:
+        with relay_for(server, [a.registration], js) as again:
             joined(again, a)
             a.publish(10)
             agrees(r1, a.truth)
@@ -228,7 +236,7 @@ def test_an_engine_restart_seen_through_the_relay(
 ) -> None:
     """An engine restarts (sequence from 0, empty cache): replicas drop its old blocks once."""
     a = engines("a")
-    with Relay(server.url, [a.registration], jetstream=js) as relay:
+    with relay_for(server, [a.registration], js) as relay:
         joined(relay, a)
         r1 = replica(server, js, "r1")
         try:
@@ -249,7 +257,7 @@ def test_a_replica_joining_after_the_stream_was_trimmed_loads_the_snapshot(
     """Once a snapshot covers the stream's head it is trimmed; a new replica starts from the
     snapshot, not from messages that are gone, and then follows the stream."""
     a = engines("a")
-    with Relay(server.url, [a.registration], jetstream=js) as relay:
+    with relay_for(server, [a.registration], js) as relay:
         joined(relay, a)
         first = replica(server, js, "r1", snapshot_batches=0, snapshot_interval=0)
         try:
@@ -276,7 +284,7 @@ def test_a_nats_server_restart_mid_stream(
     """The NATS server stops and starts again (file storage): the relay sends again what was
     not acknowledged, the replica reconnects, and nothing is lost or applied twice."""
     a = engines("a")
-    with NatsServer() as own, Relay(own.url, [a.registration], jetstream=js) as relay:
+    with NatsServer() as own, relay_for(own, [a.registration], js) as relay:
         joined(relay, a)
         r1 = replica(own, js, "r1")
         try:
@@ -305,7 +313,7 @@ def test_a_replica_killed_mid_stream_comes_back_warm(
     a = engines("a")
     args = ["--nats", server.url, "--replica-name", "k1", "--snapshot-batches", "20",
             "--nats-stream", js.stream, "--nats-prefix", js.prefix, "--nats-bucket", js.bucket]  # fmt: skip
-    with Relay(server.url, [a.registration], jetstream=js) as relay:
+    with relay_for(server, [a.registration], js) as relay:
         joined(relay, a)
         with ServiceIndexer(args=args) as first:
             a.publish(60)
