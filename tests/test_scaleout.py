@@ -393,3 +393,30 @@ def test_the_relay_command_feeds_a_replica(
         if proc.poll() is None:
             proc.kill()
             proc.communicate(timeout=10)
+
+
+def test_a_loss_the_relay_cannot_replay_reaches_the_replicas_as_a_record(
+    server: NatsServer, js: JetStreamOptions, engines: Callable[[str], Engine]
+) -> None:
+    """An engine without a replay endpoint, joined late: the batches before the relay came are
+    lost for good, and replicas learn it from a loss record (from seq 0: under-matching, not
+    degraded), then follow the stream."""
+    a = engines("a")
+    a.publish(5)  # before any relay: nobody will ever see these
+    no_replay = WorkerRegistration("a", a.pub.endpoint, BS, (0,), None)
+    with relay_for(server, [no_replay], js) as relay:
+        joined(relay, a)
+        r1 = replica(server, js, "r1")
+        try:
+            wait_until(lambda: r1.stats().losses == 1, "the loss record applied")
+            assert relay.stats().losses == 1
+            assert ("a", 0) not in r1.service.router.degraded
+            after = PrefixIndex()  # what the replica can know: the batches after the loss
+            after.register_worker("a", block_size=BS)
+            for step in range(100, 110):
+                batch = typical_batch(step)
+                a.pub.publish(batch)
+                after.apply("a", 0, batch)
+            agrees(r1, after)
+        finally:
+            r1.close()
