@@ -143,12 +143,15 @@ def test_a_loss_counts_only_when_it_covers_batches_not_applied() -> None:
 
 
 def test_cursor_state_survives_a_snapshot() -> None:
-    """A restored cursor decides as the saved one did."""
+    """A restored cursor decides as the saved one did, the old incarnation's copies included."""
     cursor = StreamCursor(window=4)
     for s in range(6):
         cursor.batch(s, f"d{s}")
+    cursor.batch(5, "new5")  # an unannounced restart
+    cursor.batch(6, "new6")
     back = StreamCursor.restored(cursor.state("w", 0), window=4)
-    assert back.batch(5, "d5") == "duplicate" and back.batch(6, "d6") == "apply"
+    assert back.batch(6, "new6") == "duplicate" and back.batch(7, "new7") == "apply"
+    assert back.batch(4, "d4") == "stale"
 
 
 # ----------------------------------------------------------------------------- digest

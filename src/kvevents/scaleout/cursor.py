@@ -42,6 +42,7 @@ class CursorState(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     incarnation: str
     recent: list[tuple[int, str]]
     degraded: str | None = None
+    retired: list[str] = []
 
 
 class StreamCursor:
@@ -116,6 +117,7 @@ class StreamCursor:
             incarnation=self.incarnation,
             recent=list(self.recent.items()),
             degraded=self.degraded,
+            retired=sorted(self.retired),
         )
 
     @classmethod
@@ -125,4 +127,5 @@ class StreamCursor:
         cursor.incarnation = state.incarnation
         cursor.recent = OrderedDict(state.recent[-window:])
         cursor.degraded = state.degraded
+        cursor.retired = frozenset(state.retired)
         return cursor

@@ -364,15 +364,15 @@ class Replica:
         service = self.service
         workers = service.workers()
         cursors = [c.state(*key) for key, c in self._cursors.items()]
-        with service.lock:
-            return snap.capture(
-                service.index,
-                stream=self.js_options.stream,
-                seq=self._counts["covered_seq"],
-                replica=self.options.name,
-                workers=workers,
-                cursors=cursors,
-            )
+        return snap.capture(
+            service.index,
+            stream=self.js_options.stream,
+            seq=self._counts["covered_seq"],
+            replica=self.options.name,
+            workers=workers,
+            cursors=cursors,
+            hold=lambda: service.lock,
+        )
 
     def snapshot_now(self, timeout: float = 60.0) -> int | None:
         """Save a snapshot now (from any thread); its sequence, None if it was not saved."""

@@ -17,8 +17,12 @@ index package; it belongs with the replica that writes it.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import time
 from array import array
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Literal
 
 import msgspec
@@ -79,11 +83,7 @@ class Snapshot(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 def _packed(pairs: list[tuple[int, int]]) -> bytes:
-    flat = array("Q")
-    for eh, oh in pairs:
-        flat.append(eh)
-        flat.append(oh)
-    return flat.tobytes()
+    return array("Q", itertools.chain.from_iterable(pairs)).tobytes()
 
 
 def _pairs(data: bytes, name: str) -> tuple[list[int], list[int]]:
@@ -104,20 +104,23 @@ def capture(
     replica: str,
     workers: list[WorkerRegistration],
     cursors: list[CursorState],
+    hold: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext,
 ) -> Snapshot:
-    """The snapshot of ``index`` (call with the index's lock held; it copies, not encodes)."""
+    """The snapshot of ``index``; it copies, not encodes.
+
+    Call it from the index's only writer (the replica's own thread), so nothing changes
+    meanwhile; ``hold()`` (the service's lock) is taken per holder only, against readers
+    that keep caches, so queries wait for one holder's copy at a time, not the whole index.
+    """
     streams, orphans = [], 0
-    for s in index._streams.values():
-        holders = [
-            HolderState(
-                tier=tier,
-                pairs=_packed(h.engine.items()),
-                dups=list(h.dups.items()),
-                shared=list(h.shared.items()),
-            )
-            for tier, h in s.holders.items()
-        ]
-        tombs = _packed([*s.tombs.old.items(), *s.tombs.recent.items()])
+    for s in list(index._streams.values()):
+        holders = []
+        for tier, h in list(s.holders.items()):
+            with hold():
+                pairs, dups, shared = h.engine.items(), list(h.dups.items()), list(h.shared.items())
+            holders.append(HolderState(tier=tier, pairs=_packed(pairs), dups=dups, shared=shared))
+        with hold():
+            tombs = _packed([*s.tombs.old.items(), *s.tombs.recent.items()])
         orphans += s.orphans.held
         streams.append(
             StreamState(
