@@ -22,6 +22,8 @@ ALLOWED = {
     # Our publisher and subscriber inside other programs (engines' plugin systems).
     "integrations": {"top", "wire", "publish", "subscribe", "integrations"},
     "testing": {"top", "wire", "publish", "subscribe", "index", "service", "sim", "testing"},
+    # Relays and router replicas over NATS JetStream: a subscriber in, an index service out.
+    "scaleout": {"top", "wire", "subscribe", "index", "service", "scaleout"},
     "cli": {
         "top",
         "wire",
@@ -32,6 +34,7 @@ ALLOWED = {
         "sim",
         "testing",
         "integrations",
+        "scaleout",
         "cli",
     },
 }

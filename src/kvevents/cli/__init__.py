@@ -27,6 +27,7 @@ COMMANDS = (
     "publish",
     "simulate",
     "serve",
+    "relay",
     "keys",
     "conformance",
     "bench",
@@ -43,6 +44,7 @@ EXTRAS = {
     "httptools": "service",
     "prometheus_client": "metrics",
     "rich": "cli",
+    "nats": "nats",
 }
 
 
@@ -53,12 +55,14 @@ NEEDS = {
     "simulate": ("index",),
     "demo": ("index", "cli"),
     "conformance": ("index",),
+    "relay": ("nats",),
 }
 EXTRA_PACKAGES = {
     "index": ("xxhash",),
     "service": ("xxhash", "starlette", "uvicorn", "prometheus_client"),
     "cli": ("rich",),
     "metrics": ("prometheus_client",),
+    "nats": ("nats",),
 }
 
 

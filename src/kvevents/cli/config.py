@@ -143,6 +143,15 @@ class ServeSettings(Settings):
     max_connections: Positive = 256
     curve_server_key: Text | None = None
     curve_secret: Text | None = None
+    # A router replica fed from NATS JetStream (docs/scale-out.md); None: from ZeroMQ.
+    nats: Text | None = None
+    replica_name: Text = "replica"
+    snapshot_batches: Annotated[int, Field(ge=0)] = 100_000
+    snapshot_interval: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 60.0
+    inactive_threshold: Seconds = 30.0
+    nats_stream: Text = "KVEVENTS"
+    nats_prefix: Text = "kvevents"
+    nats_bucket: Text = "kvevents-snapshots"
 
     @field_validator("workers", mode="before")
     @classmethod

@@ -14,6 +14,7 @@ from kvevents.cli.common import (
     stop_on_sigterm,
 )
 from kvevents.cli.config import CONFIG_ENV, ServeSettings, apply_settings, default, track_given
+from kvevents.cli.relay import add_replica_options, new_replica, replica_collector, start_replica
 from kvevents.cli.secure import add_client_options, client_curve
 
 EXAMPLES = """examples:
@@ -38,8 +39,11 @@ EXAMPLES = """examples:
   curl -s localhost:8090/load -d '{"loads": [{"worker_id": "a", "rank": 0,
       "queued_blocks": 12, "active_blocks": 300}]}'     # engines' load, for the router
 
+  kvevents serve --nats nats://127.0.0.1:4222 --replica-name r1
+      a router replica fed by `kvevents relay` through NATS JetStream (docs/scale-out.md)
+
 endpoints: POST /register /unregister /load /query, GET /dump /workers /metrics /health
-(see docs/service.md). A line "serving on URL" goes to stdout once it accepts connections.
+/digest (see docs/service.md). A line "serving on URL" goes to stdout once it accepts connections.
 Registrations over HTTP may name loopback endpoints only unless --allow-endpoint-host says
 otherwise (--worker options are yours and are not checked); see docs/security.md.
 """
@@ -76,6 +80,7 @@ def add_parser(sub: Any) -> None:
     _add_access_options(p)
     _add_limit_options(p)
     add_client_options(p)
+    add_replica_options(p)
     p.set_defaults(run=run)
 
 
@@ -226,6 +231,28 @@ def _service(settings: ServeSettings, args: argparse.Namespace, state: Any) -> A
                         load_ttl=settings.load_ttl, state=state)  # fmt: skip
 
 
+def _replica(settings: ServeSettings, args: argparse.Namespace, regs: list[Any]) -> Any:
+    """``--nats``: the replica whose service answers (workers come from the relay)."""
+    from kvevents.index.prefix import PrefixIndex
+    from kvevents.index.router import Router
+
+    if regs or settings.state_file is not None:
+        raise UsageError("--nats: workers are registered with the relay (kvevents relay), "
+                         "not with --worker or --state-file")  # fmt: skip
+    index = PrefixIndex()
+    router = Router(index, settings.policy, seed=settings.seed,
+                    prefill_weight=settings.prefill_weight, load_weight=settings.load_weight)  # fmt: skip
+    return new_replica(args, index=index, router=router, load_ttl=settings.load_ttl)
+
+
+def _routes(service: Any, replica: Any) -> list[Any]:
+    from kvevents.scaleout.http import digest_route
+
+    if replica is None:
+        return [digest_route(service)]
+    return [digest_route(service, lambda: {"covered_seq": replica.covered_seq})]
+
+
 def run(args: argparse.Namespace) -> int:
     from kvevents.metrics import subscriber_collector
     from kvevents.service.http import serve
@@ -236,11 +263,15 @@ def run(args: argparse.Namespace) -> int:
     regs += _engine_registrations(settings, {reg.worker_id for reg in regs})
     app_options = _app_options(args)
     state, saved = _state(settings)
-    service = _service(settings, args, state)
+    replica = _replica(settings, args, regs) if args.nats else None
+    service = _service(settings, args, state) if replica is None else replica.service
     feed = service.feed
+    collectors = [subscriber_collector(feed) if replica is None else replica_collector(replica)]
     with stop_on_sigterm():
+        if replica is not None:
+            start_replica(replica)  # the snapshot is loaded before the first query is answered
         server = serve(settings.host, settings.port, service=service, options=app_options,
-                       collectors=[subscriber_collector(feed)])  # fmt: skip
+                       collectors=collectors, routes=_routes(service, replica))  # fmt: skip
         try:
             _restore(service, saved, app_options.endpoints.with_forbidden_port(server.port))
             for reg in regs:
@@ -249,6 +280,8 @@ def run(args: argparse.Namespace) -> int:
             server.wait()
         finally:
             server.close()
+            if replica is not None:
+                replica.close()
     stats = service.stats()
     print(f"stopped: {stats.deliveries} batches applied, {stats.queries} queries", file=sys.stderr)
     return 0

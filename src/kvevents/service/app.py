@@ -348,6 +348,7 @@ def create_app(
     collectors: Sequence[Any] = (),
     options: AppOptions | None = None,
     counters: HttpCounters | None = None,
+    routes: Sequence[Route] = (),
 ) -> Starlette:
     """The ASGI app. Its lifespan starts the service and closes it at shutdown.
 
@@ -355,12 +356,14 @@ def create_app(
     are served by ``GET /metrics`` next to the index's own metrics. ``options``: the token,
     the endpoint hosts registrations may name (default: loopback only), the client limits.
     ``counters`` (default: new ones) count what was refused; ``app.state.http_counters``
-    holds them, for the server to count the connections it cuts off.
+    holds them, for the server to count the connections it cuts off. ``routes``: more
+    routes (e.g. ``GET /digest`` of :mod:`kvevents.scaleout.http`).
     """
     options = options if options is not None else AppOptions()
     counters = counters if counters is not None else HttpCounters()
     api = _Api(service, options, collectors, counters)
     routes = [
+        *routes,
         *(_dynamo_routes(service, api) if options.api == "dynamo" else _own_routes(api)),
         Route("/load", load_endpoint(service, api._body), methods=["POST"]),
         # Answered by LeanQuery; the route still gives other methods their 405.

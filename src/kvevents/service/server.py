@@ -215,20 +215,22 @@ def serve(
     service: IndexService | None = None,
     collectors: Sequence[Any] = (),
     options: AppOptions | None = None,
+    routes: Sequence[Any] = (),
     **service_options: Any,
 ) -> Server:
     """Start the index service over HTTP in the background; returns the started server.
 
     ``service_options`` go to :class:`IndexService` when no service is given. ``options``:
     token, endpoint allow-list and client limits (the server's own port is always refused
-    as an endpoint). Call ``server.wait()`` to block (the CLI does), ``server.close()`` to stop.
+    as an endpoint); ``routes``: more routes for the app. Call ``server.wait()`` to block
+    (the CLI does), ``server.close()`` to stop.
     """
     service = service if service is not None else IndexService(**service_options)
     options = options if options is not None else AppOptions()
     sock = _bound_socket(host, port)
     endpoints = options.endpoints.with_forbidden_port(sock.getsockname()[1])
     options = dataclasses.replace(options, endpoints=endpoints)
-    app = create_app(service, collectors=collectors, options=options)
+    app = create_app(service, collectors=collectors, options=options, routes=routes)
     server = Server(app, host, port, limits=options.limits, sock=sock)
     try:
         service.start()  # here, so that a feed that cannot start raises in the caller

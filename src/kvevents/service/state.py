@@ -25,7 +25,13 @@ import msgspec
 from kvevents.service.feed import OwnEndpoints, WorkerRegistration
 from kvevents.service.schema import MAX_RANKS, BlockSize, EndpointText, Name, Rank, Text
 
-__all__ = ["Persisted", "StateFile", "StateFileError"]
+__all__ = [
+    "Persisted",
+    "StateFile",
+    "StateFileError",
+    "decode_registrations",
+    "encode_registrations",
+]
 
 log = logging.getLogger("kvevents.service.state")
 
@@ -55,6 +61,18 @@ class _State(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 _decoder = msgspec.json.Decoder(_State)
 
 
+def encode_registrations(regs: list[WorkerRegistration]) -> bytes:
+    """``regs`` in the state file's format (also the registrations of a replica's snapshot)."""
+    workers = [_saved(r) for r in regs]
+    return msgspec.json.format(msgspec.json.encode(_State(version=1, workers=workers)))
+
+
+def decode_registrations(data: bytes) -> list[WorkerRegistration]:
+    """The registrations of :func:`encode_registrations`; ``msgspec.DecodeError`` if the
+    bytes are not that format."""
+    return [_registration(w) for w in _decoder.decode(data).workers]
+
+
 class StateFile:
     """Registrations kept in one JSON file at ``path``."""
 
@@ -70,18 +88,16 @@ class StateFile:
         except OSError as exc:
             raise StateFileError(f"state file {self.path}: {exc.strerror or exc}") from None
         try:
-            state = _decoder.decode(data)
+            return decode_registrations(data)
         except (msgspec.DecodeError, RecursionError) as exc:
             raise StateFileError(
                 f"state file {self.path}: not a kvevents state file ({exc}); fix it, or remove "
                 "it to start without the workers registered over HTTP"
             ) from None
-        return [_registration(w) for w in state.workers]
 
     def save(self, regs: list[WorkerRegistration]) -> None:
         """Replace the file with ``regs``, atomically; OSError if it cannot be written."""
-        workers = [_saved(r) for r in regs]
-        payload = msgspec.json.format(msgspec.json.encode(_State(version=1, workers=workers)))
+        payload = encode_registrations(regs)
         directory = self.path.parent
         fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=directory)
         try:

@@ -1,0 +1,293 @@
+"""The pure parts of scale-out: relay records, the replica's cursor, the index digest, the
+snapshot codec, the trim point. No NATS server."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from kvevents.index.digest import index_digest
+from kvevents.index.prefix import PrefixIndex
+from kvevents.scaleout import snapshot as snap
+from kvevents.scaleout.cursor import StreamCursor
+from kvevents.scaleout.records import (
+    RecordError,
+    batch_record,
+    loss_record,
+    parse_record,
+    payload_digest,
+    reset_record,
+    worker_record,
+)
+from kvevents.scaleout.retention import trim_point
+from kvevents.service.feed import WorkerRegistration
+from kvevents.testing.fixtures import typical_batch
+
+
+def _store(hashes: list[int], parent: int | None = None, base: int = 0) -> BlockStored:
+    tokens = list(range(base, base + 4 * len(hashes)))
+    return BlockStored(
+        block_hashes=hashes, parent_block_hash=parent, token_ids=tokens, block_size=4
+    )
+
+
+def _batch(*events: object) -> KVEventBatch:
+    return KVEventBatch(ts=1.0, events=list(events))  # type: ignore[arg-type]
+
+
+# ----------------------------------------------------------------------------- records
+
+
+def test_batch_record_round_trips_and_its_id_depends_on_the_payload_only() -> None:
+    """A batch's message id is the same from any relay and differs for another incarnation's
+    batch of the same sequence (so JetStream drops copies, never a restarted engine's batch)."""
+    subject, body, headers = batch_record("kv", "w 1", 3, 7, b"payload")
+    again = batch_record("kv", "w 1", 3, 7, b"payload")
+    other = batch_record("kv", "w 1", 3, 7, b"payload of a restarted engine")
+    assert headers == again[2] and headers["Nats-Msg-Id"] != other[2]["Nats-Msg-Id"]
+    assert "." not in subject.split(".", 2)[2].rsplit(".", 1)[0]  # worker token is one token
+    record = parse_record(headers, body)
+    assert (record.kind, record.worker_id, record.rank, record.seq) == ("batch", "w 1", 3, 7)
+    assert record.digest == payload_digest(b"payload") and record.body == b"payload"
+
+
+def test_a_worker_record_carries_the_registration() -> None:
+    """The replica registers a worker from the relay's record, block size and ranks included."""
+    reg = WorkerRegistration("a", "tcp://127.0.0.1:5557", 16, (0, 1), model_name="m")
+    _, body, headers = worker_record("kv", reg)
+    back = parse_record(headers, body).registration()
+    assert (back.worker_id, back.block_size, back.ranks, back.model_name) == ("a", 16, (0, 1), "m")
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"Kv-Kind": "nonsense"}, "Kv-Kind"),
+        ({"Kv-Rank": "-1"}, "Kv-Rank"),
+        ({"Kv-Seq": "x"}, "Kv-Seq"),
+        ({"Kv-Digest": ""}, "Kv-Digest"),
+    ],
+)
+def test_a_malformed_record_names_the_header(change: dict[str, str], field: str) -> None:
+    """A message that is not a relay record is refused with the header at fault named."""
+    _, body, headers = batch_record("kv", "w", 0, 1, b"x")
+    with pytest.raises(RecordError) as caught:
+        parse_record({**headers, **change}, body)
+    assert caught.value.field == field
+
+
+def test_a_loss_record_must_end_after_it_starts() -> None:
+    """A loss of no batches is malformed, not a silent no-op."""
+    _, body, headers = loss_record("kv", "w", 0, 5, 9)
+    assert parse_record(headers, body).end == 9
+    with pytest.raises(RecordError, match="Kv-End"):
+        parse_record({**headers, "Kv-End": "5"}, body)
+
+
+def test_a_reset_record_id_names_the_new_incarnation() -> None:
+    """Two relays seeing one restart write the same reset id (JetStream keeps one)."""
+    assert reset_record("kv", "w", 0, 0, "ab")[2] == reset_record("kv", "w", 0, 0, "ab")[2]
+
+
+# ----------------------------------------------------------------------------- cursor
+
+
+def test_cursor_drops_copies_and_applies_in_order() -> None:
+    """A copy of a batch applied (beyond JetStream's window) is dropped, new ones applied."""
+    cursor = StreamCursor(window=8)
+    assert [cursor.batch(s, f"d{s}") for s in (0, 1, 2)] == ["apply"] * 3
+    assert cursor.batch(1, "d1") == "duplicate"
+    assert cursor.batch(3, "d3") == "apply"
+
+
+def test_cursor_sees_an_unannounced_restart_by_its_digest() -> None:
+    """A batch at an applied sequence with another payload is a new incarnation: restart."""
+    cursor = StreamCursor(window=8)
+    for s in range(5):
+        cursor.batch(s, f"old{s}")
+    assert cursor.batch(0, "new0") == "restart"
+    assert cursor.batch(1, "new1") == "apply"
+    # A late copy of the old incarnation's batch is stale, not one more restart.
+    assert cursor.batch(1, "old1") == "stale" and cursor.last_seq == 1
+
+
+def test_cursor_drops_what_it_cannot_place_as_stale() -> None:
+    """A batch older than the window, or never seen, is dropped (never applied out of order)."""
+    cursor = StreamCursor(window=2)
+    for s in range(10):
+        cursor.batch(s, f"d{s}")
+    assert cursor.batch(3, "d3") == "stale"
+    assert cursor.batch(9, "d9") == "duplicate"
+
+
+def test_a_reset_applies_once_per_incarnation() -> None:
+    """The same reset from two relays (or redelivered) resets the stream once."""
+    cursor = StreamCursor()
+    cursor.batch(0, "a")
+    cursor.batch(1, "b")
+    assert cursor.reset(0, "c") is True
+    assert cursor.batch(0, "c") == "apply"
+    assert cursor.reset(0, "c") is False
+    assert cursor.last_seq == 0
+
+
+def test_a_loss_counts_only_when_it_covers_batches_not_applied() -> None:
+    """A second relay's loss record for batches the first relay delivered costs nothing."""
+    cursor = StreamCursor()
+    for s in range(6):
+        cursor.batch(s, f"d{s}")
+    assert cursor.loss(2, 5) is False
+    assert cursor.loss(4, 9) is True and cursor.last_seq == 8
+
+
+def test_cursor_state_survives_a_snapshot() -> None:
+    """A restored cursor decides as the saved one did, the old incarnation's copies included."""
+    cursor = StreamCursor(window=4)
+    for s in range(6):
+        cursor.batch(s, f"d{s}")
+    cursor.batch(5, "new5")  # an unannounced restart
+    cursor.batch(6, "new6")
+    back = StreamCursor.restored(cursor.state("w", 0), window=4)
+    assert back.batch(6, "new6") == "duplicate" and back.batch(7, "new7") == "apply"
+    assert back.batch(5, "d5") == "stale"  # a late copy of the old seq 5: not a restart
+
+
+# ----------------------------------------------------------------------------- digest
+
+
+def test_digest_does_not_depend_on_the_order_blocks_came_in() -> None:
+    """Two indexes holding the same blocks, built in another order, have one digest."""
+    a, b = PrefixIndex(), PrefixIndex()
+    for index in (a, b):
+        index.register_worker("w", block_size=4)
+    a.apply("w", 0, _batch(_store([1, 2]), _store([3], base=100)))
+    b.apply("w", 0, _batch(_store([3], base=100)))
+    b.apply("w", 0, _batch(_store([1, 2])))
+    assert index_digest(a) == index_digest(b)
+    assert index_digest(a).by_stream()[("w", 0)].blocks == 3
+
+
+def test_digest_tells_a_missing_block_and_another_stream() -> None:
+    """A block less, or the same blocks on another rank, changes the digest."""
+    a, b, c = PrefixIndex(), PrefixIndex(), PrefixIndex()
+    for index in (a, b, c):
+        index.register_worker("w", block_size=4, ranks=2)
+    a.apply("w", 0, _batch(_store([1, 2])))
+    b.apply("w", 0, _batch(_store([1, 2]), BlockRemoved(block_hashes=[2])))
+    c.apply("w", 1, _batch(_store([1, 2])))
+    totals = {index_digest(x).total for x in (a, b, c)}
+    assert len(totals) == 3
+
+
+# ----------------------------------------------------------------------------- snapshots
+
+
+def _built() -> PrefixIndex:
+    index = PrefixIndex()
+    index.register_worker("w", block_size=16, ranks=2)
+    for step in range(20):
+        index.apply("w", step % 2, typical_batch(step))
+    # The same block stored twice: one removal must leave it held (reference counts).
+    index.apply("w", 0, typical_batch(30))
+    index.apply("w", 0, typical_batch(30))
+    return index
+
+
+def test_a_loaded_snapshot_holds_what_was_saved() -> None:
+    """Encode, decode and restore give an index with the same digest and the same matches."""
+    index = _built()
+    saved = snap.capture(index, stream="S", seq=42, replica="r", workers=[], cursors=[])
+    loaded = snap.decode(snap.encode(saved))
+    fresh = PrefixIndex()
+    snap.restore(fresh, loaded)
+    assert loaded.seq == 42 and index_digest(fresh) == index_digest(index)
+    tokens = list(range(30_000, 30_000 + 64))
+    assert fresh.match(tokens).holders == index.match(tokens).holders
+
+
+def test_a_loaded_snapshot_goes_on_as_the_saved_index_would() -> None:
+    """After loading, the next events (a removal of a twice-stored block, children of saved
+    blocks, a clear) leave the same index as on the original."""
+    index = _built()
+    fresh = PrefixIndex()
+    snap.restore(fresh, snap.decode(snap.encode(snap.capture(
+        index, stream="S", seq=1, replica="r", workers=[], cursors=[]))))  # fmt: skip
+    child = BlockStored(
+        block_hashes=[999_001], parent_block_hash=30_016, token_ids=list(range(16)), block_size=16
+    )
+    for target in (index, fresh):
+        target.apply("w", 0, _batch(BlockRemoved(block_hashes=[30_001]), child))
+        target.apply("w", 1, _batch(AllBlocksCleared()))
+    assert index_digest(fresh) == index_digest(index)
+    assert index_digest(fresh).by_stream()[("w", 0)].blocks == index.stats().entries
+
+
+def test_a_damaged_snapshot_is_refused_by_name() -> None:
+    """Bytes that are not a snapshot raise SnapshotError naming the object."""
+    with pytest.raises(snap.SnapshotError, match=r"KVEVENTS\.r1"):
+        snap.decode(b"\x93garbage", "KVEVENTS.r1")
+
+
+def test_trim_keeps_what_the_slowest_replica_and_the_snapshot_need() -> None:
+    """The stream is trimmed below the lowest of the snapshot and every acknowledged floor."""
+    assert trim_point(100, [250, 80]) == 81
+    assert trim_point(100, [250]) == 101
+    assert trim_point(100, []) == 101
+
+
+# ----------------------------------------------------------------------------- replica rules
+
+
+def _replica_fed(*messages: tuple[dict[str, str], bytes]) -> object:
+    from kvevents.scaleout.replica import Replica
+
+    replica = Replica("nats://127.0.0.1:1")  # never started: records are applied by hand
+    for headers, body in messages:
+        replica._apply(headers, body)
+    return replica
+
+
+def _records(*outgoing: tuple[str, bytes, dict[str, str]]) -> list[tuple[dict[str, str], bytes]]:
+    return [(headers, body) for _, body, headers in outgoing]
+
+
+def test_a_replica_degrades_a_stream_on_a_loss_and_trusts_it_again_when_live() -> None:
+    """A loss after applied batches marks the rank degraded in routing; ``live`` clears it; a
+    loss of batches another relay delivered changes nothing."""
+    from kvevents.scaleout.records import live_record
+    from kvevents.wire import encode_batch
+
+    reg = WorkerRegistration("w", "tcp://127.0.0.1:5557", 16, (0,))
+    payloads = [encode_batch(typical_batch(s)) for s in range(4)]
+    replica: Any = _replica_fed(
+        *_records(worker_record("kv", reg)),
+        *_records(*(batch_record("kv", "w", 0, s, p) for s, p in enumerate(payloads))),
+        *_records(loss_record("kv", "w", 0, 1, 3)),  # applied already: no effect
+    )
+    assert replica.stats().applied == 4 and replica.stats().losses == 0
+    assert ("w", 0) not in replica.service.router.degraded
+    replica._apply(*_records(loss_record("kv", "w", 0, 4, 6))[0])
+    assert replica.stats().losses == 1
+    assert "lost seq 4..5" in str(replica.service.router.degraded[("w", 0)])
+    replica._apply(*_records(live_record("kv", "w", 0, 5))[0])
+    assert ("w", 0) not in replica.service.router.degraded
+
+
+def test_a_replica_counts_what_it_cannot_apply() -> None:
+    """Malformed messages, batches of unknown workers and undecodable payloads are counted
+    and skipped one at a time; the next good batch is applied."""
+    from kvevents.wire import encode_batch
+
+    reg = WorkerRegistration("w", "tcp://127.0.0.1:5557", 16, (0,))
+    good = encode_batch(typical_batch(1))
+    replica: Any = _replica_fed(
+        ({"Kv-Kind": "batch"}, b""),
+        *_records(batch_record("kv", "stranger", 0, 0, good)),
+        *_records(worker_record("kv", reg)),
+        *_records(batch_record("kv", "w", 0, 0, b"\xc1not msgpack")),
+        *_records(batch_record("kv", "w", 0, 1, good)),
+    )
+    stats = replica.stats()
+    assert (stats.malformed, stats.unregistered, stats.undecodable, stats.applied) == (1, 1, 1, 1)
