@@ -190,6 +190,10 @@ class Follower(Protocol):
 
     def synced(self, published: int, restarts: int) -> bool: ...
 
+    def clears(self) -> int:
+        """``AllBlocksCleared`` events applied so far."""
+        ...
+
     def matched_blocks(self, tokens: Sequence[int], salt: str | None = None) -> int:
         """Blocks of ``tokens`` held on rank 0; ``salt`` is the request's ``cache_salt``."""
         ...
@@ -214,6 +218,11 @@ class IndexFollower:
 
     def synced(self, published: int, restarts: int) -> bool:
         """Apply what arrived; True once every published batch (and restart) is applied."""
+        self._drain()
+        return self.resets >= restarts and self.next_seq >= published
+
+    def _drain(self) -> None:
+        """Apply every item the subscriber has delivered (briefly waiting for one)."""
         while (item := self.subscriber.get(timeout=0.02)) is not None:
             if isinstance(item, Delivery):
                 self.index.apply(self.worker, 0, item.batch)
@@ -223,7 +232,10 @@ class IndexFollower:
                 self.index.reset_stream(self.worker, 0)
                 self.resets += 1
                 self.next_seq = 0
-        return self.resets >= restarts and self.next_seq >= published
+
+    def clears(self) -> int:
+        self._drain()
+        return self.index.stats().clears
 
     def matched_blocks(self, tokens: Sequence[int], salt: str | None = None) -> int:
         return self.index.match(tokens, cache_salt=salt).streams.get((self.worker, 0), 0)
@@ -254,13 +266,19 @@ class ServiceFollower:
             self.service.close()
             raise
 
-    def _workers(self) -> list[dict[str, Any]]:
+    def _get(self, path: str) -> dict[str, Any]:
+        reply: dict[str, Any]
         try:
-            return self.service.workers()
+            reply = self.service.call("GET", path)
         except (http.client.RemoteDisconnected, ConnectionError):
             # uvicorn closes a kept-alive connection idle for 5 s (an engine restart takes
             # longer); the helper has dropped it, and the retry opens a new one.
-            return self.service.workers()
+            reply = self.service.call("GET", path)
+        return reply
+
+    def _workers(self) -> list[dict[str, Any]]:
+        workers: list[dict[str, Any]] = self._get("/workers")["workers"]
+        return workers
 
     def stream(self) -> dict[str, Any]:
         (worker,) = [w for w in self._workers() if w["worker_id"] == self.worker]
@@ -272,6 +290,9 @@ class ServiceFollower:
         last = stream.get("last_seq")
         delivered = -1 if last is None else last
         return stream.get("restarts", 0) >= restarts and delivered + 1 >= published
+
+    def clears(self) -> int:
+        return int(self._get("/dump")["stats"]["clears"])
 
     def matched_blocks(self, tokens: Sequence[int], salt: str | None = None) -> int:
         body = {"token_ids": list(tokens), "cache_salt": salt}
@@ -341,6 +362,28 @@ class Harness:
         row = Row(self.test, len(prompt), salt, actual, predicted, time.perf_counter() - start)
         self.rows.append(row)
         return row
+
+    def reset_prefix_cache(self, timeout: float = SYNC_TIMEOUT) -> bool:
+        """The control plane's reset: vLLM's reset, a flush step, then a handshake on the clear.
+
+        vLLM queues ``AllBlocksCleared`` at the reset and publishes it with the batch of its
+        next step, after that step has scheduled against the emptied cache: the request that
+        makes the step is the one a router would mispredict. A one-token request (no full block
+        to store) is that step instead; the followers then wait, bounded, until they applied a
+        clear, as a router that triggered the reset can.
+        """
+        if not self.engine.call({"op": "reset"})["reset"]:
+            return False
+        before = {f.name: f.clears() for f in self.followers}
+        _, self.published = self.engine.generate([1])
+        deadline = Deadline(timeout)
+        pending = list(self.followers)
+        while pending and not deadline.expired:
+            pending = [f for f in pending if f.clears() <= before[f.name]]
+            time.sleep(0.01 if pending else 0)
+        assert not pending, f"{[f.name for f in pending]} applied no AllBlocksCleared in time"
+        self.sync()  # the harness's own check: nothing else is in flight
+        return True
 
     def prime(self, followers: Sequence[Follower], rng: random.Random) -> None:
         """Handshake: primer requests until ``followers`` applied one (a SUB connects late)."""
