@@ -26,13 +26,14 @@ from typing import Any, Literal
 import msgspec
 import zmq
 
-from kvevents._libzmq import Send3, sender_for
+from kvevents._libzmq import Send3
 from kvevents.config import KVEventsConfig, RankEndpoints, check_layout, rank_endpoints
 from kvevents.errors import LayoutError, PublisherClosed, PublisherError
 from kvevents.events import KVEventBatch
 from kvevents.publish.carry import RemovalCarry
 from kvevents.publish.records import PublisherOptions, PublisherStats, ShutdownReport
 from kvevents.publish.replay import ReplayRing
+from kvevents.publish.send import release_payloads, send3_for
 from kvevents.publish.threads import Forwarder, Service
 from kvevents.ratelimit import RateLimitedWarning
 from kvevents.security import start_authenticator
@@ -217,7 +218,7 @@ class ZmqPublisher(Publisher):
         push.setsockopt(zmq.SNDHWM, max(1, self.config.max_queue_size - 1))
         push.connect(names["frontend"])
         self._push = push
-        self._send3 = sender_for(push)
+        self._send3 = send3_for(push)
 
     def _caller_socket(self, kind: int, connect: str | None) -> zmq.Socket[Any]:
         assert self._context is not None
@@ -330,6 +331,7 @@ class ZmqPublisher(Publisher):
         if self._context is not None:
             self._context.term()  # waits for the PUB socket's linger: the final flush
             self._context = None
+            release_payloads()  # libzmq has let go of every payload this context held
 
     def _send_control(self, command: bytes) -> None:
         with self._control_lock:
