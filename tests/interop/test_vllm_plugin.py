@@ -19,6 +19,7 @@ import msgspec
 import pytest
 from vllm_peer import Harness, IndexFollower, ServiceFollower, VllmEngine, scratch_dir, tokens
 
+import kvevents
 from kvevents.deadline import Deadline
 from kvevents.events import KVEventBatch
 from kvevents.integrations.vllm import OVERRIDE_ENV, VllmPublisher
@@ -71,6 +72,8 @@ def harness(plugin_python: str, tmp_path_factory: pytest.TempPathFactory) -> Ite
 def test_vllm_publishes_through_our_publisher(harness: Harness) -> None:
     """The engine's publisher is ours, and shared prefixes and evictions are predicted exactly."""
     assert harness.engine.publisher_class == "kvevents.integrations.vllm.VllmPublisher"
+    loaded = harness.engine.kvevents_file
+    assert loaded is not None and Path(loaded).resolve() == Path(kvevents.__file__).resolve()
     rng = random.Random("plugin-work")
     system = tokens(rng, 2 * BLOCK)
     prompts = [system + tokens(rng, 3 * BLOCK + 5) for _ in range(7)]

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Protocol
 
+import kvevents
 from kvevents.deadline import Deadline
 from kvevents.index.prefix import PrefixIndex
 from kvevents.subscribe import Delivery, StreamReset, Subscriber
@@ -72,6 +73,17 @@ def vllm_version() -> tuple[str | None, str | None]:
     return done.stdout.strip().splitlines()[-1], None
 
 
+def _our_path() -> dict[str, str]:
+    """``PYTHONPATH`` putting this process's kvevents first for vLLM's plugin.
+
+    ``.venv-vllm`` has kvevents installed (for the plugin's entry point), possibly from
+    another clone; the engine must run the code under test, wherever this checkout is.
+    """
+    ours = str(Path(kvevents.__file__).resolve().parents[1])
+    rest = os.environ.get("PYTHONPATH")
+    return {"PYTHONPATH": ours if not rest else os.pathsep.join([ours, rest])}
+
+
 def expected_hit(matched_blocks: int, prompt_len: int, block_size: int) -> int:
     """The tokens vLLM serves from cache when ``matched_blocks`` of the prompt are cached."""
     return min(matched_blocks, (prompt_len - 1) // block_size) * block_size
@@ -92,8 +104,10 @@ class VllmEngine:
     num_blocks: int = 16
     publisher: str = "zmq"
     extra_env: dict[str, str] = field(default_factory=dict)
+    engine_args: dict[str, Any] = field(default_factory=dict)
     startups: list[float] = field(default_factory=list)
     publisher_class: str = ""
+    kvevents_file: str | None = None  #: the kvevents vLLM's plugin loaded (None: not loaded)
     _proc: subprocess.Popen[bytes] | None = None
     _log: IO[bytes] | None = None
 
@@ -114,6 +128,7 @@ class VllmEngine:
             "endpoint": self.endpoint,
             "replay_endpoint": self.replay_endpoint,
             "publisher": self.publisher,
+            "engine_args": self.engine_args,
         }
         self._log = open(self.directory / "engine.log", "ab")  # noqa: SIM115 (closed in stop)
         deadline = Deadline(STARTUP_TIMEOUT)
@@ -122,13 +137,14 @@ class VllmEngine:
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._log,
-            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **self.extra_env},
+            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **self.extra_env, **_our_path()},
         )
         ready = self._read(deadline, "start")
         self.startups.append(STARTUP_TIMEOUT - deadline.remaining())
         if not ready.get("ready"):
             raise EngineError(f"engine did not start: {ready}")
         self.publisher_class = f"{ready['publisher']}.{ready['publisher_class']}"
+        self.kvevents_file = ready.get("kvevents")
         return self
 
     def _read(self, deadline: Deadline, what: str) -> dict[str, Any]:
@@ -145,12 +161,12 @@ class VllmEngine:
         reply: dict[str, Any] = json.loads(data)
         return reply
 
-    def call(self, request: dict[str, Any]) -> dict[str, Any]:
-        """One request line, one reply line (bounded by ``REQUEST_TIMEOUT``)."""
+    def call(self, request: dict[str, Any], timeout: float = REQUEST_TIMEOUT) -> dict[str, Any]:
+        """One request line, one reply line (bounded by ``timeout``)."""
         assert self._proc is not None and self._proc.stdin is not None, "start() first"
         self._proc.stdin.write(json.dumps(request).encode() + b"\n")
         self._proc.stdin.flush()
-        return self._read(Deadline(REQUEST_TIMEOUT), request["op"])
+        return self._read(Deadline(timeout), request["op"])
 
     def generate(self, prompt: Sequence[int], cache_salt: str | None = None) -> tuple[int, int]:
         """(num_cached_tokens, batches published so far) for one prompt."""
