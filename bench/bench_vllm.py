@@ -10,7 +10,8 @@ same prompts and the same machine load for both. Measured:
 
 - every engine step's wall time (``EngineCore.step``), in the engine process, per publisher;
 - every batch's delivery latency: arrival at a SUB socket in this process minus the batch's
-  ``ts``, which vLLM stamps (``time.time()``) just before it calls ``publish()``.
+  ``ts``, which vLLM stamps (``time.time()``) just before it calls ``publish()``;
+- the engine process's full garbage collections (generation 2): how many, the longest.
 
 Both publishers' threads live in the engine the whole time (the idle one wakes now and then).
 Skipped, with the reason, where ``.venv-vllm`` has no working vLLM (``make vllm``).
@@ -39,7 +40,7 @@ from kvevents.deadline import Deadline
 from kvevents.wire import decode_batch
 
 SECTION = "vLLM 0.32 CPU engine under continuous load: kvevents' plugin against vLLM's publisher"
-LOAD_SECONDS = float(os.environ.get("KVEVENTS_BENCH_VLLM_SECONDS", "40"))
+LOAD_SECONDS = float(os.environ.get("KVEVENTS_BENCH_VLLM_SECONDS", "60"))
 BLOCK = 32
 NUM_BLOCKS = 512
 
@@ -112,6 +113,7 @@ def _measure(python: str, model_dir: Path) -> dict[str, dict[str, Any]]:
         name: {
             "steps_ms": [ms * 1000 for who, ms in steps if who == index],
             "latency_ms": collectors[index].latencies_ms(after=collectors[index].first_load),
+            "gc_ms": [ms * 1000 for who, ms in reply["gc"] if who == index],
             "requests": reply["requests"],
         }
         for index, name in enumerate(("vllm", "ours"))
@@ -146,7 +148,11 @@ def _rows(vllm: dict[str, Any], ours: dict[str, Any]) -> list[Row]:
                     name,
                 )
             )
-    for case, key in (("engine steps", "steps_ms"), ("batches delivered", "latency_ms")):
+    for case, key in (
+        ("engine steps", "steps_ms"),
+        ("batches delivered", "latency_ms"),
+        ("full GC collections (generation 2)", "gc_ms"),
+    ):
         rows.append(Row(SECTION, case, "count", len(ours[key]), "", len(vllm[key]), name))
     rows.append(
         Row(
@@ -159,6 +165,8 @@ def _rows(vllm: dict[str, Any], ours: dict[str, Any]) -> list[Row]:
             name,
         )
     )
+    longest = [max(r["gc_ms"], default=0.0) for r in (ours, vllm)]
+    rows.append(Row(SECTION, "full GC collection", "longest", longest[0], "ms", longest[1], name))
     return rows
 
 

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import gc
+import time
 from typing import Any
 
 import pytest
 import zmq
 
-from kvevents.events import BlockStored, KVEventBatch
+from kvevents.deadline import Deadline
+from kvevents.events import BlockRemoved, BlockStored, KVEventBatch
 from kvevents.publish import send
 from kvevents.testing.publisher import (
     connect_subscriber,
@@ -92,3 +94,42 @@ def test_a_full_queue_releases_the_payload_it_refused() -> None:
         assert _settled() == before + 2  # only the two queued batches are still lent
     del pub
     assert _settled() == before
+
+
+def test_an_encoded_batch_dropped_carries_its_removals_into_the_next() -> None:
+    """publish_encoded keeps the drop policy: a dropped payload's removals reach subscribers."""
+    removal = KVEventBatch(ts=1.0, events=[BlockRemoved(block_hashes=[7])], data_parallel_rank=0)
+    config = local_config(replay_endpoint=None, max_queue_size=2)
+    context: zmq.Context[Any] = zmq.Context()
+    try:
+        with started_publisher(config, pausable=True) as pub:
+            sub = connect_subscriber(context, pub.endpoint or "")
+            try:
+                wait_subscribed(pub, sub)
+                with paused_forwarding(pub):
+                    for k in range(10):  # fill the queue: the first refusal ends it
+                        pub.publish_encoded(encode_batch(_prefill(16, k)))
+                        if pub.stats().dropped_queue_full:
+                            break
+                    pub.publish_encoded(encode_batch(removal))
+                    assert pub.stats().pending_carry == 1
+                deadline = Deadline(10)  # resumed: wait until the queue has drained
+                while pub.stats().queue_depth and not deadline.expired:
+                    time.sleep(0.005)
+                last = pub.publish_encoded(encode_batch(_prefill(16, 50)))
+                got = _receive_until(sub, last)
+            finally:
+                sub.close(0)
+    finally:
+        context.term()
+    assert got.events == [removal.events[0], *_prefill(16, 50).events]
+
+
+def _receive_until(sub: zmq.Socket[Any], seq: int) -> KVEventBatch:
+    """The batch with sequence number ``seq`` (bounded wait)."""
+    deadline = Deadline(10)
+    while sub.poll(max(1, int(deadline.remaining() * 1000))):
+        message = parse_live(sub.recv_multipart())
+        if message.seq == seq:
+            return decode_batch(message.payload).batch
+    raise TimeoutError(f"batch {seq} did not arrive")

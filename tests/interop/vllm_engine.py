@@ -14,7 +14,8 @@ of ``.venv-vllm`` (vLLM's dependencies clash with ours) and talks to it over std
   ``{"cached": num_cached_tokens, "published": batches the engine's publisher has sent}``;
   ``{"op": "reset"}`` -> ``{"reset": bool, "published": n}``;
   ``{"op": "load", "seconds": s, "seed": n, "alternate": {endpoints} | null}`` ->
-  ``{"steps": [[publisher index, seconds] per engine step], "requests": n}``
+  ``{"steps": [[publisher index, seconds] per engine step], "gc": [[publisher index,
+  seconds] per full garbage collection], "requests": n}``
   (``bench/bench_vllm.py``: continuous load, two publishers taking turns);
   ``{"op": "quit"}`` -> exit 0.
 
@@ -27,6 +28,7 @@ the protocol.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -150,6 +152,18 @@ def load(llm: Any, request: dict[str, Any]) -> dict[str, Any]:
             steps.append((current, time.perf_counter() - start))
 
     core.step_fn = timed
+    collections: list[tuple[int, float]] = []  # full (generation 2) collections
+    gc_started = [0.0]
+
+    def on_gc(phase: str, info: dict[str, Any]) -> None:
+        if info.get("generation") != 2:
+            return
+        if phase == "start":
+            gc_started[0] = time.perf_counter()
+        else:
+            collections.append((current, time.perf_counter() - gc_started[0]))
+
+    gc.callbacks.append(on_gc)
     rng = random.Random(request.get("seed", 0))
     params = SamplingParams(max_tokens=1, temperature=0.0)
     deadline = time.monotonic() + float(request["seconds"])
@@ -165,12 +179,14 @@ def load(llm: Any, request: dict[str, Any]) -> dict[str, Any]:
             requests += len(prompts)
             current = (current + 1) % len(publishers)
     finally:
+        gc.callbacks.remove(on_gc)
         core.step_fn = step
         scheduler.kv_event_publisher = publishers[0]
         for extra in publishers[1:]:
             extra.shutdown()
     kvevents = sys.modules.get("kvevents")
-    return {"steps": steps, "requests": requests, "kvevents": getattr(kvevents, "__file__", None)}
+    loaded = getattr(kvevents, "__file__", None)
+    return {"steps": steps, "gc": collections, "requests": requests, "kvevents": loaded}
 
 
 def serve(llm: Any, out: Any) -> None:
