@@ -16,5 +16,9 @@ setup(
         Extension(
             "kvevents.subscribe._zmqrecv", ["src/kvevents/subscribe/_zmqrecv.c"], optional=True
         ),
+        # The publisher's send, a large payload lent to libzmq instead of copied.
+        Extension(
+            "kvevents.publish._zerosend", ["src/kvevents/publish/_zerosend.c"], optional=True
+        ),
     ]
 )

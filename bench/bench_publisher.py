@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import queue
+import resource
 import sys
 import threading
 import time
@@ -22,6 +23,7 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import Row, median, percentile
+from kvevents._libzmq import sender_for
 from kvevents.events import BlockRemoved, BlockStored, KVEventBatch
 from kvevents.publish.publisher import PublisherOptions, ZmqPublisher
 from kvevents.testing.publisher import (
@@ -33,6 +35,7 @@ from kvevents.testing.publisher import (
 from kvevents.wire import encode_batch, pack_seq
 
 SECTION_COST = "publish() cost on the caller's thread"
+SECTION_LARGE = "large prefills, 1 publish/ms, full ring: now against the copying path"
 SECTION_RATE = "sustained throughput to an out-of-process subscriber"
 SECTION_LAT = "end-to-end latency at 1,000 batches/s"
 SECTION_REPLAY = "replay of 10,000 batches during live publishing"
@@ -62,14 +65,14 @@ def typical_batch(i: int = 0) -> KVEventBatch:
     )
 
 
-def large_batch() -> KVEventBatch:
-    hashes = [k * 0x9E3779B97F4A7C15 % 2**64 for k in range(512)]
+def large_batch(tokens: int = 8192) -> KVEventBatch:
+    hashes = [k * 0x9E3779B97F4A7C15 % 2**64 for k in range(tokens // 16)]
     return KVEventBatch(
         ts=time.time(),
         events=[
             BlockStored(
                 block_hashes=hashes,
-                token_ids=[t % 150_000 + 1000 for t in range(8192)],
+                token_ids=[t % 150_000 + 1000 for t in range(tokens)],
                 block_size=16,
                 medium="GPU",
             )
@@ -147,12 +150,22 @@ class RawPublisher:
         self._context.term()
 
 
-def ours(**config: Any) -> ZmqPublisher:
+def ours(*, copying: bool = False, **config: Any) -> ZmqPublisher:
     fields: dict[str, Any] = {"replay_endpoint": None, "hwm": 200_000, "max_queue_size": 200_000}
     fields.update(config)
-    pub = ZmqPublisher(local_config(**fields), options=PublisherOptions(linger=5.0))
+    kind = CopyingPublisher if copying else ZmqPublisher
+    pub = kind(local_config(**fields), options=PublisherOptions(linger=5.0))
     pub.start()
     return pub
+
+
+class CopyingPublisher(ZmqPublisher):
+    """The publisher as it was: libzmq copies every payload on the caller's thread."""
+
+    def _open(self) -> None:
+        super()._open()
+        assert self._push is not None
+        self._send3 = sender_for(self._push)
 
 
 # ---------------------------------------------------------------------------- caller cost
@@ -203,6 +216,75 @@ def publish_cost() -> list[Row]:
     finally:
         pub.shutdown()
     return rows
+
+
+def large_against_copying() -> list[Row]:
+    return [*_against_copying(8192, 6, 300), *_against_copying(32768, 6, 300)]
+
+
+def _against_copying(tokens: int, rounds: int, n: int) -> list[Row]:
+    """One prefill size, both paths in alternating rounds (the machine's load hits both).
+
+    Steady state, as in an engine that has run a while: the replay ring is full, and the
+    caller publishes once per millisecond, releasing the GIL in between as an engine step
+    does. A tight loop of publish() calls measures something else: every preemption of the
+    thread lands in a call, and the service thread, starved of the GIL, lets hundreds of
+    payloads pile up (fresh memory, page faults) in a way no engine does.
+    """
+    got: dict[bool, list[tuple[float, float, int, int]]] = {False: [], True: []}
+    batch = large_batch(tokens)
+    for r in range(rounds):
+        for copying in (False, True) if r % 2 == 0 else (True, False):
+            pub = ours(copying=copying, replay_endpoint="tcp://127.0.0.1:0", buffer_steps=100)
+            try:
+                for _ in range(150):
+                    pub.publish(batch)
+                for _ in range(n):
+                    time.sleep(0.001)
+                    got[copying] += _timed_detail(lambda p=pub: p.publish(batch), 1)
+            finally:
+                pub.shutdown()
+    rows = []
+    for metric, pick in (
+        ("median", lambda s: median([x[0] for x in s])),
+        ("p99", lambda s: percentile([x[0] for x in s], 99)),
+        ("p99 on-CPU (thread time)", lambda s: percentile([x[1] for x in s], 99)),
+        ("minor page faults per call", lambda s: sum(x[2] for x in s) / len(s)),
+        ("calls preempted (involuntary switch)", lambda s: 100 * sum(x[3] > 0 for x in s) / len(s)),
+    ):
+        unit = "%" if metric.startswith("calls") else ("" if "faults" in metric else "us")
+        rows.append(
+            Row(
+                SECTION_LARGE,
+                f"{tokens:,} tokens ({len(encode_batch(batch)) // 1024} KiB)",
+                metric,
+                pick(got[False]),
+                unit,
+                pick(got[True]),
+                "copying path, same run",
+            )
+        )
+    return rows
+
+
+def _timed_detail(fn: Any, n: int) -> list[tuple[float, float, int, int]]:
+    """Per call: wall us, thread CPU us, minor page faults, involuntary context switches."""
+    wall, cpu, usage, who = (
+        time.perf_counter_ns,
+        time.thread_time_ns,
+        resource.getrusage,
+        resource.RUSAGE_THREAD,
+    )
+    out = []
+    for _ in range(n):
+        before = usage(who)
+        start, start_cpu = wall(), cpu()
+        fn()
+        spent, spent_cpu = wall() - start, cpu() - start_cpu
+        after = usage(who)
+        faults, preempted = after.ru_minflt - before.ru_minflt, after.ru_nivcsw - before.ru_nivcsw
+        out.append((spent / 1000, spent_cpu / 1000, faults, preempted))
+    return out
 
 
 def _timed_both(fn: Any, n: int) -> tuple[list[float], list[float]]:
@@ -432,7 +514,13 @@ def replay_under_load(ring: int = 10_000, live: int = 2_000) -> list[Row]:
 
 
 def run() -> list[Row]:
-    return [*publish_cost(), *throughput(), *latency(), *replay_under_load()]
+    return [
+        *publish_cost(),
+        *large_against_copying(),
+        *throughput(),
+        *latency(),
+        *replay_under_load(),
+    ]
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
 """Run every bench/bench_*.py module, print the figures and record them in bench/RESULTS.md.
 
 Each module defines ``run() -> list[Row]``. ``python bench/run.py [name ...]`` runs a subset.
+``bench_vllm`` runs a real vLLM engine where ``.venv-vllm`` has one (``make vllm``, about two
+minutes); elsewhere it prints why it is skipped and records nothing.
 """
 
 from __future__ import annotations

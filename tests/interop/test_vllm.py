@@ -206,19 +206,36 @@ def test_engine_restart_empties_the_prediction(h: Harness) -> None:
     assert h.disagreements(rows) == []
 
 
-def test_reset_prefix_cache_is_published_with_the_next_step(h: Harness) -> None:
-    """vLLM sends AllBlocksCleared only in the next step's batch: one request sees a stale index."""
-    rng = random.Random("reset")
+def test_reset_prefix_cache_is_published_only_with_the_next_step(h: Harness) -> None:
+    """vLLM publishes nothing at a reset: AllBlocksCleared heads the batch of the next step."""
+    rng = random.Random("reset-late")
     prompt = tokens(rng, 2 * BLOCK + 1)
     h.request(prompt)
     before = h.published
     reply = h.engine.call({"op": "reset"})
     assert reply["reset"] is True
     assert reply["published"] == before, "nothing is published by the reset itself"
-    row = h.request(prompt)
-    assert row.actual == 0
-    assert set(row.predicted.values()) == {2 * BLOCK}, "the index had not heard of the reset"
+    # Not a compared row: this step schedules against the emptied cache before it publishes
+    # the clear, so no consumer of the stream alone could have predicted it.
+    cached, h.published = h.engine.generate(prompt)
+    assert cached == 0
     h.sync()
     (batch,) = _index(h).payloads[-1:]
     assert isinstance(batch.events[0], AllBlocksCleared)
+    assert any(isinstance(e, BlockStored) for e in batch.events[1:]), "same batch as the step"
+
+
+def test_reset_prefix_cache_then_a_flush_step_is_predicted_exactly(h: Harness) -> None:
+    """Reset, a one-token flush step, a handshake on the clear: the next requests are exact."""
+    rng = random.Random("reset")
+    prompt = tokens(rng, 2 * BLOCK + 1)
+    h.request(prompt)
+    h.sync()
     assert all(f.matched_blocks(prompt) == 2 for f in h.followers)
+    assert h.reset_prefix_cache() is True
+    (batch,) = _index(h).payloads[-1:]
+    assert [type(e) for e in batch.events] == [AllBlocksCleared], "the flush stores no block"
+    assert all(f.matched_blocks(prompt) == 0 for f in h.followers)
+    rows = [h.request(prompt), h.request(prompt)]
+    assert [r.actual for r in rows] == [0, 2 * BLOCK]
+    assert h.disagreements(rows) == []

@@ -14,11 +14,13 @@ import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
 from vllm_peer import Harness, IndexFollower, ServiceFollower, VllmEngine, scratch_dir, tokens
 
+import kvevents
 from kvevents.deadline import Deadline
 from kvevents.events import KVEventBatch
 from kvevents.integrations.vllm import OVERRIDE_ENV, VllmPublisher
@@ -71,6 +73,8 @@ def harness(plugin_python: str, tmp_path_factory: pytest.TempPathFactory) -> Ite
 def test_vllm_publishes_through_our_publisher(harness: Harness) -> None:
     """The engine's publisher is ours, and shared prefixes and evictions are predicted exactly."""
     assert harness.engine.publisher_class == "kvevents.integrations.vllm.VllmPublisher"
+    loaded = harness.engine.kvevents_file
+    assert loaded is not None and Path(loaded).resolve() == Path(kvevents.__file__).resolve()
     rng = random.Random("plugin-work")
     system = tokens(rng, 2 * BLOCK)
     prompts = [system + tokens(rng, 3 * BLOCK + 5) for _ in range(7)]
@@ -96,8 +100,16 @@ def test_late_subscriber_replays_from_our_ring(harness: Harness) -> None:
         late.close()
 
 
+class _Batch(msgspec.Struct, array_like=True):
+    """The shape of vLLM's batch struct: an array of ts, events and the rank (``docs/wire.md``)."""
+
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
 def test_plugin_publisher_sends_every_vllm_era_on_our_wire(tmp_path: Path) -> None:
-    """Without vLLM: each vLLM-era batch goes out decoded; unstamped ones get the publisher's rank."""
+    """Without vLLM: each vLLM-era batch goes out as encoded; an unstamped struct gets our rank."""
     fixtures = [f for f in wire_fixtures() if f.engine.startswith("vllm")]
     base = f"ipc://{tmp_path}/pub"
     publisher = VllmPublisher(
@@ -107,16 +119,17 @@ def test_plugin_publisher_sends_every_vllm_era_on_our_wire(tmp_path: Path) -> No
     try:
         for fixture in fixtures:
             publisher.publish(msgspec.Raw(fixture.payload))  # what msgspec sends is the payload
-        assert publisher.published_batches() == len(fixtures)
+        publisher.publish(_Batch(1.0, []))
+        assert publisher.published_batches() == len(fixtures) + 1
         spec = StreamSpec("w", 0, base, f"ipc://{tmp_path}/replay")
         with Subscriber([spec]) as subscriber:
-            got = _drain_after_handshake(publisher, subscriber, len(fixtures))
+            got = _drain_after_handshake(publisher, subscriber, len(fixtures) + 1)
     finally:
         publisher.shutdown()
-    assert [b.events for b in got] == [f.expected.events for f in fixtures]
-    stamped = [f.expected.data_parallel_rank for f in fixtures]
-    stamped = [0 if rank is None else rank for rank in stamped]
-    assert [b.data_parallel_rank for b in got] == stamped, "a batch's own rank wins over ours"
+    assert [b.events for b in got[:-1]] == [f.expected.events for f in fixtures]
+    sent = [f.expected.data_parallel_rank for f in fixtures]
+    assert [b.data_parallel_rank for b in got[:-1]] == sent, "a payload goes out as encoded"
+    assert got[-1].data_parallel_rank == 0, "vLLM's unstamped batch gets the publisher's rank"
 
 
 def _drain_after_handshake(

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Protocol
 
+import kvevents
 from kvevents.deadline import Deadline
 from kvevents.index.prefix import PrefixIndex
 from kvevents.subscribe import Delivery, StreamReset, Subscriber
@@ -72,6 +73,17 @@ def vllm_version() -> tuple[str | None, str | None]:
     return done.stdout.strip().splitlines()[-1], None
 
 
+def _our_path() -> dict[str, str]:
+    """``PYTHONPATH`` putting this process's kvevents first for vLLM's plugin.
+
+    ``.venv-vllm`` has kvevents installed (for the plugin's entry point), possibly from
+    another clone; the engine must run the code under test, wherever this checkout is.
+    """
+    ours = str(Path(kvevents.__file__).resolve().parents[1])
+    rest = os.environ.get("PYTHONPATH")
+    return {"PYTHONPATH": ours if not rest else os.pathsep.join([ours, rest])}
+
+
 def expected_hit(matched_blocks: int, prompt_len: int, block_size: int) -> int:
     """The tokens vLLM serves from cache when ``matched_blocks`` of the prompt are cached."""
     return min(matched_blocks, (prompt_len - 1) // block_size) * block_size
@@ -92,8 +104,10 @@ class VllmEngine:
     num_blocks: int = 16
     publisher: str = "zmq"
     extra_env: dict[str, str] = field(default_factory=dict)
+    engine_args: dict[str, Any] = field(default_factory=dict)
     startups: list[float] = field(default_factory=list)
     publisher_class: str = ""
+    kvevents_file: str | None = None  #: the kvevents vLLM's plugin loaded (None: not loaded)
     _proc: subprocess.Popen[bytes] | None = None
     _log: IO[bytes] | None = None
 
@@ -114,6 +128,7 @@ class VllmEngine:
             "endpoint": self.endpoint,
             "replay_endpoint": self.replay_endpoint,
             "publisher": self.publisher,
+            "engine_args": self.engine_args,
         }
         self._log = open(self.directory / "engine.log", "ab")  # noqa: SIM115 (closed in stop)
         deadline = Deadline(STARTUP_TIMEOUT)
@@ -122,13 +137,14 @@ class VllmEngine:
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._log,
-            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **self.extra_env},
+            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **self.extra_env, **_our_path()},
         )
         ready = self._read(deadline, "start")
         self.startups.append(STARTUP_TIMEOUT - deadline.remaining())
         if not ready.get("ready"):
             raise EngineError(f"engine did not start: {ready}")
         self.publisher_class = f"{ready['publisher']}.{ready['publisher_class']}"
+        self.kvevents_file = ready.get("kvevents")
         return self
 
     def _read(self, deadline: Deadline, what: str) -> dict[str, Any]:
@@ -145,12 +161,12 @@ class VllmEngine:
         reply: dict[str, Any] = json.loads(data)
         return reply
 
-    def call(self, request: dict[str, Any]) -> dict[str, Any]:
-        """One request line, one reply line (bounded by ``REQUEST_TIMEOUT``)."""
+    def call(self, request: dict[str, Any], timeout: float = REQUEST_TIMEOUT) -> dict[str, Any]:
+        """One request line, one reply line (bounded by ``timeout``)."""
         assert self._proc is not None and self._proc.stdin is not None, "start() first"
         self._proc.stdin.write(json.dumps(request).encode() + b"\n")
         self._proc.stdin.flush()
-        return self._read(Deadline(REQUEST_TIMEOUT), request["op"])
+        return self._read(Deadline(timeout), request["op"])
 
     def generate(self, prompt: Sequence[int], cache_salt: str | None = None) -> tuple[int, int]:
         """(num_cached_tokens, batches published so far) for one prompt."""
@@ -190,6 +206,10 @@ class Follower(Protocol):
 
     def synced(self, published: int, restarts: int) -> bool: ...
 
+    def clears(self) -> int:
+        """``AllBlocksCleared`` events applied so far."""
+        ...
+
     def matched_blocks(self, tokens: Sequence[int], salt: str | None = None) -> int:
         """Blocks of ``tokens`` held on rank 0; ``salt`` is the request's ``cache_salt``."""
         ...
@@ -214,6 +234,11 @@ class IndexFollower:
 
     def synced(self, published: int, restarts: int) -> bool:
         """Apply what arrived; True once every published batch (and restart) is applied."""
+        self._drain()
+        return self.resets >= restarts and self.next_seq >= published
+
+    def _drain(self) -> None:
+        """Apply every item the subscriber has delivered (briefly waiting for one)."""
         while (item := self.subscriber.get(timeout=0.02)) is not None:
             if isinstance(item, Delivery):
                 self.index.apply(self.worker, 0, item.batch)
@@ -223,7 +248,10 @@ class IndexFollower:
                 self.index.reset_stream(self.worker, 0)
                 self.resets += 1
                 self.next_seq = 0
-        return self.resets >= restarts and self.next_seq >= published
+
+    def clears(self) -> int:
+        self._drain()
+        return self.index.stats().clears
 
     def matched_blocks(self, tokens: Sequence[int], salt: str | None = None) -> int:
         return self.index.match(tokens, cache_salt=salt).streams.get((self.worker, 0), 0)
@@ -254,13 +282,19 @@ class ServiceFollower:
             self.service.close()
             raise
 
-    def _workers(self) -> list[dict[str, Any]]:
+    def _get(self, path: str) -> dict[str, Any]:
+        reply: dict[str, Any]
         try:
-            return self.service.workers()
+            reply = self.service.call("GET", path)
         except (http.client.RemoteDisconnected, ConnectionError):
             # uvicorn closes a kept-alive connection idle for 5 s (an engine restart takes
             # longer); the helper has dropped it, and the retry opens a new one.
-            return self.service.workers()
+            reply = self.service.call("GET", path)
+        return reply
+
+    def _workers(self) -> list[dict[str, Any]]:
+        workers: list[dict[str, Any]] = self._get("/workers")["workers"]
+        return workers
 
     def stream(self) -> dict[str, Any]:
         (worker,) = [w for w in self._workers() if w["worker_id"] == self.worker]
@@ -272,6 +306,9 @@ class ServiceFollower:
         last = stream.get("last_seq")
         delivered = -1 if last is None else last
         return stream.get("restarts", 0) >= restarts and delivered + 1 >= published
+
+    def clears(self) -> int:
+        return int(self._get("/dump")["stats"]["clears"])
 
     def matched_blocks(self, tokens: Sequence[int], salt: str | None = None) -> int:
         body = {"token_ids": list(tokens), "cache_salt": salt}
@@ -341,6 +378,28 @@ class Harness:
         row = Row(self.test, len(prompt), salt, actual, predicted, time.perf_counter() - start)
         self.rows.append(row)
         return row
+
+    def reset_prefix_cache(self, timeout: float = SYNC_TIMEOUT) -> bool:
+        """The control plane's reset: vLLM's reset, a flush step, then a handshake on the clear.
+
+        vLLM queues ``AllBlocksCleared`` at the reset and publishes it with the batch of its
+        next step, after that step has scheduled against the emptied cache: the request that
+        makes the step is the one a router would mispredict. A one-token request (no full block
+        to store) is that step instead; the followers then wait, bounded, until they applied a
+        clear, as a router that triggered the reset can.
+        """
+        if not self.engine.call({"op": "reset"})["reset"]:
+            return False
+        before = {f.name: f.clears() for f in self.followers}
+        _, self.published = self.engine.generate([1])
+        deadline = Deadline(timeout)
+        pending = list(self.followers)
+        while pending and not deadline.expired:
+            pending = [f for f in pending if f.clears() <= before[f.name]]
+            time.sleep(0.01 if pending else 0)
+        assert not pending, f"{[f.name for f in pending]} applied no AllBlocksCleared in time"
+        self.sync()  # the harness's own check: nothing else is in flight
+        return True
 
     def prime(self, followers: Sequence[Follower], rng: random.Random) -> None:
         """Handshake: primer requests until ``followers`` applied one (a SUB connects late)."""

@@ -20,23 +20,25 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any, Literal
 
 import msgspec
 import zmq
 
-from kvevents._libzmq import Send3, sender_for
+from kvevents._libzmq import Send3
 from kvevents.config import KVEventsConfig, RankEndpoints, check_layout, rank_endpoints
-from kvevents.errors import LayoutError, PublisherClosed, PublisherError
-from kvevents.events import KVEventBatch
+from kvevents.errors import DecodeError, LayoutError, PublisherClosed, PublisherError
+from kvevents.events import Event, KVEventBatch
 from kvevents.publish.carry import RemovalCarry
 from kvevents.publish.records import PublisherOptions, PublisherStats, ShutdownReport
 from kvevents.publish.replay import ReplayRing
+from kvevents.publish.send import release_payloads, send3_for
 from kvevents.publish.threads import Forwarder, Service
 from kvevents.ratelimit import RateLimitedWarning
 from kvevents.security import start_authenticator
-from kvevents.wire import encode_batch, pack_seq
+from kvevents.wire import decode_batch, encode_batch, pack_seq
 
 __all__ = [
     "NullPublisher",
@@ -217,7 +219,7 @@ class ZmqPublisher(Publisher):
         push.setsockopt(zmq.SNDHWM, max(1, self.config.max_queue_size - 1))
         push.connect(names["frontend"])
         self._push = push
-        self._send3 = sender_for(push)
+        self._send3 = send3_for(push)
 
     def _caller_socket(self, kind: int, connect: str | None) -> zmq.Socket[Any]:
         assert self._context is not None
@@ -330,6 +332,7 @@ class ZmqPublisher(Publisher):
         if self._context is not None:
             self._context.term()  # waits for the PUB socket's linger: the final flush
             self._context = None
+            release_payloads()  # libzmq has let go of every payload this context held
 
     def _send_control(self, command: bytes) -> None:
         with self._control_lock:
@@ -360,6 +363,28 @@ class ZmqPublisher(Publisher):
                 raise self._not_accepting()
             return self._publish_locked(send3, batch)
 
+    def publish_encoded(self, payload: bytes) -> int:
+        """Queue a batch already encoded as the wire's payload; return its sequence number.
+
+        For engines that encode their own batch struct (vLLM's plugin): no Python object is
+        built per event, so a batch allocates one ``bytes``, as the engine's own publisher
+        does. The payload is sent as given (its ``data_parallel_rank`` is the caller's
+        business); it is decoded only when removals carried from a dropped batch must go in
+        front of its events, or when it is dropped itself. Same errors as :meth:`publish`.
+        """
+        with self._lock:
+            send3 = self._send3
+            if send3 is None or not self._accepting:
+                raise self._not_accepting()
+            batch = _decoded(payload) if self._carry else None
+            if batch is not None:
+                return self._publish_locked(send3, batch)
+            seq = self._next_seq
+            self._next_seq = seq + 1
+            self._last_activity = time.monotonic()
+            self._send_locked(send3, seq, payload, lambda: _events_of(payload))
+            return seq
+
     def _publish_locked(self, send3: Send3, batch: KVEventBatch) -> int:
         seq = self._next_seq
         self._next_seq = seq + 1
@@ -372,18 +397,24 @@ class ZmqPublisher(Publisher):
         except (msgspec.EncodeError, TypeError, ValueError, OverflowError) as exc:
             self._drop("dropped_encode_error", seq, carried or (), str(exc))
             return seq
+        if self._send_locked(send3, seq, payload, lambda: batch.events) and carried:
+            self._carried_events += len(carried)
+        return seq
+
+    def _send_locked(
+        self, send3: Send3, seq: int, payload: bytes, events: Callable[[], Sequence[Event]]
+    ) -> bool:
+        """Send one batch; on failure count the drop and carry its removals (``events()``)."""
         try:
             send3(self._topic, pack_seq(seq), payload)
         except zmq.Again:
-            self._drop("dropped_queue_full", seq, batch.events, "queue full")
-            return seq
+            self._drop("dropped_queue_full", seq, events(), "queue full")
+            return False
         except zmq.ZMQError as exc:
-            self._drop("dropped_send_error", seq, batch.events, str(exc))
-            return seq
+            self._drop("dropped_send_error", seq, events(), str(exc))
+            return False
         self._counts["enqueued"] += 1
-        if carried:
-            self._carried_events += len(carried)
-        return seq
+        return True
 
     def _drop(self, cause: str, seq: int, carry: Any, reason: str) -> None:
         self._counts[cause] += 1
@@ -440,6 +471,18 @@ class ZmqPublisher(Publisher):
             next_seq=self._next_seq,
             **_handshake_counts(service),
         )
+
+
+def _decoded(payload: bytes) -> KVEventBatch | None:
+    try:
+        return decode_batch(payload).batch
+    except DecodeError:
+        return None  # sent as given: the subscribers' tolerant decoder counts what it cannot read
+
+
+def _events_of(payload: bytes) -> Sequence[Event]:
+    batch = _decoded(payload)
+    return batch.events if batch is not None else ()
 
 
 def _check_rank(config: KVEventsConfig, rank: int, world_size: int | None) -> None:

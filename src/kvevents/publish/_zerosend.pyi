@@ -1,0 +1,13 @@
+def init(
+    msg_init_data: int | None,
+    msg_send: int | None,
+    msg_close: int | None,
+    send: int | None,
+    errno: int | None,
+    /,
+) -> None: ...
+def send3(
+    socket_handle: int, topic: bytes, seq: bytes, payload: bytes, min_borrow: int, /
+) -> int: ...
+def release() -> int: ...
+def outstanding() -> int: ...
