@@ -31,13 +31,16 @@ FALLBACK_TESTS := tests/test_index.py tests/test_index_model.py tests/test_route
 	tests/test_service.py tests/test_simulate.py tests/test_blocktable.py \
 	tests/test_index_payloads.py tests/test_index_salt.py
 
-# The C table module again, built with AddressSanitizer and UndefinedBehaviorSanitizer, under
-# its native tests and a longer fuzz pass (a couple of minutes on 2 cores). ASan must be the
-# first library loaded, hence LD_PRELOAD; CPython's own allocations are not leak-checked.
+# The C modules again, built with AddressSanitizer and UndefinedBehaviorSanitizer: the tables
+# under their native tests and a longer fuzz pass (a couple of minutes on 2 cores), the
+# receive and the payload-lending send under theirs. ASan must be the first library loaded,
+# hence LD_PRELOAD; CPython's own allocations are not leak-checked.
 SAN_CC ?= gcc
 SAN_DIR := build/sanitize
 SAN_FLAGS := -g -O1 -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=all
-SANITIZE_TESTS := tests/test_index_native.py tests/test_blocktable.py tests/test_index.py
+SANITIZE_TESTS := tests/test_index_native.py tests/test_blocktable.py tests/test_index.py \
+	tests/test_libzmq.py tests/test_publisher_send.py
+SAN_MODULES := index/_blocktable subscribe/_zmqrecv publish/_zerosend
 SANITIZE_EXAMPLES ?= 1000
 
 .PHONY: demo test test-pythons bench lint venv dynamo vllm sglang promtool browser sanitize clean
@@ -121,10 +124,13 @@ test: $(STAMP)
 
 sanitize: $(STAMP)
 	@rm -rf $(SAN_DIR) && mkdir -p $(SAN_DIR) && cp -r src/kvevents $(SAN_DIR)/
-	@rm -f $(SAN_DIR)/kvevents/index/_blocktable*.so
-	$(SAN_CC) -shared -fPIC $(SAN_FLAGS) -I"$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" \
-		src/kvevents/index/_blocktable.c \
-		-o $(SAN_DIR)/kvevents/index/_blocktable$$($(PY) -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
+	@rm -f $(SAN_DIR)/kvevents/*/_*.so
+	@include="$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["include"])')"; \
+	suffix="$$($(PY) -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')"; \
+	for m in $(SAN_MODULES); do \
+		echo "$(SAN_CC) [asan+ubsan] src/kvevents/$$m.c"; \
+		$(SAN_CC) -shared -fPIC $(SAN_FLAGS) -I"$$include" src/kvevents/$$m.c -o $(SAN_DIR)/kvevents/$$m$$suffix || exit 1; \
+	done
 	LD_PRELOAD="$$($(SAN_CC) -print-file-name=libasan.so)" ASAN_OPTIONS=detect_leaks=0 \
 		UBSAN_OPTIONS=print_stacktrace=1 PYTHONMALLOC=malloc PYTHONPATH=$(SAN_DIR) \
 		KVEVENTS_REQUIRE_NATIVE=1 KVEVENTS_FUZZ_EXAMPLES=$(SANITIZE_EXAMPLES) \

@@ -90,6 +90,16 @@ def test_the_native_receiver_is_built_here() -> None:
     assert _recv._native_receiver() is not None
 
 
+def test_the_native_sender_is_built_here() -> None:
+    """Where the C accelerators are required (CI), the publisher's payload-lending send is
+    built and wired to pyzmq's libzmq (its tests in test_publisher_send.py then run)."""
+    if os.environ.get("KVEVENTS_REQUIRE_NATIVE") != "1":
+        pytest.skip("KVEVENTS_REQUIRE_NATIVE is not set")
+    from kvevents.publish import send
+
+    assert send._zerosend() is not None
+
+
 @pytest.mark.parametrize("which", ["chosen", "pyzmq"])
 def test_receiver_returns_whole_messages_then_none(
     pair: tuple[zmq.Socket[Any], zmq.Socket[Any]], which: str
