@@ -56,6 +56,7 @@ from kvevents.service.limits import STATUS_FIELDS, HttpCounters, HttpLimits, rea
 from kvevents.service.load import load_endpoint
 from kvevents.service.memory import IdleTrim, release_free_memory
 from kvevents.service.openapi import openapi_route
+from kvevents.service.protocol import FastQuery
 from kvevents.service.query import LeanQuery, QueryReader
 from kvevents.service.schema import (
     BadRequest,
@@ -329,6 +330,7 @@ def create_app(
         openapi_route(),
     ]
     reader = QueryReader(service)
+    observe = api.query_seconds.observe
     app = Starlette(
         routes=routes,
         middleware=[
@@ -338,7 +340,7 @@ def create_app(
                 reader=reader,
                 limits=options.limits,
                 count=api.count_refusal,
-                observe=api.query_seconds.observe,
+                observe=observe,
             ),
         ],
         exception_handlers={
@@ -349,4 +351,6 @@ def create_app(
         lifespan=api.lifespan,
     )
     app.state.http_counters = counters
+    # For the server's protocol, which answers POST /query without the ASGI layers above.
+    app.state.fast_query = FastQuery(reader, options.auth, api.count_refusal, observe)
     return app
