@@ -3,18 +3,25 @@ refusals as the app's path, kept-alive and pipelined connections, and every limi
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 from collections.abc import Iterator
-from typing import IO
+from typing import IO, Any
 
 import httpx
 import pytest
+import uvicorn
+from uvicorn.server import ServerState
 
 from kvevents.index.prefix import PrefixIndex
 from kvevents.service.access import TokenCheck
+from kvevents.service.app import create_app
 from kvevents.service.core import IndexService
 from kvevents.service.http import AppOptions, HttpLimits, Server, serve
+from kvevents.service.limits import HttpCounters
+from kvevents.service.protocol import LimitedProtocol
+from kvevents.service.server import _fast_query_of
 from kvevents.testing.index import batch, store_event
 from kvevents.testing.sockets import wait_for
 from test_hostile_http import _specs
@@ -173,3 +180,54 @@ def test_answered_queries_feed_the_latency_histogram(server: Server) -> None:
     assert after[name] - before[name] == 2
     bad = "kvevents_http_bad_requests_total"
     assert after[bad] - before[bad] == 1
+
+
+class _StalledTransport(asyncio.Transport):
+    """A transport whose peer reads nothing: every write fills the buffer past its mark."""
+
+    def __init__(self, protocol: asyncio.Protocol) -> None:
+        super().__init__()
+        self.protocol = protocol
+        self.written: list[bytes] = []
+        self.reading = True
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return default
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.written.append(bytes(data))
+        self.protocol.pause_writing()
+
+    def is_closing(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        pass
+
+    def pause_reading(self) -> None:
+        self.reading = False
+
+    def resume_reading(self) -> None:
+        self.reading = True
+
+
+def test_a_client_that_reads_no_answers_is_read_no_further() -> None:
+    """Once answers back up in the write buffer, the connection stops reading requests, and
+    reads again when the buffer drains: pipelined queries cannot pile answers up unbounded."""
+
+    async def run() -> None:
+        service = IndexService(PrefixIndex(), feed=FakeFeed(), stream_specs=_specs)
+        app = create_app(service)
+        cls = LimitedProtocol.configured(LIMITS, HttpCounters(), _fast_query_of(app))
+        config = uvicorn.Config(app, lifespan="off", log_level="warning")
+        protocol = cls(config=config, server_state=ServerState(), app_state={})
+        transport = _StalledTransport(protocol)
+        protocol.connection_made(transport)
+        protocol.data_received(_request(QUERY) + _request(QUERY))
+        assert len(transport.written) == 2 and transport.written[0].startswith(b"HTTP/1.1 200")
+        assert not transport.reading
+        protocol.resume_writing()
+        assert transport.reading
+        protocol.connection_lost(None)
+
+    asyncio.run(run())

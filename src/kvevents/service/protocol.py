@@ -127,6 +127,7 @@ class LimitedProtocol(HttpToolsProtocol):
         self._body: list[bytes] = []
         self._body_size = 0
         self._body_timer: asyncio.TimerHandle | None = None
+        self._reading_held = False  # reading paused here until the client reads its answers
         if len(self.connections) > self.limits.max_connections:
             self.counters.add("connections_refused")
             transport.close()  # over the cap: refused before it costs more than the accept
@@ -227,14 +228,17 @@ class LimitedProtocol(HttpToolsProtocol):
         status, payload = self.fast.respond(body)
         self._write(status, payload, close=not self.parser.should_keep_alive())
         self.on_response_complete()
-        if self.flow.write_paused:
+        if self.flow.write_paused and not self.flow.read_paused:
             # The client is not reading its answers: read no more of its requests until it
             # does (the ASGI path waits for the drain the same way), or they pile up here.
+            self._reading_held = True
             self.flow.pause_reading()
 
     def resume_writing(self) -> None:
         super().resume_writing()
-        self.flow.resume_reading()
+        if self._reading_held:
+            self._reading_held = False
+            self.flow.resume_reading()
 
     def _body_late(self) -> None:
         self._body_timer = None
