@@ -17,6 +17,8 @@ pooled). Ours is the value, Dynamo's the same-run baseline. Issue 6 targets: thr
 with Dynamo's rate on this stream; HTTP query p99 no slower than Dynamo's; bytes per block no
 more than Dynamo's. Reference figures from the issue (a 2-core machine): Dynamo ingested 1.28M
 blocks in < 0.9 s (>= 1.4M blocks/s), answered in p50 0.8 ms / p99 1.5 ms, ~124 B per block.
+Issue 11 adds: both ingest modes at least Dynamo's rate; ``/query`` no slower kept alive or
+with a new connection per query; Dynamo's throughput with ``CLIENTS`` concurrent clients.
 """
 
 from __future__ import annotations
