@@ -1754,9 +1754,9 @@ done:
     return out;
 }
 
-/* The walk of walk_keys over the chained hashes of a token run, each hashed only when the
- * walk gets to it (a request that matches a few blocks is not hashed to its end). No Python
- * object is touched: it may run without the GIL. */
+/* The walk of walk_keys over the chained hashes of a token run, each hashed a few blocks
+ * before the walk gets to it (a request that matches a few blocks is not hashed to its end).
+ * No Python object is touched: it may run without the GIL. */
 static int
 walk_chain(const U64Map *m, const unsigned char *p, size_t step, Py_ssize_t count, uint64_t h,
            uint64_t allowed, uint64_t *bits, Py_ssize_t *depths)
