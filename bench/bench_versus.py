@@ -5,24 +5,32 @@ sixteen raw pyzmq PUB sockets (one per worker) send pre-encoded batches in our w
 one ``BlockStored`` of 16 blocks x 16 tokens per batch, 80k blocks per worker, 1.28M in all.
 Every worker holds distinct 8k-token prompts (512 blocks, chained), so each block is its own
 entry in either index. The same handshake (each worker's probe block is indexed), sentinel
-check, verification and HTTP client (``http.client``, kept alive, pre-encoded bodies) are used
-for both. Measured per indexer: ingest rate live (first send until every worker's sentinel is
-indexed), ingest rate pre-queued (the indexer is SIGSTOPped while we send, the clock starts at
-SIGCONT), HTTP ``/query`` latency for 8k-token prompts, and resident memory growth per block.
+check, verification and HTTP client (``http.client``, pre-encoded bodies) are used for both.
+Measured per indexer: ingest rate live (first send until every worker's sentinel is indexed),
+ingest rate pre-queued (the indexer is SIGSTOPped while we send, the clock starts at SIGCONT),
+HTTP ``/query`` latency for 8k-token prompts on one kept-alive connection and with a new
+connection per query, the throughput and latency of ``CLIENTS`` concurrent kept-alive clients
+(one process each, started together), and resident memory growth per block.
 
 Each indexer and mode runs three times, interleaved; the figures are medians (latencies
 pooled). Ours is the value, Dynamo's the same-run baseline. Issue 6 targets: through decoding, keep up
 with Dynamo's rate on this stream; HTTP query p99 no slower than Dynamo's; bytes per block no
 more than Dynamo's. Reference figures from the issue (a 2-core machine): Dynamo ingested 1.28M
 blocks in < 0.9 s (>= 1.4M blocks/s), answered in p50 0.8 ms / p99 1.5 ms, ~124 B per block.
+Issue 11 adds: both ingest modes at least Dynamo's rate; ``/query`` no slower kept alive or
+with a new connection per query; Dynamo's throughput with ``CLIENTS`` concurrent clients.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import http.client
 import json
+import multiprocessing
 import os
 import random
 import signal
+import sys
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
@@ -46,6 +54,11 @@ BLOCK_SIZE = 16
 BLOCKS_PER_EVENT = 16
 PROMPT_BLOCKS = 512  # 8,192 tokens
 QUERIES = 2_000
+#: Queries per run with a new connection for each (connect, request, answer, close).
+QUERIES_NEW_CONNECTION = 1_000
+#: Concurrent kept-alive clients (processes), and the queries each sends.
+CLIENTS = 4
+QUERIES_PER_CLIENT = 1_500
 INGEST_TIMEOUT = 60.0
 MODEL = "bench"
 # Every worker ends with this root block: once a query sees it on all workers, each worker's
@@ -136,6 +149,8 @@ class Peer(Protocol):
 
     @property
     def pid(self) -> int: ...
+    @property
+    def port(self) -> int: ...
     def register(self, worker: int, endpoint: str, *, block_size: int) -> None: ...
     def matched_blocks(self, token_ids: Sequence[int], block_size: int) -> dict[Any, int]: ...
     def send(self, method: str, path: str, data: bytes | None = None) -> tuple[int, bytes]: ...
@@ -163,6 +178,10 @@ class Figures:
     rss_before: int
     rss_after: int
     query_ms: list[float]
+    new_connection_ms: list[float] = dataclasses.field(default_factory=list)
+    concurrent_ms: list[float] = dataclasses.field(default_factory=list)
+    concurrent_qps: float = float("nan")
+    concurrent_cpu_us: float = float("nan")  # the indexer's CPU (all threads) per query
 
     @property
     def blocks_per_second(self) -> float:
@@ -275,9 +294,8 @@ def _verify(peer: Peer, work: Workload) -> None:
                 )
 
 
-def _query_latencies(peer: Peer, work: Workload, count: int) -> list[float]:
-    if count == 0:
-        return []
+def _query_bodies(peer: Peer, work: Workload) -> list[bytes]:
+    """64 pre-encoded 8k-token queries of fully indexed prompts; each answered right once."""
     rng = random.Random(6)
     full = [
         (w, i)
@@ -296,6 +314,10 @@ def _query_latencies(peer: Peer, work: Workload, count: int) -> list[float]:
         status, _ = peer.send("POST", "/query", body)
         matched = peer.matched_blocks(work.prompt_tokens(worker, index), work.block_size)
         assert status == 200 and _blocks_of(matched, worker) == PROMPT_BLOCKS
+    return bodies
+
+
+def _query_latencies(peer: Peer, bodies: list[bytes], count: int) -> list[float]:
     samples = []
     for n in range(count):
         t0 = time.perf_counter()
@@ -303,6 +325,82 @@ def _query_latencies(peer: Peer, work: Workload, count: int) -> list[float]:
         samples.append((time.perf_counter() - t0) * 1e3)
         assert status == 200
     return samples
+
+
+_HEADERS = {"Content-Type": "application/json"}
+
+
+def _new_connection_latencies(port: int, bodies: list[bytes], count: int) -> list[float]:
+    """Each query on a connection of its own: connect, request, answer, close."""
+    samples = []
+    for n in range(count):
+        t0 = time.perf_counter()
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10.0)
+        try:
+            conn.request("POST", "/query", body=bodies[n % len(bodies)], headers=_HEADERS)
+            response = conn.getresponse()
+            response.read()
+        finally:
+            conn.close()
+        samples.append((time.perf_counter() - t0) * 1e3)
+        assert response.status == 200
+    return samples
+
+
+def _client(port: int, bodies: list[bytes], count: int, start: Any, out: Any) -> None:
+    """One concurrent client (its own process): ``count`` queries on one kept-alive
+    connection, once every client is connected and warm; puts its latencies on ``out``."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10.0)
+    try:
+        for body in bodies[:8]:
+            conn.request("POST", "/query", body=body, headers=_HEADERS)
+            conn.getresponse().read()
+        start.wait(30.0)
+        samples = []
+        for n in range(count):
+            t0 = time.perf_counter()
+            conn.request("POST", "/query", body=bodies[n % len(bodies)], headers=_HEADERS)
+            response = conn.getresponse()
+            response.read()
+            samples.append((time.perf_counter() - t0) * 1e3)
+            if response.status != 200:
+                raise RuntimeError(f"/query answered {response.status}")
+        out.put(samples)
+    except BaseException as exc:
+        out.put(repr(exc))
+    finally:
+        conn.close()
+
+
+def _concurrent(
+    port: int, bodies: list[bytes], clients: int, each: int
+) -> tuple[float, list[float]]:
+    """(queries per second, latencies) of ``clients`` processes querying at once.
+
+    The clock runs from releasing them (all connected and warm) to the last one's answers.
+    """
+    mp = multiprocessing.get_context("spawn")
+    start, out = mp.Barrier(clients + 1), mp.Queue()
+    procs = [
+        mp.Process(target=_client, args=(port, bodies, each, start, out)) for _ in range(clients)
+    ]
+    for proc in procs:
+        proc.start()
+    try:
+        start.wait(60.0)
+        t0 = time.perf_counter()
+        results = [out.get(timeout=120.0) for _ in procs]
+        elapsed = time.perf_counter() - t0
+    finally:
+        for proc in procs:
+            proc.join(10.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    failed = [r for r in results if isinstance(r, str)]
+    if failed:
+        raise RuntimeError(f"concurrent client failed: {failed[0]}")
+    return clients * each / elapsed, [ms for r in results for ms in r]
 
 
 def measure(
@@ -323,11 +421,37 @@ def measure(
             _verify(peer, work)
             time.sleep(SETTLE)  # steady state: what stays resident once the stream is over
             after = peer.rss_bytes()
-            latencies = _query_latencies(peer, work, queries)
+            queried = _queries(peer, work, queries)
     finally:
         pubs.close()
         ctx.term()
-    return Figures(work.blocks, sent, ingest, before, after, latencies)
+    return Figures(work.blocks, sent, ingest, before, after, **queried)
+
+
+def _queries(peer: Peer, work: Workload, queries: int) -> dict[str, Any]:
+    """The query fields of :class:`Figures`: each mode in turn, none when ``queries`` is 0."""
+    if queries == 0:
+        return {"query_ms": []}
+    bodies = _query_bodies(peer, work)
+    kept = _query_latencies(peer, bodies, queries)
+    fresh = _new_connection_latencies(peer.port, bodies, QUERIES_NEW_CONNECTION)
+    cpu = _cpu_seconds(peer.pid)
+    qps, concurrent = _concurrent(peer.port, bodies, CLIENTS, QUERIES_PER_CLIENT)
+    cpu = _cpu_seconds(peer.pid) - cpu
+    return {
+        "query_ms": kept,
+        "new_connection_ms": fresh,
+        "concurrent_ms": concurrent,
+        "concurrent_qps": qps,
+        "concurrent_cpu_us": cpu / (CLIENTS * QUERIES_PER_CLIENT) * 1e6,
+    }
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid``, all its threads (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def measure_dynamo(work: Workload, *, queries: int = QUERIES, paused: bool = False) -> Figures:
@@ -349,6 +473,7 @@ def rows(live: dict[str, Figures], queued: dict[str, Figures]) -> list[Row]:
     ours, theirs = live["ours"], live["dynamo"]
     case = f"{WORKERS} publishers x {BLOCKS_PER_WORKER:,} blocks"
     query_case = f"8k-token /query, {WORKERS} workers, same client"
+    concurrent_case = f"8k-token /query, {CLIENTS} kept-alive clients at once"
     return [
         _row(
             "ingest, live",
@@ -387,6 +512,52 @@ def rows(live: dict[str, Figures], queued: dict[str, Figures]) -> list[Row]:
             "<= Dynamo's (issue ref: 1.5 ms)",
         ),
         _row(
+            "p50, new connection per query",
+            median(ours.new_connection_ms),
+            median(theirs.new_connection_ms),
+            "ms",
+            query_case,
+            "<= Dynamo's",
+        ),
+        _row(
+            "p99, new connection per query",
+            percentile(ours.new_connection_ms, 99),
+            percentile(theirs.new_connection_ms, 99),
+            "ms",
+            query_case,
+            "<= Dynamo's",
+        ),
+        _row(
+            "throughput",
+            ours.concurrent_qps,
+            theirs.concurrent_qps,
+            "queries/s",
+            concurrent_case,
+            ">= Dynamo's",
+        ),
+        _row(
+            "indexer CPU per query (all its threads)",
+            ours.concurrent_cpu_us,
+            theirs.concurrent_cpu_us,
+            "us",
+            concurrent_case,
+        ),
+        _row(
+            "p50",
+            median(ours.concurrent_ms),
+            median(theirs.concurrent_ms),
+            "ms",
+            concurrent_case,
+        ),
+        _row(
+            "p99",
+            percentile(ours.concurrent_ms, 99),
+            percentile(theirs.concurrent_ms, 99),
+            "ms",
+            concurrent_case,
+            "<= Dynamo's",
+        ),
+        _row(
             "memory (RSS growth)",
             ours.bytes_per_block,
             theirs.bytes_per_block,
@@ -410,6 +581,10 @@ def combine(runs: Sequence[Figures]) -> Figures:
         rss_before=0,
         rss_after=round(median([r.rss_after - r.rss_before for r in runs])),
         query_ms=[ms for r in runs for ms in r.query_ms],
+        new_connection_ms=[ms for r in runs for ms in r.new_connection_ms],
+        concurrent_ms=[ms for r in runs for ms in r.concurrent_ms],
+        concurrent_qps=median([r.concurrent_qps for r in runs]),
+        concurrent_cpu_us=median([r.concurrent_cpu_us for r in runs]),
     )
 
 
@@ -424,12 +599,31 @@ def run() -> list[Row]:
     work = build_workload()
     live: dict[str, list[Figures]] = {name: [] for name in PEERS}
     queued: dict[str, list[Figures]] = {name: [] for name in PEERS}
+    print(f"bench_versus: load average at start {os.getloadavg()}", file=sys.stderr)
     # Interleaved, so that a change in the machine's load hits both alike.
     for _ in range(ROUNDS):
         for name, factory in PEERS.items():
             live[name].append(measure(factory, work, queries=QUERIES))
             queued[name].append(measure(factory, work, queries=0, paused=True))
+    _print_spread(live, queued)
     return rows(
         {name: combine(runs) for name, runs in live.items()},
         {name: combine(runs) for name, runs in queued.items()},
     )
+
+
+def _print_spread(live: dict[str, list[Figures]], queued: dict[str, list[Figures]]) -> None:
+    """Each round's figures (stderr): the rows give medians, this the spread behind them."""
+    print(f"bench_versus: load average at end {os.getloadavg()}", file=sys.stderr)
+    for name in PEERS:
+        rounds = zip(live[name], queued[name], strict=True)
+        for n, (run, paused) in enumerate(rounds):
+            print(
+                f"bench_versus: {name} round {n}: ingest live {run.blocks_per_second:,.0f}/s, "
+                f"pre-queued {paused.blocks_per_second:,.0f}/s; /query p50 kept-alive "
+                f"{median(run.query_ms):.3f} ms, new connection "
+                f"{median(run.new_connection_ms):.3f} ms; {CLIENTS} clients "
+                f"{run.concurrent_qps:,.0f}/s p99 {percentile(run.concurrent_ms, 99):.2f} ms, "
+                f"{run.concurrent_cpu_us:.0f} us CPU/query",
+                file=sys.stderr,
+            )

@@ -1754,25 +1754,41 @@ done:
     return out;
 }
 
-/* The walk of walk_keys over the chained hashes of a token run, each hashed only when the
- * walk gets to it (a request that matches a few blocks is not hashed to its end). No Python
- * object is touched: it may run without the GIL. */
+/* The walk of walk_keys over the chained hashes of a token run, each hashed a few blocks
+ * before the walk gets to it (a request that matches a few blocks is not hashed to its end).
+ * No Python object is touched: it may run without the GIL. */
 static int
 walk_chain(const U64Map *m, const unsigned char *p, size_t step, Py_ssize_t count, uint64_t h,
            uint64_t allowed, uint64_t *bits, Py_ssize_t *depths)
 {
+    /* Block i's key is hashed PREFETCH_AHEAD blocks before the walk reaches it and its slot
+     * asked for then: the chain's hashing does not wait on the table, so the slots' cache
+     * misses overlap instead of queueing one per block (the walk over a large table is
+     * mostly those misses). Hashing a few blocks past where a walk stops costs little. */
+    uint64_t ahead[PREFETCH_AHEAD];
     const Slot *s;
     uint64_t alive, mask;
-    Py_ssize_t depth = 1;
+    Py_ssize_t depth = 1, hashed;
     int groups = 0;
     if (count == 0)
         return 0;
-    h = xxh3_seeded(p, step, h) & MASK60;
-    s = map_find((U64Map *)m, h);
+    for (hashed = 0; hashed < count && hashed < PREFETCH_AHEAD; hashed++) {
+        h = xxh3_seeded(p + (size_t)hashed * step, step, h) & MASK60;
+        ahead[hashed] = h;
+        map_prefetch(m, h);
+    }
+    s = map_find((U64Map *)m, ahead[0]);
     alive = (s == NULL ? 0 : s->value) & allowed;
     while (alive && depth < count) {
-        h = xxh3_seeded(p + (size_t)depth * step, step, h) & MASK60;
-        s = map_find((U64Map *)m, h);
+        uint64_t key = ahead[depth % PREFETCH_AHEAD];
+        if (hashed < count) {
+            /* the slot just read (depth - 1) takes block `hashed`, PREFETCH_AHEAD on */
+            h = xxh3_seeded(p + (size_t)hashed * step, step, h) & MASK60;
+            ahead[hashed % PREFETCH_AHEAD] = h;
+            map_prefetch(m, h);
+            hashed++;
+        }
+        s = map_find((U64Map *)m, key);
         mask = (s == NULL ? 0 : s->value) & alive;
         if (mask != alive) {
             bits[groups] = alive ^ mask;

@@ -60,6 +60,7 @@ from kvevents.service.limits import STATUS_FIELDS, HttpCounters, HttpLimits, rea
 from kvevents.service.load import load_endpoint
 from kvevents.service.memory import IdleTrim, release_free_memory
 from kvevents.service.openapi import openapi_route
+from kvevents.service.protocol import FastQuery
 from kvevents.service.query import LeanQuery, QueryReader
 from kvevents.service.schema import (
     BadRequest,
@@ -375,6 +376,7 @@ def create_app(
         openapi_route(),
     ]
     reader = DynamoQueryReader(service) if options.api == "dynamo" else QueryReader(service)
+    observe = api.query_seconds.observe
     app = Starlette(
         routes=routes,
         middleware=[
@@ -384,7 +386,7 @@ def create_app(
                 reader=reader,
                 limits=options.limits,
                 count=api.count_refusal,
-                observe=api.query_seconds.observe,
+                observe=observe,
             ),
         ],
         exception_handlers={
@@ -395,4 +397,6 @@ def create_app(
         lifespan=api.lifespan,
     )
     app.state.http_counters = counters
+    # For the server's protocol, which answers POST /query without the ASGI layers above.
+    app.state.fast_query = FastQuery(reader, options.auth, api.count_refusal, observe)
     return app

@@ -17,7 +17,15 @@ from starlette.types import Receive, Scope
 
 from kvevents.service.schema import BadRequest
 
-__all__ = ["STATUS_FIELDS", "HttpCounters", "HttpLimits", "HttpStats", "read_body"]
+__all__ = [
+    "STATUS_FIELDS",
+    "HttpCounters",
+    "HttpLimits",
+    "HttpStats",
+    "body_timeout_error",
+    "read_body",
+    "too_large_error",
+]
 
 
 @dataclass(frozen=True)
@@ -110,7 +118,7 @@ async def read_body(scope: Scope, receive: Receive, limits: HttpLimits) -> bytes
     """
     declared = _declared_length(scope)
     if declared is not None and declared > limits.max_body_bytes:
-        raise _too_large(limits)
+        raise too_large_error(limits)
     # One timer per request that cancels the read, not a wait_for per message: this is the
     # hot path of /query, and wait_for costs a task each time.
     task = asyncio.current_task()
@@ -129,9 +137,7 @@ async def read_body(scope: Scope, receive: Receive, limits: HttpLimits) -> bytes
             raise
         if sys.version_info >= (3, 11) and task is not None:
             task.uncancel()  # our own cancel, consumed here: the task goes on
-        raise BadRequest(
-            f"the request body did not arrive within {limits.body_timeout:g} s", 408
-        ) from None
+        raise body_timeout_error(limits) from None
     finally:
         timer.cancel()
 
@@ -146,11 +152,17 @@ async def _read_all(receive: Receive, limits: HttpLimits) -> bytes | None:
         chunk: bytes = message.get("body", b"")
         size += len(chunk)
         if size > limits.max_body_bytes:
-            raise _too_large(limits)
+            raise too_large_error(limits)
         chunks.append(chunk)
         if not message.get("more_body", False):
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
-def _too_large(limits: HttpLimits) -> BadRequest:
+def too_large_error(limits: HttpLimits) -> BadRequest:
+    """The 413 of a body over ``max_body_bytes``."""
     return BadRequest(f"the request body is over the limit of {limits.max_body_bytes} bytes", 413)
+
+
+def body_timeout_error(limits: HttpLimits) -> BadRequest:
+    """The 408 of a body that did not arrive within ``body_timeout``."""
+    return BadRequest(f"the request body did not arrive within {limits.body_timeout:g} s", 408)

@@ -1,16 +1,12 @@
 """The HTTP server thread: uvicorn on a socket bound before it starts, with client limits.
 
-uvicorn keeps a connection that never finishes its request headers open forever and accepts
-any number of them (200 idle connections stayed open against the previous server). Its
-protocol is extended here by :class:`_LimitedProtocol`: a connection must finish each
-request's headers within ``header_timeout`` and in ``max_header_bytes``, and connections past
-``max_connections`` are closed as soon as they are accepted. Body limits are enforced by the
-app (:func:`kvevents.service.limits.read_body`).
+Each connection runs :class:`kvevents.service.protocol.LimitedProtocol`: the header deadline,
+header size and connection cap, and ``POST /query`` answered on the connection. Other bodies'
+limits are enforced by the app (:func:`kvevents.service.limits.read_body`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import socket
 import threading
@@ -20,82 +16,13 @@ from typing import Any
 
 import uvicorn
 from starlette.applications import Starlette
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from kvevents.service.app import AppOptions, create_app
 from kvevents.service.core import IndexService
 from kvevents.service.limits import HttpCounters, HttpLimits
+from kvevents.service.protocol import FastQuery, LimitedProtocol
 
 __all__ = ["Server", "serve"]
-
-_HEADERS_TOO_LARGE = (
-    b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
-    b'connection: close\r\ncontent-length: 44\r\n\r\n{"error": "request headers are over the limit"}'
-)
-
-
-class _LimitedProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol with a header deadline, a header size and a connection cap.
-
-    The limits come from the ``HttpLimits`` set on the subclass :meth:`with_limits` makes.
-    """
-
-    limits: HttpLimits = HttpLimits()
-    counters: HttpCounters = HttpCounters()
-
-    @classmethod
-    def with_limits(cls, limits: HttpLimits, counters: HttpCounters) -> type[_LimitedProtocol]:
-        return type("LimitedProtocol", (cls,), {"limits": limits, "counters": counters})
-
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        self._header_bytes = 0
-        self._header_timer: asyncio.TimerHandle | None = None
-        if len(self.connections) > self.limits.max_connections:
-            self.counters.add("connections_refused")
-            transport.close()  # over the cap: refused before it costs more than the accept
-            return
-        self._arm()
-
-    def _arm(self) -> None:
-        self._header_bytes = 0
-        self._header_timer = self.loop.call_later(self.limits.header_timeout, self._expired)
-
-    def _disarm(self) -> None:
-        if self._header_timer is not None:
-            self._header_timer.cancel()
-            self._header_timer = None
-
-    def _expired(self) -> None:
-        self._header_timer = None
-        if not self.transport.is_closing():
-            self.counters.add("header_timeouts")
-            self.transport.close()
-
-    def data_received(self, data: bytes) -> None:
-        super().data_received(data)
-        if self._header_timer is None:
-            return
-        # Headers still incomplete after this data, so all of it was request line and headers.
-        self._header_bytes += len(data)
-        if self._header_bytes > self.limits.max_header_bytes:
-            self._disarm()
-            self.counters.add("headers_too_large")
-            self.transport.write(_HEADERS_TOO_LARGE)
-            self.transport.close()
-
-    def on_headers_complete(self) -> None:
-        self._disarm()
-        super().on_headers_complete()
-
-    def on_response_complete(self) -> None:
-        super().on_response_complete()
-        if not self.transport.is_closing() and self._header_timer is None:
-            self._arm()  # the next request on this connection gets its own deadline
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._disarm()
-        super().connection_lost(exc)
 
 
 class Server:
@@ -127,7 +54,7 @@ class Server:
             lifespan="on",
             access_log=False,
             proxy_headers=False,
-            http=_LimitedProtocol.with_limits(limits, _counters_of(app)),
+            http=LimitedProtocol.configured(limits, _counters_of(app), _fast_query_of(app)),
             timeout_keep_alive=max(1, min(5, int(limits.header_timeout))),
         )
         self._server = uvicorn.Server(config)
@@ -191,6 +118,12 @@ def _counters_of(app: Starlette) -> HttpCounters:
     """The app's counters (``create_app`` sets them), or new ones nobody reads."""
     counters = getattr(app.state, "http_counters", None)
     return counters if isinstance(counters, HttpCounters) else HttpCounters()
+
+
+def _fast_query_of(app: Starlette) -> FastQuery | None:
+    """The app's ``POST /query`` for the protocol to answer (``create_app`` sets it), if any."""
+    fast = getattr(app.state, "fast_query", None)
+    return fast if isinstance(fast, FastQuery) else None
 
 
 def _bound_socket(host: str, port: int) -> socket.socket:
