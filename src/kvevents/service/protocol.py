@@ -38,7 +38,7 @@ from kvevents.service.limits import (
     body_timeout_error,
     too_large_error,
 )
-from kvevents.service.query import QueryReader
+from kvevents.service.query import Reader
 from kvevents.service.schema import BadRequest
 
 __all__ = ["FastQuery", "LimitedProtocol"]
@@ -66,7 +66,7 @@ class FastQuery:
     its body read to its answer encoded (as :class:`~kvevents.service.query.LeanQuery`).
     """
 
-    reader: QueryReader
+    reader: Reader
     auth: TokenCheck
     count: Callable[[int], None]
     observe: Callable[[float], None]
