@@ -259,7 +259,7 @@ class IndexService(ServiceWorkers, ServiceViews):
 
     def query(
         self,
-        token_ids: Sequence[int] | None = None,
+        token_ids: Sequence[int | str] | None = None,
         *,
         packed: bytes | None = None,
         block_hashes: Sequence[int] | None = None,
@@ -278,10 +278,10 @@ class IndexService(ServiceWorkers, ServiceViews):
 
         The request is ``token_ids``, or the same tokens ``packed`` as uint32 little-endian
         bytes (what ``POST /query`` hands over), or precomputed ``block_hashes``;
-        ``cache_salt`` and ``mm`` as in :meth:`PrefixIndex.match`; ``prefill_weight`` and
-        ``load_weight`` override the router's cost weights for this decision. With
-        ``model_name``, only the workers registered for that model (or for none) match and are
-        routed to.
+        ``cache_salt`` and ``mm`` as in :meth:`PrefixIndex.match` (a str token is a digest);
+        ``prefill_weight`` and ``load_weight`` override the router's cost weights for this
+        decision. With ``model_name``, only the workers registered for that model (or for
+        none) match and are routed to.
         """
         with self.lock:
             if packed is not None:

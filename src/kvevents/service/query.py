@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from time import perf_counter
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import msgspec
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -83,10 +83,13 @@ class QueryReader:
         """The answer to a ``POST /query`` body."""
         query, packed = self.read(body)
         check_hashes(query.block_hashes)
+        # Tokens come packed, unless digest tokens are among them (the index's slow path).
+        tokens = query.token_ids if packed is None else None
         mm = mm_spans(query)
         lora = query.lora_name if query.lora_name is not None else query.lora_id
         try:
             return self.service.query(
+                tokens,
                 packed=packed,
                 block_hashes=query.block_hashes,
                 block_size=query.block_size,
@@ -107,8 +110,11 @@ class QueryReader:
             query = decode(body, _query_decoder, _WHERE)
             if query.token_ids is None:
                 return query, None
+            if _has_digests(query.token_ids):
+                _check_range(query.token_ids)
+                return query, None
             try:
-                return query, pack_tokens(query.token_ids)
+                return query, pack_tokens(cast("list[int]", query.token_ids))
             except OverflowError:
                 raise BadRequest(_token_range_error(query.token_ids)) from None
         if self.pack_member is not None:
@@ -129,20 +135,30 @@ class QueryReader:
         if not raw or (len(raw) == len(_NULL) and bytes(raw) == _NULL):
             return query, None
         tokens = pack_json(raw)
-        if tokens is None:
-            raise BadRequest(_token_ids_error(body))
-        return query, tokens
+        if tokens is not None:
+            return query, tokens
+        # Not all uint32: digest tokens (read token by token), or a range error to name.
+        full = decode(body, _query_decoder, _WHERE)
+        if full.token_ids is not None and _has_digests(full.token_ids):
+            _check_range(full.token_ids)
+            return full, None
+        raise BadRequest(_token_range_error(full.token_ids or []))
 
 
-def _token_ids_error(body: bytes) -> str:
-    """Why ``token_ids`` is not an array of uint32 token ids (a packer only says it is not)."""
-    tokens = decode(body, _query_decoder, _WHERE).token_ids or []
-    return _token_range_error(tokens)
+def _has_digests(tokens: list[int | str]) -> bool:
+    return any(isinstance(token, str) for token in tokens)
 
 
-def _token_range_error(tokens: list[int]) -> str:
+def _check_range(tokens: list[int | str]) -> None:
+    """BadRequest naming the first int token outside uint32, if any."""
+    for token in tokens:
+        if isinstance(token, int) and not 0 <= token <= _TOKEN_MAX:
+            raise BadRequest(_token_range_error(tokens))
+
+
+def _token_range_error(tokens: list[int | str]) -> str:
     for i, token in enumerate(tokens):
-        if not 0 <= token <= _TOKEN_MAX:
+        if isinstance(token, int) and not 0 <= token <= _TOKEN_MAX:
             return f"{_WHERE}: token id {token} at `$.token_ids[{i}]` is outside 0..{_TOKEN_MAX}"
     return f"{_WHERE}: token_ids must be an array of token ids"
 

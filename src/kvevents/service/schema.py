@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 
+from kvevents.events import Digest
 from kvevents.index.keys import MMSpan
 from kvevents.service.feed import OwnEndpoints, WorkerRegistration
 
@@ -156,9 +157,11 @@ Weight = Annotated[
 
 
 class QueryBody(msgspec.Struct, kw_only=True):
-    """``POST /query``. Token ids are checked by the packer (uint32), not here."""
+    """``POST /query``. Token ids are checked by the packer (uint32), not here; a string token
+    is a multimodal item's digest (as TensorRT-LLM's stores carry them), part of its block's
+    key."""
 
-    token_ids: list[int] | None = None
+    token_ids: list[int | Digest] | None = None
     block_hashes: Annotated[list[BlockHash], msgspec.Meta(max_length=_MAX_HASHES)] | None = None
     block_size: BlockSize | None = None
     policy: Text | None = None
