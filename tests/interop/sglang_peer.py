@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from kvevents.deadline import Deadline
+from kvevents.testing.venvs import peer_python
 
 SGLANG_PYTHON_ENV = "KVEVENTS_SGLANG_PYTHON"
 REQUIRE_ENV = "KVEVENTS_REQUIRE_SGLANG"
@@ -25,14 +26,7 @@ REQUEST_TIMEOUT = 30.0
 
 def find_sglang_python() -> str | None:
     """The interpreter that has SGLang, or None."""
-    env = os.environ.get(SGLANG_PYTHON_ENV)
-    if env:
-        return env
-    here = Path.cwd().resolve()
-    for directory in (here, *here.parents):
-        if (directory / _VENV_PYTHON).exists():
-            return str(directory / _VENV_PYTHON)
-    return None
+    return peer_python(SGLANG_PYTHON_ENV, ".venv-sglang")
 
 
 @functools.cache

@@ -32,6 +32,7 @@ from kvevents.index.prefix import PrefixIndex
 from kvevents.subscribe import Delivery, StreamReset, Subscriber
 from kvevents.subscribe.streams import StreamSpec
 from kvevents.testing.service import ServiceIndexer
+from kvevents.testing.venvs import peer_python
 
 VLLM_PYTHON_ENV = "KVEVENTS_VLLM_PYTHON"
 SCRIPT = Path(__file__).with_name("vllm_engine.py")
@@ -45,14 +46,7 @@ VOCAB = 1024  # the tiny model's (vllm_engine.py)
 
 def find_vllm_python() -> str | None:
     """The interpreter that has vLLM, or None."""
-    env = os.environ.get(VLLM_PYTHON_ENV)
-    if env:
-        return env
-    here = Path.cwd().resolve()
-    for directory in (here, *here.parents):
-        if (directory / _VENV_PYTHON).exists():
-            return str(directory / _VENV_PYTHON)
-    return None
+    return peer_python(VLLM_PYTHON_ENV, ".venv-vllm")
 
 
 @functools.cache

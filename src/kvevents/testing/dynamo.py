@@ -35,6 +35,7 @@ from typing import Any
 
 from kvevents.testing._process import IndexerProcess
 from kvevents.testing.sockets import Deadline
+from kvevents.testing.venvs import peer_pythons
 
 __all__ = [
     "DYNAMO_PYTHON_ENV",
@@ -48,7 +49,6 @@ __all__ = [
 
 #: Environment variable naming the interpreter that has ``ai-dynamo-runtime`` installed.
 DYNAMO_PYTHON_ENV = "KVEVENTS_DYNAMO_PYTHON"
-_VENV_PYTHON = Path(".venv-dynamo") / "bin" / "python"
 _HASH_SEED = 1337
 _PROBE = "import dynamo.indexer.main, dynamo.llm; print('ok')"
 
@@ -58,14 +58,7 @@ class DynamoIndexerError(RuntimeError):
 
 
 def _candidates() -> Iterable[str]:
-    env = os.environ.get(DYNAMO_PYTHON_ENV)
-    if env:
-        yield env
-    here = Path.cwd().resolve()
-    for directory in (here, *here.parents):
-        path = directory / _VENV_PYTHON
-        if path.exists():
-            yield str(path)
+    yield from peer_pythons(DYNAMO_PYTHON_ENV, ".venv-dynamo")
     yield sys.executable
 
 
