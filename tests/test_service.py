@@ -363,8 +363,9 @@ def test_lean_query_rejects_bad_token_ids(lean: tuple[httpx.Client, IndexService
         b'{"token_ids": [1,]}': "/query: JSON is malformed",
         b"[]": "/query: Expected `object`, got `array`",
         b'{"token_ids": "abc"}': "Expected `array | null`, got `str` - at `$.token_ids`",
-        b'{"token_ids": [1, "a"]}': "Expected `int`, got `str` - at `$.token_ids[1]`",
-        b'{"token_ids": [1, 2.5]}': "Expected `int`, got `float` - at `$.token_ids[1]`",
+        # A str token is a multimodal digest (TensorRT-LLM's form), of at most 256 characters.
+        b'{"token_ids": [1, "%s"]}' % (b"a" * 257): "length <= 256 - at `$.token_ids[1]`",
+        b'{"token_ids": [1, 2.5]}': "got `float` - at `$.token_ids[1]`",
         b'{"token_ids": [1], "block_size": "x"}': "at `$.block_size`",
         b'{"token_ids": [7, -1]}': "/query: token id -1 at `$.token_ids[1]` is outside "
         "0..4294967295",

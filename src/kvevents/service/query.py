@@ -83,8 +83,9 @@ class QueryReader:
         """The answer to a ``POST /query`` body."""
         query, packed = self.read(body)
         check_hashes(query.block_hashes)
-        # Tokens come packed, unless digest tokens are among them (the index's slow path).
-        tokens = query.token_ids if packed is None else None
+        # Tokens come packed, unless digest tokens are among them (the index's slow path:
+        # read() then hands the decoded list over; otherwise token_ids may be raw JSON).
+        tokens = query.token_ids if packed is None and isinstance(query.token_ids, list) else None
         mm = mm_spans(query)
         lora = query.lora_name if query.lora_name is not None else query.lora_id
         try:
