@@ -7,15 +7,13 @@ from __future__ import annotations
 
 import functools
 import json
-import os
-import select
 import subprocess
 import tempfile
 from pathlib import Path
 from typing import IO, Any
 
 from kvevents.deadline import Deadline
-from kvevents.testing.venvs import peer_python
+from kvevents.testing.venvs import PeerSilent, peer_python, read_json_line
 
 SGLANG_PYTHON_ENV = "KVEVENTS_SGLANG_PYTHON"
 REQUIRE_ENV = "KVEVENTS_REQUIRE_SGLANG"
@@ -92,18 +90,10 @@ class SGLang:
         return self._read(Deadline(REQUEST_TIMEOUT), op)
 
     def _read(self, deadline: Deadline, what: str) -> dict[str, Any]:
-        assert self._proc.stdout is not None
-        fd = self._proc.stdout.fileno()
-        data = b""
-        while not data.endswith(b"\n"):
-            ready, _, _ = select.select([fd], [], [], max(0.0, deadline.remaining()))
-            chunk = os.read(fd, 65536) if ready else b""
-            if not chunk:
-                state = "timed out" if not ready else f"exited ({self._proc.poll()})"
-                raise PeerError(f"sglang_publisher.py {state} during {what}: {self.log_tail()}")
-            data += chunk
-        reply: dict[str, Any] = json.loads(data)
-        return reply
+        try:
+            return read_json_line(self._proc, deadline)
+        except PeerSilent as exc:
+            raise PeerError(f"sglang_publisher.py {exc} during {what}: {self.log_tail()}") from None
 
     def log_tail(self, lines: int = 10) -> str:
         self._log.seek(0)

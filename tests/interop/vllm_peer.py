@@ -17,7 +17,6 @@ import http.client
 import json
 import os
 import random
-import select
 import subprocess
 import tempfile
 import time
@@ -32,7 +31,7 @@ from kvevents.index.prefix import PrefixIndex
 from kvevents.subscribe import Delivery, StreamReset, Subscriber
 from kvevents.subscribe.streams import StreamSpec
 from kvevents.testing.service import ServiceIndexer
-from kvevents.testing.venvs import peer_python
+from kvevents.testing.venvs import PeerSilent, peer_python, read_json_line
 
 VLLM_PYTHON_ENV = "KVEVENTS_VLLM_PYTHON"
 SCRIPT = Path(__file__).with_name("vllm_engine.py")
@@ -142,18 +141,11 @@ class VllmEngine:
         return self
 
     def _read(self, deadline: Deadline, what: str) -> dict[str, Any]:
-        assert self._proc is not None and self._proc.stdout is not None
-        fd = self._proc.stdout.fileno()
-        data = b""
-        while not data.endswith(b"\n"):
-            ready, _, _ = select.select([fd], [], [], max(0.0, deadline.remaining()))
-            chunk = os.read(fd, 65536) if ready else b""
-            if not chunk:
-                state = "timed out" if not ready else f"exited ({self._proc.poll()})"
-                raise EngineError(f"engine {state} during {what}: {self.log_tail()}")
-            data += chunk
-        reply: dict[str, Any] = json.loads(data)
-        return reply
+        assert self._proc is not None
+        try:
+            return read_json_line(self._proc, deadline)
+        except PeerSilent as exc:
+            raise EngineError(f"engine {exc} during {what}: {self.log_tail()}") from None
 
     def call(self, request: dict[str, Any], timeout: float = REQUEST_TIMEOUT) -> dict[str, Any]:
         """One request line, one reply line (bounded by ``timeout``)."""

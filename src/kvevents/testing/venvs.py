@@ -1,14 +1,40 @@
-"""Where a peer's own interpreter is: the peers (NVIDIA Dynamo's indexer, vLLM, SGLang) pin
+"""Peers in interpreters of their own: the peers (NVIDIA Dynamo's indexer, vLLM, SGLang) pin
 dependencies of their own, so each lives in a venv of its own (``make dynamo``, ``make vllm``,
-``make sglang``), found the same way for each."""
+``make sglang``), found the same way for each; a peer script run there answers one JSON line
+per request line (:func:`read_json_line`)."""
 
 from __future__ import annotations
 
+import json
 import os
+import select
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
-__all__ = ["peer_python", "peer_pythons"]
+from kvevents.deadline import Deadline
+
+__all__ = ["PeerSilent", "peer_python", "peer_pythons", "read_json_line"]
+
+
+class PeerSilent(RuntimeError):
+    """A peer process gave no whole reply line: it ``timed out`` or ``exited (rc)``."""
+
+
+def read_json_line(proc: subprocess.Popen[bytes], deadline: Deadline) -> dict[str, Any]:
+    """The next JSON line ``proc`` writes to its stdout, waiting until ``deadline`` at most."""
+    assert proc.stdout is not None
+    fd = proc.stdout.fileno()
+    data = b""
+    while not data.endswith(b"\n"):
+        ready, _, _ = select.select([fd], [], [], max(0.0, deadline.remaining()))
+        chunk = os.read(fd, 65536) if ready else b""
+        if not chunk:
+            raise PeerSilent("timed out" if not ready else f"exited ({proc.poll()})")
+        data += chunk
+    reply: dict[str, Any] = json.loads(data)
+    return reply
 
 
 def peer_pythons(env_var: str, venv: str) -> Iterator[str]:
