@@ -70,6 +70,23 @@ def test_duplicate_of_delivered_batch_is_not_a_restart() -> None:
     assert cursor.on_live(4, p(4)) == [Deliver(4, p(4))]
 
 
+@pytest.mark.parametrize("digest_name", ["hash", "xxh3"])
+def test_duplicates_are_proven_with_the_digest_given(digest_name: str) -> None:
+    """The digest decides what is the same payload: with the subscriber's xxh3 or Python's
+    hash, a repeat is a Duplicate and a new payload at that seq a Restart; a digest that sees
+    every payload alike makes every repeat of a seq a Duplicate."""
+    digest = hash if digest_name == "hash" else pytest.importorskip("xxhash").xxh3_64_intdigest
+    cursor = Cursor(digest=digest)
+    for seq in range(4):
+        assert cursor.accept(seq, p(seq)) or cursor.on_live(seq, p(seq)) == [Deliver(seq, p(seq))]
+    assert cursor.on_live(3, p(3)) == [Duplicate(3)]
+    assert cursor.on_live(3, p(3, incarnation=1))[0] == Restart(3)
+    blind = Cursor(digest=lambda payload: 0)
+    for seq in range(4):
+        blind.on_live(seq, p(seq))
+    assert blind.on_live(3, p(3, incarnation=1)) == [Duplicate(3)]
+
+
 def test_duplicate_while_replaying_is_not_buffered_twice() -> None:
     """A live duplicate of a buffered message is a Duplicate, and the buffer keeps one copy."""
     cursor = Cursor()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -137,11 +138,11 @@ def test_a_failing_stream_is_detached_and_costs_only_itself(pub, subs) -> None:
         got = Collector(sub)
         got.handshake(other, ("w2", 0))
 
-        def broken() -> list[bytes] | None:
+        def broken(max_messages: int, max_bytes: int) -> list[Any]:
             raise OSError("socket broke")
 
         assert sub._loop is not None
-        sub._loop.streams[("w2", 0)].recv = broken
+        sub._loop.streams[("w2", 0)].receive = broken
         other.publish(typical_batch(0))
         got.wait(lambda c: any(s.state == "failed" for s in c.statuses), what="failed status")
         assert got.statuses[-1] == StreamStatus(spec_for(other, worker="w2"), "failed")

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from kvevents.config import KVEventsConfig
-from kvevents.subscribe import Delivery, StreamSpec, Subscriber
+from kvevents.events import BlockStored, KVEventBatch
+from kvevents.subscribe import Delivery, StreamSpec, Subscriber, SubscriberOptions
 from kvevents.testing.fixtures import heartbeat, typical_batch
 from kvevents.testing.sockets import Deadline
+from kvevents.wire import Applied
 
 publisher_module = pytest.importorskip("kvevents.publish.publisher")
 
@@ -95,3 +99,73 @@ def test_restarted_publisher_is_detected_and_rebuilt(publisher: Any) -> None:
             assert sub.stream_stats()[KEY].restarts == 1
         finally:
             second.shutdown()
+
+
+@pytest.mark.parametrize("hwm", [100_000, 1_000])
+def test_a_stalled_subscriber_loses_only_what_the_publishers_queue_cannot_hold(hwm: int) -> None:
+    """The subscriber reads only ``rcvhwm`` messages ahead (1,000): while its I/O thread is
+    held, a 120 MB backlog (more than that, kernel buffers and a 1,000-batch publisher queue
+    together) waits in the publisher's queue. With the default ``hwm`` every batch arrives, in
+    order, without a replay; with ``hwm=1000`` the publisher drops, and the loss is reported."""
+    config = KVEventsConfig(enable_kv_cache_events=True, endpoint="tcp://127.0.0.1:0", hwm=hwm)
+    pub = publisher_module.create_publisher(config, rank=0)
+    pub.start()
+    held = threading.Event()
+    release = threading.Event()
+    seqs: list[int] = []
+
+    def on_payload(stream: StreamSpec, seq: int, payload: bytes) -> Applied:
+        if seqs and not held.is_set():
+            held.set()  # the I/O thread stops here until the backlog is queued
+            assert release.wait(30.0), "never released"
+        seqs.append(seq)
+        return Applied(0.0, 1)
+
+    spec = StreamSpec(*KEY, pub.endpoint)  # no replay: a loss cannot be hidden
+    big = [100_000 + t for t in range(4096)]  # 5 bytes per token: ~20 KB per batch
+    options = SubscriberOptions(on_payload=on_payload)
+    try:
+        with Subscriber([spec], options=options) as sub:
+            deadline = Deadline(15.0)
+            while not seqs:  # handshake: the first batch that arrives
+                assert not deadline.expired, "no batch arrived"
+                pub.publish(heartbeat())
+                sub.get(0.02)
+            first = pub.publish(heartbeat())
+            assert held.wait(15.0), "the I/O thread was not held"
+            before = sub.stream_stats()[KEY]  # the handshake may have missed seq 0
+            count = 6_000
+            for i in range(count):
+                pub.publish(KVEventBatch(ts=float(i), events=[stored(big, i)]))
+            deadline = Deadline(30.0)
+            while pub.stats().published < first + count + 1:
+                assert not deadline.expired, "the publisher did not hand the backlog over"
+                time.sleep(0.01)
+            release.set()
+            deadline = Deadline(30.0)
+            last = pub.publish(heartbeat())
+            while seqs[-1] != last:
+                assert not deadline.expired, f"stalled at {seqs[-1]}"
+                seen = len(seqs)
+                sub.get(0.05)
+                if len(seqs) == seen:  # the newest was dropped too: the next shows the loss
+                    last = pub.publish(heartbeat())
+            stats = sub.stream_stats()[KEY]
+    finally:
+        release.set()
+        pub.shutdown()
+    after = [s for s in seqs if s >= first]
+    if hwm == 100_000:
+        assert after == list(range(first, last + 1))
+        assert (stats.gaps, stats.unrecoverable) == (before.gaps, before.unrecoverable)
+    else:
+        assert len(after) < count and stats.unrecoverable > before.unrecoverable
+
+
+def stored(tokens: list[int], i: int) -> BlockStored:
+    return BlockStored(
+        block_hashes=[i * 256 + b + 1 for b in range(256)],
+        parent_block_hash=None,
+        token_ids=tokens,
+        block_size=16,
+    )

@@ -75,7 +75,6 @@ __all__ = [
 
 log = logging.getLogger("kvevents.index.prefix")
 
-_STORED_TYPES = (PackedStored, BlockStored)
 # The feed's hot path calls these once per store: module globals, not attribute lookups.
 _pack_msgpack = bt.pack_msgpack_tokens
 _store_run = bt.store_run
@@ -224,23 +223,27 @@ class PrefixIndex(StoreChecks, IndexViews):
         self.ingest(worker_id, rank, batch)
         return ApplyResult._make(map(sub, self._c.snapshot(), before))
 
-    def ingest(self, worker_id: str, rank: int, batch: KVEventBatch) -> None:
+    def ingest(self, worker_id: str, rank: int, batch: KVEventBatch) -> bool:
         """:meth:`apply` without the per-batch :class:`ApplyResult` (the feed's hot path;
-        totals stay in :meth:`stats`). ``BlockStored`` events may be
+        totals stay in :meth:`stats`); True when the batch cleared the stream (an
+        ``AllBlocksCleared``). ``BlockStored`` events may be
         :class:`~kvevents.wire.PackedStored` (from :func:`~kvevents.wire.decode_batch_packed`).
         """
         stream = self._streams.get((worker_id, rank)) or self._stream(worker_id, rank)
+        cleared = False
         for event in batch.events:
-            kind = type(event)
-            if kind in _STORED_TYPES:
+            kind: type = type(event)  # PackedStored too, which the batch type does not name
+            if kind is PackedStored or kind is BlockStored:
                 self._store(stream, event)  # type: ignore[arg-type]
             elif kind is BlockRemoved:
                 self._remove(stream, event)  # type: ignore[arg-type]
             elif kind is AllBlocksCleared:
                 self._drop_stream_state(stream)
                 self._c.clears += 1
+                cleared = True
         stream.batches += 1
         stream.last_ts = batch.ts
+        return cleared
 
     def ingest_payload(
         self, worker_id: str, rank: int, payload: bytes, *, seq: int | None = None
@@ -251,9 +254,8 @@ class PrefixIndex(StoreChecks, IndexViews):
         read raises ``DecodeError`` before anything changes."""
         decoded = decode_batch_packed(payload, seq=seq)
         batch = decoded.batch
-        before = self._c.clears
-        self.ingest(worker_id, rank, batch)
-        return Applied(batch.ts, len(batch.events), decoded.skipped_count, self._c.clears != before)
+        cleared = self.ingest(worker_id, rank, batch)
+        return Applied(batch.ts, len(batch.events), decoded.skipped_count, cleared)
 
     def _store(self, stream: Stream, event: Stored) -> None:
         kind = event.kv_cache_spec_kind

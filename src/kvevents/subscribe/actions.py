@@ -72,13 +72,28 @@ class Actions:
         self._deliver_payload(stream, action.seq, action.payload)
 
     def _deliver_payload(self, stream: LiveStream, seq: int, payload: bytes) -> None:
-        if len(payload) > self.options.max_message_size:
+        # Once per batch: the on_payload consumer is called here, not through a helper.
+        options = self.options
+        if len(payload) > options.max_message_size:
             self._oversized(stream, seq, len(payload))
             return
-        if self.options.on_payload is not None and self._consumer_applied(stream, seq, payload):
-            return
+        on_payload = options.on_payload
+        if on_payload is not None:
+            try:
+                applied = on_payload(stream.spec, seq, payload)
+            except DecodeError as exc:
+                self._decode_failed(stream, exc)
+                return
+            except Exception:
+                self.callback_errors += 1
+                key = stream.spec.key
+                log.exception("worker %s rank %s: on_payload failed on seq %d", *key, seq)
+                applied = Applied(stream.last_ts or 0.0, 0)
+            if applied is not None:  # the consumer applied it (or failed on it, counted)
+                self._account(stream, seq, applied)
+                return
         if stream.shed_from is not None or (
-            self.options.callback is None and self._turn.over_budget(len(payload))
+            options.callback is None and self._turn.over_budget(len(payload))
         ):
             self._shed_one(stream, seq)
             return
@@ -98,25 +113,6 @@ class Actions:
             stream, seq, Applied(batch.ts, len(batch.events), decoded.skipped_count, clears)
         )
         self._emit(Delivery(stream.spec, seq, batch), len(payload))
-
-    def _consumer_applied(self, stream: LiveStream, seq: int, payload: bytes) -> bool:
-        """Offer the payload to ``on_payload``: True when the consumer applied it (or failed
-        on it, counted), False when it wants the usual delivery."""
-        assert self.options.on_payload is not None
-        try:
-            applied = self.options.on_payload(stream.spec, seq, payload)
-        except DecodeError as exc:
-            self._decode_failed(stream, exc)
-            return True
-        except Exception:
-            self.callback_errors += 1
-            key = stream.spec.key
-            log.exception("worker %s rank %s: on_payload failed on seq %d", *key, seq)
-            applied = Applied(stream.last_ts or 0.0, 0)
-        if applied is None:
-            return False
-        self._account(stream, seq, applied)
-        return True
 
     def _account(self, stream: LiveStream, seq: int, applied: Applied) -> None:
         """The stats of a delivered batch (or one the on_payload consumer applied)."""

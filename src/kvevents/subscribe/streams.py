@@ -331,10 +331,14 @@ class FeedHealth:
 class SubscriberOptions:
     """Tuning knobs of a subscriber.
 
-    ``queue_size``: items waiting for the consumer; when full the I/O thread waits, ZeroMQ
-    buffers up to ``rcvhwm`` messages per stream and then drops, which shows up as gaps that
-    are replayed. ``queue_bytes``: payload bytes waiting for the consumer; past it batches
-    are shed (counted in ``shed``), the stream reported ``"incomplete"`` and rebuilt by a
+    ``queue_size``: items waiting for the consumer; when full the I/O thread waits.
+    ``rcvhwm``: messages ZeroMQ reads ahead per stream (its own default, 1,000); past it
+    the connection is not read, so the backlog waits in the publisher's queue (its ``hwm``,
+    100,000 in vLLM, SGLang and ours) and is dropped there only once that is full, which
+    shows up as gaps that are replayed. Reading further ahead buys no speed and costs
+    memory: read 100,000 ahead, 16 pre-queued streams were ingested about 20% slower
+    (docs/subscriber.md). ``queue_bytes``: payload bytes waiting for the consumer; past it
+    batches are shed (counted in ``shed``), the stream reported ``"incomplete"`` and rebuilt by a
     replay from the first shed batch once the queue is half empty. ``callback``: called on
     the I/O thread with every item instead of queueing it (keep it quick). ``on_status``:
     called on the I/O thread with every :class:`StreamStatus`; ``status_items`` also queues
@@ -365,7 +369,7 @@ class SubscriberOptions:
 
     queue_size: int = 10_000
     queue_bytes: int = DEFAULT_QUEUE_BYTES
-    rcvhwm: int = 100_000
+    rcvhwm: int = 1_000
     replay: ReplayOptions = field(default_factory=ReplayOptions)
     max_buffered: int = 100_000
     max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES

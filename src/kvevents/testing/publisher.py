@@ -208,6 +208,13 @@ class PausablePublisher(ZmqPublisher):
         self._send_control(b"TERMINATE")
         if not forwarder.paused.wait(timeout):
             raise PublisherError(f"forwarder of rank {self.rank} did not pause within {timeout}s")
+        # libzmq tells the queue's sender of the forwarder's reads lazily (at most every ms
+        # or so): until it does, a send can be refused although there is room, and a later
+        # one accepted. Reading EVENTS makes the sender take that news now, so that the queue
+        # refuses exactly when it is full from here on.
+        with self._lock:
+            if self._push is not None:
+                self._push.getsockopt(zmq.EVENTS)
 
     def resume_forwarding(self) -> None:
         """Move batches again."""
