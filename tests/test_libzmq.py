@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import sys
@@ -20,39 +21,39 @@ from kvevents.subscribe._recv import _pyzmq_burst_receiver, burst_receiver_for
 from kvevents.testing.sockets import Deadline, unique_inproc
 
 
-@pytest.fixture
-def big_pair() -> Iterator[tuple[zmq.Socket[Any], zmq.Socket[Any]]]:
-    """PUSH/PULL over inproc with room for every message of a test."""
+@contextlib.contextmanager
+def _push_pull(sndhwm: int = 1000, rcvhwm: int = 1000) -> Iterator[tuple[Any, Any]]:
+    """A PUSH connected to a PULL over inproc, both closed (and their context) after."""
     ctx = zmq.Context()
     name = unique_inproc()
     push = ctx.socket(zmq.PUSH)
     pull = ctx.socket(zmq.PULL)
     for sock in (push, pull):
         sock.setsockopt(zmq.LINGER, 0)
-    pull.bind(name)
-    push.connect(name)
-    yield push, pull
-    push.close(linger=0)
-    pull.close(linger=0)
-    ctx.term()
+    push.setsockopt(zmq.SNDHWM, sndhwm)
+    pull.setsockopt(zmq.RCVHWM, rcvhwm)
+    try:
+        pull.bind(name)
+        push.connect(name)
+        yield push, pull
+    finally:
+        push.close(linger=0)
+        pull.close(linger=0)
+        ctx.term()
+
+
+@pytest.fixture
+def big_pair() -> Iterator[tuple[zmq.Socket[Any], zmq.Socket[Any]]]:
+    """PUSH/PULL with room for every message of a test."""
+    with _push_pull() as sockets:
+        yield sockets
 
 
 @pytest.fixture
 def pair() -> Iterator[tuple[zmq.Socket[Any], zmq.Socket[Any]]]:
-    ctx = zmq.Context()
-    name = unique_inproc()
-    push = ctx.socket(zmq.PUSH)
-    pull = ctx.socket(zmq.PULL)
-    for sock in (push, pull):
-        sock.setsockopt(zmq.LINGER, 0)
-    push.setsockopt(zmq.SNDHWM, 2)
-    pull.setsockopt(zmq.RCVHWM, 1)
-    pull.bind(name)
-    push.connect(name)
-    yield push, pull
-    push.close(linger=0)
-    pull.close(linger=0)
-    ctx.term()
+    """PUSH/PULL that hold two messages at most."""
+    with _push_pull(sndhwm=2, rcvhwm=1) as sockets:
+        yield sockets
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="library lookup uses /proc")
@@ -236,12 +237,7 @@ def test_burst_receives_any_message_shapes_like_the_reference(
     """Any frames, any count, any bounds: both receivers return every message once, in
     order, as the reference mapping says, each call within its bounds (fuzzed; under ASan and
     UBSan in ``make sanitize``)."""
-    ctx = zmq.Context()
-    name = unique_inproc()
-    push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
-    try:
-        pull.bind(name)
-        push.connect(name)
+    with _push_pull() as (push, pull):
         for message in messages:
             push.send_multipart(message)
         for which, burst in _receivers(pull).items():
@@ -260,7 +256,3 @@ def test_burst_receives_any_message_shapes_like_the_reference(
                 got += more
             assert got == [_expected(m) for m in messages], which
             assert burst(max_messages, max_bytes) == []
-    finally:
-        push.close(linger=0)
-        pull.close(linger=0)
-        ctx.term()
