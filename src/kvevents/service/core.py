@@ -206,7 +206,7 @@ class IndexService(ServiceWorkers, ServiceViews):
         The payload is decoded before the index lock is taken: queries never wait on a
         decode, however large or hostile the payload.
         """
-        # The feed's hot path, once per batch: no closure, no helper calls.
+        # The feed's hot path, once per batch: the checks and counts are inline.
         decoded = decode_batch_packed(payload, seq=seq)
         batch = decoded.batch
         worker_id, rank = stream.worker_id, stream.rank

@@ -202,8 +202,7 @@ class Cursor:
         changes nothing (call :meth:`on_live`)."""
         if seq != self._next or self._replaying:
             return False
-        self._recent[seq % self._window] = (seq, self._digest(payload))  # _record, inlined
-        self._next = seq + 1
+        self._record(seq, payload)
         return True
 
     def on_replay(self, seq: int, payload: bytes) -> list[Action]:
