@@ -291,3 +291,114 @@ def test_a_replica_counts_what_it_cannot_apply() -> None:
     )
     stats = replica.stats()
     assert (stats.malformed, stats.unregistered, stats.undecodable, stats.applied) == (1, 1, 1, 1)
+
+
+# ----------------------------------------------------------------------------- hostile records
+
+
+_REG = WorkerRegistration("w", "tcp://127.0.0.1:5557", 16, (0,))
+
+
+def _payload(step: int) -> bytes:
+    from kvevents.wire import encode_batch
+
+    return encode_batch(typical_batch(step))
+
+
+def _reference(*steps: int) -> PrefixIndex:
+    """An index fed the batches of ``steps`` directly (what a replica must hold)."""
+    index = PrefixIndex()
+    index.register_worker("w", block_size=16)
+    for step in steps:
+        index.apply("w", 0, typical_batch(step))
+    return index
+
+
+def _fed(*steps: int) -> Any:
+    """A replica (never started) fed the registration and batches 0.. of ``steps``."""
+    return _replica_fed(
+        *_records(worker_record("kv", _REG)),
+        *_records(*(batch_record("kv", "w", 0, s, _payload(p)) for s, p in enumerate(steps))),
+    )
+
+
+def _worker_message(body: bytes) -> tuple[dict[str, str], bytes]:
+    _, _, headers = worker_record("kv", _REG)
+    return headers, body
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"worker_id": "w", "ranks": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+        b'{"worker_id": "w", "endpoint": "bogus", "block_size": 16, "ranks": [0]}',
+        b'{"worker_id": "w", "endpoint": "tcp://127.0.0.1:5557", "block_size": 16, '
+        b'"ranks": [1000000000000000000000000000000]}',
+        b'{"worker_id": "w", "endpoint": "tcp://127.0.0.1:65535", "block_size": 16, '
+        b'"ranks": [0, 1]}',
+        b'{"worker_id": "w", "endpoint": "tcp://127.0.0.1:5557", "block_size": 2097152, '
+        b'"ranks": [0]}',
+        b'{"worker_id": "other", "endpoint": "tcp://127.0.0.1:5557", "block_size": 16, '
+        b'"ranks": [0]}',
+    ],
+    ids=["nested-200KB", "endpoint-bogus", "rank-1e30", "port-overflow", "block-2^21", "not-w"],
+)
+def test_a_hostile_worker_record_is_counted_and_skipped(body: bytes) -> None:
+    """A ``worker`` record a replica could not hold (deep JSON, an endpoint that does not
+    parse, a rank past 65535, a block size past 2^20, another worker's body) is malformed:
+    counted, skipped, and the replica still applies and snapshots what comes next."""
+    replica: Any = _fed()
+    replica._apply(*_worker_message(body))
+    replica._apply(*_records(batch_record("kv", "w", 0, 0, _payload(1)))[0])
+    stats = replica.stats()
+    assert (stats.malformed, stats.applied, stats.registrations) == (1, 1, 1)
+    assert replica.digest() == index_digest(_reference(1))
+    assert snap.decode(snap.encode(replica._capture())).seq == 0  # it can always be saved
+
+
+def test_a_batch_for_a_refused_worker_is_unregistered_not_fatal() -> None:
+    """A ``worker`` record with endpoint ``bogus`` and then a batch for it: the record is
+    malformed, the batch unregistered, and nothing raises."""
+    bogus = b'{"worker_id": "x", "endpoint": "bogus", "block_size": 16, "ranks": [0]}'
+    _, _, headers = worker_record("kv", WorkerRegistration("x", "tcp://127.0.0.1:1", 16))
+    replica: Any = _replica_fed(
+        (headers, bogus), *_records(batch_record("kv", "x", 0, 0, _payload(1)))
+    )
+    assert (replica.stats().malformed, replica.stats().unregistered) == (1, 1)
+
+
+@pytest.mark.parametrize(
+    ("reg", "field"),
+    [
+        (WorkerRegistration("w", "bogus", 16), "endpoint"),
+        (WorkerRegistration("w", "tcp://127.0.0.1:5557", 1 << 21), "block_size"),
+        (WorkerRegistration("w", "tcp://127.0.0.1:5557", 16, (10**30,)), "ranks"),
+        (WorkerRegistration("w" * 300, "tcp://127.0.0.1:5557", 16), "worker_id"),
+    ],
+)
+def test_the_relay_does_not_write_a_worker_record_replicas_refuse(
+    reg: WorkerRegistration, field: str
+) -> None:
+    """The relay builds its records through the replicas' own check: a registration past
+    a bound is a RecordError naming the field, never a message every replica refuses."""
+    with pytest.raises(RecordError, match=field):
+        worker_record("kv", reg)
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"Kv-Seq": str(1 << 64)}, "Kv-Seq"),
+        ({"Kv-Seq": "9" * 5000}, "Kv-Seq"),
+        ({"Kv-Rank": "65536"}, "Kv-Rank"),
+        ({"Kv-Digest": "x" * 100_000}, "Kv-Digest"),
+        ({"Kv-Worker": "w" * 300}, "Kv-Worker"),
+    ],
+)
+def test_header_numbers_and_digests_are_bounded(change: dict[str, str], field: str) -> None:
+    """Numbers past what an engine or a snapshot can hold, and digests that are not 16 hex
+    digits, are malformed (a snapshot encodes every cursor and registration it applied)."""
+    _, body, headers = batch_record("kv", "w", 0, 1, b"x")
+    with pytest.raises(RecordError) as caught:
+        parse_record({**headers, **change}, body)
+    assert caught.value.field == field

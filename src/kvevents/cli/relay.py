@@ -121,6 +121,7 @@ def replica_collector(replica: Any) -> Any:
 def _registrations(args: argparse.Namespace) -> list[Any]:
     from kvevents.cli.config import _worker_from_flag
     from kvevents.errors import LayoutError
+    from kvevents.scaleout.records import check_registration
     from kvevents.service.feed import WorkerRegistration, default_stream_specs
 
     regs = []
@@ -130,6 +131,7 @@ def _registrations(args: argparse.Namespace) -> list[Any]:
             reg = WorkerRegistration(entry["id"], entry["endpoint"], args.block_size,
                                      tuple(range(args.ranks)), entry["replay_endpoint"])  # fmt: skip
             default_stream_specs(reg)
+            check_registration(reg)  # what replicas accept: the bounds of POST /register
         except (ValueError, LayoutError) as exc:
             raise UsageError(f"--worker: {exc}") from None
         regs.append(reg)
