@@ -3,9 +3,10 @@
 Records are written straight to the stream (no relay, no engine): the honest ones as a relay
 writes them, with a reference index fed the same batches, and hostile ones between them
 (malformed headers and bodies, registrations past every bound, undecodable payloads, forged
-sequence numbers), plus truncated snapshots, a bucket shared by two streams, a consumer the
-server lost and a consume loop that ends. Every replica keeps serving, its digest equals the
-reference's for the honest streams, and its health says what is true. Skipped when ``nats-server`` is not installed, unless KVEVENTS_REQUIRE_NATS=1.
+sequence numbers), plus truncated snapshots, a bucket shared by two streams, a stream name
+that clashes, a consumer the server lost and a consume loop that ends. Every replica keeps
+serving, its digest equals the reference's for the honest streams, and its health says what
+is true. Skipped when ``nats-server`` is not installed, unless KVEVENTS_REQUIRE_NATS=1.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ except ImportError:
     pytest.skip("nats-py not installed (pip install 'kvevents[nats]')", allow_module_level=True)
 
 from kvevents.scaleout import JetStreamOptions, Replica, ReplicaOptions
-from kvevents.scaleout.jetstream import ensure_stream
+from kvevents.scaleout.jetstream import StreamConfigError, ensure_stream
 from kvevents.scaleout.records import Outgoing, batch_record, loss_record, worker_record
 from kvevents.testing.service import ServiceIndexer
 
@@ -383,6 +384,39 @@ def test_a_replica_of_another_stream_in_the_same_bucket_ignores_its_snapshots(
             second.close()
     finally:
         first.close()
+
+
+# ----------------------------------------------------------------------------- configuration
+
+
+def test_a_stream_name_that_clashes_with_the_prefix_is_a_clear_error(
+    server: NatsServer, js: JetStreamOptions
+) -> None:
+    """A replica (or relay) given another stream name under a prefix that a stream already
+    holds is refused with the stream it clashes with, its subjects and the fix."""
+    from kvevents.cli.common import UsageError
+    from kvevents.cli.relay import start_replica
+    from kvevents.scaleout import Relay
+
+    publish(server, js, [])  # the stream exists, with subjects <prefix>.>
+    clash = JetStreamOptions(stream=f"{js.stream}B", prefix=js.prefix, bucket=js.bucket)
+    with pytest.raises(StreamConfigError) as caught:
+        replica(server, clash, "c1")
+    text = str(caught.value)
+    assert (
+        repr(js.stream) in text
+        and f"'{js.prefix}.>'" in text
+        and f"--nats-stream {js.stream}" in text
+    )
+    with pytest.raises(UsageError, match=f"--nats-stream {clash.stream}: cannot create"):
+        start_replica(Replica(server.url, jetstream=clash, options=ReplicaOptions(name="c2")))
+    wrong_prefix = JetStreamOptions(stream=js.stream, prefix="elsewhere", bucket=js.bucket)
+    relay = Relay(server.url, jetstream=wrong_prefix)
+    try:
+        with pytest.raises(StreamConfigError, match="--nats-prefix"):
+            relay.start()
+    finally:
+        relay.close()
 
 
 # ----------------------------------------------------------------------------- the consume loop

@@ -106,8 +106,12 @@ def new_replica(args: argparse.Namespace, **service_options: Any) -> Any:
 
 def start_replica(replica: Any) -> None:
     """Start ``replica``; a NATS server that cannot be reached is a one-line error."""
+    from kvevents.scaleout.jetstream import StreamConfigError
+
     try:
         replica.start()
+    except StreamConfigError as exc:  # names the stream, what conflicts and the fix
+        raise UsageError(f"--nats-stream {replica.js_options.stream}: {exc}") from None
     except Exception as exc:  # the client's own errors: no servers, a refused stream
         raise UsageError(f"--nats {replica.url}: cannot start the replica ({exc!r})") from None
 
@@ -140,6 +144,7 @@ def _registrations(args: argparse.Namespace) -> list[Any]:
 
 def run(args: argparse.Namespace) -> int:
     from kvevents.cli.common import stop_on_sigterm
+    from kvevents.scaleout.jetstream import StreamConfigError
     from kvevents.scaleout.relay import Relay
 
     regs = _registrations(args)
@@ -147,6 +152,9 @@ def run(args: argparse.Namespace) -> int:
     with stop_on_sigterm():
         try:
             relay.start()
+        except StreamConfigError as exc:  # names the stream, what conflicts and the fix
+            relay.close()
+            raise UsageError(f"--nats-stream {args.nats_stream}: {exc}") from None
         except Exception as exc:  # the client's own errors: no servers, a refused stream
             relay.close()
             raise UsageError(f"--nats {args.nats}: cannot start the relay ({exc!r})") from None

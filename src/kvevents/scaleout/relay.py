@@ -157,7 +157,7 @@ class Relay:
     async def _connect(self) -> None:
         self._nc = await connect(self.url, self.js_options, self.options.name)
         self._js = self._nc.jetstream()
-        await ensure_stream(self._js, self.js_options)
+        await ensure_stream(self._js, self.js_options, writes=True)
         self._wake = asyncio.Event()
 
     def add_worker(self, reg: WorkerRegistration) -> list[StreamSpec]:
