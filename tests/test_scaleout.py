@@ -429,8 +429,8 @@ def test_replicas_and_relays_outlive_a_quiet_stream(
     message at all), then traffic again: the replicas (a library one and a ``kvevents serve
     --nats`` process) stayed healthy throughout and applied everything the relay wrote."""
     a = engines("a")
-    args = ["--nats", server.url, "--replica-name", "q2", "--nats-stream", js.stream,
-            "--nats-prefix", js.prefix, "--nats-bucket", js.bucket]  # fmt: skip
+    names = ["--nats-stream", js.stream, "--nats-prefix", js.prefix, "--nats-bucket", js.bucket]
+    args = ["--nats", server.url, "--replica-name", "q2", *names]
     with relay_for(server, [a.registration], js) as relay, ServiceIndexer(args=args) as http:
         joined(relay, a)
         r1 = replica(server, js, "q1", fetch_timeout=0.1)

@@ -75,6 +75,12 @@ def replica(server: NatsServer, js: JetStreamOptions, name: str, **options: Any)
     return Replica(server.url, jetstream=js, options=ReplicaOptions(name=name, **options)).start()
 
 
+def serve_args(server: NatsServer, js: JetStreamOptions, name: str) -> list[str]:
+    """``kvevents serve`` as a replica of the test's stream."""
+    names = ["--nats-stream", js.stream, "--nats-prefix", js.prefix, "--nats-bucket", js.bucket]
+    return ["--nats", server.url, "--replica-name", name, *names]
+
+
 def run(server: NatsServer, work: Callable[[Any, Any], Any]) -> Any:
     """Run ``work(nc, js)`` on a NATS connection of the test's own (closed after)."""
 
@@ -249,8 +255,7 @@ def test_replicas_outlive_a_hostile_stream(server: NatsServer, js: JetStreamOpti
     keys = {("a", 0), ("a", 1), ("b", 0)}
     publish(server, js, honest.registrations())
     r1 = replica(server, js, "f1", snapshot_batches=40, snapshot_interval=0)
-    args = ["--nats", server.url, "--replica-name", "f2", "--nats-stream", js.stream,
-            "--nats-prefix", js.prefix, "--nats-bucket", js.bucket]  # fmt: skip
+    args = serve_args(server, js, "f2")
     try:
         with ServiceIndexer(args=args) as http:
             for round_ in range(40):
@@ -335,8 +340,8 @@ def test_a_truncated_newest_snapshot_is_a_hole_the_replica_tells(
         s1 = r1.snapshot_now()
         assert s0 is not None and s1 == last
         whole = get_object(server, js.bucket, f"{js.stream}.t1")
-        put_object(server, js.bucket, f"{js.stream}.t1", whole[: len(whole) // 2],
-                   {"seq": s1, "stream": js.stream})  # fmt: skip
+        about = {"seq": s1, "stream": js.stream}
+        put_object(server, js.bucket, f"{js.stream}.t1", whole[: len(whole) // 2], about)
         with caplog.at_level(logging.ERROR, logger="kvevents.scaleout.replica"):
             r2 = replica(server, js, "t2", snapshot_batches=0, snapshot_interval=0)
         try:
