@@ -523,12 +523,18 @@ def test_a_jump_saved_in_a_snapshot_still_rewinds_after_loading() -> None:
 
 
 class _Msg:
-    """A JetStream message as a pull subscription returns it."""
+    """A JetStream message as a pull subscription returns it (``seq`` None: its metadata
+    cannot be read)."""
 
-    def __init__(self, seq: int, headers: dict[str, str], body: bytes) -> None:
-        self.headers, self.data = headers, body
-        self.metadata = type("M", (), {"sequence": type("S", (), {"stream": seq})()})()
+    def __init__(self, seq: int | None, headers: dict[str, str], body: bytes) -> None:
+        self.headers, self.data, self.seq = headers, body, seq
         self.acked = False
+
+    @property
+    def metadata(self) -> Any:
+        if self.seq is None:
+            raise ValueError("not a JetStream message")
+        return type("M", (), {"sequence": type("S", (), {"stream": self.seq})()})()
 
     async def ack(self) -> None:
         self.acked = True
@@ -547,7 +553,7 @@ class _Pulls:
         step = self.script.pop(0)
         if isinstance(step, Exception):
             raise step
-        return step  # type: ignore[no-any-return]
+        return list(step)
 
 
 def test_a_fetch_that_returns_nothing_keeps_the_replica_consuming() -> None:
@@ -566,32 +572,32 @@ def test_a_fetch_that_returns_nothing_keeps_the_replica_consuming() -> None:
 
 
 def test_a_turn_that_raises_is_counted_and_the_loop_goes_on() -> None:
-    """A fetch that fails and a message whose metadata cannot be read are counted (one
-    turn each); the loop applies the next message."""
+    """A fetch that fails, a message without a stream sequence, and a turn that raises (a
+    defect) are each counted; the loop applies the next message."""
     import asyncio
 
     from kvevents.scaleout.replica import Replica
 
-    class Broken(_Msg):
-        @property  # type: ignore[override]
-        def metadata(self) -> Any:
-            raise ValueError("not a JetStream message")
+    replica: Any = Replica("nats://127.0.0.1:1")
+    real, failures = replica._maybe_snapshot, [RuntimeError("a defect")]
 
-        @metadata.setter
-        def metadata(self, value: Any) -> None:
-            pass
+    async def snapshot_once_broken() -> None:
+        if failures:
+            raise failures.pop()
+        await real()
 
-    replica = Replica("nats://127.0.0.1:1")
+    replica._maybe_snapshot = snapshot_once_broken
     _, body, headers = worker_record("kv", _REG)
     _, payload, batch = batch_record("kv", "w", 0, 0, _payload(1))
     script: list[Any] = [
         RuntimeError("server restarting"),
-        [Broken(1, headers, body)],
-        [_Msg(2, headers, body), _Msg(3, batch, payload)],
+        [_Msg(None, headers, body), _Msg(2, headers, body)],
+        [_Msg(3, batch, payload)],
     ]
     asyncio.run(asyncio.wait_for(replica._consume(_Pulls(replica, script)), 10))
     stats = replica.stats()
-    assert (stats.fetch_errors, stats.consume_errors, stats.applied) == (1, 1, 1)
+    assert (stats.fetch_errors, stats.malformed, stats.consume_errors) == (1, 1, 1)
+    assert stats.applied == 1 and replica.covered_seq == 3
 
 
 # ----------------------------------------------------------------------------- snapshot lists

@@ -5,7 +5,7 @@ its stream, creates its durable consumer at the sequence after it, and from then
 messages in order, applies them through the service (the same index, router and HTTP API as
 with ZeroMQ), and acknowledges the last of each fetch. Every ``snapshot_batches`` applied
 messages or ``snapshot_interval`` seconds it saves a snapshot and trims the stream below what
-every live replica has acknowledged and the newest snapshot covers
+every live replica has acknowledged and that snapshot covers
 (:mod:`kvevents.scaleout.retention`).
 
 The consumer is the replica's bookmark for retention, not for resuming: the index lives in
@@ -306,14 +306,22 @@ class Replica:
         self._turned_at = time.monotonic()
         psub, msgs = await self._fetch(psub)
         for msg in msgs:
-            seq = msg.metadata.sequence.stream
-            self._applier.apply(msg.headers, msg.data, seq)
-            self._counts["covered_seq"] = seq
+            self._apply_message(msg)
         if msgs:  # nats-py returns [] when the server's timeout comes before its own
             self._since_snapshot += len(msgs)
             await self._ack(msgs[-1])
         await self._maybe_snapshot()
         return psub
+
+    def _apply_message(self, msg: Any) -> None:
+        try:
+            seq = msg.metadata.sequence.stream
+        except Exception as exc:  # no stream sequence: nowhere to place it
+            self._counts["malformed"] += 1
+            _warn("metadata", "replica %s: message skipped: %r", self.options.name, exc)
+            return
+        self._applier.apply(msg.headers, msg.data, seq)
+        self._counts["covered_seq"] = seq
 
     async def _fetch(self, psub: Any) -> tuple[Any, list[Any]]:
         from nats.errors import TimeoutError as NatsTimeout
