@@ -600,6 +600,45 @@ def test_a_turn_that_raises_is_counted_and_the_loop_goes_on() -> None:
     assert stats.applied == 1 and replica.covered_seq == 3
 
 
+def test_a_turn_that_hangs_makes_the_replica_stalled() -> None:
+    """A fetch that never returns (a hung server) is not ``ok``: after ``stall_after`` the
+    replica's health says stalled, with how long the turn has lasted."""
+    import asyncio
+    import time
+
+    from kvevents.scaleout.jetstream import LoopThread
+    from kvevents.scaleout.replica import Replica, ReplicaOptions
+
+    class Connected:
+        is_connected = True
+
+        async def close(self) -> None:
+            pass
+
+    class Hangs:
+        async def fetch(self, batch: int = 1, timeout: float = 5.0) -> list[_Msg]:
+            await asyncio.sleep(60)
+            return []
+
+    replica: Any = Replica("nats://127.0.0.1:1", options=ReplicaOptions(stall_after=0.3))
+    replica._nc, replica._aio = Connected(), LoopThread("test-stall")
+    try:
+
+        async def spawn() -> None:
+            replica._spawn(replica._consume(Hangs()))
+
+        replica._aio.run(spawn(), 5)
+        assert replica.health().state == "ok"
+        deadline = time.monotonic() + 10
+        while replica.health().state == "ok" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        health = replica.health()
+        assert health.state == "stalled" and "has lasted" in str(health.error)
+        assert health.stalled_for >= 0.3
+    finally:
+        replica.close()
+
+
 # ----------------------------------------------------------------------------- snapshot lists
 
 
