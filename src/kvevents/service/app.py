@@ -213,6 +213,11 @@ class _Api:
         body: dict[str, Any] = {"status": health.state, "workers": len(self.service.workers())}
         if health.state == "ok":
             return _json(body)
+        if health.state == "degraded":
+            # Serving, with streams known incomplete (their matches are not trusted): out of
+            # rotation it would help nobody, so a 200 that says so.
+            body["error"] = health.error
+            return _json(body)
         # A load balancer or orchestrator reads the status code: a feed that stopped or
         # stalled means the index is going stale, so the service is not healthy.
         body.update(stalled_for=round(health.stalled_for, 3), error=health.error)

@@ -47,9 +47,10 @@ class ServiceCollector:
         health = self._service.health()
         yield GaugeMetricFamily(
             "kvevents_service_feed_healthy",
-            "1 while the subscriber's I/O thread is serving; 0 when it is stalled or dead "
-            "(GET /health then answers 503 with the reason)",
-            1.0 if health.state == "ok" else 0.0,
+            "1 while the subscriber's I/O thread (or a replica's consume loop) is serving, "
+            "degraded or not; 0 when it is stalled or dead (GET /health then answers 503 with "
+            "the reason)",
+            1.0 if health.state in ("ok", "degraded") else 0.0,
         )
         yield GaugeMetricFamily(
             "kvevents_service_feed_stalled_seconds",

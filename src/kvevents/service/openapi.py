@@ -182,7 +182,8 @@ class Dump(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class Health(msgspec.Struct, forbid_unknown_fields=True):
-    """``GET /health``: 200 with ``ok``; 503 with why when the feed stalled or died."""
+    """``GET /health``: 200 with ``ok``, or ``degraded`` and why (a router replica with
+    streams known incomplete); 503 with why when the feed stalled or died."""
 
     status: FeedState
     workers: int

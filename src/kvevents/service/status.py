@@ -82,7 +82,7 @@ class Status(msgspec.Struct, kw_only=True):
     """Everything the status page shows (``GET /status``)."""
 
     time: float  #: the service's clock (seconds since the epoch)
-    health: FeedState  #: ``ok``, ``stalled`` or ``dead`` (see ``GET /health``)
+    health: FeedState  #: ``ok``, ``degraded``, ``stalled`` or ``dead`` (see ``GET /health``)
     queries: int  #: queries answered since the service started
     index: IndexSize
     workers: list[WorkerStatus]
