@@ -6,9 +6,11 @@ from __future__ import annotations
 import json
 import random
 import socket
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import httpx
 import pytest
@@ -20,6 +22,7 @@ from kvevents.service.core import IndexService, WorkerRegistration
 from kvevents.service.http import AppOptions, HttpLimits, Server, serve
 from kvevents.subscribe.streams import StreamSpec, worker_streams
 from kvevents.testing.index import batch, store_event
+from kvevents.testing.service import ServiceIndexer
 from kvevents.testing.sockets import wait_for
 from test_service import BS, LOCAL, PROMPT, FakeFeed
 
@@ -353,3 +356,159 @@ def test_every_refusal_is_counted_in_metrics(guarded: tuple[Server, httpx.Client
         assert counts[f"kvevents_http_{name}_total"] == 1.0, (name, counts)
     assert counts["kvevents_http_header_timeouts_total"] >= 1.0
     assert counts["kvevents_http_connections_refused_total"] == 0.0
+
+
+# ----------------------------------------------------------------- a dump nobody reads
+
+
+def test_a_dump_nobody_reads_is_abandoned_after_the_send_timeout(feed: FakeFeed) -> None:
+    """A client that asks for /dump and stops reading holds it (others get 429) only until
+    send_timeout: then its connection is cut off, counted, and the next dump is served."""
+    options = AppOptions(limits=HttpLimits(send_timeout=0.5))
+    with _serve(feed, options) as running, httpx.Client(base_url=running.url) as client:
+        assert _register(client, "w", LOCAL).status_code == 200
+        _hold_blocks(client, feed, 300_000)  # a 12 MB dump: more than socket buffers hold
+        with _connect(running) as stalled:
+            stalled.sendall(b"GET /dump HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert stalled.recv(12, socket.MSG_WAITALL) == b"HTTP/1.1 200"
+            assert client.get("/dump").status_code == 429
+
+            def free() -> bool:
+                return client.get("/dump").status_code == 200
+
+            wait_for(free, 10.0, interval=0.05, what="the unread dump to be abandoned")
+        assert "kvevents_http_send_timeouts_total 1.0" in client.get("/metrics").text
+
+
+def _hold_blocks(client: httpx.Client, feed: FakeFeed, blocks: int) -> None:
+    """Worker "w" holds ``blocks`` blocks, in prefixes of 60,000."""
+    for n in range(blocks // 60_000):
+        first = n * 10**6
+        feed.deliver("w", 0, batch(store_event(range(first, first + 60_000 * BS), BS)), seq=n)
+
+    def held() -> bool:
+        return f"kvevents_index_entries {blocks}.0" in client.get("/metrics").text
+
+    wait_for(held, 30.0, interval=0.05, what=f"{blocks} blocks indexed")
+
+
+# ----------------------------------------------------------------- pipelined floods
+
+# Each flood: FLOOD_CONNECTIONS connections send their requests pipelined, in one write each,
+# and read nothing while GET /health is timed from another connection; then they read every
+# answer. Measured in a service process of its own (RSS is the process's). Before the bounds
+# the /query flood below took the service +530 MB and stalled /health for 6 s.
+FLOOD_CONNECTIONS = 8
+FLOOD_RSS_CEILING = 64 << 20  # RSS growth over a flood
+STALL_CEILING = 1.0  # seconds a GET /health may take during a flood
+PROBE_SECONDS = 1.5  # how long the flooding clients read nothing
+FLOOD_TARGETS = 50  # registered workers: each adds to a query's answer (about 9 KB for 50)
+
+
+def _post(path: str, body: Any) -> bytes:
+    data = json.dumps(body).encode()
+    head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(data)}\r\n\r\n"
+    return head.encode() + data
+
+
+@pytest.fixture(scope="module")
+def flood_servers() -> Iterator[dict[str, ServiceIndexer]]:
+    """A service of each API, each with FLOOD_TARGETS workers registered."""
+    with ServiceIndexer() as ours, ServiceIndexer(args=["--api", "dynamo"]) as dynamo:
+        for n in range(FLOOD_TARGETS):
+            ours.register(f"w{n}", f"tcp://127.0.0.1:{30000 + n}", block_size=BS)
+            body = {"instance_id": n, "endpoint": f"tcp://127.0.0.1:{31000 + n}",
+                    "model_name": "m", "block_size": BS}  # fmt: skip
+            dynamo.call("POST", "/register", body)
+        yield {"kvevents": ours, "dynamo": dynamo}
+
+
+_FLOODS = {
+    # name: (server, request, bytes sent on each connection, status of every answer)
+    "query": ("kvevents", _post("/query", {"token_ids": [1]}), 250_000, 200),
+    "app": ("kvevents", b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n", 64_000, 200),
+    "register": (
+        "kvevents",
+        _post("/register", {"worker_id": "x", "endpoint": "tcp://10.0.0.1:5557", "block_size": BS}),
+        64_000,
+        403,
+    ),
+    "load": (
+        "kvevents",
+        _post("/load", {"loads": [{"worker_id": "w1", "queued_blocks": 3, "active_blocks": 5}]}),
+        64_000,
+        200,
+    ),
+    "dynamo_query": (
+        "dynamo",
+        _post("/query", {"token_ids": [1], "model_name": "m"}),
+        250_000,
+        200,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(_FLOODS))
+def test_a_pipelined_flood_costs_bounded_memory_and_stalls_nobody(
+    flood_servers: dict[str, ServiceIndexer], name: str
+) -> None:
+    """Requests pipelined by the thousand on several connections whose clients do not read:
+    the service's memory stays under a ceiling, another connection's GET /health is answered
+    promptly throughout, and every request is answered, in order, once the clients read."""
+    server_name, request, size, status = _FLOODS[name]
+    server = flood_servers[server_name]
+    count = size // len(request)
+    rss_before = server.rss_bytes()
+    clients = [_connect_to(server.port) for _ in range(FLOOD_CONNECTIONS)]
+    senders = [threading.Thread(target=c.sendall, args=(request * count,)) for c in clients]
+    try:
+        for sender in senders:
+            sender.start()
+        stall, rss_peak = _probe(server, PROBE_SECONDS)
+        answers = [_statuses(client, count) for client in clients]
+    finally:
+        for sender in senders:
+            sender.join(30.0)
+        for client in clients:
+            client.close()
+    assert stall < STALL_CEILING, f"GET /health took {stall:.2f} s during the flood"
+    growth = rss_peak - rss_before
+    assert growth < FLOOD_RSS_CEILING, f"RSS grew {growth >> 20} MB"
+    assert answers == [[status] * count] * FLOOD_CONNECTIONS
+
+
+def _connect_to(port: int) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=30.0)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+    return sock
+
+
+def _probe(server: ServiceIndexer, seconds: float) -> tuple[float, int]:
+    """(the longest GET /health round trip, the highest RSS) over ``seconds``."""
+    worst, peak = 0.0, server.rss_bytes()
+    deadline = time.monotonic() + seconds
+    with _connect_to(server.port) as sock, sock.makefile("rb") as reader:
+        while time.monotonic() < deadline:
+            began = time.perf_counter()
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert _read_response(reader)[0] == 200
+            worst = max(worst, time.perf_counter() - began)
+            peak = max(peak, server.rss_bytes())
+            time.sleep(0.02)
+    return worst, peak
+
+
+def _statuses(sock: socket.socket, count: int) -> list[int]:
+    with sock.makefile("rb") as reader:
+        return [_read_response(reader)[0] for _ in range(count)]
+
+
+def _read_response(reader: IO[bytes]) -> tuple[int, bytes]:
+    """One response: (status, body); every response here has a content-length."""
+    status = int(reader.readline().split()[1])
+    length = 0
+    while (line := reader.readline().strip()) != b"":
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            length = int(value)
+    return status, reader.read(length)

@@ -281,9 +281,8 @@ class DynamoApi:
 
     def _worker(self, reg: WorkerRegistration) -> dict[str, Any]:
         endpoints = {str(s.rank): s.endpoint for s in self.service.stream_specs(reg)}
-        worker: int | str = int(reg.worker_id) if reg.worker_id.isdigit() else reg.worker_id
         return {
-            "instance_id": worker,
+            "instance_id": _instance_id(reg.worker_id),
             "source": "zmq",
             "status": "active",
             "model_name": reg.model_name,
@@ -302,6 +301,18 @@ class DynamoApi:
             "(it keys blocks by its own chained hashes): query by token_ids with /query",
             501,
         )
+
+
+def _instance_id(worker_id: str) -> int | str:
+    """A worker id as Dynamo's ``/workers`` shows it: the u64 it spells when it spells one
+    the usual way (ASCII digits, no leading zero), else the id as it is. Not
+    ``str.isdigit``: it takes "²", which ``int`` refuses, and the Arabic-Indic one, which it
+    reads as 1."""
+    if worker_id.isascii() and worker_id.isdigit() and len(worker_id) <= len(str(_U64)):
+        value = int(worker_id)
+        if value <= _U64 and str(value) == worker_id:
+            return value
+    return worker_id
 
 
 def _registration(body: RegisterBody) -> WorkerRegistration:

@@ -37,7 +37,11 @@ class HttpLimits:
     headers, from when it opens or its previous response ends; it is closed after that.
     ``body_timeout``: seconds a request may take to send its whole body (408).
     ``max_connections``: open connections; more are closed as soon as they are accepted.
-    ``max_header_bytes``: bytes of request line and headers (431 above it).
+    ``max_header_bytes``: bytes of request line and headers (431 above it; counted as they
+    arrive, in steps of at most 64 KiB). ``send_timeout``: seconds a response may wait for the
+    client to read it: once the connection's write buffer has stayed over its high-water mark
+    that long, the connection is closed (a ``GET /dump`` nobody reads is abandoned, and the
+    next dump may start).
     """
 
     max_body_bytes: int = 8 << 20
@@ -45,12 +49,13 @@ class HttpLimits:
     body_timeout: float = 30.0
     max_connections: int = 256
     max_header_bytes: int = 64 << 10
+    send_timeout: float = 30.0
 
     def __post_init__(self) -> None:
         if min(self.max_body_bytes, self.max_connections, self.max_header_bytes) < 1:
             raise ValueError("max_body_bytes, max_connections and max_header_bytes must be >= 1")
-        if min(self.header_timeout, self.body_timeout) <= 0:
-            raise ValueError("header_timeout and body_timeout must be > 0")
+        if not min(self.header_timeout, self.body_timeout, self.send_timeout) > 0:
+            raise ValueError("header_timeout, body_timeout and send_timeout must be > 0")
 
 
 @dataclass(frozen=True)
@@ -66,6 +71,7 @@ class HttpStats:
     headers_too_large: int = 0  #: connections whose request headers were over the limit (431)
     header_timeouts: int = 0  #: connections closed for not sending request headers in time
     connections_refused: int = 0  #: connections closed at accept, over the connection cap
+    send_timeouts: int = 0  #: connections closed for not reading a response within send_timeout
 
 
 class HttpCounters:

@@ -3,32 +3,51 @@
 uvicorn keeps a connection that never finishes its request headers open forever and accepts
 any number of them (200 idle connections stayed open against the previous server). Its
 httptools protocol is extended here by :class:`LimitedProtocol`: a connection must finish each
-request's headers within ``header_timeout`` and in ``max_header_bytes``, and connections past
+request's headers within ``header_timeout`` and in ``max_header_bytes`` (also while a response
+is still being sent to it), must read what it is sent (``send_timeout``), and connections past
 ``max_connections`` are closed as soon as they are accepted.
+
+Pipelined requests cost bounded memory and time. The parser takes whatever it is given, and
+one read can hold thousands of small requests: before, 122 KB of pipelined queries were all
+answered in one callback (+220 MB, every other connection stalled 7 s). Bytes read are parsed
+a piece at a time (:data:`PARSE_PIECE`); parsing stops while answers wait to be written, the
+client does not read them (the write buffer over its high-water mark) or the connection has had
+its turn of the event loop (:data:`TURN_SECONDS`); reading stops while bytes wait to be parsed.
+An offer to switch protocols (``Upgrade: h2c``, as ``curl --http2`` sends on plain HTTP) is
+declined: the request is answered over HTTP/1.1, its body intact.
 
 ``POST /query`` is answered by the protocol itself (:class:`FastQuery`): its body is gathered
 from the parser's callbacks and the answer written from ``on_message_complete``, without an
 ASGI task, receive/send messages or middleware. Those took about 130 us of the ~330 us of CPU
 a kept-alive 8k-token query cost the server (docs/native.md, "/query on the connection"),
-and every query pays them on the one thread that answers them all. The protections stay: the body is bounded in size (413, also by
-its content-length) and in time (408), the bearer token is checked where reads need it, and
-every refusal is counted as on the ASGI path. A request this path does not take on
-(``Expect: 100-continue``, HTTP/1.0, a token that does not pass, a request pipelined behind
-one the app still answers) goes to the app, where :class:`~kvevents.service.query.LeanQuery`
-and the routes answer it as before.
+and every query pays them on the one thread that answers them all. The protections stay: the
+body is bounded in size (413, also by its content-length) and in time (408), the bearer token
+is checked where reads need it, and every refusal is counted as on the ASGI path. A request
+this path does not take on (``Expect: 100-continue``, HTTP/1.0, a token that does not pass, a
+request pipelined behind one the app still answers) goes to the app, where
+:class:`~kvevents.service.query.LeanQuery` and the routes answer it as before; one pipelined
+behind answers of ours waits for them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from time import perf_counter
-from typing import Literal
+from typing import Literal, cast
 
+import httptools
 import msgspec
-from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+from uvicorn.protocols.http.flow_control import FlowControl
+from uvicorn.protocols.http.httptools_impl import (
+    STATUS_LINE,
+    HttpToolsProtocol,
+    RequestResponseCycle,
+)
 
 from kvevents.service.access import TokenCheck
 from kvevents.service.limits import (
@@ -41,7 +60,7 @@ from kvevents.service.limits import (
 from kvevents.service.query import Reader
 from kvevents.service.schema import BadRequest
 
-__all__ = ["FastQuery", "LimitedProtocol"]
+__all__ = ["PARSE_PIECE", "TURN_SECONDS", "FastQuery", "HeldFlow", "LimitedProtocol", "Unparsed"]
 
 log = logging.getLogger("kvevents.service.protocol")
 
@@ -51,7 +70,27 @@ _HEADERS_TOO_LARGE = (
     b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(_TOO_LARGE_BODY), _TOO_LARGE_BODY)
 )
 _QUERY_PATH = b"/query"
+_UPGRADE_TOKENS = frozenset({b"upgrade", b"http2-settings"})
 _encoder = msgspec.json.Encoder()
+#: Bytes handed to the parser at a time. One read can hold thousands of small pipelined
+#: requests, and the parser takes all it is given: each piece is parsed whole, so a
+#: connection has at most this many bytes of requests parsed ahead of its answers. 64 KiB
+#: takes an 8k-token query (about 49 KB) in one piece (splitting it cost 2-3 us a query);
+#: of the smallest requests the app answers it is about 2,000, or 5 MB of uvicorn's state.
+PARSE_PIECE = 64 << 10
+#: Seconds of the event loop one connection may take before the others get theirs: it answers
+#: and parses on for this long, then the rest waits for the loop's next turn.
+TURN_SECONDS = 0.005
+
+
+class _AnswersWaiting:
+    """What stands in for a request in flight while answers of ours wait (see _to_app)."""
+
+    response_complete = False
+
+
+# Typed as what it stands in for: uvicorn only reads its response_complete.
+_ANSWERS_WAITING = cast("RequestResponseCycle", _AnswersWaiting())
 
 #: Where a connection is in a ``POST /query`` the protocol answers itself: not in one, reading
 #: its body, or refused (the connection is closing; what is left of the request is dropped).
@@ -101,11 +140,115 @@ def _declared_length(headers: list[tuple[bytes, bytes]]) -> int | None:
     return None
 
 
-class LimitedProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol with a header deadline, a header size, a connection cap,
-    and ``POST /query`` answered on the connection when ``fast`` is set.
+def _without_upgrade(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """``headers`` without the offer to switch protocols: no ``Upgrade`` header, and no
+    ``upgrade`` or ``http2-settings`` token in ``Connection``."""
+    kept = []
+    for name, value in headers:
+        if name == b"connection":
+            tokens = [t.strip() for t in value.split(b",")]
+            value = b", ".join(t for t in tokens if t and t.lower() not in _UPGRADE_TOKENS)
+            if not value:
+                continue
+        if name != b"upgrade":
+            kept.append((name, value))
+    return kept
 
-    The settings come from the subclass :meth:`configured` makes.
+
+class Unparsed:
+    """Bytes read and not parsed yet, handed to the parser a piece at a time."""
+
+    __slots__ = ("_data", "_start")
+
+    def __init__(self) -> None:
+        self._data = b""
+        self._start = 0
+
+    def __bool__(self) -> bool:
+        return self._start < len(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data) - self._start
+
+    def add(self, data: bytes) -> None:
+        # Reading is held while bytes wait here, so data rarely lands on top of others.
+        start = self._start
+        self._data = self._data[start:] + data if start < len(self._data) else data
+        self._start = 0
+
+    def clear(self) -> None:
+        self._data = b""
+        self._start = 0
+
+    def take(self, body_left: int, between_requests: bool) -> bytes | memoryview:
+        """The next piece: at most :data:`PARSE_PIECE` bytes past the ``body_left`` bytes of
+        the current request's declared body (bounded by the body limit, and a body parsed in
+        pieces costs a copy to join them). Between requests, a request's head comes alone
+        when the rest does not fit: its declared length then sizes the next piece."""
+        data, start = self._data, self._start
+        end = len(data)
+        size = PARSE_PIECE + body_left
+        if end - start > size and between_requests:
+            head = data.find(b"\r\n\r\n", start, start + PARSE_PIECE)
+            if head >= 0:
+                size = head + 4 - start
+        if start == 0 and end <= size:
+            self._data = b""
+            return data
+        stop = start + size if start + size < end else end
+        self._start = stop
+        return memoryview(data)[start:stop]
+
+
+class HeldFlow(FlowControl):
+    """uvicorn's flow control with a second reason to stop reading: the protocol's hold.
+
+    uvicorn resumes reading whenever its request in flight asks for more of its body; the
+    protocol holds reading while it has bytes it has not parsed or answers it has not written,
+    and reading resumes only when neither wants it stopped. Without the hold, a client's
+    pipelined requests would pile up behind the one in flight.
+    """
+
+    def __init__(self, transport: asyncio.Transport) -> None:
+        super().__init__(transport)
+        self._reader = transport
+        self.held = False  #: whether the protocol holds reading (set by hold())
+        self._app_paused = False
+
+    def pause_reading(self) -> None:
+        self._app_paused = True
+        self._apply()
+
+    def resume_reading(self) -> None:
+        self._app_paused = False
+        self._apply()
+
+    def hold(self, held: bool) -> None:
+        """Stop reading (``held``) or let uvicorn's own wish decide again."""
+        self.held = held
+        self._apply()
+
+    def _apply(self) -> None:
+        paused = self.held or self._app_paused
+        if paused != self.read_paused:
+            self.read_paused = paused
+            if paused:
+                self._reader.pause_reading()
+            else:
+                self._reader.resume_reading()
+
+
+class LimitedProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with a header deadline, a header size, a send deadline, a
+    connection cap, pipelining within bounds, and ``POST /query`` answered on the connection
+    when ``fast`` is set.
+
+    Bytes read are parsed :data:`PARSE_PIECE` at a time, and parsing stops while answers wait
+    to be written: behind a request the app still answers (uvicorn's pipeline), behind answers
+    of ours not yet written, while the write buffer is over its high-water mark (the client
+    does not read), or once the connection has had :data:`TURN_SECONDS` of this turn of the
+    event loop. Reading stops while bytes wait to be parsed. The settings come from the
+    subclass :meth:`configured` makes.
     """
 
     limits: HttpLimits = HttpLimits()
@@ -121,21 +264,220 @@ class LimitedProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self.flow: HeldFlow = HeldFlow(transport)
         self._header_bytes = 0
         self._header_timer: asyncio.TimerHandle | None = None
+        self._send_timer: asyncio.TimerHandle | None = None
+        self._in_message = False  # the parser is inside a request (between its begin and end)
+        self._in_headers = False  # ... and inside its request line and headers
+        self._messages_begun = 0
+        self._body_left = 0  # bytes of the request's declared body not parsed yet
+        self._unparsed = Unparsed()
+        self._waiting: deque[Callable[[], None]] = deque()  # our answers, to write in order
+        self._next_turn: asyncio.Handle | None = None
+        self._turn_began = 0.0
+        self._replay: bytes | None = None  # a request's head again, without its upgrade offer
         self._fast_state: FastState = "off"
         self._body: list[bytes] = []
         self._body_size = 0
         self._body_timer: asyncio.TimerHandle | None = None
-        self._reading_held = False  # reading paused here until the client reads its answers
         if len(self.connections) > self.limits.max_connections:
             self.counters.add("connections_refused")
             transport.close()  # over the cap: refused before it costs more than the accept
             return
         self._arm()
 
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        self._end_body()
+        for timer in (self._send_timer, self._next_turn):
+            if timer is not None:
+                timer.cancel()
+        self._drop_pending()
+        super().connection_lost(exc)
+
+    # ------------------------------------------------------------------ reading in turns
+
+    def data_received(self, data: bytes) -> None:
+        self._unset_keepalive_if_required()
+        self._unparsed.add(data)
+        self._turn()
+
+    def _scheduled_turn(self) -> None:
+        self._next_turn = None
+        self._turn()
+
+    def _turn(self) -> None:
+        """This connection's turn of the event loop: write the answers waiting, then parse
+        on, while nothing stops it (see the class); the rest waits for a later turn."""
+        self._turn_began = perf_counter()
+        if self._waiting:
+            self._write_waiting()
+        first = True  # one piece at least, whatever the time: every turn gets on
+        while self._unparsed and self._may_parse(first):
+            first = False
+            self._parse(self._unparsed.take(self._body_left, not self._in_message))
+        self._settle()
+
+    def _over_time(self) -> bool:
+        return perf_counter() - self._turn_began > TURN_SECONDS
+
+    def _may_parse(self, first: bool) -> bool:
+        return not (
+            self._waiting
+            or self.pipeline
+            or self.flow.write_paused
+            or self.transport.is_closing()
+            or (not first and self._over_time())
+        )
+
+    def _parse(self, piece: bytes | memoryview) -> None:
+        begun, between = self._messages_begun, not self._in_message
+        self._feed(piece)
+        if self._in_headers and not self.transport.is_closing():
+            # All of the piece is request line and headers if it began in them, or began
+            # between requests and only one began in it. Else the bytes before this request
+            # are unknown, and the piece counts as none: the limit holds within a piece.
+            whole = begun == self._messages_begun or (between and self._messages_begun == begun + 1)
+            self._count_header_bytes(len(piece) if whole else 0)
+
+    def _feed(self, data: bytes | memoryview) -> None:
+        """uvicorn's parse of ``data``, except that an offer to switch protocols (``Upgrade:
+        h2c``) is declined: the request is parsed again without it and answered over
+        HTTP/1.1, its body and what follows it intact (RFC 9110 7.8: a server may ignore it)."""
+        pending = [data]
+        while pending:
+            chunk = pending.pop()
+            try:
+                self.parser.feed_data(chunk)
+            except httptools.HttpParserError:
+                self.logger.warning("Invalid HTTP request received.")
+                self._end_with(partial(self.send_400_response, "Invalid HTTP request received."))
+                return
+            except httptools.HttpParserUpgrade as upgrade:
+                head, self._replay = self._replay, None
+                if head is None:  # a WebSocket uvicorn takes, or CONNECT: uvicorn's way
+                    self._upgrade_not_declined()
+                    return
+                pending += [memoryview(chunk)[upgrade.args[0] :], head]
+
+    def _upgrade_not_declined(self) -> None:
+        # What follows the request is another protocol's (uvicorn drops it): not parsed.
+        self._unparsed.clear()
+        if self._should_upgrade():
+            self._drop_pending()  # the connection is the WebSocket protocol's from here
+            self.handle_websocket_upgrade()
+        else:
+            self.logger.warning("Unsupported upgrade request.")
+
+    def _settle(self) -> None:
+        """After a turn: hold reading while anything waits, and come back for it."""
+        if self.transport.is_closing():
+            self._drop_pending()
+            return
+        flow = self.flow
+        if self._unparsed or self._waiting or flow.write_paused or flow.held:
+            self._hold_or_release()
+        if self._fast_state == "body" and not self._unparsed and self._body_timer is None:
+            # Armed once the bytes read are parsed: a query whose body came with its headers
+            # (the usual case) never needs the timer.
+            self._body_timer = self.loop.call_later(self.limits.body_timeout, self._body_late)
+
+    def _hold_or_release(self) -> None:
+        pending = bool(self._unparsed or self._waiting)
+        self.flow.hold(pending or self.flow.write_paused)
+        # Waiting for the client to read, or for the app's answer, calls a turn when it ends.
+        blocked = self.flow.write_paused or (bool(self.pipeline) and not self._waiting)
+        if pending and not blocked:
+            self._schedule_turn()
+
+    def _schedule_turn(self) -> None:
+        if self._next_turn is None:
+            self._next_turn = self.loop.call_soon(self._scheduled_turn)
+
+    def _drop_pending(self) -> None:
+        self._unparsed.clear()
+        self._waiting.clear()
+
+    # ------------------------------------------------------------------ writing
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._send_timer is None:
+            self._send_timer = self.loop.call_later(self.limits.send_timeout, self._send_late)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
+        if self._unparsed or self._waiting:
+            self._schedule_turn()
+        else:
+            self.flow.hold(False)
+
+    def _send_late(self) -> None:
+        """The client has read nothing for send_timeout: drop what it was sent, and it."""
+        self._send_timer = None
+        if not self.transport.is_closing():
+            self.counters.add("send_timeouts")
+        self.transport.abort()
+
+    def _write_waiting(self) -> None:
+        """Write the answers waiting, in order, until the client stops reading or the turn
+        is up (one at least, so that every turn gets on)."""
+        while self._waiting and not self.flow.write_paused and not self.transport.is_closing():
+            self._waiting.popleft()()
+            if self._over_time():
+                return
+
+    def _over_budget(self) -> bool:
+        """Whether the next answer must wait: the client is not reading, or the turn is up."""
+        return self.flow.write_paused or self._over_time()
+
+    def _in_order(self, answer: Callable[[], None]) -> None:
+        """Write ``answer`` now, or after the answers waiting before it."""
+        if self._waiting or self._over_budget():
+            self._waiting.append(answer)
+        else:
+            answer()
+
+    def on_response_complete(self) -> None:
+        """An app's response ended (uvicorn starts the next request of its pipeline)."""
+        super().on_response_complete()
+        if self.transport.is_closing():
+            return
+        self._after_response()
+        if self._unparsed and not self.pipeline:
+            self._schedule_turn()  # parsing stopped behind this response: go on
+
+    def _answered(self) -> None:
+        """One of our answers was written: counted as uvicorn counts its responses."""
+        if self.pipeline and not self._waiting:
+            # The last answer an app request was queued behind (see _to_app): uvicorn counts
+            # it and starts that request, as after a response of its own.
+            super().on_response_complete()
+        else:
+            self.server_state.total_requests += 1
+        if not self.transport.is_closing():
+            self._after_response()
+
+    def _after_response(self) -> None:
+        busy = self._in_message or self._unparsed or self._waiting or self._app_answering()
+        if busy or self.pipeline:
+            # The client's next requests are here already: not idle, no keep-alive deadline.
+            self._unset_keepalive_if_required()
+            return
+        if self.timeout_keep_alive_task is None:  # uvicorn's, armed as it arms it
+            self.timeout_keep_alive_task = self.loop.call_later(
+                self.timeout_keep_alive, self.timeout_keep_alive_handler
+            )
+        if self._header_timer is None:
+            self._arm()  # the next request on this connection gets its own deadline
+
+    # ------------------------------------------------------------------ header limits
+
     def _arm(self) -> None:
-        self._header_bytes = 0
         self._header_timer = self.loop.call_later(self.limits.header_timeout, self._expired)
 
     def _disarm(self) -> None:
@@ -145,45 +487,130 @@ class LimitedProtocol(HttpToolsProtocol):
 
     def _expired(self) -> None:
         self._header_timer = None
-        if not self.transport.is_closing():
-            self.counters.add("header_timeouts")
-            self.transport.close()
+        if self.transport.is_closing():
+            return
+        if self._unparsed or self.flow.read_paused:  # waiting for us, not for the client
+            self._arm()
+            return
+        self.counters.add("header_timeouts")
+        self._cut_off()
 
-    def data_received(self, data: bytes) -> None:
-        armed = self._header_timer
-        super().data_received(data)
-        if self._fast_state == "body" and self._body_timer is None:
-            # Armed once the data that completed the headers is parsed: a query whose body
-            # came with its headers (the usual case) never needs the timer.
-            self._body_timer = self.loop.call_later(self.limits.body_timeout, self._body_late)
-        if self._header_timer is None or self._header_timer is not armed:
-            return  # headers complete, or a request was answered and the next one's began
-        # Headers still incomplete after this data, so all of it was request line and headers.
-        self._header_bytes += len(data)
+    def _count_header_bytes(self, size: int) -> None:
+        self._header_bytes += size
         if self._header_bytes > self.limits.max_header_bytes:
             self._disarm()
             self.counters.add("headers_too_large")
-            self.transport.write(_HEADERS_TOO_LARGE)
+            self._end_with(partial(self._write_and_close, _HEADERS_TOO_LARGE))
+
+    def _end_with(self, refusal: Callable[[], None]) -> None:
+        """Parse no more; write ``refusal`` (which closes the connection) after the answers
+        waiting before it, or cut the connection off if the app is answering."""
+        self._unparsed.clear()
+        self._fast_state = "refused"
+        if self._app_answering():
+            self.transport.abort()
+        else:
+            self._in_order(refusal)
+
+    def _write_and_close(self, response: bytes) -> None:
+        self.transport.write(response)
+        self.transport.close()
+
+    def _app_answering(self) -> bool:
+        """Whether the app has a request in hand whose response is not complete."""
+        return self.cycle is not None and not self.cycle.response_complete
+
+    def _cut_off(self) -> None:
+        """Close the connection; at once if the app is answering, for a response cut short
+        is no use and nothing else may be written in its place."""
+        if self._app_answering():
+            self.transport.abort()
+        else:
             self.transport.close()
+
+    # ------------------------------------------------------------------ parser callbacks
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._messages_begun += 1
+        self._in_message = self._in_headers = True
+        self._header_bytes = 0
+        self._unset_keepalive_if_required()
+        if self._header_timer is None:
+            # A request begun while the previous response is still being sent gets its
+            # deadline too (otherwise it could send headers for as long as that takes).
+            self._arm()
 
     def on_headers_complete(self) -> None:
         self._disarm()
+        self._in_headers = False
+        self._body_left = _declared_length(self.headers) or 0
+        if self.transport.is_closing():
+            self._fast_state = "refused"  # after a Connection: close answer: nothing more
         if self._fast_state == "refused":
             return  # pipelined after a refused query: the connection is closing
+        if self.parser.should_upgrade() and self._declines_upgrade():
+            self._replay = self._head_without_upgrade()
+            return  # the parser stops here; _feed parses the request again
         if self._takes_query():
             self._begin_query()
             return
+        self._to_app()
+
+    def _to_app(self) -> None:
+        """Hand the request to uvicorn. While answers of ours wait to be written it must wait
+        for them, so they stand in for a request in flight: uvicorn queues this one behind
+        them, as behind one of its own (its pipeline), and _answered starts it."""
+        previous = self.cycle
+        if self._waiting:
+            self.cycle = _ANSWERS_WAITING
         super().on_headers_complete()
+        if self.cycle is _ANSWERS_WAITING:  # it took no request (a WebSocket upgrade)
+            self.cycle = previous
 
-    def on_response_complete(self) -> None:
-        super().on_response_complete()
-        if not self.transport.is_closing() and self._header_timer is None:
-            self._arm()  # the next request on this connection gets its own deadline
+    def on_body(self, body: bytes) -> None:
+        if self._body_left:  # a declared length (a chunked body has none)
+            self._body_left -= len(body)
+        if self._fast_state == "off":
+            super().on_body(body)
+        elif self._fast_state == "body":
+            self._body.append(body)
+            self._body_size += len(body)
+            if self._body_size > self.limits.max_body_bytes:
+                self._refuse(too_large_error(self.limits))
 
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._disarm()
+    def on_message_complete(self) -> None:
+        self._in_message = False
+        self._body_left = 0
+        if self._replay is not None:
+            return  # the upgrade offer's message, parsed again without it
+        if self._fast_state == "off":
+            super().on_message_complete()
+            return
+        if self._fast_state == "refused":
+            return
+        body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
         self._end_body()
-        super().connection_lost(exc)
+        close = not self.parser.should_keep_alive()
+        if self._waiting or self._over_budget():
+            self._waiting.append(partial(self._answer, body, close))
+        else:
+            self._answer(body, close)
+
+    # ------------------------------------------------------------------ upgrade offers
+
+    def _declines_upgrade(self) -> bool:
+        """Whether the request's ``Upgrade`` offer is declined: anything but a WebSocket
+        uvicorn can run (and CONNECT, a tunnel rather than an offer, which uvicorn takes)."""
+        return self.parser.get_method() != b"CONNECT" and not self._should_upgrade()
+
+    def _head_without_upgrade(self) -> bytes:
+        version = self.parser.get_http_version().encode()
+        head = [self.parser.get_method(), b" ", self.url, b" HTTP/", version, b"\r\n"]
+        for name, value in _without_upgrade(self.headers):
+            head += [name, b": ", value, b"\r\n"]
+        head.append(b"\r\n")
+        return b"".join(head)
 
     # ------------------------------------------------------------------ POST /query
 
@@ -203,47 +630,25 @@ class LimitedProtocol(HttpToolsProtocol):
 
     def _begin_query(self) -> None:
         self._fast_state = "body"
-        declared = _declared_length(self.headers)
-        if declared is not None and declared > self.limits.max_body_bytes:
+        if self._body_left > self.limits.max_body_bytes:
             self._refuse(too_large_error(self.limits))
 
-    def on_body(self, body: bytes) -> None:
-        if self._fast_state == "off":
-            super().on_body(body)
-        elif self._fast_state == "body":
-            self._body.append(body)
-            self._body_size += len(body)
-            if self._body_size > self.limits.max_body_bytes:
-                self._refuse(too_large_error(self.limits))
-
-    def on_message_complete(self) -> None:
-        if self._fast_state == "off":
-            super().on_message_complete()
-            return
-        if self._fast_state == "refused":
-            return
+    def _answer(self, body: bytes, close: bool) -> None:
         assert self.fast is not None
-        body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
-        self._end_body()
         status, payload = self.fast.respond(body)
-        self._write(status, payload, close=not self.parser.should_keep_alive())
-        self.on_response_complete()
-        if self.flow.write_paused and not self.flow.read_paused:
-            # The client is not reading its answers: read no more of its requests until it
-            # does (the ASGI path waits for the drain the same way), or they pile up here.
-            self._reading_held = True
-            self.flow.pause_reading()
-
-    def resume_writing(self) -> None:
-        super().resume_writing()
-        if self._reading_held:
-            self._reading_held = False
-            self.flow.resume_reading()
+        self._write(status, payload, close=close)
+        self._answered()
 
     def _body_late(self) -> None:
         self._body_timer = None
-        if self._fast_state == "body" and not self.transport.is_closing():
-            self._refuse(body_timeout_error(self.limits))
+        if self._fast_state != "body" or self.transport.is_closing():
+            return
+        if self._unparsed or self.flow.read_paused:  # waiting for us, not for the client
+            self._body_timer = self.loop.call_later(self.limits.body_timeout, self._body_late)
+            return
+        self._turn_began = perf_counter()  # a turn of its own: the refusal may be written now
+        self._refuse(body_timeout_error(self.limits))
+        self._settle()
 
     def _refuse(self, exc: BadRequest) -> None:
         """Answer ``exc`` and close: the rest of the body is unread, the connection spent."""
@@ -252,8 +657,9 @@ class LimitedProtocol(HttpToolsProtocol):
         name = STATUS_FIELDS.get(exc.status)
         if name is not None:
             self.counters.add(name)
-        self._write(exc.status, _encoder.encode({"error": str(exc)}), close=True)
         self.server_state.total_requests += 1
+        payload = _encoder.encode({"error": str(exc)})
+        self._in_order(partial(self._write, exc.status, payload, close=True))
 
     def _end_body(self) -> None:
         if self._body_timer is not None:
@@ -265,6 +671,8 @@ class LimitedProtocol(HttpToolsProtocol):
             self._fast_state = "off"
 
     def _write(self, status: int, payload: bytes, *, close: bool) -> None:
+        if self.transport.is_closing():
+            return  # after a Connection: close answer, or a cut-off
         head = [STATUS_LINE[status]]
         for name, value in self.server_state.default_headers:
             head += [name, b": ", value, b"\r\n"]
