@@ -16,11 +16,15 @@ every refusal is counted as on the ASGI path. A request this path does not take 
 (``Expect: 100-continue``, HTTP/1.0, a token that does not pass, a request pipelined behind
 one the app still answers) goes to the app, where :class:`~kvevents.service.query.LeanQuery`
 and the routes answer it as before.
+
+Each request the app answers carries :data:`ABORT` in ``scope["extensions"]``: a call that
+closes the connection mid-response (the front door's answer from an engine that broke off).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,7 +32,11 @@ from time import perf_counter
 from typing import Literal
 
 import msgspec
-from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import (
+    STATUS_LINE,
+    HttpToolsProtocol,
+    RequestResponseCycle,
+)
 
 from kvevents.service.access import TokenCheck
 from kvevents.service.limits import (
@@ -41,7 +49,7 @@ from kvevents.service.limits import (
 from kvevents.service.query import Reader
 from kvevents.service.schema import BadRequest
 
-__all__ = ["FastQuery", "LimitedProtocol"]
+__all__ = ["ABORT", "FastQuery", "LimitedProtocol"]
 
 log = logging.getLogger("kvevents.service.protocol")
 
@@ -51,6 +59,11 @@ _HEADERS_TOO_LARGE = (
     b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(_TOO_LARGE_BODY), _TOO_LARGE_BODY)
 )
 _QUERY_PATH = b"/query"
+#: The ASGI extension (in ``scope["extensions"]``) whose ``"close"`` closes the connection
+#: mid-response: a proxy whose upstream broke after its answer began calls it, so the client
+#: sees the answer incomplete. Returning an unfinished response does the same, but uvicorn then logs
+#: an error of its own for what is not an error of the app.
+ABORT = "kvevents.abort"
 _encoder = msgspec.json.Encoder()
 
 #: Where a connection is in a ``POST /query`` the protocol answers itself: not in one, reading
@@ -92,6 +105,12 @@ class FastQuery:
         except Exception as exc:
             log.exception("POST /query failed")
             return 500, _encoder.encode({"error": f"internal error: {type(exc).__name__}"})
+
+
+def _abort(cycle: RequestResponseCycle) -> None:
+    """Close the connection of ``cycle``'s request, whose response will not be finished."""
+    cycle.disconnected = True  # what uvicorn sets when the client leaves: nothing more is sent
+    cycle.transport.close()
 
 
 def _declared_length(headers: list[tuple[bytes, bytes]]) -> int | None:
@@ -174,6 +193,11 @@ class LimitedProtocol(HttpToolsProtocol):
             self._begin_query()
             return
         super().on_headers_complete()
+        cycle = self.cycle
+        if cycle is not None and cycle.scope is self.scope:  # not an upgrade: a new request
+            # An ASGI extension is a dict: this one holds the call that closes the connection.
+            extensions = self.scope.setdefault("extensions", {})
+            extensions[ABORT] = {"close": functools.partial(_abort, cycle)}
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
