@@ -49,7 +49,8 @@ class Behaviour:
     ``status``: of completion answers (>= 400: an OpenAI error body). ``delay``: seconds
     before the response headers (``math.inf``: never). ``tokens``: pieces of an answer's text
     (one SSE event each when streamed); ``token_bytes``: each piece padded to this size (0:
-    ``"tok<i> "``). ``token_delay``: seconds between pieces. ``close_after``: close the
+    ``"tok<i> "``). ``token_delay``: seconds between pieces; ``torn``: each piece is written
+    in two halves a moment apart (one HTTP chunk across two TCP segments). ``close_after``: close the
     connection after this many pieces; ``hang_up``: close it as soon as a completion request
     arrives, answering nothing. ``length``: a non-streamed answer says its
     content-length (False: chunked). ``prompt_tokens``, ``cached_tokens``: the usage
@@ -62,6 +63,7 @@ class Behaviour:
     tokens: int = 4
     token_bytes: int = 0
     token_delay: float = 0.0
+    torn: bool = False
     close_after: int | None = None
     hang_up: bool = False
     length: bool = True
@@ -80,6 +82,7 @@ class Behaviour:
         return (
             self.delay == 0
             and self.token_delay == 0
+            and not self.torn
             and self.close_after is None
             and self.tokens * max(self.token_bytes, 8) <= _SYNC_LIMIT
         )
@@ -537,7 +540,12 @@ class _Script:
             if self.b.close_after is not None and i >= self.b.close_after:
                 conn._close()
                 return False
-            await conn.write(_chunk(piece) if frame else piece)
+            data = _chunk(piece) if frame else piece
+            if self.b.torn:
+                await conn.write(data[: len(data) // 2])
+                await asyncio.sleep(0.001)
+                data = data[len(data) // 2 :]
+            await conn.write(data)
             if self.b.token_delay:
                 await _sleep(self.b.token_delay)
         return True
