@@ -85,6 +85,8 @@ class ProxyMetrics:
             registry=self.registry,
         )
 
+        self._counted: dict[tuple[str, str, int], Any] = {}
+
         def totals() -> Iterator[tuple[dict[str, str], Any]]:
             record = stats()
             yield {}, record
@@ -101,6 +103,15 @@ class ProxyMetrics:
         self.registry.register(StatsCollector("kvevents_http", lambda: [({}, http.stats())]))
         for collector in collectors:
             self.registry.register(collector)
+
+    def count_request(self, route: str, engine: str, status: int) -> None:
+        """One more request answered by route, engine and status (its series kept at hand:
+        prometheus-client's labels() takes a lock each time)."""
+        key = (route, engine, status)
+        child = self._counted.get(key)
+        if child is None:
+            child = self._counted[key] = self.requests.labels(route, engine, str(status))
+        child.inc()
 
 
 def snapshot(counts: ProxyCounts, in_flight: int) -> ProxyStats:

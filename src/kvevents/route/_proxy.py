@@ -129,7 +129,7 @@ class RouteApp:
             await _refuse(send, error)
         finally:
             self.upstream.in_flight -= 1
-            self.metrics.requests.labels(route, engine, str(status)).inc()
+            self.metrics.count_request(route, engine, status)
 
     async def _answer(
         self, scope: Scope, receive: Receive, send: Send, began: float, planned: bool

@@ -35,19 +35,19 @@ class ChunkReader:
     async def read(self) -> tuple[bytes, bool]:
         """(the next piece, whether it is the last); the last may be empty."""
         content = self._content
-        if not self._chunked:
-            data, _ = await content.readchunk()
-            return data, content.at_eof()
-        held: list[bytes] = []
-        size = 0
-        while True:
+        data, chunk_end = await content.readchunk()
+        if chunk_end or not self._chunked or content.at_eof():
+            return data, content.at_eof()  # the usual case: a whole chunk, or any piece
+        held = [data] if data else []
+        size = len(data)
+        while size < self._hold:
             data, chunk_end = await content.readchunk()
             if data:
                 held.append(data)
                 size += len(data)
-            last = content.at_eof()
-            if (chunk_end and held) or last or size >= self._hold:
-                return (held[0] if len(held) == 1 else b"".join(held)), last
+            if (chunk_end and held) or content.at_eof():
+                break
+        return (held[0] if len(held) == 1 else b"".join(held)), content.at_eof()
 
 
 class SseUsage:
@@ -60,13 +60,20 @@ class SseUsage:
         self.done = False
 
     def feed(self, piece: bytes) -> None:
+        if not self._carry and piece.endswith(b"\n\n"):  # whole events: the usual case
+            if b'"usage"' in piece or b"[DONE]" in piece:
+                self._read_events(piece)
+            return
         data = self._carry + piece if self._carry else piece
         cut = _end_of_last_event(data)
         complete, rest = data[:cut], data[cut:]
         self._carry = rest if len(rest) <= _EVENT_LIMIT else b""
         if b'"usage"' in complete or b"[DONE]" in complete:
-            for event in _EVENT_END.split(complete):
-                self._read_event(event)
+            self._read_events(complete)
+
+    def _read_events(self, complete: bytes) -> None:
+        for event in _EVENT_END.split(complete):
+            self._read_event(event)
 
     def _read_event(self, event: bytes) -> None:
         lines = [line[5:] for line in event.splitlines() if line.startswith(b"data:")]
