@@ -21,9 +21,21 @@ ALLOWED = {
     "sim": {"top", "wire", "publish", "subscribe", "index", "service", "sim"},
     # Our publisher and subscriber inside other programs (engines' plugin systems).
     "integrations": {"top", "wire", "publish", "subscribe", "integrations"},
-    "testing": {"top", "wire", "publish", "subscribe", "index", "service", "sim", "testing"},
+    "testing": {
+        "top",
+        "wire",
+        "publish",
+        "subscribe",
+        "index",
+        "service",
+        "sim",
+        "route",
+        "testing",
+    },
     # Relays and router replicas over NATS JetStream: a subscriber in, an index service out.
     "scaleout": {"top", "wire", "subscribe", "index", "service", "scaleout"},
+    # The front door: the service's index and HTTP stack, with a proxy to the engines.
+    "route": {"top", "wire", "subscribe", "index", "service", "route"},
     "cli": {
         "top",
         "wire",
@@ -35,6 +47,7 @@ ALLOWED = {
         "testing",
         "integrations",
         "scaleout",
+        "route",
         "cli",
     },
 }

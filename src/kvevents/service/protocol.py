@@ -27,11 +27,15 @@ this path does not take on (``Expect: 100-continue``, HTTP/1.0, a token that doe
 request pipelined behind one the app still answers) goes to the app, where
 :class:`~kvevents.service.query.LeanQuery` and the routes answer it as before; one pipelined
 behind answers of ours waits for them.
+
+Each request the app answers carries :data:`ABORT` in ``scope["extensions"]``: a call that
+closes the connection mid-response (the front door's answer from an engine that broke off).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections import deque
 from collections.abc import Callable
@@ -60,7 +64,15 @@ from kvevents.service.limits import (
 from kvevents.service.query import Reader
 from kvevents.service.schema import BadRequest
 
-__all__ = ["PARSE_PIECE", "TURN_SECONDS", "FastQuery", "HeldFlow", "LimitedProtocol", "Unparsed"]
+__all__ = [
+    "ABORT",
+    "PARSE_PIECE",
+    "TURN_SECONDS",
+    "FastQuery",
+    "HeldFlow",
+    "LimitedProtocol",
+    "Unparsed",
+]
 
 log = logging.getLogger("kvevents.service.protocol")
 
@@ -71,6 +83,11 @@ _HEADERS_TOO_LARGE = (
 )
 _QUERY_PATH = b"/query"
 _UPGRADE_TOKENS = frozenset({b"upgrade", b"http2-settings"})
+#: The ASGI extension (in ``scope["extensions"]``) whose ``"close"`` closes the connection
+#: mid-response: a proxy whose upstream broke after its answer began calls it, so the client
+#: sees the answer incomplete. Returning an unfinished response does the same, but uvicorn then logs
+#: an error of its own for what is not an error of the app.
+ABORT = "kvevents.abort"
 _encoder = msgspec.json.Encoder()
 #: Bytes handed to the parser at a time. One read can hold thousands of small pipelined
 #: requests, and the parser takes all it is given: each piece is parsed whole, so a
@@ -131,6 +148,12 @@ class FastQuery:
         except Exception as exc:
             log.exception("POST /query failed")
             return 500, _encoder.encode({"error": f"internal error: {type(exc).__name__}"})
+
+
+def _abort(cycle: RequestResponseCycle) -> None:
+    """Close the connection of ``cycle``'s request, whose response will not be finished."""
+    cycle.disconnected = True  # what uvicorn sets when the client leaves: nothing more is sent
+    cycle.transport.close()
 
 
 def _declared_length(headers: list[tuple[bytes, bytes]]) -> int | None:
@@ -567,6 +590,12 @@ class LimitedProtocol(HttpToolsProtocol):
         super().on_headers_complete()
         if self.cycle is _ANSWERS_WAITING:  # it took no request (a WebSocket upgrade)
             self.cycle = previous
+            return
+        cycle = self.cycle
+        if cycle is not None and cycle.scope is self.scope:  # not an upgrade: a new request
+            # An ASGI extension is a dict: this one holds the call that closes the connection.
+            extensions = self.scope.setdefault("extensions", {})
+            extensions[ABORT] = {"close": functools.partial(_abort, cycle)}
 
     def on_body(self, body: bytes) -> None:
         if self._body_left:  # a declared length (a chunked body has none)

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import uvicorn
-from starlette.applications import Starlette
+from starlette.types import ASGIApp
 
 from kvevents.service.app import AppOptions, create_app
 from kvevents.service.core import IndexService
@@ -34,7 +34,7 @@ class Server:
 
     def __init__(
         self,
-        app: Starlette,
+        app: ASGIApp,
         host: str = "127.0.0.1",
         port: int = 0,
         *,
@@ -114,15 +114,16 @@ class Server:
         self.close()
 
 
-def _counters_of(app: Starlette) -> HttpCounters:
-    """The app's counters (``create_app`` sets them), or new ones nobody reads."""
-    counters = getattr(app.state, "http_counters", None)
+def _counters_of(app: ASGIApp) -> HttpCounters:
+    """The app's counters (``create_app`` and the front door's app set them in ``app.state``),
+    or new ones nobody reads."""
+    counters = getattr(getattr(app, "state", None), "http_counters", None)
     return counters if isinstance(counters, HttpCounters) else HttpCounters()
 
 
-def _fast_query_of(app: Starlette) -> FastQuery | None:
+def _fast_query_of(app: ASGIApp) -> FastQuery | None:
     """The app's ``POST /query`` for the protocol to answer (``create_app`` sets it), if any."""
-    fast = getattr(app.state, "fast_query", None)
+    fast = getattr(getattr(app, "state", None), "fast_query", None)
     return fast if isinstance(fast, FastQuery) else None
 
 
