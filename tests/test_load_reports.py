@@ -160,7 +160,7 @@ def test_workers_show_the_reported_load_until_it_expires(running: Running) -> No
         return {w["worker_id"]: w["ranks"][0]["load"] for w in workers}
 
     running.load({"worker_id": "a", "queued_blocks": 2, "active_blocks": 9})
-    assert loads() == {"a": {"queued_blocks": 2, "active_blocks": 9}, "b": None}
+    assert loads() == {"a": {"queued_blocks": 2, "active_blocks": 9, "requests": 0}, "b": None}
     running.clock.now += TTL
     assert loads() == {"a": None, "b": None}
 
