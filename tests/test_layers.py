@@ -24,6 +24,8 @@ ALLOWED = {
     "testing": {"top", "wire", "publish", "subscribe", "index", "service", "sim", "testing"},
     # Relays and router replicas over NATS JetStream: a subscriber in, an index service out.
     "scaleout": {"top", "wire", "subscribe", "index", "service", "scaleout"},
+    # The front door: exact tokens in process, the proxy, routing on the index service.
+    "route": {"top", "wire", "subscribe", "index", "service", "route"},
     "cli": {
         "top",
         "wire",
@@ -35,6 +37,7 @@ ALLOWED = {
         "testing",
         "integrations",
         "scaleout",
+        "route",
         "cli",
     },
 }
