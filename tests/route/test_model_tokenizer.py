@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -108,10 +109,9 @@ def test_loading_prints_no_pytorch_advice(chat_model_tokenizer: Path) -> None:
     done = _run(code, {})
     assert done.returncode == 0, done.stderr
     assert "PyTorch was not found" not in done.stderr
-    control = _run("import transformers", {})
-    assert "PyTorch was not found" in control.stderr, (
-        "the advice this filter drops is gone upstream"
-    )
+    if importlib.util.find_spec("torch") is None:  # with torch there is no advice to drop
+        control = _run("import transformers", {})
+        assert "PyTorch was not found" in control.stderr, "the advice is gone upstream"
 
 
 def test_a_chat_is_the_template_render_encoded_without_special_tokens(
