@@ -34,7 +34,7 @@ ALLOWED = {
     },
     # Relays and router replicas over NATS JetStream: a subscriber in, an index service out.
     "scaleout": {"top", "wire", "subscribe", "index", "service", "scaleout"},
-    # The front door: the service's index and HTTP stack, with a proxy to the engines.
+    # The front door: exact tokens in process, the proxy, routing on the index service.
     "route": {"top", "wire", "subscribe", "index", "service", "route"},
     "cli": {
         "top",
