@@ -35,7 +35,8 @@ class RoundRobinPlanner:
     (``rotate=False``: always in pool order).
 
     ``predicted``: engine id -> the predicted cached tokens to report (default none).
-    ``plans``, ``sent`` (each ``started``), ``ended`` (each ``finished``): what the proxy
+    ``plans``, ``sent`` (each ``started``), ``answered`` (each ``answering``), ``ended`` (each
+    ``finished``): what the proxy
     asked and told, in order.
     """
 
@@ -51,6 +52,7 @@ class RoundRobinPlanner:
         self.predicted = dict(predicted or {})
         self.plans: list[RouteRequest] = []
         self.sent: list[tuple[Plan, Engine]] = []
+        self.answered: list[tuple[Plan, Engine]] = []
         self.ended: list[tuple[Plan, Engine, Outcome]] = []
         self._turn = 0
         self._lock = threading.Lock()
@@ -71,6 +73,10 @@ class RoundRobinPlanner:
     def started(self, plan: Plan, engine: Engine) -> None:
         with self._lock:
             self.sent.append((plan, engine))
+
+    def answering(self, plan: Plan, engine: Engine) -> None:
+        with self._lock:
+            self.answered.append((plan, engine))
 
     def finished(self, plan: Plan, engine: Engine, outcome: Outcome) -> None:
         with self._lock:
