@@ -201,19 +201,17 @@ def _state(settings: ServeSettings) -> tuple[Any, list[Any]]:
 
 def _restore(service: Any, saved: list[Any], policy: Any) -> None:
     """Register the state file's workers again, as if over HTTP: the endpoint policy of now
-    applies. One refused is skipped with a warning (and leaves the file at the next change)."""
-    from kvevents.errors import LayoutError, StreamAddError
+    applies. One refused is skipped with a warning (and leaves the file at the next change).
+    The file is not written meanwhile, and /health says "starting" until the end."""
 
-    for reg in saved:
-        try:
-            for spec in service.stream_specs(reg):  # each rank's own endpoints too
-                for name in ("endpoint", "replay_endpoint"):
-                    if getattr(spec, name) is not None:
-                        policy.check(name, getattr(spec, name), (0,))
-            service.register(reg, persist=True)
-        except (LayoutError, StreamAddError) as exc:
-            print(f"kvevents serve: warning: state file: worker {reg.worker_id!r} not restored: "
-                  f"{exc}", file=sys.stderr, flush=True)  # fmt: skip
+    def check(spec: Any) -> None:  # each rank's own endpoints too
+        for name in ("endpoint", "replay_endpoint"):
+            if getattr(spec, name) is not None:
+                policy.check(name, getattr(spec, name), (0,))
+
+    for reg, exc in service.restore(saved, check):
+        why = f"state file: worker {reg.worker_id!r} not restored: {exc}"
+        print(f"kvevents serve: warning: {why}", file=sys.stderr, flush=True)
 
 
 def _service(settings: ServeSettings, args: argparse.Namespace, state: Any) -> Any:

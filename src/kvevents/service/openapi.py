@@ -182,7 +182,8 @@ class Dump(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class Health(msgspec.Struct, forbid_unknown_fields=True):
-    """``GET /health``: 200 with ``ok``; 503 with why when the feed stalled or died."""
+    """``GET /health``: 200 with ``ok``; 503 with why when the feed stalled or died, or while
+    the service still registers the workers of its state file (``starting``)."""
 
     status: FeedState
     workers: int

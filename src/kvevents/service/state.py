@@ -128,6 +128,35 @@ class Persisted:
     def __init__(self, state: StateFile | None) -> None:
         self.state = state
         self._ids: set[str] = set()
+        #: (registered so far, to register) while a restore runs (:meth:`begin_restore`), else None.
+        self.restore_progress: tuple[int, int] | None = None
+        self._owed = False  # a write was asked for during the restore
+
+    def begin_restore(self, total: int) -> None:
+        """Hold every write until :meth:`end_restore`: the file already holds the workers
+        being registered again, and a write half-way would hold only those restored so far
+        (a kill then loses the rest for good)."""
+        self.restore_progress = (0, total)
+        self._owed = False
+
+    def restored_one(self) -> None:
+        """Count one registration of the restore done (or refused)."""
+        if self.restore_progress is not None:
+            done, total = self.restore_progress
+            self.restore_progress = (done + 1, total)
+
+    def end_restore(self) -> bool:
+        """End the restore; whether a change made meanwhile (over HTTP) is owed a write."""
+        owed, self._owed = self._owed, False
+        self.restore_progress = None
+        return owed and self.state is not None
+
+    def defer(self) -> bool:
+        """Whether a write asked for now waits for the restore's end (then it is owed)."""
+        if self.restore_progress is None:
+            return False
+        self._owed = True
+        return True
 
     def registered(self, worker_id: str, persist: bool) -> bool:
         """Note a registration; whether the file must be written again."""

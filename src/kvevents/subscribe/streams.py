@@ -51,7 +51,9 @@ StreamState: TypeAlias = Literal[CursorState, "failed"]
 #: Why a :class:`StreamReset` was sent.
 ResetReason: TypeAlias = Literal["restart", "removed"]
 #: The I/O thread's health: serving, stuck on work for too long, or not running.
-FeedState: TypeAlias = Literal["ok", "stalled", "dead"]
+#: A feed's health; ``starting`` is the index service's alone: it is still registering the
+#: workers of its state file (``IndexService.restore``).
+FeedState: TypeAlias = Literal["ok", "stalled", "dead", "starting"]
 
 
 #: The largest message a subscriber accepts by default (``SubscriberOptions.max_message_size``):
