@@ -31,6 +31,7 @@ from typing import Annotated, Any, ClassVar, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from kvevents.cli.common import UsageError
+from kvevents.files import read_bounded
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -52,6 +53,8 @@ __all__ = [
 
 #: The environment variable naming the config file when ``--config`` is not given.
 CONFIG_ENV = "KVEVENTS_CONFIG"
+#: The largest settings file read (a few KB is a big one).
+MAX_CONFIG_BYTES = 1 << 20
 #: Where :func:`track_given` records the flags given on the command line (dest: option).
 GIVEN = "given_flags"
 
@@ -136,6 +139,8 @@ class ServeSettings(Settings):
     state_file: Text | None = None
     auth_token_file: Text | None = None
     auth_reads: bool = False
+    #: Serve without a token on a host other than loopback (refused otherwise).
+    allow_unauthenticated: bool = False
     allow_endpoint_host: list[Text] = []
     max_body_bytes: Positive = 8 << 20
     header_timeout: Seconds = 10.0
@@ -287,13 +292,18 @@ def _validated(
 
 def _read_toml(path: Path) -> dict[str, Any]:
     try:
-        with path.open("rb") as f:
-            document: dict[str, Any] = tomllib.load(f)
-            return document
+        text = read_bounded(path, MAX_CONFIG_BYTES, "settings file").decode()
+        document: dict[str, Any] = tomllib.loads(text)
     except OSError as exc:
         raise UsageError(f"--config {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        why = f"not UTF-8 text ({exc.reason} at byte {exc.start})"
+        raise UsageError(f"{path}: not valid TOML: {why}") from None
     except tomllib.TOMLDecodeError as exc:
         raise UsageError(f"{path}: not valid TOML: {exc}") from None
+    except RecursionError:
+        raise UsageError(f"{path}: not valid TOML: nested too deeply") from None
+    return document
 
 
 def _file_layer(model: type[S], command: str, path: Path) -> dict[str, Any]:

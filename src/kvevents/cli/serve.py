@@ -20,9 +20,10 @@ from kvevents.cli.secure import add_client_options, client_curve
 EXAMPLES = """examples:
   kvevents serve
       the index on http://127.0.0.1:8090; workers register with POST /register
-  kvevents serve --host 0.0.0.0 --port 8090 --block-size 16 \\
+  KVEVENTS_AUTH_TOKEN=s3cret kvevents serve --host 0.0.0.0 --port 8090 --block-size 16 \\
       --worker a=tcp://10.0.0.5:5557,tcp://10.0.0.5:5600 --ranks 2
-      and index worker "a" (ranks 0-1) from the start
+      on every interface (a token is required there, or --allow-unauthenticated), and
+      index worker "a" (ranks 0-1) from the start
   kvevents serve --engine sg1=http://10.0.0.5:30000 --engine http://10.0.0.6:30000
       index two SGLang servers from what their /server_info advertises (every DP rank,
       replay, block size, topic); the second is named "10.0.0.6:30000"
@@ -45,7 +46,10 @@ EXAMPLES = """examples:
 endpoints: POST /register /unregister /load /query, GET /dump /workers /metrics /health
 /digest (see docs/service.md). A line "serving on URL" goes to stdout once it accepts connections.
 Registrations over HTTP may name loopback endpoints only unless --allow-endpoint-host says
-otherwise (--worker options are yours and are not checked); see docs/security.md.
+otherwise (--worker options are yours and are not checked). Without a token anyone who
+reaches the port may register workers (up to the subscriber's 8,192 sockets, 15 metric series
+each), so a --host other than loopback needs one or --allow-unauthenticated; see
+docs/security.md.
 """
 
 
@@ -113,9 +117,20 @@ def _add_router_options(p: Any) -> None:
 
 
 def _add_access_options(p: Any) -> None:
-    p.add_argument("--auth-token-file", metavar="FILE",
-                   help="bearer token for /register, /unregister and /load (default: "
-                   "$KVEVENTS_AUTH_TOKEN; neither: no authentication)")  # fmt: skip
+    p.add_argument(
+        "--auth-token-file",
+        metavar="FILE",
+        help="bearer token for /register, /unregister and /load (default: $KVEVENTS_AUTH_TOKEN; "
+        "neither: no authentication, and anyone who reaches the port may register workers: "
+        "thousands of streams and metric series; refused on a --host other than loopback "
+        "unless --allow-unauthenticated)",
+    )
+    p.add_argument(
+        "--allow-unauthenticated",
+        action="store_true",
+        help="serve on a --host other than loopback without a token (behind a proxy or "
+        "firewall that does the authentication)",
+    )
     p.add_argument("--auth-reads", action="store_true",
                    help="require the token on the read-only endpoints too")  # fmt: skip
     p.add_argument("--allow-endpoint-host", action="append", default=[], metavar="HOST",
@@ -135,19 +150,49 @@ def _add_limit_options(p: Any) -> None:
 
 
 def _app_options(args: argparse.Namespace) -> Any:
-    from kvevents.service.access import DEFAULT_ALLOWED_HOSTS, load_token
+    from kvevents.service.access import DEFAULT_ALLOWED_HOSTS
     from kvevents.service.http import AppOptions, EndpointPolicy, HttpLimits, TokenCheck
 
-    try:
-        token = load_token(args.auth_token_file)
-    except (OSError, ValueError) as exc:
-        raise UsageError(f"--auth-token-file: {exc}") from None
+    token = _token(args.auth_token_file)
+    if token is None and not args.allow_unauthenticated:
+        _refuse_exposed(args.host)
     if args.auth_reads and token is None:
         raise UsageError("--auth-reads needs a token (--auth-token-file or $KVEVENTS_AUTH_TOKEN)")
     hosts = tuple(args.allow_endpoint_host) or DEFAULT_ALLOWED_HOSTS
     limits = HttpLimits(args.max_body_bytes, args.header_timeout, args.body_timeout,
                         args.max_connections)  # fmt: skip
     return AppOptions(TokenCheck(token, args.auth_reads), EndpointPolicy(hosts), limits, args.api)
+
+
+def _token(path: str | None) -> str | None:
+    """The bearer token (None: no authentication); a warning when others may read its file."""
+    from kvevents.service.access import exposed_mode, load_token
+
+    try:
+        token = load_token(path)
+        mode = None if path is None else exposed_mode(path)
+    except OSError as exc:
+        raise UsageError(f"--auth-token-file {path}: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        raise UsageError(f"--auth-token-file: {exc}") from None
+    if mode is not None:
+        why = f"may be read by others than its owner (mode {mode:04o}): chmod 600 {path}"
+        print(f"kvevents serve: warning: --auth-token-file {path} {why}", file=sys.stderr)
+    return token
+
+
+def _refuse_exposed(host: str) -> None:
+    """UsageError unless ``host`` is loopback: without a token, anyone who reaches the port
+    may register (and unregister) workers; on loopback that is a local process only."""
+    from kvevents.service.access import is_loopback
+
+    if not is_loopback(host):
+        raise UsageError(
+            f"--host {host} is not a loopback address and no token is set: anyone who can "
+            "reach the port could register and unregister workers and report loads. Set a token "
+            "(--auth-token-file FILE or $KVEVENTS_AUTH_TOKEN), or give "
+            "--allow-unauthenticated to serve without one"
+        )
 
 
 def _registrations(settings: ServeSettings) -> list[Any]:
@@ -196,6 +241,7 @@ def _state(settings: ServeSettings) -> tuple[Any, list[Any]]:
     state = StateFile(settings.state_file)
     saved = state.load()  # StateFileError (a ValueError) names the file: exit status 1
     state.check_writable()
+    state.remove_stale_temporaries()  # of a serve killed while it wrote
     return state, saved
 
 
@@ -258,8 +304,8 @@ def run(args: argparse.Namespace) -> int:
     args = apply_settings(ServeSettings, "serve", args)
     settings: ServeSettings = args.settings
     regs = _registrations(settings)
+    app_options = _app_options(args)  # before discovery: a refused start waits for no engine
     regs += _engine_registrations(settings, {reg.worker_id for reg in regs})
-    app_options = _app_options(args)
     state, saved = _state(settings)
     replica = _replica(settings, args, regs) if args.nats else None
     service = _service(settings, args, state) if replica is None else replica.service
