@@ -30,6 +30,7 @@ from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from kvevents.bounds import MAX_BLOCK_SIZE, MAX_NAME_LENGTH, MAX_RANK, MAX_RANKS
 from kvevents.cli.common import UsageError
 from kvevents.files import read_bounded
 
@@ -66,9 +67,9 @@ Port = Annotated[int, Field(ge=0, le=65535)]
 Positive = Annotated[int, Field(ge=1)]
 Seconds = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 Weight = Annotated[float, Field(ge=0, allow_inf_nan=False)]
-BlockSize = Annotated[int, Field(ge=1, le=1 << 20)]
-RankCount = Annotated[int, Field(ge=1, le=1024)]
-RankList = Annotated[list[Annotated[int, Field(ge=0, le=65535)]], Field(min_length=1)]
+BlockSize = Annotated[int, Field(ge=1, le=MAX_BLOCK_SIZE)]
+RankCount = Annotated[int, Field(ge=1, le=MAX_RANKS)]
+RankList = Annotated[list[Annotated[int, Field(ge=0, le=MAX_RANK)]], Field(min_length=1)]
 Text = Annotated[str, Field(min_length=1)]
 
 
@@ -83,7 +84,7 @@ class Settings(BaseModel):
 class WorkerEntry(Settings):
     """A worker ``kvevents serve`` indexes from the start (base endpoints: rank r on port + r)."""
 
-    id: Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[^:=,]+$")]
+    id: Annotated[str, Field(min_length=1, max_length=MAX_NAME_LENGTH, pattern=r"^[^:=,]+$")]
     endpoint: Text
     replay_endpoint: Text | None = None
     ranks: RankCount | RankList | None = None  #: a count or rank numbers; default: ``ranks``

@@ -96,8 +96,12 @@ def _add_engine_options(p: Any) -> None:
     p.add_argument("--engine", dest="engines", action="append", default=_d("engines"),
                    metavar="[ID=]URL", help="register an engine's advertised streams (SGLang's /server_info) at "
                    "start, named ID (default: the URL's host:port); repeatable")  # fmt: skip
-    p.add_argument("--discovery-timeout", type=positive_float, default=_d("discovery_timeout"),
-                   help="seconds to wait for an engine's /server_info (default 5)")  # fmt: skip
+    p.add_argument(
+        "--discovery-timeout",
+        type=positive_float,
+        default=_d("discovery_timeout"),
+        help="seconds an engine's /server_info may take in all: connect, headers, body (default 5)",
+    )
 
 
 def _add_router_options(p: Any) -> None:
@@ -215,6 +219,7 @@ def _registrations(settings: ServeSettings) -> list[Any]:
 def _engine_registrations(settings: ServeSettings, taken: set[str]) -> list[Any]:
     """One registration per ``--engine``, from what it advertises; a DiscoveryError (the URL
     and why: unreachable, no KV events, a bad field) stops the start (exit status 1)."""
+    from kvevents.bounds import MAX_NAME_LENGTH
     from kvevents.integrations.discovery import discover, engine_option
     from kvevents.service.core import WorkerRegistration
 
@@ -223,6 +228,8 @@ def _engine_registrations(settings: ServeSettings, taken: set[str]) -> list[Any]
         worker, url = engine_option(text)
         if worker in taken:
             raise UsageError(f"worker {worker!r} is given twice")
+        if len(worker) > MAX_NAME_LENGTH:  # the bound of a worker id over HTTP
+            raise UsageError(f"--engine: the worker id is over {MAX_NAME_LENGTH} characters")
         taken.add(worker)
         engine = discover(url, timeout=settings.discovery_timeout)
         replay = "" if engine.replay_endpoint is None else f", replay {engine.replay_endpoint}"
