@@ -28,6 +28,7 @@ from kvevents.events import BlockStored, KVEventBatch
 from kvevents.integrations.discovery import MAX_ANSWER_BYTES, discover, parse_server_info
 from kvevents.publish.records import PublisherOptions
 from kvevents.service.feed import WorkerRegistration
+from kvevents.testing.hostile_http import HostileHttpServer, dripping, flooding
 from kvevents.testing.publisher import local_config, started_publisher
 
 
@@ -218,14 +219,24 @@ def test_unreachable_and_silent_engines_fail_within_the_timeout() -> None:
     [
         ("dp_size", 10**8, "kv_events.dp_size", "<= 1024"),
         ("block_size", 2**70, "kv_events.block_size", "<= 1048576"),
-        ("endpoint_port_base", 65000, "kv_events.endpoint_port_base", "65000 + 999 (kv_events.dp_size - 1) exceeds 65535"),
-        ("replay_endpoint_port_base", 65500, "kv_events.replay_endpoint_port_base", "exceeds 65535"),
+        (
+            "endpoint_port_base",
+            65000,
+            "kv_events.endpoint_port_base",
+            "65000 + 999 (kv_events.dp_size - 1) exceeds 65535",
+        ),
+        (
+            "replay_endpoint_port_base",
+            65500,
+            "kv_events.replay_endpoint_port_base",
+            "exceeds 65535",
+        ),
         ("topic", "t" * 257, "kv_events.topic", "over 256 characters"),
         ("endpoint_host", "h" * 2000, "kv_events.endpoint_host", "over 1012 characters"),
         ("endpoint_host", "not a host!", "kv_events.endpoint_host", "is not a host"),
         ("publisher", "p" * 100_000, "kv_events.publisher", "(100002 characters)"),
     ],
-)  # fmt: skip
+)
 def test_advertised_fields_have_the_bounds_of_a_registration_over_http(
     field: str, value: Any, key: str, words: str
 ) -> None:
@@ -246,56 +257,10 @@ def test_the_bounds_are_the_http_registrations() -> None:
     from kvevents.service import schema
 
     assert (schema.MAX_RANKS, schema.MAX_BLOCK_SIZE) == (bounds.MAX_RANKS, bounds.MAX_BLOCK_SIZE)
-    top = {"kv_events": kv_events(dp_size=bounds.MAX_RANKS, block_size=bounds.MAX_BLOCK_SIZE,
-                                  endpoint_port_base=1)}  # fmt: skip
-    found = parse_server_info(top, "http://h:1")
+    top = kv_events(dp_size=bounds.MAX_RANKS, block_size=bounds.MAX_BLOCK_SIZE)
+    top["endpoint_port_base"] = 1
+    found = parse_server_info({"kv_events": top}, "http://h:1")
     assert (found.ranks, found.block_size) == (bounds.MAX_RANKS, bounds.MAX_BLOCK_SIZE)
-
-
-class RawEngine:
-    """A server that answers every connection with ``head`` and then ``body`` (or, with
-    ``flood``, that many bytes of spaces as fast as they are read), one chunk of ``chunk``
-    bytes every ``pace`` seconds; then it holds the connection until :meth:`close`."""
-
-    def __init__(self, head: bytes, *, flood: int = 0, chunk: int = 1, pace: float = 0.05) -> None:
-        self.head, self.flood, self.chunk, self.pace = head, flood, chunk, pace
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._serve, daemon=True)
-        self.thread.start()
-
-    def _serve(self) -> None:
-        self.listener.settimeout(0.05)
-        while not self.stop.is_set():
-            try:
-                conn, _ = self.listener.accept()
-            except TimeoutError:
-                continue
-            with conn:
-                self._answer(conn)
-
-    def _chunks(self) -> Iterator[bytes]:
-        for i in range(0, len(self.head), self.chunk):
-            yield self.head[i : i + self.chunk]
-        spaces = b" " * self.chunk
-        for _ in range(0, self.flood, self.chunk):
-            yield spaces
-
-    def _answer(self, conn: socket.socket) -> None:
-        for piece in self._chunks():
-            if self.pace and self.stop.wait(self.pace):
-                return
-            try:
-                conn.sendall(piece)
-            except OSError:
-                return  # the client gave up: the next connection
-        self.stop.wait()
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join(5)
-        self.listener.close()
 
 
 @pytest.mark.parametrize(
@@ -309,7 +274,7 @@ class RawEngine:
 def test_a_dripping_engine_is_cut_off_at_the_discovery_deadline(answer: bytes) -> None:
     """A server sending a byte every 50 ms answers each read in time, and used to hold serve
     45 s past --discovery-timeout 3; the timeout is now the whole discovery's."""
-    drip = RawEngine(answer)
+    drip = HostileHttpServer(answer)
     try:
         began = time.monotonic()
         with pytest.raises(DiscoveryError, match=r"no answer within 1s"):
@@ -326,7 +291,7 @@ def test_serve_gives_up_on_a_dripping_engine_at_its_discovery_timeout(
     """serve --discovery-timeout 1 stops within about a second on an engine that drips its
     answer (status 1, one line naming the URL); an --engine id over 256 characters is refused
     before any request."""
-    drip = RawEngine(b"HTTP/1.1 200 OK\r\ncontent-length: 100000\r\n\r\n" + b" " * 100_000)
+    drip = dripping()
     try:
         began = time.monotonic()
         status = main(["serve", "--port", "0", "--discovery-timeout", "1", "--engine", drip.url])
@@ -351,9 +316,7 @@ def test_an_https_engine_that_never_answers_is_cut_off_too() -> None:
 
 def test_a_huge_answer_is_refused_after_its_limit() -> None:
     """A 200 MB answer is refused once 4 MiB are read (it used to be read whole: 1.9 GB)."""
-    size = 200 * 2**20
-    head = f"HTTP/1.1 200 OK\r\ncontent-length: {size}\r\n\r\n".encode()
-    flood = RawEngine(head, flood=size, chunk=1 << 16, pace=0)
+    flood = flooding()
     tracemalloc.start()
     try:
         with pytest.raises(DiscoveryError, match=f"over {MAX_ANSWER_BYTES} bytes"):
