@@ -30,7 +30,9 @@ from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from kvevents.bounds import MAX_BLOCK_SIZE, MAX_NAME_LENGTH, MAX_RANK, MAX_RANKS
 from kvevents.cli.common import UsageError
+from kvevents.files import read_bounded
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -52,20 +54,22 @@ __all__ = [
 
 #: The environment variable naming the config file when ``--config`` is not given.
 CONFIG_ENV = "KVEVENTS_CONFIG"
+#: The largest settings file read (a few KB is a big one).
+MAX_CONFIG_BYTES = 1 << 20
 #: Where :func:`track_given` records the flags given on the command line (dest: option).
 GIVEN = "given_flags"
 
 #: The router's policies (``kvevents.index.router.POLICIES``, held equal by a test: the
 #: parser must build without the index, which needs the service extra).
-PolicyName = Literal["longest_prefix", "prefix_load", "round_robin", "random"]
+PolicyName = Literal["longest_prefix", "prefix_load", "bounded_prefix", "round_robin", "random"]
 
 Port = Annotated[int, Field(ge=0, le=65535)]
 Positive = Annotated[int, Field(ge=1)]
 Seconds = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 Weight = Annotated[float, Field(ge=0, allow_inf_nan=False)]
-BlockSize = Annotated[int, Field(ge=1, le=1 << 20)]
-RankCount = Annotated[int, Field(ge=1, le=1024)]
-RankList = Annotated[list[Annotated[int, Field(ge=0, le=65535)]], Field(min_length=1)]
+BlockSize = Annotated[int, Field(ge=1, le=MAX_BLOCK_SIZE)]
+RankCount = Annotated[int, Field(ge=1, le=MAX_RANKS)]
+RankList = Annotated[list[Annotated[int, Field(ge=0, le=MAX_RANK)]], Field(min_length=1)]
 Text = Annotated[str, Field(min_length=1)]
 
 
@@ -80,7 +84,7 @@ class Settings(BaseModel):
 class WorkerEntry(Settings):
     """A worker ``kvevents serve`` indexes from the start (base endpoints: rank r on port + r)."""
 
-    id: Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[^:=,]+$")]
+    id: Annotated[str, Field(min_length=1, max_length=MAX_NAME_LENGTH, pattern=r"^[^:=,]+$")]
     endpoint: Text
     replay_endpoint: Text | None = None
     ranks: RankCount | RankList | None = None  #: a count or rank numbers; default: ``ranks``
@@ -136,6 +140,8 @@ class ServeSettings(Settings):
     state_file: Text | None = None
     auth_token_file: Text | None = None
     auth_reads: bool = False
+    #: Serve without a token on a host other than loopback (refused otherwise).
+    allow_unauthenticated: bool = False
     allow_endpoint_host: list[Text] = []
     max_body_bytes: Positive = 8 << 20
     header_timeout: Seconds = 10.0
@@ -287,13 +293,18 @@ def _validated(
 
 def _read_toml(path: Path) -> dict[str, Any]:
     try:
-        with path.open("rb") as f:
-            document: dict[str, Any] = tomllib.load(f)
-            return document
+        text = read_bounded(path, MAX_CONFIG_BYTES, "settings file").decode()
+        document: dict[str, Any] = tomllib.loads(text)
     except OSError as exc:
         raise UsageError(f"--config {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        why = f"not UTF-8 text ({exc.reason} at byte {exc.start})"
+        raise UsageError(f"{path}: not valid TOML: {why}") from None
     except tomllib.TOMLDecodeError as exc:
         raise UsageError(f"{path}: not valid TOML: {exc}") from None
+    except RecursionError:
+        raise UsageError(f"{path}: not valid TOML: nested too deeply") from None
+    return document
 
 
 def _file_layer(model: type[S], command: str, path: Path) -> dict[str, Any]:

@@ -15,24 +15,30 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import os
+import stat
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from kvevents.errors import LayoutError
+from kvevents.files import read_bounded
 from kvevents.wire.endpoints import parse_endpoint, rank_endpoint
 
 __all__ = [
     "ACCESS_RULES",
     "DEFAULT_ALLOWED_HOSTS",
+    "MAX_TOKEN_BYTES",
     "TOKEN_ENV",
     "EndpointPolicy",
     "TokenCheck",
+    "exposed_mode",
+    "is_loopback",
     "load_token",
 ]
 
 #: The environment variable ``kvevents serve`` reads the token from (no file given).
 TOKEN_ENV = "KVEVENTS_AUTH_TOKEN"
+#: The largest token file read: a bearer token is tens of bytes.
+MAX_TOKEN_BYTES = 4096
 #: Loopback only: a registration over HTTP cannot reach another host unless allowed.
 DEFAULT_ALLOWED_HOSTS = ("127.0.0.0/8", "::1", "localhost")
 #: The allow-list entry that admits ``ipc://`` endpoints (local Unix sockets).
@@ -43,17 +49,46 @@ ACCESS_RULES = frozenset({"allowed_host", "own_port"})
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a listening address) is reachable from this machine only: an address
+    in ``127.0.0.0/8`` or ``::1``, or ``localhost``. Any other name may resolve anywhere."""
+    host = host.strip().strip("[]")
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def load_token(path: str | None, environ: dict[str, str] | None = None) -> str | None:
     """The token in ``path`` (surrounding whitespace stripped), else in ``$KVEVENTS_AUTH_TOKEN``;
-    None when neither is set. An empty token is refused: it would let everyone in."""
+    None when neither is set. An empty token is refused: it would let everyone in. The file
+    is read as :func:`kvevents.files.read_bounded` reads (OSError for a device, a directory
+    or over :data:`MAX_TOKEN_BYTES`)."""
     env = os.environ if environ is None else environ
-    token = Path(path).read_text().strip() if path is not None else env.get(TOKEN_ENV)
+    token = _token_file(path) if path is not None else env.get(TOKEN_ENV)
     if token is None:
         return None
     if not token.strip():
         where = path if path is not None else f"${TOKEN_ENV}"
         raise ValueError(f"{where}: the auth token is empty")
     return token.strip()
+
+
+def _token_file(path: str) -> str:
+    data = read_bounded(path, MAX_TOKEN_BYTES, "token file")
+    try:
+        return data.decode()
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: the auth token is not UTF-8 text") from None
+
+
+def exposed_mode(path: str) -> int | None:
+    """The permission bits of the token file ``path`` when its group or anyone else may read
+    it (then anyone with an account on the machine can change the service); None otherwise."""
+    mode = stat.S_IMODE(os.stat(path).st_mode)
+    return mode if mode & (stat.S_IRGRP | stat.S_IROTH) else None
 
 
 @dataclass(frozen=True)

@@ -183,7 +183,8 @@ class Dump(msgspec.Struct, forbid_unknown_fields=True):
 
 class Health(msgspec.Struct, forbid_unknown_fields=True):
     """``GET /health``: 200 with ``ok``, or ``degraded`` and why (a router replica with
-    streams known incomplete); 503 with why when the feed stalled or died."""
+    streams known incomplete); 503 with why when the feed stalled or died, or while the
+    service still registers the workers of its state file (``starting``)."""
 
     status: FeedState
     workers: int

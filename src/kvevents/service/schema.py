@@ -12,6 +12,15 @@ from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 
+# The registration's bounds live in kvevents.bounds (every source of a registration holds to
+# them); re-exported here, where the HTTP bodies use them.
+from kvevents.bounds import (
+    MAX_BLOCK_SIZE,
+    MAX_ENDPOINT_LENGTH,
+    MAX_NAME_LENGTH,
+    MAX_RANK,
+    MAX_RANKS,
+)
 from kvevents.events import Digest
 from kvevents.index.keys import MMSpan
 from kvevents.service.feed import OwnEndpoints, WorkerRegistration
@@ -36,15 +45,9 @@ __all__ = [
     "worker_id",
 ]
 
-#: The largest block size accepted (engines use 16 to a few hundred tokens).
-MAX_BLOCK_SIZE = 1 << 20
-#: The most ranks one worker may register (attention-DP sizes are far below it).
-MAX_RANKS = 1024
-#: The largest rank number: rank r publishes on base port + r, and ports end at 65535.
-MAX_RANK = 65535
 _MAX_HASHES = 1 << 20
-_NAME_LEN = 256
-_ENDPOINT_LEN = 1024
+_NAME_LEN = MAX_NAME_LENGTH
+_ENDPOINT_LEN = MAX_ENDPOINT_LENGTH
 _INT64 = (1 << 63) - 1
 _MAX_MM_ITEMS = 4096
 

@@ -51,8 +51,9 @@ StreamState: TypeAlias = Literal[CursorState, "failed"]
 #: Why a :class:`StreamReset` was sent.
 ResetReason: TypeAlias = Literal["restart", "removed"]
 #: The feed's health: serving, serving with some streams known incomplete (a router replica's
-#: feed), stuck on work for too long, or not running.
-FeedState: TypeAlias = Literal["ok", "degraded", "stalled", "dead"]
+#: feed), stuck on work for too long, or not running; ``starting`` is the index service's
+#: alone: it is still registering the workers of its state file (``IndexService.restore``).
+FeedState: TypeAlias = Literal["ok", "degraded", "stalled", "dead", "starting"]
 
 
 #: The largest message a subscriber accepts by default (``SubscriberOptions.max_message_size``):

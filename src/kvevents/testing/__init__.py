@@ -8,6 +8,8 @@ Submodules by area (import them directly):
 - ``kvevents.testing.peers``: a scriptable misbehaving publisher (drops, duplicates,
   restarts, 3-frame or trimmed or silent replays), a collecting consumer, and wire fixtures
   shaped like vLLM, SGLang and TensorRT-LLM output;
+- ``kvevents.testing.hostile_http``: an HTTP peer that drips, floods or never ends its
+  answer (for engine discovery and the TensorRT-LLM poller);
 - ``kvevents.testing.engine``: a recording sink and a ground-truth consumer for producers;
 - ``kvevents.testing.index``: event builders with properly chained engine hashes;
 - ``kvevents.testing.dynamo``: NVIDIA Dynamo's standalone KV indexer as a test peer;
