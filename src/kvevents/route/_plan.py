@@ -260,8 +260,9 @@ class IndexPlanner:
     async def _resolved(
         self, prompt: Prompt, index: int, request: RouteRequest, engines: Sequence[Engine]
     ) -> Prompt:
-        """``prompt``, with its ids from one engine's /tokenize when it needs them."""
-        if prompt.source != "fallback" or not engines:
+        """``prompt``, with its ids from one engine's /tokenize when it needs them (not for a
+        multimodal one: its ids would not make the engine's keys, so it gets no credit)."""
+        if prompt.source != "fallback" or prompt.multimodal or not engines:
             return prompt
         kind: Literal["chat", "completion"] = "chat" if request.path == _CHAT else "completion"
         try:
