@@ -120,7 +120,11 @@ class FrontDoor:
 
     def _collectors(self) -> list[Any]:
         planner = self.planner
-        return [StatsCollector("kvevents_route_planner", lambda: [({}, planner.stats())])]
+        prefix = "kvevents_route_planner"
+        return [
+            StatsCollector(prefix, lambda: [({}, planner.stats().counts)]),
+            StatsCollector(prefix, lambda: [({}, planner.stats().levels)]),
+        ]
 
     # ------------------------------------------------------------------ lifecycle
 

@@ -54,7 +54,14 @@ from kvevents.route._seam import Outcome, Plan, RouteRequest
 from kvevents.route._tokens import ModelTokenizer, Prompt, parse_tokenize_reply, tokenize_request
 from kvevents.service.core import IndexService
 
-__all__ = ["DEFAULT_ROUTE_POLICY", "IndexPlanner", "PlannerCounts", "PlannerOptions"]
+__all__ = [
+    "DEFAULT_ROUTE_POLICY",
+    "IndexPlanner",
+    "PlannerCounts",
+    "PlannerLevels",
+    "PlannerOptions",
+    "PlannerStats",
+]
 
 log = logging.getLogger("kvevents.route.plan")
 
@@ -117,13 +124,20 @@ class PlannerCounts:
 
 
 @dataclass(frozen=True)
-class PlannerStats:
-    """The planner now: streams ``stale`` now, predicted keys held, and its counts."""
+class PlannerLevels:
+    """The planner's levels now (``kvevents_route_planner_*`` gauges)."""
 
     GAUGES: ClassVar[frozenset[str]] = frozenset({"stale_streams", "predicted_keys"})
 
-    stale_streams: int
-    predicted_keys: int
+    stale_streams: int  #: streams getting no cache credit because their events stopped
+    predicted_keys: int  #: block keys credited to engines by requests in flight or just ended
+
+
+@dataclass(frozen=True)
+class PlannerStats:
+    """The planner now: its levels and a copy of its counts."""
+
+    levels: PlannerLevels
     counts: PlannerCounts
 
 
@@ -495,11 +509,8 @@ class IndexPlanner:
     # ------------------------------------------------------------------ stats
 
     def stats(self) -> PlannerStats:
-        return PlannerStats(
-            len(self.stale),
-            self.predictions.stats().keys_held,
-            PlannerCounts(**vars(self.counts)),
-        )
+        levels = PlannerLevels(len(self.stale), self.predictions.stats().keys_held)
+        return PlannerStats(levels, PlannerCounts(**vars(self.counts)))
 
     async def aclose(self) -> None:
         """Close the /tokenize connections and the tokenizer thread."""
