@@ -366,8 +366,8 @@ class _IdleFeed:
 
 
 def _http_child(conn: Any) -> None:
+    from kvevents.http import serve
     from kvevents.service.core import IndexService
-    from kvevents.service.http import serve
 
     index, _, _ = query_setup()
     service = IndexService(index, feed=_IdleFeed(), stream_specs=lambda reg: [])

@@ -16,10 +16,17 @@ import httpx
 import pytest
 
 from kvevents.errors import LayoutError
+from kvevents.http import (
+    AppOptions,
+    EndpointPolicy,
+    HttpLimits,
+    Server,
+    TokenCheck,
+    load_token,
+    serve,
+)
 from kvevents.index.prefix import PrefixIndex
-from kvevents.service.access import EndpointPolicy, TokenCheck, load_token
 from kvevents.service.core import IndexService, WorkerRegistration
-from kvevents.service.http import AppOptions, HttpLimits, Server, serve
 from kvevents.subscribe.streams import StreamSpec, worker_streams
 from kvevents.testing.index import batch, store_event
 from kvevents.testing.service import ServiceIndexer

@@ -18,6 +18,8 @@ ALLOWED = {
     "subscribe": {"top", "wire", "subscribe"},
     "index": {"top", "wire", "index"},
     "service": {"top", "wire", "subscribe", "index", "service"},
+    # The service's API over HTTP, and the pieces of any HTTP server of the package.
+    "http": {"top", "wire", "subscribe", "index", "service", "http"},
     "sim": {"top", "wire", "publish", "subscribe", "index", "service", "sim"},
     # Our publisher and subscriber inside other programs (engines' plugin systems).
     "integrations": {"top", "wire", "publish", "subscribe", "integrations"},
@@ -35,6 +37,7 @@ ALLOWED = {
         "testing",
         "integrations",
         "scaleout",
+        "http",
         "cli",
     },
 }

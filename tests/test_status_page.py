@@ -19,12 +19,11 @@ import httpx
 import pytest
 
 from kvevents.events import BlockStored, KVEventBatch
+from kvevents.http import AppOptions, TokenCheck, serve
+from kvevents.http._status import status
 from kvevents.index.decision import Decision, Load, TargetScore
-from kvevents.service.access import TokenCheck
 from kvevents.service.core import IndexService, WorkerRegistration
 from kvevents.service.decisions import DecisionLog
-from kvevents.service.http import AppOptions, serve
-from kvevents.service.status import status
 from kvevents.testing.index import batch, store_event
 from kvevents.testing.publisher import started_publisher
 from kvevents.testing.service import ServiceIndexer

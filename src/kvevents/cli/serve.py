@@ -1,4 +1,5 @@
-"""``kvevents serve``: the index HTTP service (``kvevents.service.core``) over a live subscriber."""
+"""``kvevents serve``: the index service (``kvevents.service.core``) over a live subscriber,
+and its HTTP API (``kvevents.http``)."""
 
 from __future__ import annotations
 
@@ -132,11 +133,24 @@ def _add_limit_options(p: Any) -> None:
                    help="seconds a request has to send its body (408 after)")  # fmt: skip
     p.add_argument("--max-connections", type=positive_int, default=_d("max_connections"),
                    help="open HTTP connections; more are closed at once")  # fmt: skip
+    p.add_argument(
+        "--send-timeout",
+        type=positive_float,
+        default=_d("send_timeout"),
+        help="seconds a response may wait for a client that reads nothing; its connection is "
+        "closed after",
+    )
 
 
 def _app_options(args: argparse.Namespace) -> Any:
-    from kvevents.service.access import DEFAULT_ALLOWED_HOSTS, load_token
-    from kvevents.service.http import AppOptions, EndpointPolicy, HttpLimits, TokenCheck
+    from kvevents.http import (
+        DEFAULT_ALLOWED_HOSTS,
+        AppOptions,
+        EndpointPolicy,
+        HttpLimits,
+        TokenCheck,
+        load_token,
+    )
 
     try:
         token = load_token(args.auth_token_file)
@@ -145,8 +159,13 @@ def _app_options(args: argparse.Namespace) -> Any:
     if args.auth_reads and token is None:
         raise UsageError("--auth-reads needs a token (--auth-token-file or $KVEVENTS_AUTH_TOKEN)")
     hosts = tuple(args.allow_endpoint_host) or DEFAULT_ALLOWED_HOSTS
-    limits = HttpLimits(args.max_body_bytes, args.header_timeout, args.body_timeout,
-                        args.max_connections)  # fmt: skip
+    limits = HttpLimits(
+        max_body_bytes=args.max_body_bytes,
+        header_timeout=args.header_timeout,
+        body_timeout=args.body_timeout,
+        max_connections=args.max_connections,
+        send_timeout=args.send_timeout,
+    )
     return AppOptions(TokenCheck(token, args.auth_reads), EndpointPolicy(hosts), limits, args.api)
 
 
@@ -245,17 +264,16 @@ def _replica(settings: ServeSettings, args: argparse.Namespace, regs: list[Any])
     return new_replica(args, index=index, router=router, load_ttl=settings.load_ttl)
 
 
-def _routes(service: Any, replica: Any) -> list[Any]:
-    from kvevents.scaleout.http import digest_route
-
+def _digest_extra(replica: Any) -> Any:
+    """A replica's ``covered_seq`` in ``GET /digest``; nothing more for a plain service."""
     if replica is None:
-        return [digest_route(service)]
-    return [digest_route(service, lambda: {"covered_seq": replica.covered_seq})]
+        return None
+    return lambda: {"covered_seq": replica.covered_seq}
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvevents.http import serve
     from kvevents.metrics import subscriber_collector
-    from kvevents.service.http import serve
 
     args = apply_settings(ServeSettings, "serve", args)
     settings: ServeSettings = args.settings
@@ -270,8 +288,14 @@ def run(args: argparse.Namespace) -> int:
     with stop_on_sigterm():
         if replica is not None:
             start_replica(replica)  # the snapshot is loaded before the first query is answered
-        server = serve(settings.host, settings.port, service=service, options=app_options,
-                       collectors=collectors, routes=_routes(service, replica))  # fmt: skip
+        server = serve(
+            settings.host,
+            settings.port,
+            service=service,
+            options=app_options,
+            collectors=collectors,
+            digest_extra=_digest_extra(replica),
+        )
         try:
             _restore(service, saved, app_options.endpoints.with_forbidden_port(server.port))
             for reg in regs:

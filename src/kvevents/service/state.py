@@ -22,8 +22,8 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from kvevents.service.bounds import MAX_RANKS, BlockSize, EndpointText, Name, Rank, Text
 from kvevents.service.feed import OwnEndpoints, WorkerRegistration
-from kvevents.service.schema import MAX_RANKS, BlockSize, EndpointText, Name, Rank, Text
 
 __all__ = [
     "Persisted",
