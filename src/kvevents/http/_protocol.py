@@ -19,9 +19,9 @@ declined: the request is answered over HTTP/1.1, its body intact.
 ``POST /query`` is answered by the protocol itself, with the app's handler
 (:class:`~._query.QueryHandler`): its body is gathered from the parser's callbacks and the
 answer written from ``on_message_complete``, without an ASGI task, receive/send messages or
-middleware. Those took about 130 us of the ~330 us of CPU
-a kept-alive 8k-token query cost the server (docs/native.md, "/query on the connection"),
-and every query pays them on the one thread that answers them all. The protections stay: the
+middleware. Those took about 130 us of the ~330 us of CPU a kept-alive 8k-token query cost the
+server (docs/native.md, "/query on the connection"), and every query pays them on the one
+thread that answers them all. The protections stay: the
 body is bounded in size (413, also by its content-length) and in time (408), the bearer token
 is checked where reads need it, and every refusal is counted as on the ASGI path. A request
 this path does not take on (``Expect: 100-continue``, HTTP/1.0, a token that does not pass, a
