@@ -32,15 +32,15 @@ FALLBACK_TESTS := tests/test_index.py tests/test_index_model.py tests/test_route
 	tests/test_index_payloads.py tests/test_index_salt.py
 
 # The C modules again, built with AddressSanitizer and UndefinedBehaviorSanitizer: the tables
-# under their native tests and a longer fuzz pass (a couple of minutes on 2 cores), the
-# receive and the payload-lending send under theirs. ASan must be the first library loaded,
+# and the HTTP JSON scanners under their native tests and a longer fuzz pass (a couple of
+# minutes on 2 cores), the receive and the payload-lending send under theirs. ASan must be the first library loaded,
 # hence LD_PRELOAD; CPython's own allocations are not leak-checked.
 SAN_CC ?= gcc
 SAN_DIR := build/sanitize
 SAN_FLAGS := -g -O1 -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=all
 SANITIZE_TESTS := tests/test_index_native.py tests/test_blocktable.py tests/test_index.py \
-	tests/test_libzmq.py tests/test_publisher_send.py
-SAN_MODULES := index/_blocktable subscribe/_zmqrecv publish/_zerosend
+	tests/test_libzmq.py tests/test_publisher_send.py tests/test_http_scan.py
+SAN_MODULES := index/_blocktable subscribe/_zmqrecv publish/_zerosend http/_jsonscan
 SANITIZE_EXAMPLES ?= 1000
 
 .PHONY: demo demo-route test test-pythons bench lint venv dynamo vllm sglang promtool browser sanitize clean

@@ -252,11 +252,12 @@ def test_advertised_fields_have_the_bounds_of_a_registration_over_http(
 
 
 def test_the_bounds_are_the_http_registrations() -> None:
-    """One home for the numbers: discovery, the HTTP schema and the settings take the same."""
+    """One home for the numbers: discovery, the HTTP bodies' bounds and the settings take the
+    same."""
     from kvevents import bounds
-    from kvevents.service import schema
+    from kvevents.service import bounds as fields
 
-    assert (schema.MAX_RANKS, schema.MAX_BLOCK_SIZE) == (bounds.MAX_RANKS, bounds.MAX_BLOCK_SIZE)
+    assert (fields.MAX_RANKS, fields.MAX_BLOCK_SIZE) == (bounds.MAX_RANKS, bounds.MAX_BLOCK_SIZE)
     top = kv_events(dp_size=bounds.MAX_RANKS, block_size=bounds.MAX_BLOCK_SIZE)
     top["endpoint_port_base"] = 1
     found = parse_server_info({"kv_events": top}, "http://h:1")

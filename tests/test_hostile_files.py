@@ -18,7 +18,7 @@ import pytest
 from kvevents.cli.common import UsageError
 from kvevents.cli.config import ServeSettings, resolve
 from kvevents.files import read_bounded
-from kvevents.service.access import exposed_mode, is_loopback, load_token
+from kvevents.http import exposed_mode, is_loopback, load_token
 from kvevents.service.state import StateFile, StateFileError
 from kvevents.testing.sockets import Deadline
 

@@ -16,10 +16,17 @@ import httpx
 import pytest
 
 from kvevents.errors import LayoutError
+from kvevents.http import (
+    AppOptions,
+    EndpointPolicy,
+    HttpLimits,
+    Server,
+    TokenCheck,
+    load_token,
+    serve,
+)
 from kvevents.index.prefix import PrefixIndex
-from kvevents.service.access import EndpointPolicy, TokenCheck, load_token
 from kvevents.service.core import IndexService, WorkerRegistration
-from kvevents.service.http import AppOptions, HttpLimits, Server, serve
 from kvevents.subscribe.streams import StreamSpec, worker_streams
 from kvevents.testing.index import batch, store_event
 from kvevents.testing.service import ServiceIndexer
@@ -75,8 +82,12 @@ def test_mutating_endpoints_need_the_token(guarded: tuple[Server, httpx.Client])
     and change nothing; with it they work. Reads stay open."""
     _, client = guarded
     body = {"worker_id": "a", "endpoint": LOCAL, "block_size": BS}
-    for headers in ({}, {"authorization": "Bearer nope"}, {"authorization": TOKEN},
-                    {"authorization": f"Basic {TOKEN}"}):  # fmt: skip
+    for headers in (
+        {},
+        {"authorization": "Bearer nope"},
+        {"authorization": TOKEN},
+        {"authorization": f"Basic {TOKEN}"},
+    ):
         for path in ("/register", "/unregister"):
             reply = client.post(path, json=body, headers=headers)
             assert reply.status_code == 401, (path, headers)
@@ -94,8 +105,14 @@ def test_reads_can_be_closed_too(feed: FakeFeed) -> None:
     """With protect_reads every endpoint needs the token, unknown ones included."""
     options = AppOptions(auth=TokenCheck(TOKEN, protect_reads=True))
     with _serve(feed, options) as running, httpx.Client(base_url=running.url) as client:
-        for method, path in [("POST", "/query"), ("GET", "/workers"), ("GET", "/health"),
-                             ("GET", "/metrics"), ("GET", "/dump"), ("GET", "/nope")]:  # fmt: skip
+        for method, path in [
+            ("POST", "/query"),
+            ("GET", "/workers"),
+            ("GET", "/health"),
+            ("GET", "/metrics"),
+            ("GET", "/dump"),
+            ("GET", "/nope"),
+        ]:
             assert client.request(method, path).status_code == 401, path
         assert client.get("/health", headers=AUTH).status_code == 200
 
@@ -145,16 +162,24 @@ def test_the_default_allow_list_is_loopback_only(guarded: tuple[Server, httpx.Cl
         assert reply.status_code == 403, (body, reply.text)
         assert reply.json()["field"] == field and error in reply.json()["error"], reply.json()
     assert client.get("/workers").json() == {"workers": []}
-    for endpoint in ("tcp://127.0.0.1:5557", "tcp://127.9.9.9:5557", "tcp://[::1]:5557",
-                     "tcp://localhost:5557"):  # fmt: skip
+    for endpoint in (
+        "tcp://127.0.0.1:5557",
+        "tcp://127.9.9.9:5557",
+        "tcp://[::1]:5557",
+        "tcp://localhost:5557",
+    ):
         assert _register(client, "a", endpoint).status_code == 200, endpoint
 
 
 def test_the_allow_list_takes_addresses_cidrs_names_and_ipc() -> None:
     """Entries are matched as networks (an address is a /32 or /128) or literal names."""
     policy = EndpointPolicy(("10.0.0.0/8", "2001:db8::/32", "Engine-A", "ipc"))
-    for endpoint in ("tcp://10.9.8.7:1", "tcp://[2001:db8::5]:1", "tcp://engine-a:1",
-                     "ipc:///run/kv"):  # fmt: skip
+    for endpoint in (
+        "tcp://10.9.8.7:1",
+        "tcp://[2001:db8::5]:1",
+        "tcp://engine-a:1",
+        "ipc:///run/kv",
+    ):
         policy.check("endpoint", endpoint, [0])
     for endpoint in ("tcp://11.0.0.1:1", "tcp://127.0.0.1:1", "tcp://engine-b:1", "inproc://x"):
         with pytest.raises(LayoutError) as refused:
@@ -263,9 +288,24 @@ def _rss() -> int:
 
 
 _NUMBERS = [0, 1, -1, 2**31, 2**32, 2**53 + 1, 2**63, 2**64, 2**70, -(2**70), 1.5, 1e308]
-_KEYS = ["worker_id", "instance_id", "endpoint", "replay_endpoint", "block_size", "ranks",
-         "dp_size", "topic", "model_name", "rank", "dp_rank", "token_ids", "block_hashes",
-         "policy", "lora_name", "lora_id"]  # fmt: skip
+_KEYS = [
+    "worker_id",
+    "instance_id",
+    "endpoint",
+    "replay_endpoint",
+    "block_size",
+    "ranks",
+    "dp_size",
+    "topic",
+    "model_name",
+    "rank",
+    "dp_rank",
+    "token_ids",
+    "block_hashes",
+    "policy",
+    "lora_name",
+    "lora_id",
+]
 
 
 def _value(rng: random.Random, depth: int = 0) -> Any:
@@ -273,8 +313,17 @@ def _value(rng: random.Random, depth: int = 0) -> Any:
     if kind == 0:
         return rng.choice(_NUMBERS)
     if kind == 1:
-        return rng.choice(["", "x" * rng.randrange(2000), "tcp://127.0.0.1:6000", "\u0000",
-                           "tcp://*:0", "ipc://" + "p" * 200, "longest_prefix"])  # fmt: skip
+        return rng.choice(
+            [
+                "",
+                "x" * rng.randrange(2000),
+                "tcp://127.0.0.1:6000",
+                "\u0000",
+                "tcp://*:0",
+                "ipc://" + "p" * 200,
+                "longest_prefix",
+            ]
+        )
     if kind == 2:
         return rng.choice([None, True, False])
     if kind in (3, 4, 5):
@@ -307,9 +356,18 @@ def test_seeded_fuzz_never_gets_a_5xx(guarded: tuple[Server, httpx.Client], feed
     assert service_stats.status_code == 200
     rss_before = _rss()
     rng = random.Random(20261201)
-    routes = [("POST", "/register"), ("POST", "/unregister"), ("POST", "/query"),
-              ("GET", "/dump"), ("GET", "/workers"), ("GET", "/metrics"), ("GET", "/health"),
-              ("PUT", "/query"), ("GET", "/../etc"), ("DELETE", "/register")]  # fmt: skip
+    routes = [
+        ("POST", "/register"),
+        ("POST", "/unregister"),
+        ("POST", "/query"),
+        ("GET", "/dump"),
+        ("GET", "/workers"),
+        ("GET", "/metrics"),
+        ("GET", "/health"),
+        ("PUT", "/query"),
+        ("GET", "/../etc"),
+        ("DELETE", "/register"),
+    ]
     statuses: dict[int, int] = {}
     for _ in range(400):
         method, path = rng.choice(routes)
@@ -351,8 +409,15 @@ def test_every_refusal_is_counted_in_metrics(guarded: tuple[Server, httpx.Client
         for line in client.get("/metrics").text.splitlines()
         if line.startswith("kvevents_http_")
     }
-    for name in ("unauthorized", "forbidden_endpoints", "bad_requests", "not_found",
-                 "bodies_too_large", "body_timeouts", "headers_too_large"):  # fmt: skip
+    for name in (
+        "unauthorized",
+        "forbidden_endpoints",
+        "bad_requests",
+        "not_found",
+        "bodies_too_large",
+        "body_timeouts",
+        "headers_too_large",
+    ):
         assert counts[f"kvevents_http_{name}_total"] == 1.0, (name, counts)
     assert counts["kvevents_http_header_timeouts_total"] >= 1.0
     assert counts["kvevents_http_connections_refused_total"] == 0.0
@@ -417,8 +482,12 @@ def flood_servers() -> Iterator[dict[str, ServiceIndexer]]:
     with ServiceIndexer() as ours, ServiceIndexer(args=["--api", "dynamo"]) as dynamo:
         for n in range(FLOOD_TARGETS):
             ours.register(f"w{n}", f"tcp://127.0.0.1:{30000 + n}", block_size=BS)
-            body = {"instance_id": n, "endpoint": f"tcp://127.0.0.1:{31000 + n}",
-                    "model_name": "m", "block_size": BS}  # fmt: skip
+            body = {
+                "instance_id": n,
+                "endpoint": f"tcp://127.0.0.1:{31000 + n}",
+                "model_name": "m",
+                "block_size": BS,
+            }
             dynamo.call("POST", "/register", body)
         yield {"kvevents": ours, "dynamo": dynamo}
 

@@ -1,4 +1,4 @@
-"""``POST /query`` answered on the connection (kvevents.service.protocol): the same answers and
+"""``POST /query`` answered on the connection (kvevents.http._protocol): the same answers and
 refusals as the app's path, kept-alive and pipelined connections, and every limit kept."""
 
 from __future__ import annotations
@@ -14,15 +14,21 @@ import pytest
 import uvicorn
 from uvicorn.server import ServerState
 
+from kvevents.http import (
+    AppOptions,
+    HttpCounters,
+    HttpLimits,
+    LimitedProtocol,
+    Server,
+    TokenCheck,
+    create_app,
+    serve,
+)
+from kvevents.http import _protocol as protocol_module
+from kvevents.http._pieces import PARSE_PIECE, Unparsed
+from kvevents.http._server import _query_handler_of
 from kvevents.index.prefix import PrefixIndex
-from kvevents.service import protocol as protocol_module
-from kvevents.service.access import TokenCheck
-from kvevents.service.app import create_app
 from kvevents.service.core import IndexService
-from kvevents.service.http import AppOptions, HttpLimits, Server, serve
-from kvevents.service.limits import HttpCounters
-from kvevents.service.protocol import PARSE_PIECE, LimitedProtocol, Unparsed
-from kvevents.service.server import _fast_query_of
 from kvevents.testing.index import batch, store_event
 from kvevents.testing.sockets import wait_for
 from test_hostile_http import _specs
@@ -278,8 +284,8 @@ async def _connected(
     if app is None:
         app = create_app(IndexService(PrefixIndex(), feed=FakeFeed(), stream_specs=_specs))
     counters = HttpCounters()
-    fast = _fast_query_of(app) if hasattr(app, "state") else None  # a plain ASGI app: none
-    cls = LimitedProtocol.configured(limits, counters, fast)
+    query = _query_handler_of(app) if hasattr(app, "state") else None  # plain ASGI app: none
+    cls = LimitedProtocol.configured(limits, counters, query)
     config = uvicorn.Config(
         app,
         lifespan="off",

@@ -18,6 +18,8 @@ ALLOWED = {
     "subscribe": {"top", "wire", "subscribe"},
     "index": {"top", "wire", "index"},
     "service": {"top", "wire", "subscribe", "index", "service"},
+    # The service's API over HTTP, and the pieces of any HTTP server of the package.
+    "http": {"top", "wire", "subscribe", "index", "service", "http"},
     "sim": {"top", "wire", "publish", "subscribe", "index", "service", "sim"},
     # Our publisher and subscriber inside other programs (engines' plugin systems).
     "integrations": {"top", "wire", "publish", "subscribe", "integrations"},
@@ -28,6 +30,7 @@ ALLOWED = {
         "subscribe",
         "index",
         "service",
+        "http",
         "sim",
         "route",
         "testing",
@@ -35,7 +38,7 @@ ALLOWED = {
     # Relays and router replicas over NATS JetStream: a subscriber in, an index service out.
     "scaleout": {"top", "wire", "subscribe", "index", "service", "scaleout"},
     # The front door: exact tokens in process, the proxy, routing on the index service.
-    "route": {"top", "wire", "subscribe", "index", "service", "route"},
+    "route": {"top", "wire", "subscribe", "index", "service", "http", "route"},
     "cli": {
         "top",
         "wire",
@@ -48,6 +51,7 @@ ALLOWED = {
         "integrations",
         "scaleout",
         "route",
+        "http",
         "cli",
     },
 }

@@ -17,9 +17,9 @@ import httpx
 import pytest
 
 from kvevents.events import BlockStored, KVEventBatch
+from kvevents.http import serve
 from kvevents.metrics import subscriber_collector
 from kvevents.service.core import IndexService, WorkerRegistration
-from kvevents.service.http import serve
 from kvevents.testing.publisher import started_publisher
 from kvevents.testing.sockets import Deadline
 

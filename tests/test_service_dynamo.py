@@ -10,12 +10,12 @@ from typing import Any
 import httpx
 import pytest
 
-from kvevents.index._table_py import pack_json_member
+from kvevents.http import AppOptions, serve
+from kvevents.http._dynamo import DynamoQueryReader, dynamo_scores
+from kvevents.http._scan_py import pack_json_member
 from kvevents.index.prefix import PrefixIndex
 from kvevents.index.records import HolderKey, MatchResult
 from kvevents.service.core import IndexService, WorkerRegistration
-from kvevents.service.dynamo import DynamoQueryReader, dynamo_scores
-from kvevents.service.http import AppOptions, serve
 from kvevents.testing.index import batch, store_event
 from test_service import BS, PROMPT, FakeFeed, applied
 

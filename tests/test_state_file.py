@@ -17,9 +17,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kvevents.http import serve
 from kvevents.index.prefix import PrefixIndex
 from kvevents.service.core import IndexService, WorkerRegistration
-from kvevents.service.http import serve
 from kvevents.service.state import StateFile, StateFileError
 from kvevents.subscribe.streams import FeedHealth, Item, StreamSpec, StreamStats, SubscriberStats
 from kvevents.testing.sockets import Deadline

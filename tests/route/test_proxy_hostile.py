@@ -15,8 +15,8 @@ from typing import Any
 import httpx
 import pytest
 
+from kvevents.http import HttpLimits
 from kvevents.route import ProxyOptions
-from kvevents.service.limits import HttpLimits
 from kvevents.testing.openai_engine import Behaviour, StandInEngine
 from kvevents.testing.rawhttp import RawConnection, request_bytes
 from kvevents.testing.route import RunningProxy

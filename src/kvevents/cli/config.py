@@ -149,6 +149,7 @@ class ServeSettings(Settings):
     header_timeout: Seconds = 10.0
     body_timeout: Seconds = 30.0
     max_connections: Positive = 256
+    send_timeout: Seconds = 30.0
     curve_server_key: Text | None = None
     curve_secret: Text | None = None
     # A router replica fed from NATS JetStream (docs/scale-out.md); None: from ZeroMQ.

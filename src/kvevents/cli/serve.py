@@ -1,4 +1,5 @@
-"""``kvevents serve``: the index HTTP service (``kvevents.service.core``) over a live subscriber."""
+"""``kvevents serve``: the index service (``kvevents.service.core``) over a live subscriber,
+and its HTTP API (``kvevents.http``)."""
 
 from __future__ import annotations
 
@@ -151,11 +152,23 @@ def _add_limit_options(p: Any) -> None:
                    help="seconds a request has to send its body (408 after)")  # fmt: skip
     p.add_argument("--max-connections", type=positive_int, default=_d("max_connections"),
                    help="open HTTP connections; more are closed at once")  # fmt: skip
+    p.add_argument(
+        "--send-timeout",
+        type=positive_float,
+        default=_d("send_timeout"),
+        help="seconds a response may wait for a client that reads nothing; its connection is "
+        "closed after",
+    )
 
 
 def _app_options(args: argparse.Namespace) -> Any:
-    from kvevents.service.access import DEFAULT_ALLOWED_HOSTS
-    from kvevents.service.http import AppOptions, EndpointPolicy, HttpLimits, TokenCheck
+    from kvevents.http import (
+        DEFAULT_ALLOWED_HOSTS,
+        AppOptions,
+        EndpointPolicy,
+        HttpLimits,
+        TokenCheck,
+    )
 
     token = _token(args.auth_token_file)
     if token is None and not args.allow_unauthenticated:
@@ -163,14 +176,19 @@ def _app_options(args: argparse.Namespace) -> Any:
     if args.auth_reads and token is None:
         raise UsageError("--auth-reads needs a token (--auth-token-file or $KVEVENTS_AUTH_TOKEN)")
     hosts = tuple(args.allow_endpoint_host) or DEFAULT_ALLOWED_HOSTS
-    limits = HttpLimits(args.max_body_bytes, args.header_timeout, args.body_timeout,
-                        args.max_connections)  # fmt: skip
+    limits = HttpLimits(
+        max_body_bytes=args.max_body_bytes,
+        header_timeout=args.header_timeout,
+        body_timeout=args.body_timeout,
+        max_connections=args.max_connections,
+        send_timeout=args.send_timeout,
+    )
     return AppOptions(TokenCheck(token, args.auth_reads), EndpointPolicy(hosts), limits, args.api)
 
 
 def _token(path: str | None) -> str | None:
     """The bearer token (None: no authentication); a warning when others may read its file."""
-    from kvevents.service.access import exposed_mode, load_token
+    from kvevents.http import exposed_mode, load_token
 
     try:
         token = load_token(path)
@@ -188,7 +206,7 @@ def _token(path: str | None) -> str | None:
 def _refuse_exposed(host: str) -> None:
     """UsageError unless ``host`` is loopback: without a token, anyone who reaches the port
     may register (and unregister) workers; on loopback that is a local process only."""
-    from kvevents.service.access import is_loopback
+    from kvevents.http import is_loopback
 
     if not is_loopback(host):
         raise UsageError(
@@ -296,17 +314,16 @@ def _replica(settings: ServeSettings, args: argparse.Namespace, regs: list[Any])
     return new_replica(args, index=index, router=router, load_ttl=settings.load_ttl)
 
 
-def _routes(service: Any, replica: Any) -> list[Any]:
-    from kvevents.scaleout.http import digest_route
-
+def _digest_extra(replica: Any) -> Any:
+    """A replica's ``covered_seq`` in ``GET /digest``; nothing more for a plain service."""
     if replica is None:
-        return [digest_route(service)]
-    return [digest_route(service, lambda: {"covered_seq": replica.covered_seq})]
+        return None
+    return lambda: {"covered_seq": replica.covered_seq}
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvevents.http import serve
     from kvevents.metrics import subscriber_collector
-    from kvevents.service.http import serve
 
     args = apply_settings(ServeSettings, "serve", args)
     settings: ServeSettings = args.settings
@@ -321,8 +338,14 @@ def run(args: argparse.Namespace) -> int:
     with stop_on_sigterm():
         if replica is not None:
             start_replica(replica)  # the snapshot is loaded before the first query is answered
-        server = serve(settings.host, settings.port, service=service, options=app_options,
-                       collectors=collectors, routes=_routes(service, replica))  # fmt: skip
+        server = serve(
+            settings.host,
+            settings.port,
+            service=service,
+            options=app_options,
+            collectors=collectors,
+            digest_extra=_digest_extra(replica),
+        )
         try:
             _restore(service, saved, app_options.endpoints.with_forbidden_port(server.port))
             for reg in regs:

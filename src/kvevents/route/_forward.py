@@ -29,6 +29,7 @@ import aiohttp
 from starlette.types import Receive, Scope, Send
 from yarl import URL
 
+from kvevents.http import ABORT
 from kvevents.route._engines import Engine, EnginePool
 from kvevents.route._metrics import ProxyCounts, ProxyMetrics
 from kvevents.route._options import ProxyOptions
@@ -36,7 +37,6 @@ from kvevents.route._replies import OpenAIError, send_json
 from kvevents.route._seam import Outcome, OutcomeKind, Plan, Planner
 from kvevents.route._sse import ChunkReader, SseUsage
 from kvevents.route._usage import BodyUsage, Usage
-from kvevents.service.protocol import ABORT
 
 __all__ = ["RANK_HEADER", "Exchange", "Upstream", "request_headers", "response_headers"]
 
@@ -217,7 +217,7 @@ class Exchange:
         self.engine: Engine | None = None
         self.gone = False
         self._complete = False  # the answer has ended: a disconnect now is no cancel
-        # Closes the client's connection mid-answer (kvevents.service.protocol.ABORT).
+        # Closes the client's connection mid-answer (kvevents.http.ABORT).
         abort = scope.get("extensions", {}).get(ABORT, {})
         self._abort: Callable[[], None] | None = abort.get("close")
 

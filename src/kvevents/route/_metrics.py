@@ -20,9 +20,9 @@ from prometheus_client import (
     ProcessCollector,
 )
 
+from kvevents.http import HttpCounters
 from kvevents.metrics import StatsCollector
 from kvevents.route._engines import EnginePool
-from kvevents.service.limits import HttpCounters
 
 __all__ = ["TTFT_BUCKETS", "ProxyCounts", "ProxyMetrics", "ProxyStats"]
 

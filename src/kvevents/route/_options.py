@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from kvevents.service.limits import HttpLimits
+from kvevents.http import HttpLimits
 
 __all__ = ["ProxyOptions"]
 

@@ -11,7 +11,7 @@
 
 A raw ASGI callable, not a Starlette app: the OpenAI routes are the hot path, and each layer
 (routing, Request objects, middleware) costs every request. Served by
-:class:`kvevents.service.server.Server`, with the service's client limits.
+:class:`kvevents.http.Server`, with the service's client limits.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from prometheus_client import generate_latest
 from starlette.datastructures import State
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from kvevents.http import BadRequest, HttpCounters, Server, read_body
 from kvevents.route._engines import Engine, EnginePool
 from kvevents.route._forward import Exchange, Upstream
 from kvevents.route._metrics import ProxyCounts, ProxyMetrics, ProxyStats, snapshot
@@ -34,9 +35,6 @@ from kvevents.route._options import ProxyOptions
 from kvevents.route._parse import PROMPT_FIELDS, model_of, route_request
 from kvevents.route._replies import OpenAIError, send_json
 from kvevents.route._seam import Plan, Planner, RouteRequest
-from kvevents.service.limits import STATUS_FIELDS, HttpCounters, read_body
-from kvevents.service.schema import BadRequest
-from kvevents.service.server import Server
 
 __all__ = ["RouteApp", "serve"]
 
@@ -73,7 +71,7 @@ class RouteApp:
         self.options = options if options is not None else ProxyOptions()
         self.counts = ProxyCounts()
         self.http_counters = HttpCounters()
-        # Where kvevents.service.server.Server finds the counters its protocol adds to.
+        # Where kvevents.http.Server finds the counters its protocol adds to.
         self.state = State({"http_counters": self.http_counters})
         self.metrics = ProxyMetrics(pool, self.stats, self.http_counters, collectors)
         self.upstream = Upstream(pool, planner, self.options, self.counts, self.metrics)
@@ -197,8 +195,8 @@ class RouteApp:
             self.counts.unknown_models += 1
         elif status == 503:
             self.counts.no_engine += 1
-        elif status in STATUS_FIELDS:
-            self.http_counters.add(STATUS_FIELDS[status])
+        else:
+            self.http_counters.refused(status)
 
     # ------------------------------------------------------------------ the proxy's own routes
 

@@ -43,10 +43,9 @@ from urllib.parse import quote, unquote
 
 import msgspec
 
-from kvevents.bounds import MAX_RANK, MAX_RANKS
 from kvevents.errors import LayoutError
+from kvevents.service.bounds import MAX_RANK, MAX_RANKS, BlockSize, EndpointText, Name, Rank, Text
 from kvevents.service.feed import WorkerRegistration, default_stream_specs
-from kvevents.service.schema import BlockSize, EndpointText, Name, Rank, Text
 
 __all__ = [
     "DEFAULT_PREFIX",

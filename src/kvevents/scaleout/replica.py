@@ -32,11 +32,10 @@ import logging
 import time
 from typing import Any
 
-from kvevents.index.digest import IndexDigest
+from kvevents.index.digest import IndexDigest, holders_digest
 from kvevents.ratelimit import RateLimitedWarning
 from kvevents.scaleout import snapshot as snap
 from kvevents.scaleout.apply import RecordApplier
-from kvevents.scaleout.digest import service_digest
 from kvevents.scaleout.jetstream import JetStreamOptions, LoopThread, connect, ensure_stream
 from kvevents.scaleout.replica_records import JetStreamFeed, ReplicaOptions, ReplicaStats
 from kvevents.scaleout.retention import newest_snapshots, trim
@@ -435,7 +434,7 @@ class Replica:
 
     def digest(self) -> IndexDigest:
         """The digest of the replica's index (:func:`kvevents.index.digest.index_digest`)."""
-        return service_digest(self.service)
+        return holders_digest(self.service.holders(), self.service.holder_blocks)
 
     def stats(self) -> ReplicaStats:
         counts = dict(self._counts)

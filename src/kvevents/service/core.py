@@ -9,7 +9,7 @@ degraded in routing until it is whole again. Queries take the same lock as the f
 The feed protocol, the records and the default feed are in :mod:`kvevents.service.feed`
 (re-exported here); registrations are kept by :mod:`.workers` and the read views are in
 :mod:`.views`, both bases of the service; the HTTP API over the service (``kvevents serve``)
-is :mod:`kvevents.service.http`.
+is the layer above, :mod:`kvevents.http`.
 """
 
 from __future__ import annotations

@@ -26,8 +26,8 @@ from typing import Annotated, Literal
 import msgspec
 
 from kvevents.files import read_bounded
+from kvevents.service.bounds import MAX_RANKS, BlockSize, EndpointText, Name, Rank, Text
 from kvevents.service.feed import OwnEndpoints, WorkerRegistration
-from kvevents.service.schema import MAX_RANKS, BlockSize, EndpointText, Name, Rank, Text
 
 __all__ = [
     "MAX_STATE_BYTES",

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvevents.http import Server
 from kvevents.route import (
     Engine,
     EnginePool,
@@ -30,7 +31,6 @@ from kvevents.route import (
     RouteApp,
     RouteRequest,
 )
-from kvevents.service.server import Server
 
 __all__ = ["RoundRobinPlanner", "RouteProcess", "RunningProxy", "running_proxy"]
 

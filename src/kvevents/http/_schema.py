@@ -3,34 +3,41 @@
 Every number a client sends has a range and every string a length, so a request is refused
 with a 400 naming the field and the rule (``Expected `int` <= 1024 - at `$.ranks```) before
 anything is built from it: no ``ranks: 2**62`` reaches ``range()``, no ``block_size: -1``
-reaches the index. Pure: no sockets, no service.
+reaches the index. A registration's own fields are bounded by :mod:`kvevents.service.bounds`
+(the same bounds hold for one restored from a state file or a scale-out record). Pure: no
+sockets, no service.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Literal, TypeVar
 
 import msgspec
 
 # The registration's bounds live in kvevents.bounds (every source of a registration holds to
 # them); re-exported here, where the HTTP bodies use them.
 from kvevents.bounds import (
-    MAX_BLOCK_SIZE,
     MAX_ENDPOINT_LENGTH,
     MAX_NAME_LENGTH,
-    MAX_RANK,
     MAX_RANKS,
 )
 from kvevents.events import Digest
+from kvevents.http._errors import BadRequest
 from kvevents.index.keys import MMSpan
+from kvevents.service.bounds import (
+    BlockSize,
+    EndpointText,
+    Name,
+    Rank,
+    RankCount,
+    Text,
+)
 from kvevents.service.feed import OwnEndpoints, WorkerRegistration
 
 __all__ = [
-    "MAX_BLOCK_SIZE",
     "MAX_LOAD_BLOCKS",
     "MAX_LOAD_ENTRIES",
-    "MAX_RANKS",
-    "BadRequest",
+    "CacheSalt",
     "LoadBody",
     "LoadEntry",
     "MMItem",
@@ -51,12 +58,6 @@ _ENDPOINT_LEN = MAX_ENDPOINT_LENGTH
 _INT64 = (1 << 63) - 1
 _MAX_MM_ITEMS = 4096
 
-BlockSize = Annotated[int, msgspec.Meta(ge=1, le=MAX_BLOCK_SIZE)]
-RankCount = Annotated[int, msgspec.Meta(ge=1, le=MAX_RANKS)]
-Rank = Annotated[int, msgspec.Meta(ge=0, le=MAX_RANK)]
-Name = Annotated[str, msgspec.Meta(min_length=1, max_length=_NAME_LEN)]
-Text = Annotated[str, msgspec.Meta(max_length=_NAME_LEN)]
-EndpointText = Annotated[str, msgspec.Meta(min_length=1, max_length=_ENDPOINT_LEN)]
 InstanceId = Annotated[int, msgspec.Meta(ge=-_INT64, le=_INT64)]
 # msgspec bounds must fit in int64: the top of the uint64 range is checked by check_hashes.
 BlockHash = Annotated[int, msgspec.Meta(ge=0)]
@@ -68,14 +69,6 @@ MAX_LOAD_BLOCKS = 1 << 40
 #: The most (worker, rank) entries one ``POST /load`` may carry.
 MAX_LOAD_ENTRIES = 4096
 LoadBlocks = Annotated[int, msgspec.Meta(ge=0, le=MAX_LOAD_BLOCKS)]
-
-
-class BadRequest(Exception):
-    """A client's request is wrong; the message names the field and the rule (a 4xx)."""
-
-    def __init__(self, message: str, status: int = 400) -> None:
-        super().__init__(message)
-        self.status = status
 
 
 class RegisterBody(msgspec.Struct, kw_only=True):
@@ -132,7 +125,7 @@ class MMItem(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 CacheSalt = Annotated[
     str,
     msgspec.Meta(
-        max_length=_NAME_LEN,
+        max_length=MAX_NAME_LENGTH,
         description="the request's cache_salt, as sent to the engine: only blocks cached "
         "under the same salt match (none: only unsalted blocks)",
     ),
@@ -180,6 +173,8 @@ class QueryBody(msgspec.Struct, kw_only=True):
 class QueryPackedBody(QueryBody, kw_only=True):
     """``QueryBody`` with ``token_ids`` left as JSON text, for a packer that reads it directly."""
 
+    # The one field whose type a subclass changes: msgspec decodes by this annotation, while
+    # mypy holds an override to its base's type.
     token_ids: msgspec.Raw = msgspec.Raw()  # type: ignore[assignment]
 
 
@@ -217,7 +212,7 @@ def mm_spans(query: QueryBody) -> tuple[MMSpan, ...]:
 
 def worker_id(body: RegisterBody | UnregisterBody | LoadEntry) -> str:
     """The worker named by ``worker_id`` or, Dynamo's name for it, ``instance_id``."""
-    worker: Any = body.worker_id if body.worker_id is not None else body.instance_id
+    worker: str | int | None = body.worker_id if body.worker_id is not None else body.instance_id
     if worker is None:
         raise BadRequest("worker_id (or instance_id) is required")
     return str(worker)

@@ -5,7 +5,7 @@ fetched from elsewhere) that renders ``/status`` with DOM text nodes only, so a 
 client registered is shown as text, never parsed as markup. Its Content-Security-Policy
 allows exactly its own inline script (by hash) and requests to this origin.
 
-The records here are msgspec structs: :mod:`kvevents.service.openapi` describes ``/status``
+The records here are msgspec structs: :mod:`kvevents.http._openapi` describes ``/status``
 from them.
 """
 
@@ -23,6 +23,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from kvevents.http._json import encode
 from kvevents.index.prefix import StreamInfo
 from kvevents.service.core import IndexService
 from kvevents.service.decisions import HitBucket, RoutedQuery
@@ -37,8 +38,6 @@ __all__ = [
     "status",
     "status_routes",
 ]
-
-_encoder = msgspec.json.Encoder()
 
 
 class RankStatus(msgspec.Struct, kw_only=True):
@@ -152,7 +151,7 @@ def _point(bucket: HitBucket) -> HitPoint:
 
 def page_html() -> bytes:
     """The status page (package data next to this module)."""
-    return resources.files("kvevents.service").joinpath("page.html").read_bytes()
+    return resources.files("kvevents.http").joinpath("page.html").read_bytes()
 
 
 def content_security_policy(page: bytes) -> str:
@@ -180,7 +179,7 @@ def status_routes(service: IndexService) -> list[Route]:
         return Response(page, media_type="text/html; charset=utf-8", headers=headers)
 
     async def status_json(request: Request) -> Response:
-        body = _encoder.encode(await run_in_threadpool(status, service))
+        body = encode(await run_in_threadpool(status, service))
         return Response(body, media_type="application/json", headers={"cache-control": "no-store"})
 
     return [

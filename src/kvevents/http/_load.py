@@ -16,9 +16,11 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from kvevents.http._errors import BadRequest
+from kvevents.http._json import json_response
+from kvevents.http._schema import LoadBody, LoadEntry, decode
 from kvevents.service.core import IndexService
 from kvevents.service.loadreports import LoadReport
-from kvevents.service.schema import BadRequest, LoadBody, LoadEntry, decode
 
 __all__ = ["load_endpoint", "load_reports"]
 
@@ -52,6 +54,6 @@ def load_endpoint(service: IndexService, read: Callable[[Request], Awaitable[byt
             "applied": len(reports) - len(unknown),
             "unknown": [{"worker_id": w, "rank": r} for w, r in unknown],
         }
-        return Response(msgspec.json.encode(reply), media_type="application/json")
+        return json_response(reply)
 
     return post_load

@@ -10,91 +10,65 @@ is still being sent to it), must read what it is sent (``send_timeout``), and co
 Pipelined requests cost bounded memory and time. The parser takes whatever it is given, and
 one read can hold thousands of small requests: before, 122 KB of pipelined queries were all
 answered in one callback (+220 MB, every other connection stalled 7 s). Bytes read are parsed
-a piece at a time (:data:`PARSE_PIECE`); parsing stops while answers wait to be written, the
+a piece at a time (:mod:`._pieces`); parsing stops while answers wait to be written, the
 client does not read them (the write buffer over its high-water mark) or the connection has had
 its turn of the event loop (:data:`TURN_SECONDS`); reading stops while bytes wait to be parsed.
 An offer to switch protocols (``Upgrade: h2c``, as ``curl --http2`` sends on plain HTTP) is
 declined: the request is answered over HTTP/1.1, its body intact.
 
-``POST /query`` is answered by the protocol itself (:class:`FastQuery`): its body is gathered
-from the parser's callbacks and the answer written from ``on_message_complete``, without an
-ASGI task, receive/send messages or middleware. Those took about 130 us of the ~330 us of CPU
-a kept-alive 8k-token query cost the server (docs/native.md, "/query on the connection"),
-and every query pays them on the one thread that answers them all. The protections stay: the
+``POST /query`` is answered by the protocol itself, with the app's handler
+(:class:`~._query.QueryHandler`): its body is gathered from the parser's callbacks and the
+answer written from ``on_message_complete``, without an ASGI task, receive/send messages or
+middleware. Those took about 130 us of the ~330 us of CPU a kept-alive 8k-token query cost the
+server (docs/native.md, "/query on the connection"), and every query pays them on the one
+thread that answers them all. The protections stay: the
 body is bounded in size (413, also by its content-length) and in time (408), the bearer token
 is checked where reads need it, and every refusal is counted as on the ASGI path. A request
 this path does not take on (``Expect: 100-continue``, HTTP/1.0, a token that does not pass, a
-request pipelined behind one the app still answers) goes to the app, where
-:class:`~kvevents.service.query.LeanQuery` and the routes answer it as before; one pipelined
-behind answers of ours waits for them.
+request pipelined behind one the app still answers) goes to the app, whose ``/query`` route
+answers it with the same handler; one pipelined behind answers of ours waits for them.
 
 Each request the app answers carries :data:`ABORT` in ``scope["extensions"]``: a call that
 closes the connection mid-response (the front door's answer from an engine that broke off).
+
+The uvicorn internals this relies on are imported from :mod:`._uvicorn` only, which says what
+they are and how the pinned versions are checked.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import logging
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
 from time import perf_counter
 from typing import Literal, cast
 
 import httptools
-import msgspec
-from uvicorn.protocols.http.flow_control import FlowControl
-from uvicorn.protocols.http.httptools_impl import (
-    STATUS_LINE,
-    HttpToolsProtocol,
-    RequestResponseCycle,
+
+from kvevents.http._errors import BadRequest
+from kvevents.http._flow import HeldFlow
+from kvevents.http._json import encode
+from kvevents.http._limits import HttpCounters, HttpLimits, body_timeout_error, too_large_error
+from kvevents.http._pieces import Unparsed
+from kvevents.http._query import QueryHandler
+from kvevents.http._uvicorn import HttpToolsProtocol, RequestResponseCycle
+from kvevents.http._wire import (
+    HEADERS_TOO_LARGE,
+    declared_length,
+    head_without_upgrade,
+    json_response_bytes,
 )
 
-from kvevents.service.access import TokenCheck
-from kvevents.service.limits import (
-    STATUS_FIELDS,
-    HttpCounters,
-    HttpLimits,
-    body_timeout_error,
-    too_large_error,
-)
-from kvevents.service.query import Reader
-from kvevents.service.schema import BadRequest
+__all__ = ["ABORT", "TURN_SECONDS", "LimitedProtocol"]
 
-__all__ = [
-    "ABORT",
-    "PARSE_PIECE",
-    "TURN_SECONDS",
-    "FastQuery",
-    "HeldFlow",
-    "LimitedProtocol",
-    "Unparsed",
-]
-
-log = logging.getLogger("kvevents.service.protocol")
-
-_TOO_LARGE_BODY = b'{"error": "request headers are over the limit"}'
-_HEADERS_TOO_LARGE = (
-    b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
-    b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(_TOO_LARGE_BODY), _TOO_LARGE_BODY)
-)
 _QUERY_PATH = b"/query"
-_UPGRADE_TOKENS = frozenset({b"upgrade", b"http2-settings"})
 #: The ASGI extension (in ``scope["extensions"]``) whose ``"close"`` closes the connection
 #: mid-response: a proxy whose upstream broke after its answer began calls it, so the client
-#: sees the answer incomplete. Returning an unfinished response does the same, but uvicorn then logs
-#: an error of its own for what is not an error of the app.
+#: sees the answer incomplete. Returning an unfinished response does the same, but uvicorn
+#: then logs an error of its own for what is not an error of the app.
 ABORT = "kvevents.abort"
-_encoder = msgspec.json.Encoder()
-#: Bytes handed to the parser at a time. One read can hold thousands of small pipelined
-#: requests, and the parser takes all it is given: each piece is parsed whole, so a
-#: connection has at most this many bytes of requests parsed ahead of its answers. 64 KiB
-#: takes an 8k-token query (about 49 KB) in one piece (splitting it cost 2-3 us a query);
-#: of the smallest requests the app answers it is about 2,000, or 5 MB of uvicorn's state.
-PARSE_PIECE = 64 << 10
 #: Seconds of the event loop one connection may take before the others get theirs: it answers
 #: and parses on for this long, then the rest waits for the loop's next turn.
 TURN_SECONDS = 0.005
@@ -114,159 +88,12 @@ _ANSWERS_WAITING = cast("RequestResponseCycle", _AnswersWaiting())
 FastState = Literal["off", "body", "refused"]
 
 
-@dataclass(frozen=True)
-class FastQuery:
-    """``POST /query`` answered synchronously: what the protocol needs from the app.
-
-    ``count``: each refusal, by status; ``observe``: seconds each answered query took, from
-    its body read to its answer encoded (as :class:`~kvevents.service.query.LeanQuery`).
-    """
-
-    reader: Reader
-    auth: TokenCheck
-    count: Callable[[int], None]
-    observe: Callable[[float], None]
-
-    def admits(self, headers: list[tuple[bytes, bytes]]) -> bool:
-        """Whether the request may be answered here: it needs no token, or carries it (a
-        request without it goes to the app, whose Guard refuses it)."""
-        if not self.auth.required(False):
-            return True
-        given = next((v for k, v in headers if k == b"authorization"), None)
-        return self.auth.accepts(given)
-
-    def respond(self, body: bytes) -> tuple[int, bytes]:
-        """(status, JSON payload) for a whole ``POST /query`` body."""
-        try:
-            began = perf_counter()
-            payload = _encoder.encode(self.reader.answer(body))
-            self.observe(perf_counter() - began)
-            return 200, payload
-        except BadRequest as exc:
-            self.count(exc.status)
-            return exc.status, _encoder.encode({"error": str(exc)})
-        except Exception as exc:
-            log.exception("POST /query failed")
-            return 500, _encoder.encode({"error": f"internal error: {type(exc).__name__}"})
-
-
-def _abort(cycle: RequestResponseCycle) -> None:
-    """Close the connection of ``cycle``'s request, whose response will not be finished."""
-    cycle.disconnected = True  # what uvicorn sets when the client leaves: nothing more is sent
-    cycle.transport.close()
-
-
-def _declared_length(headers: list[tuple[bytes, bytes]]) -> int | None:
-    for name, value in headers:
-        if name == b"content-length":
-            return int(value)  # httptools has refused a content-length that is not a number
-    return None
-
-
-def _without_upgrade(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
-    """``headers`` without the offer to switch protocols: no ``Upgrade`` header, and no
-    ``upgrade`` or ``http2-settings`` token in ``Connection``."""
-    kept = []
-    for name, value in headers:
-        if name == b"connection":
-            tokens = [t.strip() for t in value.split(b",")]
-            value = b", ".join(t for t in tokens if t and t.lower() not in _UPGRADE_TOKENS)
-            if not value:
-                continue
-        if name != b"upgrade":
-            kept.append((name, value))
-    return kept
-
-
-class Unparsed:
-    """Bytes read and not parsed yet, handed to the parser a piece at a time."""
-
-    __slots__ = ("_data", "_start")
-
-    def __init__(self) -> None:
-        self._data = b""
-        self._start = 0
-
-    def __bool__(self) -> bool:
-        return self._start < len(self._data)
-
-    def __len__(self) -> int:
-        return len(self._data) - self._start
-
-    def add(self, data: bytes) -> None:
-        # Reading is held while bytes wait here, so data rarely lands on top of others.
-        start = self._start
-        self._data = self._data[start:] + data if start < len(self._data) else data
-        self._start = 0
-
-    def clear(self) -> None:
-        self._data = b""
-        self._start = 0
-
-    def take(self, body_left: int, between_requests: bool) -> bytes | memoryview:
-        """The next piece: at most :data:`PARSE_PIECE` bytes past the ``body_left`` bytes of
-        the current request's declared body (bounded by the body limit, and a body parsed in
-        pieces costs a copy to join them). Between requests, a request's head comes alone
-        when the rest does not fit: its declared length then sizes the next piece."""
-        data, start = self._data, self._start
-        end = len(data)
-        size = PARSE_PIECE + body_left
-        if end - start > size and between_requests:
-            head = data.find(b"\r\n\r\n", start, start + PARSE_PIECE)
-            if head >= 0:
-                size = head + 4 - start
-        if start == 0 and end <= size:
-            self._data = b""
-            return data
-        stop = start + size if start + size < end else end
-        self._start = stop
-        return memoryview(data)[start:stop]
-
-
-class HeldFlow(FlowControl):
-    """uvicorn's flow control with a second reason to stop reading: the protocol's hold.
-
-    uvicorn resumes reading whenever its request in flight asks for more of its body; the
-    protocol holds reading while it has bytes it has not parsed or answers it has not written,
-    and reading resumes only when neither wants it stopped. Without the hold, a client's
-    pipelined requests would pile up behind the one in flight.
-    """
-
-    def __init__(self, transport: asyncio.Transport) -> None:
-        super().__init__(transport)
-        self._reader = transport
-        self.held = False  #: whether the protocol holds reading (set by hold())
-        self._app_paused = False
-
-    def pause_reading(self) -> None:
-        self._app_paused = True
-        self._apply()
-
-    def resume_reading(self) -> None:
-        self._app_paused = False
-        self._apply()
-
-    def hold(self, held: bool) -> None:
-        """Stop reading (``held``) or let uvicorn's own wish decide again."""
-        self.held = held
-        self._apply()
-
-    def _apply(self) -> None:
-        paused = self.held or self._app_paused
-        if paused != self.read_paused:
-            self.read_paused = paused
-            if paused:
-                self._reader.pause_reading()
-            else:
-                self._reader.resume_reading()
-
-
 class LimitedProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with a header deadline, a header size, a send deadline, a
     connection cap, pipelining within bounds, and ``POST /query`` answered on the connection
-    when ``fast`` is set.
+    when ``query`` is set.
 
-    Bytes read are parsed :data:`PARSE_PIECE` at a time, and parsing stops while answers wait
+    Bytes read are parsed :data:`~._pieces.PARSE_PIECE` at a time, and parsing stops while answers wait
     to be written: behind a request the app still answers (uvicorn's pipeline), behind answers
     of ours not yet written, while the write buffer is over its high-water mark (the client
     does not read), or once the connection has had :data:`TURN_SECONDS` of this turn of the
@@ -276,15 +103,19 @@ class LimitedProtocol(HttpToolsProtocol):
 
     limits: HttpLimits = HttpLimits()
     counters: HttpCounters = HttpCounters()
-    fast: FastQuery | None = None
+    query: QueryHandler | None = None
 
     @classmethod
     def configured(
-        cls, limits: HttpLimits, counters: HttpCounters, fast: FastQuery | None = None
+        cls, limits: HttpLimits, counters: HttpCounters, query: QueryHandler | None = None
     ) -> type[LimitedProtocol]:
-        attrs = {"limits": limits, "counters": counters, "fast": fast}
+        """The protocol class for a server: uvicorn makes one instance per connection, with
+        its own arguments only, so the settings are class attributes of a subclass."""
+        attrs = {"limits": limits, "counters": counters, "query": query}
         return type("LimitedProtocol", (cls,), attrs)
 
+    # uvicorn declares the transport an asyncio.Transport, asyncio's Protocol a BaseTransport:
+    # a stream server only ever hands a Transport.
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self.flow: HeldFlow = HeldFlow(transport)
@@ -523,7 +354,7 @@ class LimitedProtocol(HttpToolsProtocol):
         if self._header_bytes > self.limits.max_header_bytes:
             self._disarm()
             self.counters.add("headers_too_large")
-            self._end_with(partial(self._write_and_close, _HEADERS_TOO_LARGE))
+            self._end_with(partial(self._write_and_close, HEADERS_TOO_LARGE))
 
     def _end_with(self, refusal: Callable[[], None]) -> None:
         """Parse no more; write ``refusal`` (which closes the connection) after the answers
@@ -567,7 +398,7 @@ class LimitedProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._disarm()
         self._in_headers = False
-        self._body_left = _declared_length(self.headers) or 0
+        self._body_left = declared_length(self.headers) or 0
         if self.transport.is_closing():
             self._fast_state = "refused"  # after a Connection: close answer: nothing more
         if self._fast_state == "refused":
@@ -634,19 +465,15 @@ class LimitedProtocol(HttpToolsProtocol):
         return self.parser.get_method() != b"CONNECT" and not self._should_upgrade()
 
     def _head_without_upgrade(self) -> bytes:
-        version = self.parser.get_http_version().encode()
-        head = [self.parser.get_method(), b" ", self.url, b" HTTP/", version, b"\r\n"]
-        for name, value in _without_upgrade(self.headers):
-            head += [name, b": ", value, b"\r\n"]
-        head.append(b"\r\n")
-        return b"".join(head)
+        method, version = self.parser.get_method(), self.parser.get_http_version()
+        return head_without_upgrade(method, self.url, version, self.headers)
 
     # ------------------------------------------------------------------ POST /query
 
     def _takes_query(self) -> bool:
         """Whether this request is a ``POST /query`` the protocol answers itself."""
         return (
-            self.fast is not None
+            self.query is not None
             and self.url == _QUERY_PATH
             and self.parser.get_method() == b"POST"
             and self.parser.get_http_version() == "1.1"
@@ -654,7 +481,7 @@ class LimitedProtocol(HttpToolsProtocol):
             and not self.parser.should_upgrade()
             # A request pipelined behind one the app still answers waits its turn there.
             and (self.cycle is None or self.cycle.response_complete)
-            and self.fast.admits(self.headers)
+            and self.query.admits(self.headers)
         )
 
     def _begin_query(self) -> None:
@@ -663,8 +490,8 @@ class LimitedProtocol(HttpToolsProtocol):
             self._refuse(too_large_error(self.limits))
 
     def _answer(self, body: bytes, close: bool) -> None:
-        assert self.fast is not None
-        status, payload = self.fast.respond(body)
+        assert self.query is not None
+        status, payload = self.query.respond(body)
         self._write(status, payload, close=close)
         self._answered()
 
@@ -683,11 +510,9 @@ class LimitedProtocol(HttpToolsProtocol):
         """Answer ``exc`` and close: the rest of the body is unread, the connection spent."""
         self._end_body()
         self._fast_state = "refused"
-        name = STATUS_FIELDS.get(exc.status)
-        if name is not None:
-            self.counters.add(name)
+        self.counters.refused(exc.status)
         self.server_state.total_requests += 1
-        payload = _encoder.encode({"error": str(exc)})
+        payload = encode(exc.payload())
         self._in_order(partial(self._write, exc.status, payload, close=True))
 
     def _end_body(self) -> None:
@@ -702,13 +527,13 @@ class LimitedProtocol(HttpToolsProtocol):
     def _write(self, status: int, payload: bytes, *, close: bool) -> None:
         if self.transport.is_closing():
             return  # after a Connection: close answer, or a cut-off
-        head = [STATUS_LINE[status]]
-        for name, value in self.server_state.default_headers:
-            head += [name, b": ", value, b"\r\n"]
-        head.append(b"content-type: application/json\r\ncontent-length: %d\r\n" % len(payload))
-        if close:
-            head.append(b"connection: close\r\n")
-        head += [b"\r\n", payload]
-        self.transport.write(b"".join(head))
+        default_headers = self.server_state.default_headers
+        self.transport.write(json_response_bytes(status, payload, default_headers, close=close))
         if close:
             self.transport.close()
+
+
+def _abort(cycle: RequestResponseCycle) -> None:
+    """Close the connection of ``cycle``'s request, whose response will not be finished."""
+    cycle.disconnected = True  # what uvicorn sets when the client leaves: nothing more is sent
+    cycle.transport.close()

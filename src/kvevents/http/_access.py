@@ -106,6 +106,13 @@ class TokenCheck:
         """Whether a request to a mutating (or read-only) endpoint must carry the token."""
         return self.token is not None and (mutating or self.protect_reads)
 
+    def allows(self, headers: Iterable[tuple[bytes, bytes]], mutating: bool) -> bool:
+        """Whether a request with ``headers`` (names lower case) may reach a mutating (or a
+        read-only) endpoint: it needs no token there, or its ``Authorization`` carries it."""
+        if not self.required(mutating):
+            return True
+        return self.accepts(next((v for k, v in headers if k == b"authorization"), None))
+
     def accepts(self, authorization: bytes | None) -> bool:
         """Whether an ``Authorization`` header value carries the token (constant time)."""
         if self.token is None:

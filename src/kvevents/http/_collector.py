@@ -9,9 +9,8 @@ shows up without a change here.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import GaugeMetricFamily, Metric
 
 from kvevents.metrics import CollectorGroup, StatsCollector
 from kvevents.service.core import IndexService
@@ -31,7 +30,7 @@ class ServiceCollector:
             ]
         )
 
-    def collect(self) -> Iterator[Any]:
+    def collect(self) -> Iterator[Metric]:
         """Every family, built now."""
         yield from self._stats.collect()
         yield GaugeMetricFamily(

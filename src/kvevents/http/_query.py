@@ -1,41 +1,40 @@
-"""``POST /query``, the hot route: its body parse and an ASGI layer that answers it directly.
+"""``POST /query``, the hot route: its one handler and its body parse.
 
-Starlette's routing and its Request and Response objects cost about as much as the query
-itself, so :class:`LeanQuery` answers ``POST /query`` before them. :class:`QueryReader` reads
-the body: with the native block table, ``token_ids`` are packed to uint32 straight from the
-JSON text in one pass; otherwise they are decoded as a list with the rest of the body.
+:class:`QueryHandler` answers a whole body with (status, JSON payload): the connection's
+protocol calls it for the queries it answers itself (:mod:`kvevents.http._protocol`), the
+app's ``/query`` route for those it leaves to the app (HTTP/1.0, ``Expect: 100-continue``...).
+:class:`QueryReader` reads the body: with the native JSON scanner (:mod:`kvevents.http._scan`),
+``token_ids`` are packed to uint32 straight from the JSON text in one pass; otherwise they are
+decoded as a list with the rest of the body.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Iterable
 from time import perf_counter
-from typing import Any, Protocol, cast
+from typing import Protocol, cast
 
 import msgspec
-from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kvevents.index import table
-from kvevents.index.keys import pack_tokens
-from kvevents.service.core import IndexService
-from kvevents.service.limits import HttpLimits, read_body
-from kvevents.service.schema import (
-    BadRequest,
+from kvevents.http import _scan
+from kvevents.http._access import TokenCheck
+from kvevents.http._errors import BadRequest
+from kvevents.http._json import Json, JsonObject, encode
+from kvevents.http._limits import HttpCounters
+from kvevents.http._schema import (
     QueryBody,
     QueryPackedBody,
     check_hashes,
     decode,
     mm_spans,
 )
+from kvevents.index.keys import pack_tokens
+from kvevents.service.core import IndexService
 
-__all__ = [
-    "JsonPacker",
-    "LeanQuery",
-    "MemberPacker",
-    "QueryReader",
-    "Reader",
-    "json_response",
-]
+__all__ = ["JsonPacker", "MemberPacker", "QueryHandler", "QueryReader", "Reader", "json_packers"]
+
+log = logging.getLogger("kvevents.http.query")
 
 #: Reads a JSON array of token ids into packed uint32 little-endian bytes; None if it is not one.
 JsonPacker = Callable[[bytes], "bytes | None"]
@@ -44,28 +43,66 @@ MemberPacker = Callable[[bytes, bytes], "tuple[bytes, int, int] | None"]
 
 _query_decoder = msgspec.json.Decoder(QueryBody)
 _query_packed_decoder = msgspec.json.Decoder(QueryPackedBody)
-_encoder = msgspec.json.Encoder()
 _NULL = b"null"
 _TOKEN_MAX = 2**32 - 1
 _WHERE = "/query"
-_UNREAD = (408, 413)  # refusals that leave the body unread: the connection is spent
 
 
 def json_packers() -> tuple[JsonPacker | None, MemberPacker | None]:
-    """The block table's JSON packers when it is native code, else (None, None).
+    """The native JSON scanner's packers, else (None, None).
 
-    The pure-Python packer decodes the array into ints anyway, and doing that together with
+    The pure-Python scanner decodes the array into ints anyway, and doing that together with
     the rest of the body is cheaper than a second pass over it.
     """
-    if table.IMPLEMENTATION == "python":
+    if _scan.IMPLEMENTATION == "python":
         return None, None
-    return table.pack_json_tokens, table.pack_json_member
+    return _scan.pack_json_tokens, _scan.pack_json_member
 
 
 class Reader(Protocol):
-    """What :class:`LeanQuery` needs: a body in, a JSON-ready answer (or a BadRequest) out."""
+    """What :class:`QueryHandler` needs: a body in, a JSON-ready answer (or a BadRequest) out."""
 
-    def answer(self, body: bytes) -> Any: ...
+    def answer(self, body: bytes) -> Json: ...
+
+
+class QueryHandler:
+    """``POST /query``: a whole body in, (status, JSON payload) out, on every path a query
+    reaches. Each refusal is counted by its status; each answer's time, from its body read to
+    its answer encoded, goes to ``observe`` (the ``kvevents_query_duration_seconds`` histogram).
+
+    ``auth``: who may query (:meth:`admits`: a request the protocol may answer itself; one it
+    may not goes on to the app, whose guard refuses it).
+    """
+
+    def __init__(
+        self,
+        reader: Reader,
+        auth: TokenCheck,
+        counters: HttpCounters,
+        observe: Callable[[float], None] = lambda seconds: None,
+    ) -> None:
+        self.reader = reader
+        self.auth = auth
+        self.counters = counters
+        self.observe = observe
+
+    def admits(self, headers: Iterable[tuple[bytes, bytes]]) -> bool:
+        """Whether a query with ``headers`` needs no token or carries it."""
+        return self.auth.allows(headers, mutating=False)
+
+    def respond(self, body: bytes) -> tuple[int, bytes]:
+        """(status, JSON payload) for a whole ``POST /query`` body."""
+        try:
+            began = perf_counter()
+            payload = encode(self.reader.answer(body))
+            self.observe(perf_counter() - began)
+            return 200, payload
+        except BadRequest as exc:
+            self.counters.refused(exc.status)
+            return exc.status, encode(exc.payload())
+        except Exception as exc:
+            log.exception("POST /query failed")
+            return 500, encode({"error": f"internal error: {type(exc).__name__}"})
 
 
 class QueryReader:
@@ -79,7 +116,7 @@ class QueryReader:
         self.service = service
         self.pack_json, self.pack_member = packers if packers is not None else json_packers()
 
-    def answer(self, body: bytes) -> dict[str, Any]:
+    def answer(self, body: bytes) -> JsonObject:
         """The answer to a ``POST /query`` body."""
         query, packed = self.read(body)
         check_hashes(query.block_hashes)
@@ -162,52 +199,3 @@ def _token_range_error(tokens: list[int | str]) -> str:
         if isinstance(token, int) and not 0 <= token <= _TOKEN_MAX:
             return f"{_WHERE}: token id {token} at `$.token_ids[{i}]` is outside 0..{_TOKEN_MAX}"
     return f"{_WHERE}: token_ids must be an array of token ids"
-
-
-async def json_response(send: Send, status: int, payload: bytes, close: bool = False) -> None:
-    """Send one complete JSON response (``close``: and end the connection after it)."""
-    headers = [
-        (b"content-type", b"application/json"),
-        (b"content-length", b"%d" % len(payload)),
-    ]
-    if close:
-        headers.append((b"connection", b"close"))
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": payload})
-
-
-class LeanQuery:
-    """ASGI layer answering ``POST /query`` itself; everything else goes on to ``app``."""
-
-    def __init__(
-        self,
-        app: ASGIApp,
-        reader: Reader,
-        limits: HttpLimits,
-        count: Callable[[int], None] = lambda status: None,
-        observe: Callable[[float], None] = lambda seconds: None,
-    ) -> None:
-        self.app = app
-        self.reader = reader
-        self.limits = limits
-        self.count = count  # of each refusal, by status
-        self.observe = observe  # seconds each answered query took, body read to answer encoded
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] != "/query" or scope["method"] != "POST":
-            await self.app(scope, receive, send)
-            return
-        try:
-            body = await read_body(scope, receive, self.limits)
-            if body is None:
-                return  # the client went away
-            began = perf_counter()
-            status, payload = 200, _encoder.encode(self.reader.answer(body))
-            self.observe(perf_counter() - began)
-        except BadRequest as exc:
-            self.count(exc.status)
-            error = _encoder.encode({"error": str(exc)})
-            # 408 and 413 leave a body unread on the connection: it cannot be reused.
-            await json_response(send, exc.status, error, close=exc.status in _UNREAD)
-            return
-        await json_response(send, status, payload)

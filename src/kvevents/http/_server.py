@@ -1,8 +1,8 @@
 """The HTTP server thread: uvicorn on a socket bound before it starts, with client limits.
 
-Each connection runs :class:`kvevents.service.protocol.LimitedProtocol`: the header deadline,
+Each connection runs :class:`~kvevents.http._protocol.LimitedProtocol`: the header deadline,
 header size and connection cap, and ``POST /query`` answered on the connection. Other bodies'
-limits are enforced by the app (:func:`kvevents.service.limits.read_body`).
+limits are enforced by the app (:func:`~kvevents.http._limits.read_body`).
 """
 
 from __future__ import annotations
@@ -15,12 +15,16 @@ from collections.abc import Sequence
 from typing import Any
 
 import uvicorn
+from prometheus_client.registry import Collector
+from starlette.routing import Route
 from starlette.types import ASGIApp
 
-from kvevents.service.app import AppOptions, create_app
+from kvevents.http._app import AppOptions, create_app
+from kvevents.http._digest import DigestExtra
+from kvevents.http._limits import HttpCounters, HttpLimits
+from kvevents.http._protocol import LimitedProtocol
+from kvevents.http._query import QueryHandler
 from kvevents.service.core import IndexService
-from kvevents.service.limits import HttpCounters, HttpLimits
-from kvevents.service.protocol import FastQuery, LimitedProtocol
 
 __all__ = ["Server", "serve"]
 
@@ -54,7 +58,7 @@ class Server:
             lifespan="on",
             access_log=False,
             proxy_headers=False,
-            http=LimitedProtocol.configured(limits, _counters_of(app), _fast_query_of(app)),
+            http=LimitedProtocol.configured(limits, _counters_of(app), _query_handler_of(app)),
             timeout_keep_alive=max(1, min(5, int(limits.header_timeout))),
         )
         self._server = uvicorn.Server(config)
@@ -121,10 +125,11 @@ def _counters_of(app: ASGIApp) -> HttpCounters:
     return counters if isinstance(counters, HttpCounters) else HttpCounters()
 
 
-def _fast_query_of(app: ASGIApp) -> FastQuery | None:
-    """The app's ``POST /query`` for the protocol to answer (``create_app`` sets it), if any."""
-    fast = getattr(getattr(app, "state", None), "fast_query", None)
-    return fast if isinstance(fast, FastQuery) else None
+def _query_handler_of(app: ASGIApp) -> QueryHandler | None:
+    """The app's ``POST /query`` handler, for the protocol to answer queries with
+    (``create_app`` sets it), if any: an app without one (the front door) has none."""
+    handler = getattr(getattr(app, "state", None), "query_handler", None)
+    return handler if isinstance(handler, QueryHandler) else None
 
 
 def _bound_socket(host: str, port: int) -> socket.socket:
@@ -147,24 +152,29 @@ def serve(
     port: int = 0,
     *,
     service: IndexService | None = None,
-    collectors: Sequence[Any] = (),
+    collectors: Sequence[Collector] = (),
     options: AppOptions | None = None,
-    routes: Sequence[Any] = (),
+    routes: Sequence[Route] = (),
+    digest_extra: DigestExtra | None = None,
+    # Whatever IndexService takes, passed on as they are: its own signature checks them.
     **service_options: Any,
 ) -> Server:
     """Start the index service over HTTP in the background; returns the started server.
 
     ``service_options`` go to :class:`IndexService` when no service is given. ``options``:
     token, endpoint allow-list and client limits (the server's own port is always refused
-    as an endpoint); ``routes``: more routes for the app. Call ``server.wait()`` to block
-    (the CLI does), ``server.close()`` to stop.
+    as an endpoint); ``routes``: more routes for the app; ``digest_extra``: more members of
+    ``GET /digest``'s answer. Call ``server.wait()`` to block (the CLI does),
+    ``server.close()`` to stop.
     """
     service = service if service is not None else IndexService(**service_options)
     options = options if options is not None else AppOptions()
     sock = _bound_socket(host, port)
     endpoints = options.endpoints.with_forbidden_port(sock.getsockname()[1])
     options = dataclasses.replace(options, endpoints=endpoints)
-    app = create_app(service, collectors=collectors, options=options, routes=routes)
+    app = create_app(
+        service, collectors=collectors, options=options, routes=routes, digest_extra=digest_extra
+    )
     server = Server(app, host, port, limits=options.limits, sock=sock)
     try:
         service.start()  # here, so that a feed that cannot start raises in the caller

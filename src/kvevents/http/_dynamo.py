@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Awaitable, Callable
-from typing import Annotated, Any
+from typing import Annotated, TypeVar
 
 import msgspec
 from starlette.concurrency import run_in_threadpool
@@ -37,19 +37,15 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from kvevents.errors import LayoutError, RegistrationConflict, StreamAddError
+from kvevents.http._errors import BadRequest
+from kvevents.http._json import JsonObject, json_response
+from kvevents.http._query import json_packers
+from kvevents.http._schema import CacheSalt
 from kvevents.index.keys import pack_tokens
 from kvevents.index.records import DEFAULT_TIER, MatchResult
+from kvevents.service.bounds import BlockSize, EndpointText, Rank, Text
 from kvevents.service.core import IndexService
 from kvevents.service.feed import OwnEndpoints, WorkerRegistration
-from kvevents.service.query import json_packers
-from kvevents.service.schema import (
-    BadRequest,
-    BlockSize,
-    CacheSalt,
-    EndpointText,
-    Rank,
-    Text,
-)
 
 __all__ = ["DEFAULT_GROUP", "DynamoApi", "DynamoQueryReader", "dynamo_scores"]
 
@@ -96,6 +92,8 @@ class QueryBody(msgspec.Struct, kw_only=True):
 class QueryRest(QueryBody, kw_only=True):
     """``QueryBody`` with ``token_ids`` left as JSON text (packed apart, in one pass)."""
 
+    # The one field whose type a subclass changes: msgspec decodes by this annotation, while
+    # mypy holds an override to its base's type.
     token_ids: msgspec.Raw  # type: ignore[assignment]
 
 
@@ -105,9 +103,10 @@ _query = msgspec.json.Decoder(QueryBody)
 _query_rest = msgspec.json.Decoder(QueryRest)
 _NULL = b"null"
 _OK = {"status": "ok"}
+_Body = TypeVar("_Body", RegisterBody, UnregisterBody, QueryBody, QueryRest)
 
 
-def _decode(body: bytes, decoder: msgspec.json.Decoder[Any], where: str) -> Any:
+def _decode(body: bytes, decoder: msgspec.json.Decoder[_Body], where: str) -> _Body:
     """Dynamo's statuses for a bad body: 400 when it is not JSON, 422 when its fields or
     types are wrong; the message names the field and the rule."""
     try:
@@ -118,7 +117,7 @@ def _decode(body: bytes, decoder: msgspec.json.Decoder[Any], where: str) -> Any:
         raise BadRequest(f"{where}: {exc}") from None
     except RecursionError:
         raise BadRequest(f"{where}: JSON is nested too deeply") from None
-    instance = getattr(decoded, "instance_id", 0)
+    instance = decoded.instance_id if isinstance(decoded, (RegisterBody, UnregisterBody)) else 0
     if instance > _U64:
         raise BadRequest(f"{where}: Expected `int` <= {_U64} - at `$.instance_id`", 422)
     return decoded
@@ -137,7 +136,7 @@ def _serves(service: IndexService, model: str, group: str) -> bool:
     return group == DEFAULT_GROUP and _model_block_size(service, model) is not None
 
 
-def dynamo_scores(match: MatchResult, sizes: dict[str, int]) -> dict[str, Any]:
+def dynamo_scores(match: MatchResult, sizes: dict[str, int]) -> JsonObject:
     """A match as Dynamo's ``/query`` reply: tokens (blocks x the worker's block size).
 
     ``scores`` are the device tier's; in ``instances``, ``cpu`` and ``disk`` count through
@@ -153,7 +152,7 @@ def dynamo_scores(match: MatchResult, sizes: dict[str, int]) -> dict[str, Any]:
         elif key.tier in _CPU_TIERS:
             cpu[target] = blocks
     scores: dict[str, dict[str, int]] = {}
-    instances: dict[str, dict[str, Any]] = {}
+    instances: dict[str, JsonObject] = {}
     for (worker, rank), any_tier in match.streams.items():
         size = sizes.get(worker, 0)
         on_gpu = gpu.get((worker, rank), 0)
@@ -165,7 +164,7 @@ def dynamo_scores(match: MatchResult, sizes: dict[str, int]) -> dict[str, Any]:
 
 
 def _add_rank(
-    instances: dict[str, dict[str, Any]], worker: str, rank: int, tokens: tuple[int, int, int]
+    instances: dict[str, JsonObject], worker: str, rank: int, tokens: tuple[int, int, int]
 ) -> None:
     gpu, cpu, disk = tokens
     row = instances.setdefault(
@@ -179,8 +178,8 @@ def _add_rank(
 
 
 class DynamoQueryReader:
-    """Turns a Dynamo ``POST /query`` body into Dynamo's reply (the ``LeanQuery`` reader of
-    ``--api dynamo``), or a BadRequest with Dynamo's status.
+    """Turns a Dynamo ``POST /query`` body into Dynamo's reply (the :class:`~._query.QueryHandler`
+    reader of ``--api dynamo``), or a BadRequest with Dynamo's status.
 
     With the native block table, ``token_ids`` are packed straight from the JSON text, as
     our own reader does; a body the packer does not take is decoded whole, which names what
@@ -191,12 +190,12 @@ class DynamoQueryReader:
         self.service = service
         self.pack_member = json_packers()[1]
 
-    def answer(self, body: bytes) -> dict[str, Any]:
+    def answer(self, body: bytes) -> JsonObject:
         query, packed = self.read(body)
         if not _serves(self.service, query.model_name, query.routing_group):
             raise _no_indexer(query.model_name, query.routing_group)
         sizes = {r.worker_id: r.block_size for r in self.service.workers()}
-        result: dict[str, Any] = self.service.query(
+        result: JsonObject = self.service.query(
             packed=packed,
             lora=query.lora_name,
             cache_salt=query.cache_salt,
@@ -210,14 +209,11 @@ class DynamoQueryReader:
         found = None if self.pack_member is None else self.pack_member(body, b"token_ids")
         if found is not None:
             packed, start, end = found
-            rest: QueryRest = _decode(body[:start] + _NULL + body[end:], _query_rest, "/query")
+            rest = _decode(body[:start] + _NULL + body[end:], _query_rest, "/query")
             if bytes(rest.token_ids) == _NULL:  # else a repeated member: decode it whole
                 return rest, packed
-        query: QueryBody = _decode(body, _query, "/query")
+        query = _decode(body, _query, "/query")
         return query, pack_tokens(query.token_ids)
-
-
-Json = Callable[[Any, int], Response]
 
 
 class DynamoApi:
@@ -229,15 +225,13 @@ class DynamoApi:
         service: IndexService,
         body: Callable[[Request], Awaitable[bytes]],
         check_endpoints: Callable[[WorkerRegistration], None],
-        json: Json,
     ) -> None:
         self.service = service
         self._body = body
         self._check_endpoints = check_endpoints
-        self._json = json
 
     async def register(self, request: Request) -> Response:
-        body: RegisterBody = _decode(await self._body(request), _register, "/register")
+        body = _decode(await self._body(request), _register, "/register")
         if body.routing_group != DEFAULT_GROUP:
             raise BadRequest(f"/register: only the routing_group {DEFAULT_GROUP!r} is served", 422)
         reg = _registration(body)
@@ -251,10 +245,10 @@ class DynamoApi:
             raise BadRequest(str(exc)) from None
         except StreamAddError as exc:
             raise BadRequest(str(exc), 409) from None
-        return self._json(_OK, 201)
+        return json_response(_OK, 201)
 
     async def unregister(self, request: Request) -> Response:
-        body: UnregisterBody = _decode(await self._body(request), _unregister, "/unregister")
+        body = _decode(await self._body(request), _unregister, "/unregister")
         worker = str(body.instance_id)
         reg = next((r for r in self.service.workers() if r.worker_id == worker), None)
         if reg is None:
@@ -272,14 +266,14 @@ class DynamoApi:
         if rank is not None and rank not in reg.ranks:
             raise BadRequest(f"instance {worker} dp_rank {rank} not found", 404)
         await run_in_threadpool(self.service.unregister, worker, rank)
-        return self._json(_OK, 200)
+        return json_response(_OK, 200)
 
     async def workers(self, request: Request) -> Response:
         model = request.query_params.get("model_name")
         regs = [r for r in self.service.workers() if model in (None, r.model_name)]
-        return self._json([self._worker(reg) for reg in regs], 200)
+        return json_response([self._worker(reg) for reg in regs])
 
-    def _worker(self, reg: WorkerRegistration) -> dict[str, Any]:
+    def _worker(self, reg: WorkerRegistration) -> JsonObject:
         endpoints = {str(s.rank): s.endpoint for s in self.service.stream_specs(reg)}
         return {
             "instance_id": _instance_id(reg.worker_id),

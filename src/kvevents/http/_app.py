@@ -12,12 +12,13 @@ indexer API, so it can be swapped in:
 - ``POST /load`` ``{loads: [{worker_id, rank?, queued_blocks, active_blocks}]}``: the
   targets' load, for load-aware routing (:mod:`.load`).
 - ``POST /query`` ``{token_ids | block_hashes, policy?, block_size?, lora_name?, model_name?}``:
-  matched blocks per worker, rank and tier, and an explained routing decision (:mod:`.query`);
+  matched blocks per worker, rank and tier, and an explained routing decision (:mod:`._query`);
   with ``model_name``, among the workers registered for that model (or for none) only.
 - ``GET /dump``: every holder's blocks, streamed; ``GET /workers``: workers with their stream
-  health; ``GET /metrics``: Prometheus text; ``GET /health``: 200 while the feed is sound.
-- ``GET /``: a live status page polling ``GET /status`` (:mod:`.status`); ``GET /openapi.json``:
-  this API described in OpenAPI 3.1 (:mod:`.openapi`).
+  health; ``GET /metrics``: Prometheus text; ``GET /health``: 200 while the feed is sound;
+  ``GET /digest``: a digest of the index's contents (:mod:`._digest`).
+- ``GET /``: a live status page polling ``GET /status`` (:mod:`._status`);
+  ``GET /openapi.json``: this API described in OpenAPI 3.1 (:mod:`._openapi`).
 
 Every error is JSON ``{"error": ...}`` with a 4xx status naming what is wrong; a registration
 names the refused ``field`` too. The mutating endpoints need the bearer token when one is set.
@@ -28,18 +29,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 import msgspec
-from prometheus_client import (
-    CollectorRegistry,
-    GCCollector,
-    Histogram,
-    ProcessCollector,
-    generate_latest,
-)
+from prometheus_client.registry import Collector
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
@@ -50,27 +45,22 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvevents.errors import LayoutError, RegistrationConflict, StreamAddError
-from kvevents.metrics import StatsCollector
-from kvevents.service.access import ACCESS_RULES, EndpointPolicy, TokenCheck
-from kvevents.service.collector import ServiceCollector
+from kvevents.http._access import ACCESS_RULES, EndpointPolicy, TokenCheck
+from kvevents.http._collector import ServiceCollector
+from kvevents.http._digest import DigestExtra, digest_route
+from kvevents.http._dump import dump_chunks
+from kvevents.http._dynamo import DynamoApi, DynamoQueryReader
+from kvevents.http._errors import CLOSES_CONNECTION, BadRequest, Refused
+from kvevents.http._json import JsonObject, encode, json_response, send_json
+from kvevents.http._limits import HttpCounters, HttpLimits, read_body
+from kvevents.http._load import load_endpoint
+from kvevents.http._metrics import metrics_registry, metrics_route, query_histogram
+from kvevents.http._openapi import openapi_route
+from kvevents.http._query import QueryHandler, QueryReader
+from kvevents.http._schema import RegisterBody, UnregisterBody, decode, registration, worker_id
+from kvevents.http._status import status_routes
 from kvevents.service.core import IndexService, WorkerRegistration
-from kvevents.service.dump import dump_chunks
-from kvevents.service.dynamo import DynamoApi, DynamoQueryReader
-from kvevents.service.limits import STATUS_FIELDS, HttpCounters, HttpLimits, read_body
-from kvevents.service.load import load_endpoint
 from kvevents.service.memory import IdleTrim, release_free_memory
-from kvevents.service.openapi import openapi_route
-from kvevents.service.protocol import FastQuery
-from kvevents.service.query import LeanQuery, QueryReader
-from kvevents.service.schema import (
-    BadRequest,
-    RegisterBody,
-    UnregisterBody,
-    decode,
-    registration,
-    worker_id,
-)
-from kvevents.service.status import status_routes
 
 __all__ = ["MUTATING", "Api", "AppOptions", "Guard", "create_app"]
 
@@ -90,7 +80,7 @@ Api = Literal["kvevents", "dynamo"]
 class AppOptions:
     """Who may do what, and what a client may cost (see docs/security.md); ``api``: whose
     request and reply shapes ``/register``, ``/unregister``, ``/query`` and ``/workers`` take
-    (``"dynamo"``: :mod:`.dynamo`)."""
+    (``"dynamo"``: :mod:`._dynamo`)."""
 
     auth: TokenCheck = field(default_factory=TokenCheck)
     endpoints: EndpointPolicy = field(default_factory=EndpointPolicy)
@@ -98,71 +88,40 @@ class AppOptions:
     api: Api = "kvevents"
 
 
-def _json(value: Any, status: int = 200) -> Response:
-    return Response(msgspec.json.encode(value), status, media_type="application/json")
-
-
-#: Buckets of the /query latency histogram, in seconds: a query is tens of microseconds in
-#: process and a fraction of a millisecond for 8k tokens; the top buckets catch lock waits.
-QUERY_BUCKETS = (
-    0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1.0,
-)  # fmt: skip
-
-
 class _Api:
     """The HTTP handlers over one service."""
 
-    def __init__(
-        self,
-        service: IndexService,
-        options: AppOptions,
-        collectors: Sequence[Any],
-        counters: HttpCounters,
-    ) -> None:
+    def __init__(self, service: IndexService, options: AppOptions, counters: HttpCounters) -> None:
         self.service = service
         self.options = options
         self.counters = counters
-        self.registry = CollectorRegistry()
-        # The process's own CPU, memory, file descriptors and garbage collector, as every
-        # Prometheus-native service exports them.
-        ProcessCollector(registry=self.registry)
-        GCCollector(registry=self.registry)
-        self.query_seconds = Histogram(
-            "kvevents_query_duration_seconds",
-            "Time to answer a POST /query, from its body read to its answer encoded (the "
-            "index walk and the routing decision; not the network)",
-            buckets=QUERY_BUCKETS,
-            registry=self.registry,
-        )
-        self.registry.register(ServiceCollector(service))
-        self.registry.register(StatsCollector("kvevents_http", lambda: [({}, counters.stats())]))
-        for collector in collectors:
-            self.registry.register(collector)
         self._dumping = asyncio.Lock()
 
-    async def _body(self, request: Request) -> bytes:
+    async def body(self, request: Request) -> bytes:
+        """The request's whole body, within the limits (:func:`~._limits.read_body`)."""
         body = await read_body(request.scope, request.receive, self.options.limits)
         if body is None:
             raise BadRequest("the client closed the connection before its body arrived")
         return body
 
     async def register(self, request: Request) -> Response:
-        reg = registration(decode(await self._body(request), _register_decoder, "/register"))
-        self._check_endpoints(reg)
+        reg = registration(decode(await self.body(request), _register_decoder, "/register"))
+        self.check_endpoints(reg)
         add = self.service.add_rank if reg.own_endpoints else self.service.register
         try:
             specs = await run_in_threadpool(add, reg)
         except RegistrationConflict as exc:
-            raise _Refused(409, str(exc), field=_conflict_field(exc)) from None
+            raise Refused(409, str(exc), field=_conflict_field(exc)) from None
         except LayoutError as exc:  # a spec builder stricter with the pair than each alone
-            raise _Refused(400, str(exc), field="endpoint", endpoint=exc.endpoint) from None
+            raise Refused(400, str(exc), field="endpoint", endpoint=exc.endpoint) from None
         except StreamAddError as exc:
-            raise _Refused(
+            raise Refused(
                 422, str(exc), field="endpoint", endpoint=exc.endpoint, rank=exc.rank
             ) from None
-        return _json({"worker_id": reg.worker_id, "ranks": list(reg.ranks), "streams": len(specs)})
+        answer = {"worker_id": reg.worker_id, "ranks": list(reg.ranks), "streams": len(specs)}
+        return json_response(answer)
 
-    def _check_endpoints(self, reg: WorkerRegistration) -> None:
+    def check_endpoints(self, reg: WorkerRegistration) -> None:
         """400 for an endpoint that breaks a layout rule, 403 for one not allowed; both name
         the field. Checked before the service is touched: a refusal changes nothing."""
         named = [("endpoint", reg.endpoint), ("replay_endpoint", reg.replay_endpoint)]
@@ -179,25 +138,23 @@ class _Api:
                 self.options.endpoints.check(name, endpoint, offsets)
             except LayoutError as exc:
                 if exc.rule in ACCESS_RULES:  # forbidden here, though well-formed
-                    raise _Refused(403, str(exc), field=name, endpoint=endpoint) from None
-                raise _Refused(
+                    raise Refused(403, str(exc), field=name, endpoint=endpoint) from None
+                raise Refused(
                     400, f"{exc} - at `$.{name}`", field=name, endpoint=endpoint, rule=exc.rule
                 ) from None
 
     async def unregister(self, request: Request) -> Response:
-        body = decode(await self._body(request), _unregister_decoder, "/unregister")
+        body = decode(await self.body(request), _unregister_decoder, "/unregister")
         worker = worker_id(body)
         rank = body.rank if body.rank is not None else body.dp_rank
         if not await run_in_threadpool(self.service.unregister, worker, rank):
-            return _json({"error": f"unknown worker {worker!r} (rank {rank})"}, 404)
-        return _json({"worker_id": worker, "removed": True})
-
-    async def query(self, request: Request) -> Response:
-        raise BadRequest("/query is answered before routing")  # LeanQuery takes every POST
+            return json_response({"error": f"unknown worker {worker!r} (rank {rank})"}, 404)
+        return json_response({"worker_id": worker, "removed": True})
 
     async def dump(self, request: Request) -> Response:
         if self._dumping.locked():
-            return _json({"error": "a dump is already being sent; try again when it ends"}, 429)
+            message = "a dump is already being sent; try again when it ends"
+            return json_response({"error": message}, 429)
         return StreamingResponse(self._dump_stream(), media_type="application/json")
 
     async def _dump_stream(self) -> AsyncIterator[bytes]:
@@ -206,55 +163,44 @@ class _Api:
                 yield chunk
 
     async def workers(self, request: Request) -> Response:
-        return _json({"workers": await run_in_threadpool(self.service.workers_view)})
+        return json_response({"workers": await run_in_threadpool(self.service.workers_view)})
 
     async def health(self, request: Request) -> Response:
         health = self.service.health()
-        body: dict[str, Any] = {"status": health.state, "workers": len(self.service.workers())}
+        body: JsonObject = {"status": health.state, "workers": len(self.service.workers())}
         if health.state == "ok":
-            return _json(body)
+            return json_response(body)
         if health.state == "degraded":
             # Serving, with streams known incomplete (their matches are not trusted): out of
             # rotation it would help nobody, so a 200 that says so.
             body["error"] = health.error
-            return _json(body)
+            return json_response(body)
         # A load balancer or orchestrator reads the status code: a feed that stopped or
         # stalled means the index is going stale, so the service is not healthy.
         body.update(stalled_for=round(health.stalled_for, 3), error=health.error)
-        return _json(body, 503)
-
-    async def metrics(self, request: Request) -> Response:
-        text = await run_in_threadpool(generate_latest, self.registry)
-        return Response(text, media_type="text/plain; version=0.0.4")
+        return json_response(body, 503)
 
     async def bad_request(self, request: Request, exc: Exception) -> Response:
         assert isinstance(exc, BadRequest)
-        self.count_refusal(exc.status)
-        details = exc.details if isinstance(exc, _Refused) else {}
-        response = _json({"error": str(exc), **details}, exc.status)
-        if exc.status in (408, 413):  # the body was not read whole: the connection is spent
+        self.counters.refused(exc.status)
+        response = json_response(exc.payload(), exc.status)
+        if exc.status in CLOSES_CONNECTION:
             response.headers["connection"] = "close"
         return response
 
     async def http_error(self, request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
-        self.count_refusal(exc.status_code)
+        self.counters.refused(exc.status_code)
         if exc.status_code == 404:
             message = f"no such endpoint: {request.method} {request.url.path}"
         else:
             message = f"{request.url.path}: {exc.detail}"
         return Response(
-            msgspec.json.encode({"error": message}),
+            encode({"error": message}),
             exc.status_code,
             headers=exc.headers,
             media_type="application/json",
         )
-
-    def count_refusal(self, status: int) -> None:
-        """Count a refused request by its status (a field of HttpStats)."""
-        name = STATUS_FIELDS.get(status)
-        if name is not None:
-            self.counters.add(name)
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
@@ -287,16 +233,20 @@ def _conflict_field(exc: RegistrationConflict) -> str:
     return "dp_rank" if exc.field == "rank" else exc.field
 
 
-class _Refused(BadRequest):
-    """A refused request with more JSON members than ``error`` (``field``, ``endpoint``...)."""
-
-    def __init__(self, status: int, message: str, **details: Any) -> None:
-        super().__init__(message, status)
-        self.details = details
-
-
 async def _server_error(request: Request, exc: Exception) -> Response:
-    return _json({"error": f"internal error: {type(exc).__name__}"}, 500)
+    return json_response({"error": f"internal error: {type(exc).__name__}"}, 500)
+
+
+def _query_route(handler: QueryHandler, read: Callable[[Request], Awaitable[bytes]]) -> Route:
+    """``POST /query`` through the app: for the requests the connection's protocol leaves to
+    it (HTTP/1.0, ``Expect: 100-continue``...) or for every one under another server; the
+    handler the protocol answers with."""
+
+    async def query(request: Request) -> Response:
+        status, payload = handler.respond(await read(request))
+        return Response(payload, status, media_type="application/json")
+
+    return Route("/query", query, methods=["POST"])
 
 
 class Guard:
@@ -308,26 +258,15 @@ class Guard:
         self.counters = counters
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and self.auth.required(scope["path"] in MUTATING):
-            given = next((v for k, v in scope["headers"] if k == b"authorization"), None)
-            if not self.auth.accepts(given):
-                self.counters.add("unauthorized")
-                await _unauthorized(scope, send)
-                return
+        if scope["type"] == "http" and not self.auth.allows(
+            scope["headers"], scope["path"] in MUTATING
+        ):
+            self.counters.add("unauthorized")
+            message = f"{scope['path']}: a valid 'Authorization: Bearer <token>' header is required"
+            challenge = [(b"www-authenticate", b"Bearer")]
+            await send_json(send, 401, encode({"error": message}), headers=challenge)
+            return
         await self.app(scope, receive, send)
-
-
-async def _unauthorized(scope: Scope, send: Send) -> None:
-    payload = msgspec.json.encode(
-        {"error": f"{scope['path']}: a valid 'Authorization: Bearer <token>' header is required"}
-    )
-    headers = [
-        (b"content-type", b"application/json"),
-        (b"content-length", b"%d" % len(payload)),
-        (b"www-authenticate", b"Bearer"),
-    ]
-    await send({"type": "http.response.start", "status": 401, "headers": headers})
-    await send({"type": "http.response.body", "body": payload})
 
 
 def _own_routes(api: _Api) -> list[Route]:
@@ -339,7 +278,7 @@ def _own_routes(api: _Api) -> list[Route]:
 
 
 def _dynamo_routes(service: IndexService, api: _Api) -> list[Route]:
-    dynamo = DynamoApi(service, api._body, api._check_endpoints, _json)
+    dynamo = DynamoApi(service, api.body, api.check_endpoints)
     return [
         Route("/register", dynamo.register, methods=["POST"]),
         Route("/unregister", dynamo.unregister, methods=["POST"]),
@@ -351,10 +290,11 @@ def _dynamo_routes(service: IndexService, api: _Api) -> list[Route]:
 def create_app(
     service: IndexService,
     *,
-    collectors: Sequence[Any] = (),
+    collectors: Sequence[Collector] = (),
     options: AppOptions | None = None,
     counters: HttpCounters | None = None,
     routes: Sequence[Route] = (),
+    digest_extra: DigestExtra | None = None,
 ) -> Starlette:
     """The ASGI app. Its lifespan starts the service and closes it at shutdown.
 
@@ -362,38 +302,31 @@ def create_app(
     are served by ``GET /metrics`` next to the index's own metrics. ``options``: the token,
     the endpoint hosts registrations may name (default: loopback only), the client limits.
     ``counters`` (default: new ones) count what was refused; ``app.state.http_counters``
-    holds them, for the server to count the connections it cuts off. ``routes``: more
-    routes (e.g. ``GET /digest`` of :mod:`kvevents.scaleout.http`).
+    holds them, for the server to count the connections it cuts off, and
+    ``app.state.query_handler`` the ``POST /query`` handler, for the server's protocol to
+    answer queries on the connection. ``routes``: more routes; ``digest_extra``: more members
+    of ``GET /digest``'s answer (a replica's ``covered_seq``).
     """
     options = options if options is not None else AppOptions()
     counters = counters if counters is not None else HttpCounters()
-    api = _Api(service, options, collectors, counters)
-    routes = [
-        *routes,
-        *(_dynamo_routes(service, api) if options.api == "dynamo" else _own_routes(api)),
-        Route("/load", load_endpoint(service, api._body), methods=["POST"]),
-        # Answered by LeanQuery; the route still gives other methods their 405.
-        Route("/query", api.query, methods=["POST"]),
-        Route("/dump", api.dump, methods=["GET"]),
-        Route("/metrics", api.metrics, methods=["GET"]),
-        Route("/health", api.health, methods=["GET"]),
-        *status_routes(service),  # GET / (the status page) and GET /status
-        openapi_route(),
-    ]
+    api = _Api(service, options, counters)
+    registry = metrics_registry(counters, [ServiceCollector(service), *collectors])
     reader = DynamoQueryReader(service) if options.api == "dynamo" else QueryReader(service)
-    observe = api.query_seconds.observe
+    handler = QueryHandler(reader, options.auth, counters, query_histogram(registry).observe)
     app = Starlette(
-        routes=routes,
-        middleware=[
-            Middleware(Guard, auth=options.auth, counters=counters),
-            Middleware(
-                LeanQuery,
-                reader=reader,
-                limits=options.limits,
-                count=api.count_refusal,
-                observe=observe,
-            ),
+        routes=[
+            *routes,
+            *(_dynamo_routes(service, api) if options.api == "dynamo" else _own_routes(api)),
+            Route("/load", load_endpoint(service, api.body), methods=["POST"]),
+            _query_route(handler, api.body),
+            Route("/dump", api.dump, methods=["GET"]),
+            metrics_route(registry),
+            Route("/health", api.health, methods=["GET"]),
+            digest_route(service, digest_extra),
+            *status_routes(service),  # GET / (the status page) and GET /status
+            openapi_route(),
         ],
+        middleware=[Middleware(Guard, auth=options.auth, counters=counters)],
         exception_handlers={
             BadRequest: api.bad_request,
             HTTPException: api.http_error,
@@ -402,6 +335,5 @@ def create_app(
         lifespan=api.lifespan,
     )
     app.state.http_counters = counters
-    # For the server's protocol, which answers POST /query without the ASGI layers above.
-    app.state.fast_query = FastQuery(reader, options.auth, api.count_refusal, observe)
+    app.state.query_handler = handler
     return app

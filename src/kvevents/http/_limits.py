@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from starlette.types import Receive, Scope
 
-from kvevents.service.schema import BadRequest
+from kvevents.http._errors import BadRequest
 
 __all__ = [
     "STATUS_FIELDS",
@@ -88,6 +88,13 @@ class HttpCounters:
         """Count one ``name`` (a field of :class:`HttpStats`)."""
         with self._lock:
             self._counts[name] += 1
+
+    def refused(self, status: int) -> None:
+        """Count a request refused with ``status``, under its field (:data:`STATUS_FIELDS`;
+        a status without one is not counted)."""
+        name = STATUS_FIELDS.get(status)
+        if name is not None:
+            self.add(name)
 
     def stats(self) -> HttpStats:
         with self._lock:

@@ -1,8 +1,8 @@
 """``GET /openapi.json``: the HTTP API described in OpenAPI 3.1.
 
 The request schemas are generated from the msgspec structs the service decodes bodies with
-(:mod:`kvevents.service.schema`), bounds included, and ``/status`` from the structs it is
-encoded from (:mod:`kvevents.service.status`): they cannot drift from what is enforced. The
+(:mod:`kvevents.http._schema`), bounds included, and ``/status`` from the structs it is
+encoded from (:mod:`kvevents.http._status`): they cannot drift from what is enforced. The
 other answers are built as plain dicts; the structs below describe them, and a test holds
 real answers to these descriptions.
 """
@@ -10,16 +10,17 @@ real answers to these descriptions.
 from __future__ import annotations
 
 import functools
-from typing import Any, Literal
+from typing import Literal
 
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from kvevents.http._json import JsonObject
+from kvevents.http._schema import LoadBody, QueryBody, RegisterBody, UnregisterBody
+from kvevents.http._status import Status
 from kvevents.index.prefix import IndexStats
-from kvevents.service.schema import LoadBody, QueryBody, RegisterBody, UnregisterBody
-from kvevents.service.status import Status
 from kvevents.subscribe.streams import FeedState, StreamStats
 
 __all__ = ["OPENAPI_VERSION", "openapi_document", "openapi_route"]
@@ -192,6 +193,25 @@ class Health(msgspec.Struct, forbid_unknown_fields=True):
     error: str | None = None
 
 
+class StreamDigestRow(msgspec.Struct, forbid_unknown_fields=True):
+    """One (worker, rank) of ``GET /digest``: its blocks over every tier, and their digest."""
+
+    worker_id: str
+    rank: int
+    block_size: int | None
+    blocks: int
+    digest: str  #: 16 hex digits
+
+
+class DigestAnswer(msgspec.Struct, forbid_unknown_fields=True):
+    """``GET /digest``: each stream's digest and one over them all (equal totals, equal
+    indexes); a router replica adds ``covered_seq``, the stream sequence its index holds."""
+
+    total: str
+    streams: list[StreamDigestRow]
+    covered_seq: int | None = None
+
+
 class Error(msgspec.Struct, forbid_unknown_fields=True):
     """Every 4xx: what is wrong; a refused registration names the field (and more)."""
 
@@ -202,7 +222,7 @@ class Error(msgspec.Struct, forbid_unknown_fields=True):
     rule: str | None = None
 
 
-_TYPES: tuple[Any, ...] = (
+_TYPES: tuple[type[msgspec.Struct], ...] = (
     RegisterBody,
     UnregisterBody,
     LoadBody,
@@ -214,20 +234,21 @@ _TYPES: tuple[Any, ...] = (
     Workers,
     Dump,
     Health,
+    DigestAnswer,
     Status,
     Error,
 )
 
 
-def _json(name: str) -> dict[str, Any]:
+def _json(name: str) -> JsonObject:
     return {"application/json": {"schema": {"$ref": _REF.format(name=name)}}}
 
 
-def _answer(description: str, name: str) -> dict[str, Any]:
+def _answer(description: str, name: str) -> JsonObject:
     return {"description": description, "content": _json(name)}
 
 
-def _text(description: str, media: str) -> dict[str, Any]:
+def _text(description: str, media: str) -> JsonObject:
     return {"description": description, "content": {media: {"schema": {"type": "string"}}}}
 
 
@@ -239,7 +260,7 @@ _ERRORS = {
 }
 
 
-def _post(summary: str, body: str, answer: str, **more: dict[str, Any]) -> dict[str, Any]:
+def _post(summary: str, body: str, answer: str, **more: JsonObject) -> JsonObject:
     return {
         "post": {
             "summary": summary,
@@ -250,12 +271,12 @@ def _post(summary: str, body: str, answer: str, **more: dict[str, Any]) -> dict[
     }
 
 
-def _get(summary: str, ok: dict[str, Any], **more: dict[str, Any]) -> dict[str, Any]:
+def _get(summary: str, ok: JsonObject, **more: JsonObject) -> JsonObject:
     unauthorized = {"401": _ERRORS["401"]}
     return {"get": {"summary": summary, "responses": {"200": ok, **unauthorized, **more}}}
 
 
-def _paths() -> dict[str, Any]:
+def _paths() -> JsonObject:
     return {
         "/register": _post(
             "Index a worker's ranks and subscribe to their event streams",
@@ -292,6 +313,9 @@ def _paths() -> dict[str, Any]:
             _answer("the feed is sound", "Health"),
             **{"503": _answer("the feed is stalled or dead", "Health")},
         ),
+        "/digest": _get(
+            "A digest of the index's contents, per stream", _answer("the digest", "DigestAnswer")
+        ),
         "/status": _get("What the status page shows", _answer("the status", "Status")),
         "/": _get("The status page (HTML, polls /status)", _text("the page", "text/html")),
         "/openapi.json": _get(
@@ -301,7 +325,7 @@ def _paths() -> dict[str, Any]:
 
 
 @functools.lru_cache(maxsize=1)
-def openapi_document() -> dict[str, Any]:
+def openapi_document() -> JsonObject:
     """The OpenAPI 3.1 description of the service's HTTP API."""
     _, schemas = msgspec.json.schema_components(_TYPES, ref_template=_REF)
     return {
