@@ -252,10 +252,10 @@ def tokenizers(settings: RouteSettings) -> dict[str | None, Any]:
 
 
 def front_door(settings: RouteSettings, service: Any = None) -> Any:
+    from kvevents.http import HttpLimits
     from kvevents.route._frontdoor import FrontDoor
     from kvevents.route._options import ProxyOptions
     from kvevents.route._plan import PlannerOptions
-    from kvevents.service.limits import HttpLimits
 
     limits = HttpLimits(settings.max_body_bytes, settings.header_timeout, settings.body_timeout,
                         settings.max_connections)  # fmt: skip

@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvevents.http import Server
 from kvevents.index.decision import LoadBook, Target
 from kvevents.index.prefix import PrefixIndex
 from kvevents.index.router import Router
@@ -28,7 +29,6 @@ from kvevents.route._proxy import RouteApp
 from kvevents.route._status import status_pages
 from kvevents.route._tokens import ModelTokenizer
 from kvevents.service.core import IndexService, WorkerRegistration
-from kvevents.service.server import Server
 
 __all__ = ["EngineSpec", "FrontDoor"]
 
