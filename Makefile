@@ -43,7 +43,7 @@ SANITIZE_TESTS := tests/test_index_native.py tests/test_blocktable.py tests/test
 SAN_MODULES := index/_blocktable subscribe/_zmqrecv publish/_zerosend http/_jsonscan
 SANITIZE_EXAMPLES ?= 1000
 
-.PHONY: demo test test-pythons bench lint venv dynamo vllm sglang promtool browser sanitize clean
+.PHONY: demo demo-route test test-pythons bench lint venv dynamo vllm sglang promtool browser sanitize clean
 
 venv: $(STAMP)
 
@@ -110,6 +110,12 @@ browser:
 # 20-60 s) and KVEVENTS_REQUIRE_SGLANG=1.
 demo: $(STAMP)
 	$(VENV)/bin/kvevents demo
+
+# kvevents route in front of two real vLLM CPU engines, a few conversations through the openai
+# client: where each request went, the cached tokens predicted and those the engine reported.
+demo-route: $(STAMP)
+	@$(MAKE) --no-print-directory vllm
+	$(PY) -m kvevents.testing.route_demo
 
 test: $(STAMP)
 	@$(MAKE) --no-print-directory dynamo || echo "warning: ai-dynamo-runtime not installed; interop tests will skip"

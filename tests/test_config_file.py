@@ -184,7 +184,9 @@ def test_a_file_that_is_not_a_settings_file_is_refused(tmp_path: Path) -> None:
         serve_settings("--config", str(tmp_path / "missing.toml"))
     with pytest.raises(UsageError, match=r"bad\.toml: not valid TOML"):
         serve_settings("--config", write(tmp_path, "[serve\n", "bad.toml"))
-    with pytest.raises(UsageError, match=r"top.toml: 'port': expected a \[serve\] or \[publish\]"):
+    with pytest.raises(
+        UsageError, match=r"top.toml: 'port': expected a \[serve\], \[publish\] or \[route\]"
+    ):
         serve_settings("--config", write(tmp_path, "port = 1\n", "top.toml"))
 
 

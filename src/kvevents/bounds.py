@@ -1,6 +1,6 @@
 """The bounds of a worker's registration, wherever it comes from.
 
-A registration arrives over HTTP (``POST /register``, :mod:`kvevents.service.schema`), from
+A registration arrives over HTTP (``POST /register``, :mod:`kvevents.http`), from
 a state file, from the settings (``--worker``, ``[[serve.workers]]``) or from what an engine
 advertises (:mod:`kvevents.integrations.discovery`); each source holds it to these numbers, so
 that none of them lets through what another refuses (``dp_size: 10**8`` once reached

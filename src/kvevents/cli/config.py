@@ -43,10 +43,12 @@ __all__ = [
     "CONFIG_ENV",
     "PolicyName",
     "PublishSettings",
+    "RouteSettings",
     "ServeSettings",
     "Settings",
     "WorkerEntry",
     "apply_settings",
+    "engine_names",
     "env_prefix",
     "resolve",
     "track_given",
@@ -175,6 +177,80 @@ class ServeSettings(Settings):
                 raise ValueError(f"workers: worker id {entry.id!r} is given twice")
             seen.add(entry.id)
         return self
+
+
+class RouteSettings(Settings):
+    """``kvevents route``: listening, the engines and their streams, tokenizers, routing."""
+
+    paths: ClassVar[frozenset[str]] = frozenset()
+
+    host: Text = "127.0.0.1"
+    port: Port = 8000
+    #: ``[NAME=]URL``: an engine's OpenAI server (NAME: its id; default: the URL).
+    engines: list[Text] = []
+    #: ``ENGINE=tcp://HOST:PORT``: an engine's KV event stream (its base endpoint: rank r on
+    #: port + r); ENGINE is its NAME or URL. An engine without one is routed on load alone.
+    kv_events: list[Text] = []
+    #: ``ENGINE=tcp://HOST:PORT``: the engine's replay endpoint (base, as ``kv_events``).
+    kv_replay: list[Text] = []
+    #: ``ENGINE=N``: the engine's data parallel ranks (each routed to on its own).
+    dp_size: list[Text] = []
+    topic: str = ""
+    #: ``[MODEL=]SOURCE``: a served model's tokenizer and chat template, a directory or a
+    #: model id in the local Hugging Face cache (without MODEL: every model without its own).
+    tokenizers: list[Text] = []
+    block_size: BlockSize = 16
+    policy: PolicyName = "bounded_prefix"
+    health_interval: Seconds = 2.0
+    health_timeout: Seconds = 1.0
+    connect_timeout: Seconds = 2.0
+    first_byte_timeout: Seconds = 600.0
+    idle_timeout: Seconds = 300.0
+    stale_after: Seconds = 5.0
+    prediction_grace: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 2.0
+    max_body_bytes: Positive = 8 << 20
+    header_timeout: Seconds = 10.0
+    body_timeout: Seconds = 30.0
+    max_connections: Positive = 256
+    #: The engines' own flags that change prompts' tokens (see docs/route.md).
+    chat_template: Text | None = None
+    max_model_len: Positive | None = None
+    trust_request_chat_template: bool = False
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: Text | None = None
+    # The index from the JetStream replicas' stream (docs/scale-out.md); None: from the engines.
+    nats: Text | None = None
+    replica_name: Text = "route"
+    nats_stream: Text = "KVEVENTS"
+    nats_prefix: Text = "kvevents"
+    nats_bucket: Text = "kvevents-snapshots"
+
+    @model_validator(mode="after")
+    def _named_engines(self) -> RouteSettings:
+        names = engine_names(self.engines)
+        for key in ("kv_events", "kv_replay", "dp_size"):
+            for entry in getattr(self, key):
+                engine, sep, value = entry.rpartition("=")
+                if not sep or not engine or not value:
+                    raise ValueError(f"{key}: {entry!r}: expected ENGINE=VALUE")
+                if engine not in names:
+                    raise ValueError(f"{key}: {entry!r}: no --engine {engine!r} (NAME or URL)")
+        return self
+
+
+def engine_names(entries: list[str]) -> dict[str, tuple[str, str]]:
+    """``[NAME=]URL`` entries by the name and by the URL they may be named with: (name, url)."""
+    out: dict[str, tuple[str, str]] = {}
+    for entry in entries:
+        name, sep, url = entry.partition("=")
+        if not sep:
+            name, url = entry.rstrip("/"), entry
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"engines: {entry!r}: expected [NAME=]http://HOST:PORT")
+        if name in out:
+            raise ValueError(f"engines: {name!r} is given twice")
+        out[name] = out[url.rstrip("/")] = (name, url)
+    return out
 
 
 class PublishSettings(Settings):
@@ -311,8 +387,8 @@ def _read_toml(path: Path) -> dict[str, Any]:
 def _file_layer(model: type[S], command: str, path: Path) -> dict[str, Any]:
     document = _read_toml(path)
     for key, value in document.items():
-        if not isinstance(value, dict) or key not in ("serve", "publish"):
-            raise UsageError(f"{path}: {key!r}: expected a [serve] or [publish] table")
+        if not isinstance(value, dict) or key not in ("serve", "publish", "route"):
+            raise UsageError(f"{path}: {key!r}: expected a [serve], [publish] or [route] table")
     table = dict(document.get(command, {}))
     for key in model.paths & table.keys():
         if isinstance(table[key], str) and table[key]:

@@ -85,8 +85,9 @@ _list_decoder = msgspec.json.Decoder(_ModelList)
 
 
 class Engine:
-    """One engine: ``id`` (default: its URL; the ``x-kvevents-engine`` header), ``url`` (its
-    base URL), ``models`` (the ids its ``GET /v1/models`` listed; ``listed``: once it was
+    """One engine: ``id`` (default: its URL, with ``#rank`` and the rank for one data parallel
+    rank; the ``x-kvevents-engine`` header), ``url`` (its base URL), ``rank`` (the data
+    parallel rank its requests ask for, None: the engine chooses), ``models`` (the ids its ``GET /v1/models`` listed; ``listed``: once it was
     read) and ``cards`` (those entries as it sent them), ``state`` and ``reason`` (why it is down), ``in_flight``
     (requests on it now) and ``counts``."""
 
@@ -97,17 +98,22 @@ class Engine:
         "in_flight",
         "listed",
         "models",
+        "rank",
         "reason",
         "since",
         "state",
         "url",
     )
 
-    def __init__(self, url: str, id: str | None = None) -> None:
+    def __init__(self, url: str, id: str | None = None, *, rank: int | None = None) -> None:
         self.url = url.rstrip("/")
         if not self.url.startswith(("http://", "https://")):
             raise ValueError(f"engine URL {url!r}: expected http://HOST:PORT or https://...")
-        self.id = id if id is not None else self.url
+        if rank is not None and rank < 0:
+            raise ValueError(f"engine {url!r}: rank must be >= 0, got {rank}")
+        self.rank = rank
+        default = self.url if rank is None else f"{self.url}#rank{rank}"
+        self.id = id if id is not None else default
         self.models: frozenset[str] = frozenset()
         self.cards: tuple[msgspec.Raw, ...] = ()
         self.listed = False  # its models were read at least once
@@ -129,6 +135,7 @@ class Engine:
         return {
             "id": self.id,
             "url": self.url,
+            "rank": self.rank,
             "state": self.state.value,
             "reason": self.reason,
             "models": sorted(self.models),

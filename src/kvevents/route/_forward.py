@@ -38,7 +38,7 @@ from kvevents.route._seam import Outcome, OutcomeKind, Plan, Planner
 from kvevents.route._sse import ChunkReader, SseUsage
 from kvevents.route._usage import BodyUsage, Usage
 
-__all__ = ["Exchange", "Upstream", "request_headers", "response_headers"]
+__all__ = ["RANK_HEADER", "Exchange", "Upstream", "request_headers", "response_headers"]
 
 log = logging.getLogger("kvevents.route.proxy")
 
@@ -61,6 +61,8 @@ _NOT_FORWARDED = HOP_BY_HOP | {b"host", b"content-length", b"expect"}
 # Not returned to the client: uvicorn writes its own Date and Server.
 _NOT_RETURNED = HOP_BY_HOP | {b"date", b"server"}
 _URL_CACHE_SIZE = 1024
+#: The header vLLM's OpenAI server reads to run a request on one data parallel rank.
+RANK_HEADER = "x-data-parallel-rank"
 
 
 def _named_by_connection(headers: Iterable[tuple[bytes, bytes]]) -> set[bytes]:
@@ -350,7 +352,7 @@ class Exchange:
                 self._method,
                 self.up.url(engine, self._target),
                 data=body,
-                headers=self._headers,
+                headers=self._headers if engine.rank is None else self._ranked(engine.rank),
                 allow_redirects=False,
             )
         except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
@@ -366,6 +368,12 @@ class Exchange:
             response.close()
             raise _Failed("http_error", f"answered {response.status}", response.status)
         return response
+
+    def _ranked(self, rank: int) -> list[tuple[str, str]]:
+        """The headers, asking a data parallel engine for ``rank`` (vLLM's header for it;
+        a client's own rank header is replaced: the planner chose the rank)."""
+        rest = [(k, v) for k, v in self._headers if k.lower() != RANK_HEADER]
+        return [*rest, (RANK_HEADER, str(rank))]
 
     async def _failed(self, attempt: _Attempt, failed: _Failed, failures: list[str]) -> bool:
         """Count and report a failed attempt; True when it ends the request (not retried)."""
@@ -457,6 +465,8 @@ class Exchange:
         attempt.first_byte = now = perf_counter()
         if stream:
             self.up.metrics.ttft.labels(attempt.engine.id).observe(now - self.began)
+        if self.plan is not None:
+            self._tell_planner("answering", self.up.planner.answering, self.plan, attempt.engine)
 
     def _cut(self, attempt: _Attempt, exc: BaseException) -> None:
         """The answer broke after it began: count it, say so once, close the client's

@@ -48,12 +48,15 @@ class Plan:
     engine id -> prompt tokens the planner expects that engine to have cached (the
     ``x-kvevents-predicted-cached-tokens`` header). ``explain``: the decision, JSON-ready.
     ``error``: (status, OpenAI error body) to answer instead, e.g. 404 for an unknown model.
+    ``context``: the planner's own record of the request (the proxy hands the plan back in
+    every call and never reads it).
     """
 
     candidates: Sequence[Engine]
     predicted_cached_tokens: Mapping[str, int]
     explain: Mapping[str, Any]
     error: tuple[int, dict[str, Any]] | None = None
+    context: object = None
 
 
 #: How one attempt on one engine ended: answered (``ok``, whatever its status below 500),
@@ -87,5 +90,7 @@ class Planner(Protocol):
     async def plan(self, request: RouteRequest) -> Plan: ...
 
     def started(self, plan: Plan, engine: Engine) -> None: ...
+
+    def answering(self, plan: Plan, engine: Engine) -> None: ...
 
     def finished(self, plan: Plan, engine: Engine, outcome: Outcome) -> None: ...

@@ -24,7 +24,7 @@ import math
 import socket
 import threading
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from time import monotonic
 from typing import Any, cast
@@ -332,7 +332,9 @@ class StandInEngine:
     """A stand-in engine serving ``models`` on ``host``:``port`` (0: a free port, bound now).
 
     :meth:`start` runs it on a thread of its own; :meth:`close` stops it. ``name`` (default:
-    its URL) appears in echo answers and in its ``x-stand-in-engine`` header. ``keep``: how
+    its URL) appears in echo answers and in its ``x-stand-in-engine`` header. ``adapters``:
+    LoRA adapter -> base model, listed by ``GET /v1/models`` with their ``parent``.
+    ``tokenize``: the ids ``POST /tokenize`` answers (None: it is echoed). ``keep``: how
     many requests :meth:`received` remembers. The counters (``requests``, ``aborted``,
     ``connections``, ``bytes_sent``) are read from any thread.
     """
@@ -346,6 +348,8 @@ class StandInEngine:
         behaviour: Behaviour | None = None,
         name: str | None = None,
         keep: int = 10_000,
+        adapters: Mapping[str, str] | None = None,
+        tokenize: Sequence[int] | None = None,
     ) -> None:
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -355,6 +359,8 @@ class StandInEngine:
         self.url = f"http://{host}:{self.port}"
         self.name = name or self.url
         self.models = tuple(models)
+        self.adapters = dict(adapters or {})
+        self.tokenize = None if tokenize is None else list(tokenize)
         self.behaviour = behaviour or Behaviour()
         self.requests = 0
         self.aborted = 0
@@ -451,6 +457,9 @@ class StandInEngine:
             return self._json(200, self._model_list())
         if request.method == "POST" and path in ("/v1/chat/completions", "/v1/completions"):
             return self._completion(path, request.body, behaviour)
+        if request.method == "POST" and path == "/tokenize" and self.tokenize is not None:
+            reply = {"tokens": self.tokenize, "count": len(self.tokenize), "max_model_len": 4096}
+            return self._json(200, _encoder.encode(reply))
         echo = {"engine": self.name, "method": request.method, "target": request.target}
         return self._json(200, _encoder.encode({**echo, "body_bytes": len(request.body)}))
 
@@ -461,6 +470,17 @@ class StandInEngine:
         cards = [
             {"id": m, "object": "model", "created": 0, "owned_by": "stand-in", "root": m}
             for m in self.models
+        ]
+        cards += [  # LoRA adapters as vLLM lists them: their base model as parent
+            {
+                "id": a,
+                "object": "model",
+                "created": 0,
+                "owned_by": "stand-in",
+                "root": a,
+                "parent": base,
+            }
+            for a, base in self.adapters.items()
         ]
         return _encoder.encode({"object": "list", "data": cards})
 

@@ -4,12 +4,17 @@
 serving the model, in turn, no predicted cache. It records every call the proxy makes
 (``plans``, ``started``, ``finished``), so a test can assert what the planner was told.
 :func:`running_proxy` starts :class:`kvevents.route.RouteApp` on a server thread in front
-of given engine URLs and stops it afterwards (:class:`RunningProxy`).
+of given engine URLs and stops it afterwards (:class:`RunningProxy`). :class:`RouteProcess`
+runs ``kvevents route`` itself in a subprocess.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
+import subprocess
+import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -27,7 +32,7 @@ from kvevents.route import (
     RouteRequest,
 )
 
-__all__ = ["RoundRobinPlanner", "RunningProxy", "running_proxy"]
+__all__ = ["RoundRobinPlanner", "RouteProcess", "RunningProxy", "running_proxy"]
 
 
 class RoundRobinPlanner:
@@ -35,7 +40,8 @@ class RoundRobinPlanner:
     (``rotate=False``: always in pool order).
 
     ``predicted``: engine id -> the predicted cached tokens to report (default none).
-    ``plans``, ``sent`` (each ``started``), ``ended`` (each ``finished``): what the proxy
+    ``plans``, ``sent`` (each ``started``), ``answered`` (each ``answering``), ``ended`` (each
+    ``finished``): what the proxy
     asked and told, in order.
     """
 
@@ -51,6 +57,7 @@ class RoundRobinPlanner:
         self.predicted = dict(predicted or {})
         self.plans: list[RouteRequest] = []
         self.sent: list[tuple[Plan, Engine]] = []
+        self.answered: list[tuple[Plan, Engine]] = []
         self.ended: list[tuple[Plan, Engine, Outcome]] = []
         self._turn = 0
         self._lock = threading.Lock()
@@ -71,6 +78,10 @@ class RoundRobinPlanner:
     def started(self, plan: Plan, engine: Engine) -> None:
         with self._lock:
             self.sent.append((plan, engine))
+
+    def answering(self, plan: Plan, engine: Engine) -> None:
+        with self._lock:
+            self.answered.append((plan, engine))
 
     def finished(self, plan: Plan, engine: Engine, outcome: Outcome) -> None:
         with self._lock:
@@ -127,3 +138,61 @@ def running_proxy(
         yield RunningProxy(server, app, pool, made)
     finally:
         server.close()
+
+
+class RouteProcess:
+    """``kvevents route`` (or any command printing ``serving on URL``) in a subprocess.
+
+    :meth:`start` returns once it printed its URL (bounded by ``timeout``); :meth:`stop`
+    sends SIGTERM and returns the exit status (SIGKILL after ``timeout``). ``err`` holds its
+    standard error once stopped.
+    """
+
+    def __init__(self, args: Sequence[str], *, env: Mapping[str, str] | None = None) -> None:
+        self.args = [sys.executable, "-m", "kvevents.cli", *args]
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.url = ""
+        self.err = ""
+        self._proc: subprocess.Popen[str] | None = None
+
+    def start(self, timeout: float = 60.0) -> RouteProcess:
+        self._proc = subprocess.Popen(
+            self.args,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=self.env,
+            start_new_session=True,
+        )
+        line: list[str] = []
+        reader = threading.Thread(target=lambda: line.append(self._first_line()), daemon=True)
+        reader.start()
+        reader.join(timeout)
+        if not line or not line[0].startswith("serving on "):
+            status = self.stop()
+            raise RuntimeError(f"{' '.join(self.args)} did not start (exit {status}): {self.err}")
+        self.url = line[0].removeprefix("serving on ").strip()
+        return self
+
+    def _first_line(self) -> str:
+        assert self._proc is not None and self._proc.stdout is not None
+        return self._proc.stdout.readline()
+
+    def stop(self, timeout: float = 30.0) -> int:
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return 0
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        try:
+            _, self.err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            _, self.err = proc.communicate(timeout=timeout)
+        return proc.returncode
+
+    def __enter__(self) -> RouteProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
