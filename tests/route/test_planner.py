@@ -250,3 +250,20 @@ def test_the_status_page_and_its_json_show_engines_streams_and_decisions(
     assert decision["winner"] == "e0" and decision["reported_cached_tokens"] == 0
     assert decision["tokens"]["source"] == "chat" and decision["tokens"]["count"] > 0
     assert status["planner"]["counts"]["compared"] == 1
+
+
+def test_each_answer_says_how_it_was_decided(
+    door: Door, engines: Callable[..., StandInEngine]
+) -> None:
+    """The response headers explain the decision: matched blocks per engine, the policy and
+    why the winner won."""
+    front = door(engines(), engines(), policy="longest_prefix")
+    ask(front, "explain yourself")
+    reply = ask(front, "explain yourself")
+    winner = reply.headers["x-kvevents-engine"]
+    matched = dict(
+        part.split("=") for part in reply.headers["x-kvevents-matched-blocks"].split(", ")
+    )
+    assert set(matched) == {"e0", "e1"} and int(matched[winner]) > 0
+    assert reply.headers["x-kvevents-policy"] == "longest_prefix"
+    assert reply.headers["x-kvevents-reason"].startswith("most matched blocks")

@@ -73,6 +73,7 @@ def test_route_takes_its_settings_from_a_config_file_and_the_environment(
         (["--engine", "ftp://nowhere"], "expected [NAME=]http://HOST:PORT"),
         (["--engine", "http://127.0.0.1:1", "--tokenizer", "/no/such/dir"], "--tokenizer /no/such/dir"),
         (["--engine", "http://127.0.0.1:1", "--dp-size", "http://127.0.0.1:1=0"], "expected 1..1024"),
+        (["--engine", "a=http://127.0.0.1:1", "--engine-block-size", "a=0"], "expected 1..1048576"),
         (["--policy", "best"], "policy"),
     ],
 )  # fmt: skip

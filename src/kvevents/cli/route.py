@@ -111,6 +111,13 @@ def _add_engine_options(p: Any) -> None:
         default=_d("block_size"),
         help="the engines' block size (vLLM's --block-size)",
     )
+    g.add_argument(
+        "--engine-block-size",
+        action="append",
+        default=[],
+        metavar="ENGINE=N",
+        help="an engine's block size where it is not --block-size",
+    )
     g.add_argument("--health-interval", type=positive_float, default=_d("health_interval"),
                    help="seconds between each engine's health checks")  # fmt: skip
     g.add_argument("--health-timeout", type=positive_float, default=_d("health_timeout"),
@@ -190,7 +197,11 @@ def engine_specs(settings: RouteSettings) -> list[Any]:
     events = _by_engine(settings.kv_events, names)
     replays = _by_engine(settings.kv_replay, names)
     ranks = {
-        name: _rank_count(value) for name, value in _by_engine(settings.dp_size, names).items()
+        n: _count(v, "--dp-size", 1024) for n, v in _by_engine(settings.dp_size, names).items()
+    }
+    sizes = {
+        n: _count(v, "--engine-block-size", 1 << 20)
+        for n, v in _by_engine(settings.engine_block_size, names).items()
     }
     specs = []
     for entry in settings.engines:
@@ -202,6 +213,7 @@ def engine_specs(settings: RouteSettings) -> list[Any]:
                 events.get(name),
                 replays.get(name),
                 ranks.get(name, 1),
+                sizes.get(name),
                 topic=settings.topic,
             )
         )
@@ -216,13 +228,13 @@ def _by_engine(entries: list[str], names: dict[str, tuple[str, str]]) -> dict[st
     return out
 
 
-def _rank_count(text: str) -> int:
+def _count(text: str, flag: str, most: int) -> int:
     try:
         count = int(text)
     except ValueError:
-        raise UsageError(f"--dp-size: {text!r} is not a number of ranks") from None
-    if not 1 <= count <= 1024:
-        raise UsageError(f"--dp-size: {count} ranks: expected 1..1024")
+        raise UsageError(f"{flag}: {text!r} is not a number") from None
+    if not 1 <= count <= most:
+        raise UsageError(f"{flag}: {count}: expected 1..{most}")
     return count
 
 

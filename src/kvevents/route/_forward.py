@@ -435,6 +435,7 @@ class Exchange:
         if self.plan is not None:
             predicted = self.plan.predicted_cached_tokens.get(engine.id, 0)
             headers.append((b"x-kvevents-predicted-cached-tokens", b"%d" % predicted))
+            headers.extend(self.plan.headers)
         self.status, self.engine = response.status, engine
         await self._send(
             {"type": "http.response.start", "status": response.status, "headers": headers}

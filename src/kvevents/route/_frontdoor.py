@@ -100,6 +100,12 @@ class FrontDoor:
             self.tokenizers,
             self._targets(),
             options=self.planner_options,
+            block_sizes={
+                (spec.worker_id, rank): spec.block_size
+                for spec in self.engines
+                if spec.block_size is not None
+                for rank in range(spec.ranks)
+            },
         )
         self.started_at = time.time()
         self.app = RouteApp(

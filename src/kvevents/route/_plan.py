@@ -70,6 +70,9 @@ DEFAULT_ROUTE_POLICY = "bounded_prefix"
 _CHAT = "/v1/chat/completions"
 #: Decisions kept for the status page.
 RECENT_DECISIONS = 50
+#: Bytes of a decision header at most: with many engines the matched list would grow past
+#: what proxies in between accept in a header (8 KiB is a common limit for all of them).
+_HEADER_LIMIT = 2048
 _json = msgspec.json.Encoder()
 
 
@@ -167,8 +170,9 @@ class IndexPlanner:
 
     ``tokenizers``: model name -> its tokenizer (LoRA adapters use their base model's; a
     tokenizer under None serves any model without one of its own). ``targets``: engine id ->
-    its (worker, rank) in the index (each engine of the pool has one). ``inflight`` keeps its
-    loads in the book of the service's router.
+    its (worker, rank) in the index (each engine of the pool has one). ``block_sizes``: the
+    targets whose block size is not ``options.block_size``. ``inflight`` keeps its loads in
+    the book of the service's router.
     """
 
     def __init__(
@@ -179,9 +183,11 @@ class IndexPlanner:
         targets: Mapping[str, Target],
         *,
         options: PlannerOptions | None = None,
+        block_sizes: Mapping[Target, int] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.service = service
+        self.block_sizes = dict(block_sizes or {})
         self.pool = pool
         self.tokenizers = dict(tokenizers)
         self.targets = dict(targets)
@@ -356,7 +362,9 @@ class IndexPlanner:
         log.debug("plan: %s", explain)
         planned.record = {"time": time.time(), **explain}
         self.recent.append(planned.record)
-        return Plan(order, dict(planned.predicted), explain, context=planned)
+        return Plan(
+            order, dict(planned.predicted), explain, headers=_headers(explain), context=planned
+        )
 
     def _match(
         self, ids: Sequence[int] | None, targets: list[Target], lora: str | None, salt: str | None
@@ -384,7 +392,10 @@ class IndexPlanner:
         return _Matches(merged, keys, predicted, result.streams)
 
     def _block_size(self, target: Target) -> int:
-        return self.service.block_size(*target) or self.options.block_size
+        """The target's block size: as given for its engine, else its stream's, else the
+        engines' default."""
+        given = self.block_sizes.get(target)
+        return given or self.service.block_size(*target) or self.options.block_size
 
     def _fill(
         self, planned: _Planned, engine: Engine, decision: Decision, match: _Matches, tokens: int
@@ -528,6 +539,21 @@ class _Matches:
     keys: Mapping[int, list[int]]
     predicted: Mapping[Target, int]
     indexed: Mapping[Target, int] = field(default_factory=dict)
+
+
+def _headers(explain: Mapping[str, Any]) -> list[tuple[bytes, bytes]]:
+    """The decision for the client: matched blocks per engine (``e0=12, e1=3``), the policy
+    and why the winner won (ASCII: engine ids and reasons are made of it; others dropped)."""
+    matched = ", ".join(f"{row['engine']}={row['matched_blocks']}" for row in explain["scores"])
+    out = []
+    for name, text in (
+        (b"x-kvevents-matched-blocks", matched),
+        (b"x-kvevents-policy", str(explain["policy"])),
+        (b"x-kvevents-reason", str(explain["reason"])),
+    ):
+        value = text.encode("ascii", "ignore").replace(b"\r", b" ").replace(b"\n", b" ")
+        out.append((name, value[:_HEADER_LIMIT]))
+    return out
 
 
 def _tokens(tokenizer: ModelTokenizer, request: RouteRequest, chat: bool) -> list[Prompt]:

@@ -48,14 +48,16 @@ class Plan:
     engine id -> prompt tokens the planner expects that engine to have cached (the
     ``x-kvevents-predicted-cached-tokens`` header). ``explain``: the decision, JSON-ready.
     ``error``: (status, OpenAI error body) to answer instead, e.g. 404 for an unknown model.
-    ``context``: the planner's own record of the request (the proxy hands the plan back in
-    every call and never reads it).
+    ``headers``: more response headers for the client (the decision explained), added to
+    whichever engine's answer it gets. ``context``: the planner's own record of the request
+    (the proxy hands the plan back in every call and never reads it).
     """
 
     candidates: Sequence[Engine]
     predicted_cached_tokens: Mapping[str, int]
     explain: Mapping[str, Any]
     error: tuple[int, dict[str, Any]] | None = None
+    headers: Sequence[tuple[bytes, bytes]] = ()
     context: object = None
 
 
