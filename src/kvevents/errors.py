@@ -26,6 +26,8 @@ Losses (dropped batches, skipped events, gaps) are never exceptions: they are co
 
 from __future__ import annotations
 
+from kvevents.events import StreamKey
+
 __all__ = [
     "BindError",
     "DecodeError",
@@ -164,7 +166,7 @@ class SyncTimeout(KVEventsError, TimeoutError):
     (``-1``: nothing yet).
     """
 
-    def __init__(self, timeout: float, lagging: dict[tuple[str, int], tuple[int, int]]) -> None:
+    def __init__(self, timeout: float, lagging: dict[StreamKey, tuple[int, int]]) -> None:
         where = ", ".join(
             f"{w}/rank{r} delivered {d} of {p}" for (w, r), (d, p) in sorted(lagging.items())
         )

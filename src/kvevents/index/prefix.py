@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from operator import sub
 
-from kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, StreamKey
 from kvevents.index import query
 from kvevents.index import table as bt
 from kvevents.index.checks import StoreChecks, pack_ints
@@ -114,7 +114,7 @@ class PrefixIndex(StoreChecks, IndexViews):
         self._tombstones = tombstones
         self._log_mismatch = RateLimitedWarning(log, log_interval, clock, level=logging.ERROR)
         self._pages: list[bt.U64Map] = []
-        self._streams: dict[tuple[str, int], Stream] = {}
+        self._streams: dict[StreamKey, Stream] = {}
         self._by_id: dict[int, Holder] = {}
         self._free_ids: list[int] = []
         self._next_id = 0
@@ -170,7 +170,7 @@ class PrefixIndex(StoreChecks, IndexViews):
         if stream is not None:
             self._drop_stream_state(stream)
 
-    def targets(self) -> list[tuple[str, int]]:
+    def targets(self) -> list[StreamKey]:
         """Every known (worker, rank) stream, in registration order."""
         return list(self._streams)
 

@@ -10,6 +10,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal, NamedTuple
 
+from kvevents.events import StreamKey
+
 __all__ = [
     "DEFAULT_TIER",
     "ApplyResult",
@@ -126,7 +128,7 @@ class MatchResult:
     request_tokens: int
     request_blocks: Mapping[int, int]
     holders: Mapping[HolderKey, int] = field(default_factory=dict)
-    streams: Mapping[tuple[str, int], int] = field(default_factory=dict)
+    streams: Mapping[StreamKey, int] = field(default_factory=dict)
 
 
 class Counts:

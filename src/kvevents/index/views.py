@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING
 
+from kvevents.events import StreamKey
 from kvevents.index import query
 from kvevents.index.records import HolderKey, IndexStats, StreamInfo
 
@@ -22,7 +23,7 @@ class IndexViews:
     tables: ``_pages``, ``_streams``, ``_by_id``, ``_c``)."""
 
     _pages: list[bt.U64Map]
-    _streams: dict[tuple[str, int], Stream]
+    _streams: dict[StreamKey, Stream]
     _by_id: dict[int, Holder]
     _c: Counts
 

@@ -18,13 +18,18 @@ from __future__ import annotations
 import logging
 
 from kvevents.errors import DecodeError, LayoutError
+from kvevents.events import StreamKey
 from kvevents.ratelimit import RateLimitedWarning
 from kvevents.scaleout.cursor import BatchVerdict, CursorState, StreamCursor
 from kvevents.scaleout.records import RecordError, RelayRecord, parse_record
 from kvevents.scaleout.snapshot import Snapshot
 from kvevents.service.core import IndexService
 from kvevents.service.feed import WorkerRegistration
-from kvevents.subscribe.streams import StreamKey, StreamReset, StreamSpec, StreamStatus
+from kvevents.subscribe.streams import (
+    StreamReset,
+    StreamSpec,
+    StreamStatus,
+)
 from kvevents.wire import decode_batch_packed
 from kvevents.wire.endpoints import rank_endpoint
 

@@ -27,7 +27,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from kvevents.events import AllBlocksCleared
+from kvevents.events import AllBlocksCleared, StreamKey
 from kvevents.scaleout.jetstream import JetStreamOptions, LoopThread, connect, ensure_stream
 from kvevents.scaleout.records import (
     Outgoing,
@@ -121,8 +121,8 @@ class Relay:
         self._sub_options = subscriber_options or SubscriberOptions()
         self._queue: collections.deque[Outgoing] = collections.deque()
         self._room = threading.Condition()
-        self._pending_reset: set[tuple[str, int]] = set()
-        self._last_seq: dict[tuple[str, int], int] = {}
+        self._pending_reset: set[StreamKey] = set()
+        self._last_seq: dict[StreamKey, int] = {}
         self._counts = {f.name: 0 for f in dataclasses.fields(RelayStats)}
         self._aio: LoopThread | None = None
         self._nc: Any = None

@@ -6,10 +6,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
+from kvevents.events import StreamKey
 from kvevents.scaleout.cursor import DEFAULT_WINDOW
 from kvevents.subscribe.streams import (
     FeedHealth,
-    StreamKey,
     StreamSpec,
     StreamStats,
     SubscriberStats,

@@ -10,11 +10,11 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
+from kvevents.events import StreamKey
 from kvevents.index import ReportMode
 from kvevents.subscribe.streams import (
     FeedHealth,
     Item,
-    StreamKey,
     StreamSpec,
     StreamStats,
     StreamStatus,

@@ -14,11 +14,15 @@ from typing import Any
 
 import msgspec
 
+from kvevents.events import StreamKey
 from kvevents.index.prefix import HolderKey, IndexStats, PrefixIndex
 from kvevents.index.router import Router
 from kvevents.service.feed import Feed, WorkerRegistration
 from kvevents.service.loadreports import LoadLedger
-from kvevents.subscribe.streams import FeedHealth, StreamKey, StreamStats
+from kvevents.subscribe.streams import (
+    FeedHealth,
+    StreamStats,
+)
 
 __all__ = ["ServiceViews", "builtins"]
 

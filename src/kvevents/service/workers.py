@@ -13,7 +13,7 @@ import threading
 from collections.abc import Callable, Sequence
 
 from kvevents.errors import RegistrationConflict, StreamAddError, SubscriberError
-from kvevents.index.decision import Target
+from kvevents.events import StreamKey
 from kvevents.index.prefix import PrefixIndex
 from kvevents.index.router import Router
 from kvevents.service.feed import Feed, WorkerRegistration
@@ -216,7 +216,7 @@ class ServiceWorkers:
         written = self._persisted.write(self._workers)
         self._counts["state_writes" if written else "state_write_errors"] += 1
 
-    def _model_targets(self, model_name: str) -> list[Target]:
+    def _model_targets(self, model_name: str) -> list[StreamKey]:
         """The (worker, rank) targets serving ``model_name`` (call with the lock): those
         registered for it, and those registered with no model name, which serve any."""
         return [
@@ -226,9 +226,9 @@ class ServiceWorkers:
             for rank in reg.ranks
         ]
 
-    def report_loads(self, reports: Sequence[LoadReport]) -> list[Target]:
+    def report_loads(self, reports: Sequence[LoadReport]) -> list[StreamKey]:
         """Apply load reports for routing; the targets not registered (not applied)."""
-        unknown: list[Target] = []
+        unknown: list[StreamKey] = []
         with self.lock:
             for report in reports:
                 reg = self._workers.get(report.worker_id)

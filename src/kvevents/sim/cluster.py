@@ -27,11 +27,10 @@ from typing import Any, Literal
 
 from kvevents.deadline import Deadline
 from kvevents.errors import SyncTimeout
-from kvevents.events import KVEventBatch
+from kvevents.events import KVEventBatch, StreamKey
 from kvevents.index.prefix import HolderKey, PrefixIndex
 from kvevents.sim.cache import CPU, GPU
 from kvevents.sim.engine import EngineConfig, SimulatedEngine
-from kvevents.subscribe.streams import StreamKey
 
 __all__ = ["Accuracy", "Cluster", "ClusterConfig", "FeedCounters", "HolderAccuracy"]
 

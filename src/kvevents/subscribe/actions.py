@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 
 from kvevents.errors import DecodeError
-from kvevents.events import AllBlocksCleared
+from kvevents.events import AllBlocksCleared, StreamKey
 from kvevents.ratelimit import RateLimitedWarning
 from kvevents.subscribe.cursor import (
     Action,
@@ -27,7 +27,6 @@ from kvevents.subscribe.live import LiveStream
 from kvevents.subscribe.replay import ReplayClient
 from kvevents.subscribe.streams import (
     Delivery,
-    StreamKey,
     StreamReset,
     StreamStatus,
     SubscriberOptions,

@@ -8,10 +8,13 @@ rewound and replayed from its first shed batch once the outbox is half empty aga
 
 from __future__ import annotations
 
+from kvevents.events import StreamKey
 from kvevents.subscribe.cursor import Gap
 from kvevents.subscribe.live import LiveStream
 from kvevents.subscribe.outbox import Outbox
-from kvevents.subscribe.streams import Item, StreamKey
+from kvevents.subscribe.streams import (
+    Item,
+)
 
 __all__ = ["Handover"]
 

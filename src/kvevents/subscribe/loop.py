@@ -16,6 +16,7 @@ import time
 import zmq
 
 from kvevents.errors import DecodeError, StreamAddError
+from kvevents.events import StreamKey
 from kvevents.ratelimit import RateLimitedWarning
 from kvevents.subscribe.actions import Actions
 from kvevents.subscribe.commands import (
@@ -35,7 +36,6 @@ from kvevents.subscribe.replay import ReplayBatch, ReplayClient, ReplayEvent
 from kvevents.subscribe.streams import (
     FeedHealth,
     Item,
-    StreamKey,
     StreamReset,
     StreamSpec,
     StreamStats,

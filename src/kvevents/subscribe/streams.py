@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, ClassVar, Literal, TypeAlias
 import msgspec
 
 from kvevents.errors import LayoutError
-from kvevents.events import KVEventBatch
+from kvevents.events import KVEventBatch, StreamKey
 from kvevents.subscribe.cursor import CursorState
 from kvevents.wire import DEFAULT_LIMITS, Applied, DecodeLimits
 from kvevents.wire.endpoints import parse_endpoint, rank_endpoint
@@ -44,7 +44,6 @@ __all__ = [
     "worker_streams",
 ]
 
-StreamKey: TypeAlias = tuple[str, int]
 #: Where a stream stands: the cursor's states, plus ``"failed"`` (the stream hit an error of
 #: its own and was detached; remove and add it again).
 StreamState: TypeAlias = Literal[CursorState, "failed"]

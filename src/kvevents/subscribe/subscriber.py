@@ -27,13 +27,13 @@ from collections.abc import AsyncIterator, Iterable, Iterator
 from types import TracebackType
 
 from kvevents.errors import StreamAddError, SubscriberClosed
+from kvevents.events import StreamKey
 from kvevents.subscribe.loop import Loop
 from kvevents.subscribe.outbox import Outbox
 from kvevents.subscribe.streams import (
     STREAM_COUNTERS,
     FeedHealth,
     Item,
-    StreamKey,
     StreamSpec,
     StreamStats,
     SubscriberOptions,
@@ -196,7 +196,7 @@ class Subscriber:
             return FeedHealth("dead", False, 0.0, why)
         return loop.health(thread.is_alive())
 
-    def stream_stats(self) -> dict[tuple[str, int], StreamStats]:
+    def stream_stats(self) -> dict[StreamKey, StreamStats]:
         """Counters of every stream read now, by (worker_id, rank)."""
         loop = self._loop
         if loop is None:
@@ -269,7 +269,7 @@ class AsyncSubscriber:
         """See :meth:`Subscriber.health`."""
         return self.sync.health()
 
-    def stream_stats(self) -> dict[tuple[str, int], StreamStats]:
+    def stream_stats(self) -> dict[StreamKey, StreamStats]:
         """See :meth:`Subscriber.stream_stats`."""
         return self.sync.stream_stats()
 

@@ -17,9 +17,13 @@ from typing import Any
 
 import httpx
 
+from kvevents.events import StreamKey
 from kvevents.index.prefix import PrefixIndex
 from kvevents.service.core import IndexService, WorkerRegistration
-from kvevents.subscribe.streams import StreamKey, StreamSpec, SubscriberOptions
+from kvevents.subscribe.streams import (
+    StreamSpec,
+    SubscriberOptions,
+)
 from kvevents.testing.conformance.stage import NotObservable, StreamRegistration, u64
 from kvevents.testing.dynamo import DynamoIndexer, DynamoIndexerError, find_dynamo_python
 from kvevents.testing.service import ServiceIndexer
