@@ -22,10 +22,13 @@ from kvevents.service.http import AppOptions, HttpLimits, Server, serve
 from kvevents.service.limits import HttpCounters
 from kvevents.service.protocol import LimitedProtocol
 from kvevents.service.server import _fast_query_of
+from kvevents.testing.feeds import FakeFeed, fake_specs
 from kvevents.testing.index import batch, store_event
 from kvevents.testing.sockets import wait_for
-from test_hostile_http import _specs
-from test_service import BS, LOCAL, PROMPT, FakeFeed
+
+BS = 4
+PROMPT = list(range(100, 124))  # 6 blocks
+LOCAL = "tcp://127.0.0.1:6000"
 
 LIMITS = HttpLimits(max_body_bytes=64 << 10, body_timeout=0.5, max_header_bytes=8 << 10)
 QUERY = json.dumps({"token_ids": PROMPT}).encode()
@@ -34,7 +37,7 @@ TOKEN = "t0ken"
 
 def _running(options: AppOptions) -> Server:
     feed = FakeFeed()
-    service = IndexService(PrefixIndex(), feed=feed, stream_specs=_specs, poll_interval=0.01)
+    service = IndexService(PrefixIndex(), feed=feed, stream_specs=fake_specs)
     server = serve("127.0.0.1", 0, service=service, options=options)
     with httpx.Client(base_url=server.url, timeout=10.0) as client:
         headers = {"authorization": f"Bearer {TOKEN}"}
@@ -216,7 +219,7 @@ def test_a_client_that_reads_no_answers_is_read_no_further() -> None:
     reads again when the buffer drains: pipelined queries cannot pile answers up unbounded."""
 
     async def run() -> None:
-        service = IndexService(PrefixIndex(), feed=FakeFeed(), stream_specs=_specs)
+        service = IndexService(PrefixIndex(), feed=FakeFeed(), stream_specs=fake_specs)
         app = create_app(service)
         cls = LimitedProtocol.configured(LIMITS, HttpCounters(), _fast_query_of(app))
         config = uvicorn.Config(app, lifespan="off", log_level="warning")

@@ -17,8 +17,9 @@ from kvevents.subscribe import (
 )
 from kvevents.subscribe.fdlimit import fds_needed, make_room
 from kvevents.subscribe.replay import ReplayOptions
-from kvevents.testing.fixtures import typical_batch
+from kvevents.testing.fixtures import heartbeat, typical_batch
 from kvevents.testing.peers import Collector, RawPublisher
+from kvevents.testing.sinks import RecordingSink
 from kvevents.testing.sockets import unique_ipc, wait_for
 from kvevents.wire.endpoints import MAX_IPC_PATH, rank_endpoint
 
@@ -173,20 +174,24 @@ def test_health_reports_a_stall_while_the_consumer_does_not_read(pub, subs, tmp_
     assert ("late", 0) not in sub.stream_stats()  # abandoned: never added behind our back
 
 
-def test_health_is_dead_with_the_reason_when_the_thread_dies(pub, subs, tmp_path) -> None:
-    """A failure outside any stream ends the thread: health says dead and why; adds refuse."""
-    sub = subs([spec_for(pub)])
-    assert sub._loop is not None
+def test_health_is_dead_with_the_reason_when_the_thread_dies(pub, tmp_path) -> None:
+    """A failure outside any stream ends the thread (here one the sink raises past
+    ``Exception``): health says dead and why; adds refuse."""
 
-    def broken_poll(timeout: int) -> list[object]:
-        raise RuntimeError("poller broke")
+    class ThreadKiller(BaseException):
+        pass
 
-    sub._loop.poller.poll = broken_poll  # type: ignore[method-assign]
-    sub._loop.remove("nobody", None)  # wake the thread so that it polls again
-    health = wait_for(lambda: sub.health().state == "dead" and sub.health(), what="death")
-    assert not health.alive and health.error == "RuntimeError: poller broke"
-    with pytest.raises(StreamAddError, match="not running"):
-        sub.add_stream(StreamSpec("late", 0, unique_ipc(str(tmp_path))))
+    sink = RecordingSink(fault=lambda stream, seq: ThreadKiller("sink broke"))
+    with Subscriber([spec_for(pub)], sink=sink) as sub:
+
+        def dead() -> object:
+            pub.publish(heartbeat())  # until one is read (the slow joiner)
+            return sub.health().state == "dead" and sub.health()
+
+        health = wait_for(dead, interval=0.01, what="death")
+        assert not health.alive and health.error == "ThreadKiller: sink broke"
+        with pytest.raises(StreamAddError, match="not running"):
+            sub.add_stream(StreamSpec("late", 0, unique_ipc(str(tmp_path))))
 
 
 def test_health_before_start_and_after_close() -> None:

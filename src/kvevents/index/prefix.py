@@ -26,8 +26,10 @@ import heapq
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractContextManager
 from operator import sub
 
+from kvevents.errors import StreamNotRegistered
 from kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, StreamKey
 from kvevents.index import query
 from kvevents.index import table as bt
@@ -246,16 +248,48 @@ class PrefixIndex(StoreChecks, IndexViews):
         return cleared
 
     def ingest_payload(
-        self, worker_id: str, rank: int, payload: bytes, *, seq: int | None = None
+        self,
+        worker_id: str,
+        rank: int,
+        payload: bytes,
+        *,
+        seq: int | None = None,
+        hold: AbstractContextManager[object] | None = None,
+        registered_only: bool = False,
     ) -> Applied:
         """Apply one batch payload: :func:`~kvevents.wire.decode_batch_packed`, then
-        :meth:`ingest`; returns what a subscriber's stats need (the index service applies
-        payloads this way, through ``SubscriberOptions.on_payload``). A payload that cannot be
-        read raises ``DecodeError`` before anything changes."""
+        :meth:`ingest`; returns what a feed's stats need. The index service's only way to
+        apply a batch (as the :class:`~kvevents.subscribe.sink.Sink` of its feed).
+
+        The payload is decoded first, outside ``hold`` (the caller's lock, taken around the
+        apply alone), so readers never wait on a decode however large or hostile the payload.
+        A payload that cannot be read raises ``DecodeError`` before anything changes. With
+        ``registered_only``, a batch of a stream not registered with :meth:`register_worker`
+        (or removed since) raises :class:`~kvevents.errors.StreamNotRegistered` and changes
+        nothing, checked under ``hold``.
+        """
         decoded = decode_batch_packed(payload, seq=seq)
         batch = decoded.batch
-        cleared = self.ingest(worker_id, rank, batch)
+        if hold is None:
+            cleared = self._ingest_known(worker_id, rank, batch, registered_only)
+        else:
+            with hold:
+                cleared = self._ingest_known(worker_id, rank, batch, registered_only)
+        if cleared is None:
+            applied = Applied(batch.ts, len(batch.events), decoded.skipped_count)
+            raise StreamNotRegistered(worker_id=worker_id, rank=rank, applied=applied)
         return Applied(batch.ts, len(batch.events), decoded.skipped_count, cleared)
+
+    def _ingest_known(
+        self, worker_id: str, rank: int, batch: KVEventBatch, registered_only: bool
+    ) -> bool | None:
+        """:meth:`ingest`, or None (nothing applied) for a stream not registered when
+        ``registered_only``."""
+        if registered_only:
+            stream = self._streams.get((worker_id, rank))
+            if stream is None or not stream.registered:
+                return None
+        return self.ingest(worker_id, rank, batch)
 
     def _store(self, stream: Stream, event: Stored) -> None:
         kind = event.kv_cache_spec_kind
