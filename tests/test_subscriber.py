@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -363,11 +364,12 @@ def test_close_is_clean_and_final(pubs) -> None:
     """close() joins the thread and closes every socket; get() then says it was closed."""
     pub = pubs()
     sub = Subscriber([spec_for(pub)])
+    before = set(threading.enumerate())
     sub.start()
-    thread = sub._thread
+    (thread,) = set(threading.enumerate()) - before  # the I/O thread
     sub.close()
     sub.close()
-    assert thread is not None and not thread.is_alive()
+    assert thread.name == "kvevents-subscriber" and not thread.is_alive()
     with pytest.raises(SubscriberClosed):
         sub.get(0.1)
     with pytest.raises(SubscriberClosed):

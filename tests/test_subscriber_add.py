@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 
@@ -18,6 +17,7 @@ from kvevents.subscribe import (
 from kvevents.subscribe.fdlimit import fds_needed, make_room
 from kvevents.subscribe.replay import ReplayOptions
 from kvevents.testing.fixtures import heartbeat, typical_batch
+from kvevents.testing.injectors import break_stream
 from kvevents.testing.peers import Collector, RawPublisher
 from kvevents.testing.sinks import RecordingSink
 from kvevents.testing.sockets import unique_ipc, wait_for
@@ -139,11 +139,7 @@ def test_a_failing_stream_is_detached_and_costs_only_itself(pub, subs) -> None:
         got = Collector(sub)
         got.handshake(other, ("w2", 0))
 
-        def broken(max_messages: int, max_bytes: int) -> list[Any]:
-            raise OSError("socket broke")
-
-        assert sub._loop is not None
-        sub._loop.streams[("w2", 0)].receive = broken
+        break_stream(sub, ("w2", 0), OSError("socket broke"))
         other.publish(typical_batch(0))
         got.wait(lambda c: any(s.state == "failed" for s in c.statuses), what="failed status")
         assert got.statuses[-1] == StreamStatus(spec_for(other, worker="w2"), "failed")
