@@ -342,8 +342,9 @@ class PrefixIndex:
     def _place_store(self, stream: Stream, event: Stored, keys: StoreKeys) -> None:
         """The second step: the parent's key resolved, the blocks placed in their holder's
         tables (or held as an orphan), then the orphans waiting for them."""
-        if keys.lookahead is not None:
-            self._note_lookahead(stream, keys.lookahead)
+        after = keys.after  # the hot path reads fields, not properties
+        if after is not None:
+            self._note_lookahead(stream, len(after) // 4)
         hashes = event.block_hashes
         holder = stream.by_medium.get(event.medium) or self._holder(stream, event.medium)
         parent = event.parent_block_hash
@@ -359,7 +360,7 @@ class PrefixIndex:
                     return
             seed = found
         self._c.stored_blocks += len(hashes)
-        if not keys.plain:
+        if after is not None or keys.extras is not None:  # not plain: keyed here, then placed
             self._held_again(stream, holder.add(hashes, keys.chain(seed), refresh=stream.refreshes))
         else:  # the hot path: keys chained and placed by one table call
             shared = _store_run(

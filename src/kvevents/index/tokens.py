@@ -66,11 +66,6 @@ class StoreKeys(msgspec.Struct, frozen=True, gc=False):
         """Plain int tokens, no extras, no lookahead: keys chained by the tables alone."""
         return self.extras is None and self.after is None
 
-    @property
-    def lookahead(self) -> int | None:
-        """Tokens after a block that its key covers (None: a plain int store says nothing)."""
-        return None if self.after is None else len(self.after) // 4
-
     def chain(self, seed: int) -> list[int]:
         """The blocks' keys, chained from ``seed`` (the parent's key, or :attr:`root`)."""
         if self.extras is None and not self.after:
