@@ -27,6 +27,7 @@ The index is not thread-safe: one writer at a time (the service holds a lock).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import heapq
 import logging
@@ -71,7 +72,7 @@ from kvevents.index.records import (
     Stored,
     StreamInfo,
 )
-from kvevents.index.tokens import StoreKeys, key_store
+from kvevents.index.tokens import StoreKeys, Unkeyable, key_store
 from kvevents.ratelimit import RateLimitedWarning
 from kvevents.wire import Applied, decode_batch_packed
 
@@ -280,30 +281,29 @@ class PrefixIndex:
         """
         decoded = decode_batch_packed(payload, seq=seq)
         batch = decoded.batch
-        if hold is None:
-            cleared = self._ingest_known(worker_id, rank, batch, registered_only)
-        else:
-            with hold:
-                cleared = self._ingest_known(worker_id, rank, batch, registered_only)
+        cleared: bool | None
+        if hold is None and not registered_only:
+            cleared = self.ingest(worker_id, rank, batch)
+        else:  # the service's path, once per batch: inline
+            with hold if hold is not None else contextlib.nullcontext():
+                stream = self._streams.get((worker_id, rank))
+                if registered_only and (stream is None or not stream.registered):
+                    cleared = None  # not applied: it would make the stream up again
+                else:
+                    cleared = self.ingest(worker_id, rank, batch)
         if cleared is None:
             applied = Applied(batch.ts, len(batch.events), decoded.skipped_count)
             raise StreamNotRegistered(worker_id=worker_id, rank=rank, applied=applied)
         return Applied(batch.ts, len(batch.events), decoded.skipped_count, cleared)
 
-    def _ingest_known(
-        self, worker_id: str, rank: int, batch: KVEventBatch, registered_only: bool
-    ) -> bool | None:
-        """:meth:`ingest`, or None (nothing applied) for a stream not registered when
-        ``registered_only``."""
-        if registered_only:
-            stream = self._streams.get((worker_id, rank))
-            if stream is None or not stream.registered:
-                return None
-        return self.ingest(worker_id, rank, batch)
-
     def _store(self, stream: Stream, event: Stored) -> None:
         """A store in two steps: its keys read once (:func:`key_store`), then placed."""
-        tail = self._tail_group(stream, event)
+        kind = event.kv_cache_spec_kind  # nearly every store: no group, or a whole-prefix one
+        tail = (
+            self._tail_group(stream, event)
+            if (kind and kind not in WHOLE_PREFIX) or stream.tails
+            else None
+        )
         if tail is not None:
             self._c.group_events += 1
             if event.block_size != stream.block_size:
@@ -312,10 +312,12 @@ class PrefixIndex:
             return
         if not event.block_hashes:
             return
-        keys = key_store(event, self._roots)
-        if isinstance(keys, str):
-            self._bad(stream, keys)
-        elif tail is not None:
+        try:
+            keys = key_store(event, self._roots)
+        except Unkeyable as exc:
+            self._bad(stream, str(exc))
+            return
+        if tail is not None:
             self._place_in_group(stream, tail, event, keys)
         else:
             self._place_store(stream, event, keys)
@@ -416,8 +418,6 @@ class PrefixIndex:
         """The windowed or Mamba group a store is of (followed apart: groups.py), None for a
         store of the block tables."""
         kind = event.kv_cache_spec_kind
-        if not ((kind and kind not in WHOLE_PREFIX) or stream.tails):
-            return None  # nearly every store: no group, or a whole-prefix one
         group, size = event.group_idx, stream.block_size
         tail = stream.tails.get(group)
         if tail is None:

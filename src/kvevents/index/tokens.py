@@ -44,11 +44,16 @@ from kvevents.index.keys import (
 )
 from kvevents.index.records import Stored
 
-__all__ = ["StoreKeys", "key_store", "pack_ints"]
+__all__ = ["StoreKeys", "Unkeyable", "key_store", "pack_ints"]
 
 _decode = msgspec.msgpack.Decoder().decode
 # The feed's hot path calls it once per store: a module global, not an attribute lookup.
 _pack_msgpack = bt.pack_msgpack_tokens
+
+
+class Unkeyable(ValueError):
+    """A store whose keys cannot be read (a bad event: the index skips and counts it); the
+    message says why."""
 
 
 # A msgspec struct: one is made per store on the feed's hot path, and it builds in C.
@@ -73,28 +78,28 @@ class StoreKeys(msgspec.Struct, frozen=True, gc=False):
         return chain_keys(self.packed, self.block_size, seed, self.extras or (), self.after or b"")
 
 
-def key_store(event: Stored, roots: dict[str | int, int]) -> StoreKeys | str:
-    """The store's :class:`StoreKeys`, or why it cannot be keyed (a bad event). ``roots``
-    caches the root seeds of LoRA adapters."""
+def key_store(event: Stored, roots: dict[str | int, int]) -> StoreKeys:
+    """The store's :class:`StoreKeys`; :class:`Unkeyable` saying why when it cannot be keyed.
+    ``roots`` caches the root seeds of LoRA adapters."""
     size = event.block_size
     if type(event) is PackedStored:
         packed = _pack_msgpack(event.token_ids)
     else:
         packed = pack_ints(event.token_ids)
     blocks = len(event.block_hashes)
-    if packed is not None and not event.lookahead_token_ids:  # the common case, inline
+    # Once per store on the feed's hot path: the common case is inline.
+    no_lora = event.lora_name is None and event.lora_id is None
+    root = ROOT_SEED if no_lora else _root(event, roots)
+    if packed is not None and not event.lookahead_token_ids:
         if len(packed) != 4 * size * blocks:
-            return "token_ids length is not block_size * len(block_hashes)"
+            raise Unkeyable("token_ids length is not block_size * len(block_hashes)")
         if not has_extras(event, blocks):
-            return StoreKeys(packed, size, _root(event, roots), None, None)
-        return _with_extras(event, packed, size, _root(event, roots), None, None)
-    run = _read_run(event, size)
-    if isinstance(run, str):
-        return run
-    packed, after, digests = run
+            return StoreKeys(packed, size, root, None, None)
+        return _with_extras(event, packed, size, root, None, None)
+    packed, after, digests = _read_run(event, size)
     if len(packed) != 4 * size * blocks:
-        return "token_ids length is not block_size * len(block_hashes)"
-    return _with_extras(event, packed, size, _root(event, roots), digests, after)
+        raise Unkeyable("token_ids length is not block_size * len(block_hashes)")
+    return _with_extras(event, packed, size, root, digests, after)
 
 
 def _with_extras(
@@ -104,20 +109,20 @@ def _with_extras(
     root: int,
     digests: list[Extras] | None,
     after: bytes | None,
-) -> StoreKeys | str:
+) -> StoreKeys:
     try:
         extras = store_extras(event)
     except ValueError as exc:
-        return str(exc)
+        raise Unkeyable(str(exc)) from exc
     if digests is not None:
         extras = merge_extras(extras, digests)
     return StoreKeys(packed, size, root, extras, after)
 
 
 def _root(event: Stored, roots: dict[str | int, int]) -> int:
+    """The root seed of a store with a LoRA adapter (its name, else its id)."""
     lora = event.lora_name if event.lora_name is not None else event.lora_id
-    if lora is None:
-        return ROOT_SEED
+    assert lora is not None
     seed = roots.get(lora)
     if seed is None:
         seed = roots[lora] = root_seed(lora)
@@ -135,20 +140,17 @@ def pack_ints(token_ids: Sequence[int | str]) -> bytes | None:
 # ----------------------------------------------------------------- tokens in other forms
 
 
-def _read_run(event: Stored, block_size: int) -> tuple[bytes, bytes, list[Extras] | None] | str:
+def _read_run(event: Stored, block_size: int) -> tuple[bytes, bytes, list[Extras] | None]:
     """A special store's packed tokens, the packed tokens after it its keys cover, and its
-    digest tokens as extras per block (None: none); or why it cannot be read."""
+    digest tokens as extras per block (None: none); :class:`Unkeyable` when unreadable."""
     tokens: Any = event.token_ids
     if type(event) is PackedStored:
         tokens = _decode(tokens)
     if not isinstance(tokens, list):
-        return "token_ids is not an array"
+        raise Unkeyable("token_ids is not an array")
     after = _lookahead_of(event)
     if tokens and isinstance(tokens[0], list):
-        unpaired = _unbigram(tokens)
-        if isinstance(unpaired, str):
-            return unpaired
-        tokens, after = unpaired
+        tokens, after = _unbigram(tokens)
     return _packed_run(tokens, _one_successor(tokens, after, block_size), block_size)
 
 
@@ -171,22 +173,26 @@ def _one_successor(tokens: list[Any], after: list[Any], block_size: int) -> list
 
 def _packed_run(
     tokens: list[Any], after: list[Any], block_size: int
-) -> tuple[bytes, bytes, list[Extras] | None] | str:
+) -> tuple[bytes, bytes, list[Extras] | None]:
     if any(isinstance(t, str) and len(t) > MAX_DIGEST for t in tokens):
-        return f"a digest token is longer than {MAX_DIGEST} characters"
+        raise Unkeyable(f"a digest token is longer than {MAX_DIGEST} characters")
     try:
         packed, digests = digest_extras(tokens, block_size)
         tail = pack_tokens(after)
     except (OverflowError, TypeError):
-        return "token_ids holds a token that is neither an int in 0..2**32-1 nor a digest"
+        raise Unkeyable(
+            "token_ids holds a token that is neither an int in 0..2**32-1 nor a digest"
+        ) from None
     return packed, tail, digests if any(digests) else None
 
 
-def _unbigram(pairs: list[Any]) -> tuple[list[Any], list[Any]] | str:
+def _unbigram(pairs: list[Any]) -> tuple[list[Any], list[Any]]:
     """SGLang's bigram keys as tokens plus the one token after them; each pair must start
     with the token the previous one ended with."""
     if not all(isinstance(p, list) and len(p) == 2 for p in pairs):
-        return "bigram token_ids must all be [a, b] pairs"
+        raise Unkeyable("bigram token_ids must all be [a, b] pairs")
     if any(pairs[i][1] != pairs[i + 1][0] for i in range(len(pairs) - 1)):
-        return "bigram token_ids do not chain: a pair must start with the previous one's end"
+        raise Unkeyable(
+            "bigram token_ids do not chain: a pair must start with the previous one's end"
+        )
     return [p[0] for p in pairs], [pairs[-1][1]]
