@@ -23,7 +23,7 @@ from kvevents.index.digest import index_digest
 from kvevents.index.prefix import PrefixIndex
 from kvevents.publish.publisher import PublisherOptions, ZmqPublisher
 from kvevents.service.feed import WorkerRegistration
-from kvevents.subscribe import StreamSpec, Subscriber, SubscriberOptions
+from kvevents.subscribe import StreamSpec, StreamStatus, Subscriber
 from kvevents.testing.fixtures import typical_batch
 from kvevents.testing.nats import NatsServer, find_nats_server
 from kvevents.testing.publisher import local_config
@@ -62,12 +62,18 @@ def direct_rate(pub: ZmqPublisher) -> float:
     index = PrefixIndex()
     index.register_worker("w", block_size=BS)
 
-    def apply(spec: StreamSpec, seq: int, payload: bytes) -> Applied:
-        return index.ingest_payload("w", 0, payload, seq=seq)
+    class IndexSink:
+        def apply(self, spec: StreamSpec, seq: int, payload: bytes) -> Applied:
+            return index.ingest_payload("w", 0, payload, seq=seq)
+
+        def reset(self, spec: StreamSpec, reason: str) -> None:
+            index.reset_stream("w", 0)
+
+        def status(self, status: StreamStatus) -> None:
+            pass
 
     spec = StreamSpec("w", 0, pub.endpoint, pub.replay_endpoint)
-    options = SubscriberOptions(on_payload=apply)
-    with Subscriber([spec], options=options) as sub:
+    with Subscriber([spec], sink=IndexSink()) as sub:
         start = time.perf_counter()
         _wait(lambda: sub.stats().delivered >= BATCHES, "direct ingest")
         return BATCHES / (time.perf_counter() - start)
@@ -92,15 +98,15 @@ def delay_samples(
     ``midway`` runs on another thread halfway through (a fault)."""
     service = replica.service  # type: ignore[attr-defined]
     samples: list[float] = []
-    apply = service.apply_payload
+    apply = service.apply
 
-    def timed(spec: StreamSpec, seq: int, payload: bytes) -> Applied | None:
+    def timed(spec: StreamSpec, seq: int, payload: bytes) -> Applied:
         applied = apply(spec, seq, payload)
-        if applied is not None and applied.events:
+        if applied.events:
             samples.append(time.time() - applied.ts)
         return applied
 
-    service.apply_payload = timed
+    service.apply = timed  # the replica feeds its service's sink: time each batch there
     gap = 1.0 / DELAY_RATE
     next_at = time.perf_counter()
     fault = None if midway is None else threading.Timer(DELAY_BATCHES * gap / 2, midway)
@@ -113,7 +119,7 @@ def delay_samples(
     _wait(lambda: len(samples) >= DELAY_BATCHES, "delay batches applied", 60.0)
     if fault is not None:
         fault.join()
-    service.apply_payload = apply
+    service.apply = apply
     return samples
 
 

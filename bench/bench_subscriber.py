@@ -29,10 +29,16 @@ sys.path.insert(0, str(HERE.parent / "src"))
 
 from harness import Row  # noqa: E402
 from kvevents.events import KVEventBatch  # noqa: E402
-from kvevents.subscribe import Delivery, StreamSpec, Subscriber, SubscriberOptions  # noqa: E402
+from kvevents.subscribe import (  # noqa: E402
+    Delivery,
+    StreamSpec,
+    StreamStatus,
+    Subscriber,
+    SubscriberOptions,
+)
 from kvevents.testing.fixtures import heartbeat, typical_batch  # noqa: E402
 from kvevents.testing.peers import RawPublisher  # noqa: E402
-from kvevents.wire import decode_batch, encode_batch, live_frames  # noqa: E402
+from kvevents.wire import Applied, decode_batch, encode_batch, live_frames  # noqa: E402
 
 TOTAL = 48_000 if not os.environ.get("CI") else 6_000
 REPLAY = 10_000
@@ -135,36 +141,50 @@ def subscriber_rate(publishers: int) -> float:
         _stop(procs)
 
 
-def callback_rate(publishers: int) -> float:
-    """Batches/s delivered to a callback on the I/O thread (how the index service consumes)."""
+class _CountingSink:
+    """A sink that decodes every batch, as the subscriber's queue does, and counts them."""
+
+    def __init__(self, publishers: int, total: int) -> None:
+        self.publishers, self.total = publishers, total
+        self.seen: set[str] = set()
+        self.counted = 0
+        self.ready, self.done = threading.Event(), threading.Event()
+
+    def apply(self, stream: StreamSpec, seq: int, payload: bytes) -> Applied:
+        batch = decode_batch(payload, seq=seq).batch
+        if not self.ready.is_set():
+            self.seen.add(stream.worker_id)
+            if len(self.seen) == self.publishers:
+                self.ready.set()
+        elif batch.events:
+            self.counted += 1
+            if self.counted == self.total:
+                self.done.set()
+        return Applied(batch.ts, len(batch.events))
+
+    def reset(self, stream: StreamSpec, reason: str) -> None:
+        pass
+
+    def status(self, status: StreamStatus) -> None:
+        pass
+
+
+def sink_rate(publishers: int) -> float:
+    """Batches/s handed to a sink on the I/O thread (how the index service is fed), each
+    decoded as the queue decodes them."""
     per = TOTAL // publishers
     spawned = [_spawn("send", str(per)) for _ in range(publishers)]
     procs = [p for p, _ in spawned]
     specs = [StreamSpec(f"w{i}", 0, out[0]) for i, (_, out) in enumerate(spawned)]
-    seen: set[str] = set()
-    counted = [0]
-    ready, done = threading.Event(), threading.Event()
-
-    def consume(item: object) -> None:
-        if not isinstance(item, Delivery):
-            return
-        if not ready.is_set():
-            seen.add(item.stream.worker_id)
-            if len(seen) == publishers:
-                ready.set()
-        elif item.batch.events:
-            counted[0] += 1
-            if counted[0] == per * publishers:
-                done.set()
-
+    sink = _CountingSink(publishers, per * publishers)
     try:
-        with Subscriber(specs, options=SubscriberOptions(callback=consume)):
-            if not ready.wait(30):
-                raise RuntimeError("publishers not seen by the callback subscriber")
+        with Subscriber(specs, sink=sink):
+            if not sink.ready.wait(30):
+                raise RuntimeError("publishers not seen by the sink")
             start = _go(procs)
-            if not done.wait(60):
-                raise RuntimeError(f"callback subscriber stalled at {counted[0]} batches")
-            return counted[0] / (time.perf_counter() - start)
+            if not sink.done.wait(60):
+                raise RuntimeError(f"sink subscriber stalled at {sink.counted} batches")
+            return sink.counted / (time.perf_counter() - start)
     finally:
         _stop(procs)
 
@@ -264,11 +284,11 @@ def run() -> list[Row]:
                     baseline_name="raw SUB + msgspec, 1 publisher",
                 )
             )
-    rate = callback_rate(1)
+    rate = sink_rate(1)
     rows.append(
         Row(
             SECTION,
-            "1 publisher process, callback on the I/O thread",
+            "1 publisher process, a sink on the I/O thread",
             "batches/s",
             rate,
             "batches/s",

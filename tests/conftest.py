@@ -17,7 +17,7 @@ def subs() -> Iterator[Callable[..., Subscriber]]:
 
     def make(specs: list[StreamSpec], **options: object) -> Subscriber:
         # A loaded CI machine can stall the replay server's thread for seconds; the default
-        # 2 s idle timeout would then turn a recoverable gap into a reported loss.
+        # 5 s idle timeout would then turn a recoverable gap into a reported loss.
         options.setdefault("replay", ReplayOptions(idle_timeout=15.0, total_timeout=60.0))
         sub = Subscriber(specs, options=SubscriberOptions(**options))  # type: ignore[arg-type]
         made.append(sub)

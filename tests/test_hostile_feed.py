@@ -8,6 +8,7 @@ reproduces; bounded to a few seconds.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import tracemalloc
 from collections.abc import Callable, Iterator
@@ -18,10 +19,11 @@ import pytest
 import zmq
 
 from kvevents.errors import DecodeError
-from kvevents.subscribe import StreamSpec, Subscriber, SubscriberOptions
+from kvevents.subscribe import StreamSpec, StreamStatus, Subscriber, SubscriberOptions
 from kvevents.subscribe.replay import ReplayBatch, ReplayClient, ReplayEnd, ReplayOptions
 from kvevents.testing.fixtures import heartbeat, typical_batch, wire_fixtures
 from kvevents.testing.peers import Collector, RawPublisher
+from kvevents.testing.sinks import RecordingSink
 from kvevents.testing.sockets import Deadline, unique_inproc
 from kvevents.wire import (
     DecodeLimits,
@@ -314,22 +316,22 @@ def test_message_over_max_message_size_is_dropped_not_decoded() -> None:
         pub.close()
 
 
-def test_oversized_batch_never_reaches_an_on_payload_consumer() -> None:
-    """The size limit holds for consumers that apply payloads themselves (the index)."""
+def test_oversized_batch_never_reaches_a_sink() -> None:
+    """The size limit holds for every sink, not only the subscriber's queue (the index)."""
     pub = RawPublisher()
-    seen: list[int] = []
-
-    def on_payload(spec: StreamSpec, seq: int, payload: bytes) -> None:
-        seen.append(len(payload))
-
-    options = SubscriberOptions(max_message_size=64 * 1024, on_payload=on_payload)
+    sink = RecordingSink()
+    options = SubscriberOptions(max_message_size=64 * 1024)
+    spec = StreamSpec("w1", 0, pub.endpoint)
     try:
-        with Subscriber([StreamSpec("w1", 0, pub.endpoint)], options=options) as sub:
-            got = Collector(sub)
-            got.handshake(pub, KEY)
-            pub.publish(msgspec.msgpack.encode([0.0, [], 0]) + b"\x00" * 100_000)
-            pub.publish(heartbeat())
-            got.wait(lambda c: c.caught_up(pub, KEY), what="the batch after the big one")
-            assert max(seen) < 64 * 1024 and sub.stream_stats()[KEY].oversized == 1
+        with Subscriber([spec], sink=sink, options=options) as sub:
+            while not sink.deliveries:  # handshake: heartbeats until one is applied
+                pub.publish(heartbeat())
+                with contextlib.suppress(TimeoutError):
+                    sink.wait(lambda s: bool(s.deliveries), 0.02)
+            big = pub.publish(msgspec.msgpack.encode([0.0, [], 0]) + b"\x00" * 100_000)
+            after = pub.publish(heartbeat())
+            sink.wait(lambda s: after in s.seqs(), what="the batch after the big one")
+            assert big not in sink.seqs() and sub.stream_stats()[KEY].oversized == 1
+            assert sink.statuses[-1] == StreamStatus(spec, "incomplete", (big, big + 1))
     finally:
         pub.close()

@@ -26,12 +26,15 @@ from kvevents.http import (
     serve,
 )
 from kvevents.index.prefix import PrefixIndex
-from kvevents.service.core import IndexService, WorkerRegistration
-from kvevents.subscribe.streams import StreamSpec, worker_streams
+from kvevents.service.core import IndexService
+from kvevents.testing.feeds import FakeFeed, fake_specs
 from kvevents.testing.index import batch, store_event
 from kvevents.testing.service import ServiceIndexer
 from kvevents.testing.sockets import wait_for
-from test_service import BS, LOCAL, PROMPT, FakeFeed
+
+BS = 4
+PROMPT = list(range(100, 124))  # 6 blocks
+LOCAL = "tcp://127.0.0.1:6000"
 
 TOKEN = "s3cret-token"
 AUTH = {"authorization": f"Bearer {TOKEN}"}
@@ -47,12 +50,8 @@ LIMITS = HttpLimits(
 RSS_GROWTH_CEILING = 64 << 20
 
 
-def _specs(reg: WorkerRegistration) -> list[StreamSpec]:
-    return worker_streams(reg.worker_id, reg.endpoint, reg.replay_endpoint, ranks=reg.ranks)
-
-
 def _serve(feed: FakeFeed, options: AppOptions) -> Server:
-    service = IndexService(PrefixIndex(), feed=feed, stream_specs=_specs, poll_interval=0.01)
+    service = IndexService(PrefixIndex(), feed=feed, stream_specs=fake_specs)
     return serve("127.0.0.1", 0, service=service, options=options)
 
 

@@ -29,10 +29,13 @@ from kvevents.http._pieces import PARSE_PIECE, Unparsed
 from kvevents.http._server import _query_handler_of
 from kvevents.index.prefix import PrefixIndex
 from kvevents.service.core import IndexService
+from kvevents.testing.feeds import FakeFeed, fake_specs
 from kvevents.testing.index import batch, store_event
 from kvevents.testing.sockets import wait_for
-from test_hostile_http import _specs
-from test_service import BS, LOCAL, PROMPT, FakeFeed
+
+BS = 4
+PROMPT = list(range(100, 124))  # 6 blocks
+LOCAL = "tcp://127.0.0.1:6000"
 
 LIMITS = HttpLimits(max_body_bytes=64 << 10, body_timeout=0.5, max_header_bytes=8 << 10)
 QUERY = json.dumps({"token_ids": PROMPT}).encode()
@@ -41,7 +44,7 @@ TOKEN = "t0ken"
 
 def _running(options: AppOptions) -> Server:
     feed = FakeFeed()
-    service = IndexService(PrefixIndex(), feed=feed, stream_specs=_specs, poll_interval=0.01)
+    service = IndexService(PrefixIndex(), feed=feed, stream_specs=fake_specs)
     server = serve("127.0.0.1", 0, service=service, options=options)
     with httpx.Client(base_url=server.url, timeout=10.0) as client:
         headers = {"authorization": f"Bearer {TOKEN}"}
@@ -282,7 +285,7 @@ async def _connected(
 ) -> tuple[LimitedProtocol, _Transport, HttpCounters]:
     """A protocol on a :class:`_Transport`, for ``app`` (default: the service's, empty)."""
     if app is None:
-        app = create_app(IndexService(PrefixIndex(), feed=FakeFeed(), stream_specs=_specs))
+        app = create_app(IndexService(PrefixIndex(), feed=FakeFeed(), stream_specs=fake_specs))
     counters = HttpCounters()
     query = _query_handler_of(app) if hasattr(app, "state") else None  # plain ASGI app: none
     cls = LimitedProtocol.configured(limits, counters, query)

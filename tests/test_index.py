@@ -111,7 +111,7 @@ def test_removal_of_unknown_block_is_counted_and_harmless() -> None:
     index = make_index()
     index.apply("a", 0, batch(store_event(PROMPT, BS)))
     result = index.apply("a", 0, batch(BlockRemoved(block_hashes=[1, 2, 3])))
-    assert (result.unknown_removals, result.removed) == (3, 0)
+    assert (result.unknown_removals, result.removed_blocks) == (3, 0)
     index.apply("b", 0, batch(remove_event(PROMPT, BS)))  # known hashes, wrong worker
     assert index.stats().unknown_removals == 9
     assert index.match(PROMPT).holders == {gpu("a"): 6}
@@ -132,7 +132,7 @@ def test_all_blocks_cleared_drops_only_that_stream() -> None:
     index.apply("a", 0, batch(store_event(PROMPT, BS)))
     index.apply("b", 0, batch(store_event(PROMPT, BS)))
     result = index.apply("a", 0, batch(clear_event()))
-    assert result.cleared == 1
+    assert result.clears == 1
     assert index.match(PROMPT).holders == {gpu("b"): 6}
     index.apply("a", 0, batch(store_event(PROMPT, BS, end_block=1)))
     assert index.match(PROMPT).holders == {gpu("a"): 1, gpu("b"): 6}
@@ -162,11 +162,11 @@ def test_orphan_is_held_then_placed_exactly_once() -> None:
     """A store whose parent is unknown waits, then lands at its true position."""
     index = make_index()
     orphaned = index.apply("a", 0, batch(store_event(PROMPT, BS, start_block=2)))
-    assert orphaned.orphaned == 4 and orphaned.stored == 0
+    assert orphaned.orphaned_blocks == 4 and orphaned.stored_blocks == 0
     assert index.match(PROMPT).holders == {}
     assert index.match(PROMPT[8:]).holders == {}  # never re-rooted at token 0
     placed = index.apply("a", 0, batch(store_event(PROMPT, BS, end_block=2)))
-    assert placed.placed == 4
+    assert placed.orphans_placed == 4
     assert index.match(PROMPT).holders == {gpu("a"): 6}
     stats = index.stats()
     assert (stats.orphans_held, stats.orphans_placed, stats.stored_blocks) == (0, 4, 6)
@@ -192,7 +192,7 @@ def test_orphan_removed_while_held_is_not_placed() -> None:
     index = make_index()
     index.apply("a", 0, batch(store_event(PROMPT, BS, start_block=2)))
     result = index.apply("a", 0, batch(remove_event(PROMPT, BS, start_block=5)))
-    assert (result.removed, result.unknown_removals) == (1, 0)
+    assert (result.removed_blocks, result.unknown_removals) == (1, 0)
     index.apply("a", 0, batch(store_event(PROMPT, BS, end_block=2)))
     assert index.match(PROMPT).holders == {gpu("a"): 5}
     assert index.stats().entries == 5
@@ -207,7 +207,7 @@ def test_held_child_of_a_block_removed_while_held_is_still_placed() -> None:
     index.apply("a", 0, batch(store_event(PROMPT, BS, start_block=4)))
     index.apply("a", 0, batch(remove_event(PROMPT, BS, start_block=3, end_block=4)))
     placed = index.apply("a", 0, batch(store_event(PROMPT, BS, end_block=2)))
-    assert placed.placed == 4 and index.stats().orphans_held == 0
+    assert placed.orphans_placed == 4 and index.stats().orphans_held == 0
     assert index.match(PROMPT).holders == {gpu("a"): 3}  # blocks 0-2; block 3 is gone
     assert index.snapshot()[gpu("a")] == frozenset(
         h for i, h in enumerate(engine_hashes(PROMPT, BS)) if i != 3
@@ -248,7 +248,7 @@ def test_child_of_a_just_evicted_parent_is_placed() -> None:
     index.apply("a", 0, batch(store_event(PROMPT, BS, end_block=2)))
     index.apply("a", 0, batch(remove_event(PROMPT, BS, end_block=2)))
     result = index.apply("a", 0, batch(store_event(PROMPT, BS, start_block=2)))
-    assert (result.stored, result.orphaned) == (4, 0)
+    assert (result.stored_blocks, result.orphaned_blocks) == (4, 0)
     assert index.match(PROMPT).holders == {}  # blocks 0-1 are gone
     assert index.holders_of(block_hashes(PROMPT, BS)[2]) == [gpu("a")]
 
@@ -288,7 +288,7 @@ def test_token_count_mismatch_is_skipped_and_counted() -> None:
     event = store_event(PROMPT, BS)
     bad = BlockStored(block_hashes=event.block_hashes, token_ids=PROMPT[:-1], block_size=BS)
     result = index.apply("a", 0, batch(bad, store_event(PROMPT[:4], BS)))
-    assert (result.bad_events, result.stored) == (1, 1)
+    assert (result.bad_events, result.stored_blocks) == (1, 1)
     assert index.stats().bad_events == 1
     assert index.streams()[0].bad_events == 1
 

@@ -103,11 +103,26 @@ def _receivers(sock: zmq.Socket[Any]) -> dict[str, _recv.Burst]:
     return {"chosen": burst_receiver_for(sock), "pyzmq": _pyzmq_burst_receiver(sock)}
 
 
-def test_the_native_receiver_is_built_here() -> None:
-    """Where the C receiver is required (CI), it is the one receiver_for picks."""
+def test_the_native_receiver_is_built_here(
+    big_pair: tuple[zmq.Socket[Any], zmq.Socket[Any]],
+) -> None:
+    """Where the C receiver is required (CI), it is the one receiver_for picks, wired to
+    pyzmq's libzmq: it receives a batch as (seq, payload)."""
     if os.environ.get("KVEVENTS_REQUIRE_NATIVE") != "1":
         pytest.skip("KVEVENTS_REQUIRE_NATIVE is not set")
-    assert _recv._native_receiver() is not None
+    from kvevents.subscribe import _zmqrecv
+
+    assert _recv._native_receiver() is _zmqrecv
+    push, pull = big_pair
+    burst = burst_receiver_for(pull)
+    assert getattr(burst, "func", None) is _zmqrecv.recv_burst
+    push.send_multipart([b"", (5).to_bytes(8, "big"), b"batch"])
+    got: list[Any] = []
+    deadline = Deadline(5.0)
+    while not got:
+        assert not deadline.expired, "the message never arrived"
+        got = burst(256, 1 << 20)
+    assert got == [(5, b"batch")]
 
 
 def test_the_native_sender_is_built_here() -> None:
@@ -115,9 +130,16 @@ def test_the_native_sender_is_built_here() -> None:
     built and wired to pyzmq's libzmq (its tests in test_publisher_send.py then run)."""
     if os.environ.get("KVEVENTS_REQUIRE_NATIVE") != "1":
         pytest.skip("KVEVENTS_REQUIRE_NATIVE is not set")
-    from kvevents.publish import send
+    from kvevents.publish import _zerosend, send
 
-    assert send._zerosend() is not None
+    assert send._zerosend() is _zerosend
+    big = bytes(range(256)) * 256  # 64 KiB: lent to libzmq, not copied
+    with _push_pull() as (push, pull):
+        send3 = send.send3_for(push)
+        pull.setsockopt(zmq.RCVTIMEO, 5000)
+        for seq, payload in enumerate((b"small payload", big)):
+            send3(b"", seq.to_bytes(8, "big"), payload)
+            assert pull.recv_multipart() == [b"", seq.to_bytes(8, "big"), payload]
 
 
 @pytest.mark.parametrize("which", ["chosen", "pyzmq"])

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -18,53 +18,12 @@ from kvevents.index.prefix import PrefixIndex
 from kvevents.index.router import Router
 from kvevents.service.core import IndexService, WorkerRegistration
 from kvevents.service.loadreports import LoadLedger, LoadReport
-from kvevents.subscribe.streams import (
-    Delivery,
-    FeedHealth,
-    Item,
-    StreamSpec,
-    StreamStats,
-    SubscriberStats,
-)
+from kvevents.testing.feeds import FakeFeed
 from kvevents.testing.index import batch, store_event
 
 BS = 4
 PROMPT = list(range(100, 124))  # 6 blocks
 TTL = 10.0
-
-
-@dataclass
-class StillFeed:
-    """A feed that only records its streams; the tests apply deliveries themselves."""
-
-    specs: dict[tuple[str, int], StreamSpec] = field(default_factory=dict)
-
-    def add_stream(self, spec: StreamSpec) -> None:
-        self.specs[spec.key] = spec
-
-    def remove_stream(self, worker_id: str, rank: int | None = None) -> None:
-        for key in [k for k in self.specs if k[0] == worker_id and rank in (None, k[1])]:
-            del self.specs[key]
-
-    def start(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-    def get(self, timeout: float | None = None) -> Item | None:
-        return None
-
-    def stats(self) -> SubscriberStats:
-        return SubscriberStats(
-            streams=len(self.specs), incomplete=0, queued=0, callback_errors=0, max_lag=None
-        )
-
-    def stream_stats(self) -> dict[tuple[str, int], StreamStats]:
-        return {}
-
-    def health(self) -> FeedHealth:
-        return FeedHealth("ok", True)
 
 
 @dataclass
@@ -91,20 +50,20 @@ class Running:
         return self.http.post("/load", json={"loads": list(entries)})
 
 
-def _service(feed: StillFeed, clock: Clock) -> IndexService:
-    return IndexService(PrefixIndex(), feed=feed, pushes=True, load_ttl=TTL, clock=clock)
+def _service(feed: FakeFeed, clock: Clock) -> IndexService:
+    return IndexService(PrefixIndex(), feed=feed, load_ttl=TTL, clock=clock)
 
 
-def _two_equal_workers(service: IndexService, feed: StillFeed) -> None:
+def _two_equal_workers(service: IndexService, feed: FakeFeed) -> None:
     """Workers a and b, each holding the whole prompt: every query ties on matched blocks."""
     for worker, port in (("a", 5557), ("b", 5567)):
         service.register(WorkerRegistration(worker, f"tcp://127.0.0.1:{port}", BS))
-        service.consume(Delivery(feed.specs[(worker, 0)], 0, batch(store_event(PROMPT, BS))))
+        feed.deliver(worker, 0, batch(store_event(PROMPT, BS)))
 
 
 @pytest.fixture
 def running() -> Iterator[Running]:
-    feed, clock = StillFeed(), Clock()
+    feed, clock = FakeFeed(), Clock()
     service = _service(feed, clock)
     with serve("127.0.0.1", 0, service=service) as server:
         _two_equal_workers(service, feed)
@@ -216,7 +175,7 @@ def test_bad_load_reports_are_400_naming_the_field(
 
 def test_load_needs_the_token_like_register() -> None:
     """POST /load changes routing: behind the bearer token when one is set."""
-    feed = StillFeed()
+    feed = FakeFeed()
     service = _service(feed, Clock())
     options = AppOptions(auth=TokenCheck("s3cret"))
     body = {"loads": [{"worker_id": "a", "queued_blocks": 5, "active_blocks": 0}]}
@@ -232,7 +191,7 @@ def test_load_needs_the_token_like_register() -> None:
 
 def test_unregistering_forgets_the_workers_load() -> None:
     """A worker registered again starts idle, not at the load its last incarnation reported."""
-    feed = StillFeed()
+    feed = FakeFeed()
     service = _service(feed, Clock())
     reg = WorkerRegistration("a", "tcp://127.0.0.1:5557", BS)
     service.register(reg)
@@ -265,7 +224,7 @@ def test_a_router_given_to_the_service_gets_the_loads() -> None:
     """The service applies loads to its router's own book (a router built with knobs)."""
     index = PrefixIndex()
     router = Router(index, "prefix_load", prefill_weight=2.0)
-    service = IndexService(index, router=router, feed=StillFeed(), pushes=True)
+    service = IndexService(index, router=router, feed=FakeFeed())
     service.register(WorkerRegistration("a", "tcp://127.0.0.1:5557", BS))
     service.report_loads([LoadReport("a", 0, 7, 0)])
     assert router.loads.get("a") == Load(7, 0)

@@ -50,7 +50,7 @@ class FakeSubscriber:
             replays=2,
             events=7,
             queued=0,
-            callback_errors=0,
+            sink_errors=0,
             max_lag=None,
         )
 

@@ -14,8 +14,11 @@ from kvevents.http import Status, create_app, serve
 from kvevents.http import _openapi as openapi
 from kvevents.service.bounds import MAX_BLOCK_SIZE, MAX_RANKS
 from kvevents.service.core import IndexService
+from kvevents.testing.feeds import FakeFeed, fake_service
 from kvevents.testing.index import batch, store_event
-from test_service import BS, PROMPT, FakeFeed, applied, make_service
+
+BS = 4
+PROMPT = list(range(100, 124))  # 6 blocks
 
 METHODS = {"GET", "POST"}
 
@@ -45,7 +48,7 @@ def _resolve(document: dict[str, Any], ref: str) -> Any:
 @pytest.fixture
 def served() -> Iterator[tuple[httpx.Client, IndexService, FakeFeed]]:
     feed = FakeFeed()
-    service = make_service(feed)
+    service = fake_service(feed)
     with (
         serve("127.0.0.1", 0, service=service) as running,
         httpx.Client(base_url=running.url, timeout=10.0) as client,
@@ -55,7 +58,7 @@ def served() -> Iterator[tuple[httpx.Client, IndexService, FakeFeed]]:
 
 def test_every_route_of_the_app_is_described_and_nothing_else() -> None:
     """Each (path, method) the app routes has an operation, and each operation a route."""
-    app = create_app(make_service(FakeFeed()))
+    app = create_app(fake_service(FakeFeed()))
     routed = {
         (route.path, method.lower())
         for route in app.routes
@@ -107,13 +110,12 @@ def test_real_answers_match_their_descriptions(
     served: tuple[httpx.Client, IndexService, FakeFeed],
 ) -> None:
     """Each answer decodes into the struct the document describes it with, no member unknown."""
-    client, service, feed = served
+    client, _service, feed = served
     register = {"worker_id": "a", "endpoint": "tcp://127.0.0.1:6000", "block_size": BS}
     msgspec.convert(client.post("/register", json=register).json(), openapi.Registered)
     workers = msgspec.convert(client.get("/workers").json(), openapi.Workers)
     assert workers.workers[0].ranks[0].tiers == {}  # registered, nothing stored yet
     feed.deliver("a", 0, batch(store_event(PROMPT, BS), ts=1.0))
-    applied(service, 1)
     answer = msgspec.convert(
         client.post("/query", json={"token_ids": PROMPT}).json(), openapi.QueryAnswer
     )

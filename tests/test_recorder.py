@@ -196,7 +196,12 @@ def test_events_after_clear_in_same_step_are_kept() -> None:
     r.record_cleared()
     r.record_stored(1, None, toks(1))
     events = r.flush().events  # type: ignore[union-attr]
-    assert isinstance(events[0], AllBlocksCleared) and isinstance(events[1], BlockStored)
+    assert events == [
+        AllBlocksCleared(),
+        BlockStored(
+            block_hashes=[1], parent_block_hash=None, token_ids=toks(1), block_size=BS, medium="GPU"
+        ),
+    ]
 
 
 def test_announced_view_tracks_held_blocks() -> None:

@@ -245,7 +245,7 @@ def _replica_fed(*messages: tuple[dict[str, str], bytes]) -> object:
 
     replica = Replica("nats://127.0.0.1:1")  # never started: records are applied by hand
     for headers, body in messages:
-        replica._apply(headers, body)
+        replica.apply_message(headers, body)
     return replica
 
 
@@ -268,10 +268,10 @@ def test_a_replica_degrades_a_stream_on_a_loss_and_trusts_it_again_when_live() -
     )
     assert replica.stats().applied == 4 and replica.stats().losses == 0
     assert ("w", 0) not in replica.service.router.degraded
-    replica._apply(*_records(loss_record("kv", "w", 0, 4, 6))[0])
+    replica.apply_message(*_records(loss_record("kv", "w", 0, 4, 6))[0])
     assert replica.stats().losses == 1
     assert "lost seq 4..5" in str(replica.service.router.degraded[("w", 0)])
-    replica._apply(*_records(live_record("kv", "w", 0, 5))[0])
+    replica.apply_message(*_records(live_record("kv", "w", 0, 5))[0])
     assert ("w", 0) not in replica.service.router.degraded
 
 
@@ -348,8 +348,8 @@ def test_a_hostile_worker_record_is_counted_and_skipped(body: bytes) -> None:
     parse, a rank past 65535, a block size past 2^20, another worker's body) is malformed:
     counted, skipped, and the replica still applies and snapshots what comes next."""
     replica: Any = _fed()
-    replica._apply(*_worker_message(body))
-    replica._apply(*_records(batch_record("kv", "w", 0, 0, _payload(1)))[0])
+    replica.apply_message(*_worker_message(body))
+    replica.apply_message(*_records(batch_record("kv", "w", 0, 0, _payload(1)))[0])
     stats = replica.stats()
     assert (stats.malformed, stats.applied, stats.registrations) == (1, 1, 1)
     assert replica.digest() == index_digest(_reference(1))
@@ -385,23 +385,31 @@ def test_the_relay_does_not_write_a_worker_record_replicas_refuse(
         worker_record("kv", reg)
 
 
+class _FailsOnce(PrefixIndex):
+    """An index whose first ingest raises (a defect in applying a batch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.failures = [RuntimeError("boom")]
+
+    def ingest(self, worker_id: str, rank: int, batch: KVEventBatch) -> bool:
+        if self.failures:
+            raise self.failures.pop()
+        return super().ingest(worker_id, rank, batch)
+
+
 def test_a_record_that_raises_anyway_costs_only_itself() -> None:
     """A record whose application raises (a defect) is counted in apply_errors and logged;
     the next batch is applied."""
-    replica: Any = _fed()
-    real = replica.service.apply_payload
-    calls = iter([RuntimeError("boom")])
+    from kvevents.scaleout.replica import Replica
 
-    def flaky(*args: Any) -> Any:
-        error = next(calls, None)
-        if error is not None:
-            raise error
-        return real(*args)
-
-    replica.service.apply_payload = flaky
+    replica = Replica("nats://127.0.0.1:1")  # never started: records are applied by hand
+    replica.service = replica.new_service(index=_FailsOnce())
+    replica.apply_message(*_records(worker_record("kv", _REG))[0])
     for seq, step in enumerate((1, 2)):
-        replica._apply(*_records(batch_record("kv", "w", 0, seq, _payload(step)))[0])
+        replica.apply_message(*_records(batch_record("kv", "w", 0, seq, _payload(step)))[0])
     assert (replica.stats().apply_errors, replica.stats().applied) == (1, 1)
+    assert replica.service.stats().apply_errors == 1
 
 
 @pytest.mark.parametrize(
@@ -431,9 +439,9 @@ def test_an_undecodable_batch_with_a_forged_seq_leaves_the_stream_as_it_was() ->
     genuine batches after it are applied, not dropped as stale."""
     replica: Any = _fed(0, 1, 2)
     forged = batch_record("kv", "w", 0, 10**9, b"\xc1 not msgpack")
-    replica._apply(*_records(forged)[0])
+    replica.apply_message(*_records(forged)[0])
     for seq in (3, 4):
-        replica._apply(*_records(batch_record("kv", "w", 0, seq, _payload(seq)))[0])
+        replica.apply_message(*_records(batch_record("kv", "w", 0, seq, _payload(seq)))[0])
     stats = replica.stats()
     assert (stats.undecodable, stats.stale, stats.applied) == (1, 0, 5)
     assert replica.digest() == index_digest(_reference(0, 1, 2, 3, 4))
@@ -445,10 +453,10 @@ def test_a_decodable_batch_with_a_forged_high_seq_does_not_freeze_the_stream() -
     on below the jump, so the stream is rewound (reset, rebuilt from there) instead of
     dropping every later batch as stale. The stream is degraded while it waits, whole after."""
     replica: Any = _fed(0, 1, 2)
-    replica._apply(*_records(batch_record("kv", "w", 0, 1 << 40, _payload(50)))[0])
+    replica.apply_message(*_records(batch_record("kv", "w", 0, 1 << 40, _payload(50)))[0])
     assert replica._applier.degraded()[0] == 1  # batches 3 .. 2^40 - 1 never came
     for seq in (3, 4, 5):
-        replica._apply(*_records(batch_record("kv", "w", 0, seq, _payload(seq)))[0])
+        replica.apply_message(*_records(batch_record("kv", "w", 0, seq, _payload(seq)))[0])
     stats = replica.stats()
     assert (stats.rewinds, stats.stale, stats.gaps) == (1, 0, 1)
     assert replica.digest() == index_digest(_reference(3, 4, 5))
@@ -459,9 +467,9 @@ def test_a_forged_loss_record_does_not_freeze_the_stream() -> None:
     """A loss record claiming batches up to 2^50 moves the cursor there; the genuine batches
     that follow rewind the stream rather than being dropped as stale."""
     replica: Any = _fed(0, 1)
-    replica._apply(*_records(loss_record("kv", "w", 0, 2, 1 << 50))[0])
+    replica.apply_message(*_records(loss_record("kv", "w", 0, 2, 1 << 50))[0])
     for seq in (2, 3):
-        replica._apply(*_records(batch_record("kv", "w", 0, seq, _payload(seq)))[0])
+        replica.apply_message(*_records(batch_record("kv", "w", 0, seq, _payload(seq)))[0])
     assert replica.stats().rewinds == 1 and replica.stats().stale == 0
     assert replica.digest() == index_digest(_reference(2, 3))
 
@@ -471,10 +479,10 @@ def test_a_small_jump_ahead_degrades_the_stream_and_costs_only_its_width() -> No
     2..4 never came. Batches inside a gap no wider than the window are stale (a relay's
     reorder), and the stream goes on past it."""
     replica: Any = _fed(0, 1)
-    replica._apply(*_records(batch_record("kv", "w", 0, 5, _payload(5)))[0])
+    replica.apply_message(*_records(batch_record("kv", "w", 0, 5, _payload(5)))[0])
     assert replica.service.router.degraded[("w", 0)] == "lost seq 2..4"
-    replica._apply(*_records(batch_record("kv", "w", 0, 3, _payload(3)))[0])
-    replica._apply(*_records(batch_record("kv", "w", 0, 6, _payload(6)))[0])
+    replica.apply_message(*_records(batch_record("kv", "w", 0, 3, _payload(3)))[0])
+    replica.apply_message(*_records(batch_record("kv", "w", 0, 6, _payload(6)))[0])
     stats = replica.stats()
     assert (stats.gaps, stats.stale, stats.rewinds, stats.applied) == (1, 1, 0, 4)
     assert replica._applier.degraded()[0] == 1

@@ -1,14 +1,14 @@
-"""The index service: feed consumption, and the HTTP API against a real server on port 0."""
+"""The index service: the sink its feed feeds, and the HTTP API against a real server on
+port 0."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import json
-import queue
 import threading
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -22,24 +22,20 @@ from kvevents.http import _dump as service_dump
 from kvevents.http import _query as service_query
 from kvevents.http import _scan as scan
 from kvevents.http._scan_py import pack_json_member, pack_json_tokens
+from kvevents.index import prefix as index_prefix
 from kvevents.index.keys import block_hashes
 from kvevents.index.prefix import IndexStats, PrefixIndex
 from kvevents.index.router import DEFAULT_POLICY
 from kvevents.metrics import field_docs
-from kvevents.service import core as service_core
 from kvevents.service.core import IndexService, ServiceStats, WorkerRegistration
+from kvevents.service.feed import subscriber_feed
 from kvevents.subscribe.streams import (
-    Delivery,
     FeedHealth,
-    Item,
-    StreamReset,
     StreamSpec,
-    StreamStats,
-    StreamStatus,
     SubscriberOptions,
-    SubscriberStats,
-    worker_streams,
 )
+from kvevents.subscribe.subscriber import Subscriber
+from kvevents.testing.feeds import FakeFeed, fake_service, fake_specs
 from kvevents.testing.index import batch, engine_hashes, store_event
 from kvevents.testing.sockets import wait_for
 from kvevents.wire import Applied, DecodedBatch, encode_batch
@@ -49,73 +45,8 @@ PROMPT = list(range(100, 124))  # 6 blocks
 LOCAL = "tcp://127.0.0.1:6000"
 
 
-@dataclass
-class FakeFeed:
-    """An in-process feed with the Subscriber's methods; tests push items into it."""
-
-    items: queue.Queue[Item] = field(default_factory=queue.Queue)
-    specs: list[StreamSpec] = field(default_factory=list)
-    removed: list[tuple[str, int | None]] = field(default_factory=list)
-    started: bool = False
-    closed: bool = False
-    state: FeedHealth = field(default_factory=lambda: FeedHealth("ok", True))
-
-    def add_stream(self, spec: StreamSpec) -> None:
-        self.specs.append(spec)
-
-    def remove_stream(self, worker_id: str, rank: int | None = None) -> None:
-        self.removed.append((worker_id, rank))
-        self.specs = [
-            s for s in self.specs if not (s.worker_id == worker_id and rank in (None, s.rank))
-        ]
-
-    def start(self) -> None:
-        self.started = True
-
-    def close(self) -> None:
-        self.closed = True
-
-    def get(self, timeout: float | None = None) -> Item | None:
-        try:
-            return self.items.get(timeout=timeout)
-        except queue.Empty:
-            return None
-
-    def stats(self) -> SubscriberStats:
-        return SubscriberStats(
-            streams=len(self.specs), incomplete=0, queued=0, callback_errors=0, max_lag=None
-        )
-
-    def stream_stats(self) -> dict[tuple[str, int], StreamStats]:
-        return {
-            s.key: StreamStats(
-                worker_id=s.worker_id, rank=s.rank, state="live", last_seq=None, lag_seconds=None
-            )
-            for s in self.specs
-        }
-
-    def health(self) -> FeedHealth:
-        return self.state
-
-    def deliver(self, worker_id: str, rank: int, item: KVEventBatch, seq: int = 0) -> None:
-        self.items.put(Delivery(self.spec(worker_id, rank), seq, item))
-
-    def spec(self, worker_id: str, rank: int) -> StreamSpec:
-        return next(s for s in self.specs if (s.worker_id, s.rank) == (worker_id, rank))
-
-
-def fake_specs(reg: WorkerRegistration) -> list[StreamSpec]:
-    return worker_streams(reg.worker_id, reg.endpoint, reg.replay_endpoint, ranks=reg.ranks)
-
-
 def make_service(feed: FakeFeed) -> IndexService:
-    return IndexService(PrefixIndex(), feed=feed, stream_specs=fake_specs, poll_interval=0.01)
-
-
-def applied(service: IndexService, deliveries: int) -> None:
-    wait_for(
-        lambda: service.stats().deliveries >= deliveries, 10.0, what=f"{deliveries} deliveries"
-    )
+    return fake_service(feed)
 
 
 @pytest.fixture
@@ -136,30 +67,19 @@ def client(server: tuple[Server, IndexService]) -> Iterator[httpx.Client]:
         yield http
 
 
-def test_service_applies_deliveries_and_resets(feed: FakeFeed) -> None:
-    """Deliveries are applied in order by the consumer thread; a StreamReset empties a stream."""
+def test_service_applies_batches_and_resets(feed: FakeFeed) -> None:
+    """Batches its feed hands the service are applied in order; a reset empties a stream."""
     with make_service(feed) as service:
         service.register(WorkerRegistration("a", "tcp://127.0.0.1:5557", BS, ranks=(0, 1)))
         assert [(s.worker_id, s.rank) for s in feed.specs] == [("a", 0), ("a", 1)]
         feed.deliver("a", 1, batch(store_event(PROMPT, BS, end_block=2)))
         feed.deliver("a", 1, batch(store_event(PROMPT, BS, start_block=2)), seq=1)
-        applied(service, 2)
+        assert service.stats().deliveries == 2
         assert service.query(PROMPT)["scores"] == {"a": {"1": 6}}
-        feed.items.put(StreamReset(feed.spec("a", 1), "restart"))
-        wait_for(lambda: service.stats().resets == 1, 10.0, what="the reset")
+        feed.reset("a", 1)
+        assert service.stats().resets == 1
         assert service.query(PROMPT)["scores"] == {}
-    assert feed.started and feed.closed
-
-
-def test_consumer_survives_a_bad_item(feed: FakeFeed) -> None:
-    """An item that cannot be applied is counted and logged; the next one still applies."""
-    with make_service(feed) as service:
-        service.register(WorkerRegistration("a", "tcp://127.0.0.1:5557", BS))
-        feed.items.put(Delivery(feed.spec("a", 0), 0, None))  # type: ignore[arg-type]
-        feed.deliver("a", 0, batch(store_event(PROMPT, BS)), seq=1)
-        applied(service, 1)
-        assert service.stats().apply_errors == 1
-        assert service.query(PROMPT)["scores"] == {"a": {"0": 6}}
+    assert feed.started and feed.closed and feed.sink is service
 
 
 def test_unregister_stops_the_stream_and_drops_the_blocks(feed: FakeFeed) -> None:
@@ -167,58 +87,57 @@ def test_unregister_stops_the_stream_and_drops_the_blocks(feed: FakeFeed) -> Non
     with make_service(feed) as service:
         service.register(WorkerRegistration("a", "tcp://127.0.0.1:5557", BS))
         feed.deliver("a", 0, batch(store_event(PROMPT, BS)))
-        applied(service, 1)
         assert service.unregister("a") is True
         assert feed.removed == [("a", None)] and feed.specs == []
         assert service.index_stats().entries == 0 and service.workers() == []
         assert service.unregister("a") is False
 
 
-def test_items_of_unregistered_workers_are_ignored(feed: FakeFeed) -> None:
-    """A delivery still queued after unregister does not bring the worker back."""
+def test_batches_of_unregistered_workers_are_ignored(feed: FakeFeed) -> None:
+    """A batch or reset the feed still hands over after unregister does not bring the
+    worker back; the batch's Applied is still what it held (the feed's stats stay true)."""
     with make_service(feed) as service:
         service.register(WorkerRegistration("a", "tcp://127.0.0.1:5557", BS))
         spec = feed.spec("a", 0)
         service.unregister("a")
-        feed.items.put(Delivery(spec, 0, batch(store_event(PROMPT, BS))))
-        feed.items.put(StreamReset(spec, "removed"))
-        wait_for(lambda: service.stats().ignored == 2, 10.0, what="two ignored items")
+        payload = encode_batch(batch(store_event(PROMPT, BS), ts=3.0))
+        assert service.apply(spec, 0, payload) == Applied(3.0, 1)
+        service.reset(spec, "removed")
+        assert service.stats().ignored == 2 and service.stats().deliveries == 0
         assert service.index.targets() == [] and service.index_stats().entries == 0
 
 
 def test_payloads_are_applied_straight_from_the_wire(feed: FakeFeed) -> None:
-    """apply_payload (the default feed's on_payload) applies a registered stream's batch and
-    reports it; a payload of an unregistered worker is left to the delivery path (None); an
-    unreadable one raises DecodeError and changes nothing."""
+    """The service's apply (its feed's sink) applies a registered stream's batch and
+    reports it; an unreadable one raises DecodeError and changes nothing."""
     service = make_service(feed)
     service.register(WorkerRegistration("a", "tcp://127.0.0.1:5557", BS))
     spec = feed.spec("a", 0)
     payload = encode_batch(batch(store_event(PROMPT, BS), ts=7.0))
-    assert service.apply_payload(spec, 0, payload) == Applied(7.0, 1)
+    assert service.apply(spec, 0, payload) == Applied(7.0, 1)
     assert service.query(PROMPT)["scores"] == {"a": {"0": 6}}
     cleared = encode_batch(batch(AllBlocksCleared(), ts=8.0))
-    assert service.apply_payload(spec, 1, cleared) == Applied(8.0, 1, clears=True)
-    assert service.apply_payload(StreamSpec("b", 0, "tcp://127.0.0.1:1"), 0, payload) is None
+    assert service.apply(spec, 1, cleared) == Applied(8.0, 1, clears=True)
     with pytest.raises(DecodeError):
-        service.apply_payload(spec, 2, b"\xc1")
+        service.apply(spec, 2, b"\xc1")
     assert service.stats().deliveries == 2 and service.index.targets() == [("a", 0)]
-    assert service.index_stats().entries == 0
+    assert service.index_stats().entries == 0 and service.stats().apply_errors == 0
 
 
-def test_a_failing_payload_apply_is_counted_and_raised(
-    feed: FakeFeed, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """An index bug while applying a payload is counted (apply_errors) and raised to the
-    subscriber, which logs it with the stream and goes on."""
-    service = make_service(feed)
-    service.register(WorkerRegistration("a", "tcp://127.0.0.1:5557", BS))
+class BrokenIndex(PrefixIndex):
+    """An index with a bug in applying batches."""
 
-    def broken(*args: object, **kwargs: object) -> None:
+    def ingest(self, worker_id: str, rank: int, batch: KVEventBatch) -> bool:
         raise RuntimeError("index bug")
 
-    monkeypatch.setattr(service.index, "ingest", broken)
-    with pytest.raises(RuntimeError):
-        service.apply_payload(feed.spec("a", 0), 0, encode_batch(batch(store_event(PROMPT, BS))))
+
+def test_a_failing_payload_apply_is_counted_and_raised(feed: FakeFeed) -> None:
+    """An index bug while applying a payload is counted (apply_errors) and raised to the
+    feed, which logs it with the stream and goes on."""
+    service = fake_service(feed, BrokenIndex())
+    service.register(WorkerRegistration("a", "tcp://127.0.0.1:5557", BS))
+    with pytest.raises(RuntimeError, match="index bug"):
+        feed.deliver("a", 0, batch(store_event(PROMPT, BS)))
     assert service.stats().apply_errors == 1 and service.stats().deliveries == 0
 
 
@@ -242,7 +161,6 @@ def test_register_query_and_unregister_over_http(
     client: httpx.Client, server: tuple[Server, IndexService], feed: FakeFeed
 ) -> None:
     """The Dynamo/Mooncake-shaped API: register, query by tokens or hashes, unregister."""
-    _, service = server
     reply = client.post(
         "/register",
         json={"instance_id": 7, "endpoint": "tcp://127.0.0.1:5557", "block_size": BS, "dp_size": 2},
@@ -254,7 +172,6 @@ def test_register_query_and_unregister_over_http(
     )
     feed.deliver("7", 1, batch(store_event(PROMPT, BS)))
     feed.deliver("b", 0, batch(store_event(PROMPT, BS, end_block=2)))
-    applied(service, 2)
     body = client.post("/query", json={"token_ids": PROMPT, "policy": "longest_prefix"}).json()
     assert body["scores"] == {"7": {"1": 6}, "b": {"0": 2}}
     assert {"worker_id": "7", "rank": 1, "tier": "GPU", "matched_blocks": 6} in body["matches"]
@@ -321,7 +238,6 @@ def test_lean_query_answers_like_the_service(
         client.post("/register", json={"worker_id": worker, "endpoint": LOCAL, "block_size": BS})
         feed.deliver(worker, 0, batch(store_event(PROMPT, BS, end_block=end)))
     feed.deliver("b", 0, batch(store_event(PROMPT, BS, lora_name="x")))
-    applied(service, 3)
     service.router.loads.set("a", queued_blocks=3)
     cases: list[tuple[dict[str, Any], dict[str, Any]]] = [
         ({"token_ids": PROMPT, "model_name": "m"}, {}),
@@ -383,12 +299,10 @@ def test_workers_dump_and_metrics(
     client: httpx.Client, server: tuple[Server, IndexService], feed: FakeFeed
 ) -> None:
     """/workers shows per-rank index state and stream health; /dump and /metrics the index."""
-    _, service = server
     client.post(
         "/register", json={"worker_id": "a", "endpoint": "tcp://127.0.0.1:1", "block_size": BS}
     )
     feed.deliver("a", 0, batch(store_event(PROMPT, BS, medium="CPU"), ts=1.0))
-    applied(service, 1)
     (worker,) = client.get("/workers").json()["workers"]
     assert worker["worker_id"] == "a" and worker["block_size"] == BS
     (rank,) = worker["ranks"]
@@ -419,12 +333,13 @@ def test_startup_failure_is_reported_and_frees_the_port() -> None:
 
 
 def test_default_feed_applies_batches_on_the_subscriber_thread() -> None:
-    """With no feed given, a Subscriber applies each batch through consume(): no hand-off."""
+    """With no feed given, a Subscriber feeds the service each batch on its I/O thread: no
+    hand-off, nothing queued."""
     from kvevents.testing.peers import RawPublisher
 
     stored = batch(store_event(PROMPT, BS))
     with RawPublisher() as publisher, IndexService(PrefixIndex()) as service:
-        assert service.pushes and service._thread is None
+        assert isinstance(service.feed, Subscriber)
         assert publisher.replay_endpoint is not None
         service.register(
             WorkerRegistration("w", publisher.endpoint, BS, (0,), publisher.replay_endpoint)
@@ -440,17 +355,6 @@ def test_default_feed_applies_batches_on_the_subscriber_thread() -> None:
         assert service.feed.stats().queued == 0  # nothing went through the queue
 
 
-def test_a_feed_that_pushes_gets_no_consumer_thread(feed: FakeFeed) -> None:
-    """pushes=True: the service never polls the feed; items arrive through consume()."""
-    service = IndexService(PrefixIndex(), feed=feed, stream_specs=fake_specs, pushes=True)
-    with service:
-        service.register(WorkerRegistration("w", "tcp://127.0.0.1:1", BS))
-        feed.deliver("w", 0, batch(store_event(PROMPT, BS)))
-        assert service._thread is None and feed.items.qsize() == 1  # nobody took it
-        service.consume(feed.items.get_nowait())
-        assert service.query(PROMPT)["scores"] == {"w": {"0": 6}}
-
-
 def test_incomplete_stream_is_degraded_until_whole_again(feed: FakeFeed) -> None:
     """After an unrecoverable loss a worker's matches are not trusted, and routing moves."""
     with make_service(feed) as service:
@@ -459,18 +363,17 @@ def test_incomplete_stream_is_degraded_until_whole_again(feed: FakeFeed) -> None
                 WorkerRegistration(worker, f"tcp://127.0.0.1:{5557 + 10 * ord(worker)}", BS)
             )
         feed.deliver("a", 0, batch(store_event(PROMPT, BS)), seq=0)
-        applied(service, 1)
         assert service.query(PROMPT)["decision"]["winner"]["worker_id"] == "a"
-        feed.items.put(StreamStatus(feed.spec("a", 0), "incomplete", (3, 5)))
-        wait_for(lambda: service.router.degraded, 10.0, what="the degraded mark")
+        feed.report("a", 0, "incomplete", (3, 5))
+        assert service.degraded() == {("a", 0): "lost seq 3..4"}
         decision = service.query(PROMPT)["decision"]
         rows = {row["worker_id"]: row for row in decision["scores"]}
         assert rows["a"]["degraded"] == "lost seq 3..4"
         assert rows["a"]["matched_blocks"] == 0
         ranks = {w["worker_id"]: w["ranks"][0] for w in service.workers_view()}
         assert ranks["a"]["degraded"] == "lost seq 3..4" and ranks["b"]["degraded"] is None
-        feed.items.put(StreamStatus(feed.spec("a", 0), "live"))
-        wait_for(lambda: not service.router.degraded, 10.0, what="the stream to be trusted")
+        feed.report("a", 0, "live")
+        assert service.degraded() == {}
         assert service.query(PROMPT)["decision"]["winner"]["worker_id"] == "a"
 
 
@@ -478,10 +381,32 @@ def test_joining_after_the_ring_moved_on_is_not_degraded(feed: FakeFeed) -> None
     """A hole from seq 0 hides only old stores (no phantom blocks): routing keeps trusting it."""
     with make_service(feed) as service:
         service.register(WorkerRegistration("a", "tcp://127.0.0.1:5557", BS))
-        feed.items.put(StreamStatus(feed.spec("a", 0), "incomplete", (0, 40)))
-        feed.items.put(StreamStatus(feed.spec("a", 0), "incomplete", (50, 51)))
-        wait_for(lambda: service.router.degraded, 10.0, what="the later loss to degrade")
-        assert service.router.degraded == {("a", 0): "lost seq 50..50"}
+        feed.report("a", 0, "incomplete", (0, 40))
+        assert service.degraded() == {} and service.health().state == "ok"
+        feed.report("a", 0, "incomplete", (50, 51))
+        assert service.degraded() == {("a", 0): "lost seq 50..50"}
+
+
+def test_health_says_degraded_naming_a_degraded_stream(
+    client: httpx.Client, server: tuple[Server, IndexService], feed: FakeFeed
+) -> None:
+    """While a stream is degraded (a loss after events were applied), /health is a 200
+    saying "degraded" and naming the stream and why, as a replica's does; it is "ok" again
+    once the stream is whole, and a stalled feed is still a 503."""
+    assert _register(client, "a", LOCAL).status_code == 200
+    feed.report("a", 0, "incomplete", (3, 5))
+    reply = client.get("/health")
+    assert reply.status_code == 200
+    assert reply.json() == {
+        "status": "degraded",
+        "workers": 1,
+        "error": "1 stream(s) degraded; worker 'a' rank 0: lost seq 3..4",
+    }
+    feed.state = FeedHealth("stalled", True, 12.5)
+    assert client.get("/health").status_code == 503
+    feed.state = FeedHealth("ok", True)
+    feed.report("a", 0, "live")
+    assert client.get("/health").json() == {"status": "ok", "workers": 1}
 
 
 # ----------------------------------------------------------------- hostile registrations
@@ -525,8 +450,7 @@ def test_a_stream_the_feed_refuses_is_a_422_and_the_others_run_on() -> None:
         assert [s.key for s in feed.specs] == [("a", 0)]  # b's rank 0 was rolled back
         assert [w["worker_id"] for w in client.get("/workers").json()["workers"]] == ["a"]
         feed.deliver("a", 0, batch(store_event(PROMPT, BS)))
-        wait_for(lambda: client.post("/query", json={"token_ids": PROMPT}).json()["scores"],
-                 10.0, what="a's blocks")  # fmt: skip
+        assert client.post("/query", json={"token_ids": PROMPT}).json()["scores"]
         assert client.get("/health").status_code == 200
         assert "kvevents_service_refused_registrations_total 1.0" in client.get("/metrics").text
 
@@ -535,7 +459,7 @@ def test_a_real_subscriber_out_of_sockets_refuses_one_worker_only() -> None:
     """With the default feed, a stream past the subscriber's socket limit is a 422 and the
     subscriber's I/O thread, the other worker and /health all stay fine."""
     options = SubscriberOptions(max_sockets=7)  # room for one stream (and replays)
-    service = IndexService(PrefixIndex(), subscriber_options=options)
+    service = IndexService(PrefixIndex(), feed=subscriber_feed(options))
     with (
         serve("127.0.0.1", 0, service=service) as running,
         httpx.Client(base_url=running.url, timeout=20.0) as client,
@@ -584,7 +508,6 @@ def test_reregistering_with_a_bad_endpoint_keeps_the_old_registration(
     _, service = server
     assert _register(client, "a", LOCAL).status_code == 200
     feed.deliver("a", 0, batch(store_event(PROMPT, BS)))
-    applied(service, 1)
     bad = [
         ({"endpoint": "bogus"}, 400, "scheme must be one of"),
         ({"endpoint": "tcp://127.0.0.1:65535", "ranks": 2}, 400, "exceeds 65535"),
@@ -686,8 +609,8 @@ def test_metrics_cover_every_service_counter_with_its_documentation(
             suffix = "" if f.name in getattr(record, "GAUGES", ()) else "_total"
             assert f"# HELP {prefix}_{f.name}{suffix} {docs[f.name]}\n" in text, f.name
     assert (
-        "# HELP kvevents_service_ignored_total feed items of workers (or ranks) no longer "
-        "registered, not applied" in text
+        "# HELP kvevents_service_ignored_total batches and resets of workers (or ranks) no "
+        "longer registered" in text
     )
 
 
@@ -741,7 +664,6 @@ def test_dump_streams_every_holder_and_encodes_off_the_lock(
         assert _register(client, worker, f"tcp://127.0.0.1:{6000 + ord(worker)}").status_code == 200
     feed.deliver("a", 0, batch(store_event(PROMPT, BS)))
     feed.deliver("b", 0, batch(store_event(PROMPT, BS, end_block=2, medium="CPU")))
-    applied(service, 2)
     encoded: list[bool] = []
 
     def members(pairs: list[tuple[int, int]]) -> bytes:
@@ -804,7 +726,7 @@ def test_payloads_are_decoded_before_the_lock_is_taken(
     for service in (lane, outside):
         service.register(WorkerRegistration("a", LOCAL, BS))
     decoded_free: list[bool] = []
-    real = service_core.decode_batch_packed
+    real = index_prefix.decode_batch_packed
 
     def decode(data: bytes, *, seq: int | None = None) -> DecodedBatch:
         free = outside.lock.acquire(blocking=False)
@@ -813,14 +735,14 @@ def test_payloads_are_decoded_before_the_lock_is_taken(
         decoded_free.append(free)
         return real(data, seq=seq)
 
-    monkeypatch.setattr(service_core, "decode_batch_packed", decode)
     want = lane.index.ingest_payload("a", 0, payload, seq=0)
-    got = outside.apply_payload(StreamSpec("a", 0, LOCAL), 0, payload)
+    monkeypatch.setattr(index_prefix, "decode_batch_packed", decode)
+    got = feed.deliver_payload("a", 0, payload)
     assert decoded_free[-1] is True
     assert got == want == Applied(5.0, prompts_count + 1, 0, True)
     assert outside.index.snapshot() == lane.index.snapshot()
     assert outside.query(prompts[-1])["scores"] == {"a": {"0": 1024}}
     assert outside.stats().deliveries == 1
     small = encode_batch(batch(store_event(PROMPT, BS)))
-    assert outside.apply_payload(StreamSpec("a", 0, LOCAL), 1, small) == Applied(0.0, 1)
+    assert feed.deliver_payload("a", 0, small, seq=1) == Applied(0.0, 1)
     assert decoded_free == [True, True]  # the small one too: never decoded under the lock

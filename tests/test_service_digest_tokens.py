@@ -10,8 +10,8 @@ from kvevents.events import BlockStored
 from kvevents.http import QueryReader, serve
 from kvevents.index.prefix import PrefixIndex
 from kvevents.service.core import IndexService, WorkerRegistration
+from kvevents.testing.feeds import FakeFeed
 from kvevents.testing.index import batch
-from test_service import FakeFeed, applied
 
 BS = 4
 TEXT = list(range(100, 100 + 3 * BS))
@@ -30,14 +30,13 @@ def test_digest_tokens_over_http_match_only_the_same_item() -> None:
     ids only the text block before the item; an int token out of range beside a digest is
     still a 400 naming it."""
     feed = FakeFeed()
-    service = IndexService(PrefixIndex(), feed=feed, poll_interval=0.01)
+    service = IndexService(PrefixIndex(), feed=feed)
     with (
         serve("127.0.0.1", 0, service=service) as server,
         httpx.Client(base_url=server.url, timeout=10.0) as client,
     ):
         service.register(WorkerRegistration("t", "tcp://127.0.0.1:7100", BS))
         feed.deliver("t", 0, batch(_store()))
-        applied(service, 1)
 
         def scores(tokens: list[int | str]) -> object:
             reply = client.post("/query", json={"token_ids": tokens})

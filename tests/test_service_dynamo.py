@@ -16,8 +16,11 @@ from kvevents.http._scan_py import pack_json_member
 from kvevents.index.prefix import PrefixIndex
 from kvevents.index.records import HolderKey, MatchResult
 from kvevents.service.core import IndexService, WorkerRegistration
+from kvevents.testing.feeds import FakeFeed
 from kvevents.testing.index import batch, store_event
-from test_service import BS, PROMPT, FakeFeed, applied
+
+BS = 4
+PROMPT = list(range(100, 124))  # 6 blocks
 
 E0, E1, E2 = "tcp://127.0.0.1:7100", "tcp://127.0.0.1:7301", "tcp://127.0.0.1:7502"
 
@@ -29,7 +32,7 @@ def feed() -> FakeFeed:
 
 @pytest.fixture
 def served(feed: FakeFeed) -> Iterator[tuple[httpx.Client, IndexService]]:
-    service = IndexService(PrefixIndex(), feed=feed, poll_interval=0.01)
+    service = IndexService(PrefixIndex(), feed=feed)
     options = AppOptions(api="dynamo")
     with (
         serve("127.0.0.1", 0, service=service, options=options) as server,
@@ -48,14 +51,13 @@ def test_two_ranks_and_two_models_answer_in_dynamo_shape(
 ) -> None:
     """Two ranks registered one at a time both count, in tokens, for their model only;
     /workers lists each rank's own endpoint."""
-    client, service = served
+    client, _service = served
     assert register(client, 1, E0).status_code == 201
     assert register(client, 1, E1, dp_rank=1).json() == {"status": "ok"}
     assert register(client, 2, E2, model_name="B").status_code == 201
     feed.deliver("1", 0, batch(store_event(PROMPT, BS, end_block=2)))
     feed.deliver("1", 1, batch(store_event(PROMPT, BS, end_block=3)))
     feed.deliver("2", 0, batch(store_event(PROMPT, BS)))
-    applied(service, 3)
     reply = client.post("/query", json={"token_ids": PROMPT, "model_name": "A"})
     assert reply.json() == {
         "scores": {"1": {"0": 8, "1": 12}},
@@ -212,7 +214,6 @@ def test_the_one_pass_packer_answers_as_the_full_decode(
     client, service = served
     register(client, 1, E0)
     feed.deliver("1", 0, batch(store_event(PROMPT, BS)))
-    applied(service, 1)
     fast, full = DynamoQueryReader(service), DynamoQueryReader(service)
     fast.pack_member, full.pack_member = pack_json_member, None
     short = json.dumps(PROMPT[:8])

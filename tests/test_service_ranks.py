@@ -16,9 +16,12 @@ from kvevents.service.core import IndexService, WorkerRegistration
 from kvevents.service.feed import OwnEndpoints
 from kvevents.service.state import StateFile
 from kvevents.subscribe.streams import StreamSpec
+from kvevents.testing.feeds import FakeFeed
 from kvevents.testing.index import batch, remove_event, store_event
-from test_service import BS, PROMPT, FakeFeed, applied
-from test_state_file import serving
+from kvevents.testing.service import ServiceIndexer
+
+BS = 4
+PROMPT = list(range(100, 124))  # 6 blocks
 
 E0, E1, E2 = "tcp://127.0.0.1:7100", "tcp://127.0.0.1:7301", "tcp://127.0.0.1:7502"
 
@@ -42,7 +45,7 @@ def feed() -> FakeFeed:
 
 @pytest.fixture
 def service(feed: FakeFeed) -> Iterator[IndexService]:
-    with IndexService(PrefixIndex(), feed=feed, poll_interval=0.01) as running:
+    with IndexService(PrefixIndex(), feed=feed) as running:
         yield running
 
 
@@ -53,7 +56,6 @@ def test_a_second_rank_joins_the_first_on_its_own_endpoint(
     stream and its blocks."""
     service.add_rank(rank("w", 0, E0))
     feed.deliver("w", 0, batch(store_event(PROMPT, BS)))
-    applied(service, 1)
     service.add_rank(rank("w", 1, E1))
     assert [(s.rank, s.endpoint) for s in feed.specs] == [(0, E0), (1, E1)]
     assert feed.removed == []
@@ -70,7 +72,6 @@ def test_reregistering_a_rank_replaces_that_rank_only(
     service.add_rank(rank("w", 1, E1))
     feed.deliver("w", 0, batch(store_event(PROMPT, BS)))
     feed.deliver("w", 1, batch(store_event(PROMPT, BS)))
-    applied(service, 2)
     service.add_rank(rank("w", 1, E2))
     assert feed.removed == [("w", 1)]
     assert sorted((s.rank, s.endpoint) for s in feed.specs) == [(0, E0), (1, E2)]
@@ -107,10 +108,9 @@ def test_a_rank_the_feed_refuses_leaves_the_other_ranks_running() -> None:
     """A refused new rank is rolled back alone: the worker's other ranks keep their streams
     and blocks."""
     feed = _RefuseEndpoint()
-    with IndexService(PrefixIndex(), feed=feed, poll_interval=0.01) as service:
+    with IndexService(PrefixIndex(), feed=feed) as service:
         service.add_rank(rank("w", 0, E0))
         feed.deliver("w", 0, batch(store_event(PROMPT, BS)))
-        applied(service, 1)
         with pytest.raises(StreamAddError):
             service.add_rank(rank("w", 1, E2))
         assert [(s.rank, s.endpoint) for s in feed.specs] == [(0, E0)]
@@ -123,7 +123,7 @@ def test_a_replacement_the_feed_refuses_puts_the_old_rank_back() -> None:
     """A rank moved to an endpoint the feed refuses comes back on its old endpoint; the
     worker's other ranks were never touched."""
     feed = _RefuseEndpoint()
-    with IndexService(PrefixIndex(), feed=feed, poll_interval=0.01) as service:
+    with IndexService(PrefixIndex(), feed=feed) as service:
         service.add_rank(rank("w", 0, E0))
         service.add_rank(rank("w", 1, E1))
         with pytest.raises(StreamAddError):
@@ -148,7 +148,6 @@ def test_queries_for_a_model_match_only_its_workers(service: IndexService, feed:
     service.add_rank(rank("b", 0, E1, model="B"))
     feed.deliver("a", 0, batch(store_event(PROMPT, BS, end_block=2)))
     feed.deliver("b", 0, batch(store_event(PROMPT, BS)))
-    applied(service, 2)
     only_a = service.query(PROMPT, model_name="A")
     assert only_a["scores"] == {"a": {"0": 2}}
     assert {m["worker_id"] for m in only_a["matches"]} == {"a"}
@@ -179,7 +178,7 @@ def test_ranks_registered_alone_survive_a_restart_from_the_state_file(tmp_path) 
 def test_dp_rank_over_http_adds_a_rank_and_conflicts_are_409(feed: FakeFeed) -> None:
     """Our /register with dp_rank adds that rank next to the others; a model other than the
     worker's is a 409 naming the field; dp_rank with ranks is a 400."""
-    service = IndexService(PrefixIndex(), feed=feed, poll_interval=0.01)
+    service = IndexService(PrefixIndex(), feed=feed)
     with (
         serve("127.0.0.1", 0, service=service) as server,
         httpx.Client(base_url=server.url, timeout=10.0) as client,
@@ -207,7 +206,6 @@ def test_workers_registered_without_a_model_serve_every_model(
     a query that names a model."""
     service.register(WorkerRegistration("any", E0, BS))
     feed.deliver("any", 0, batch(store_event(PROMPT, BS)))
-    applied(service, 1)
     assert service.query(PROMPT, model_name="A")["scores"] == {"any": {"0": 6}}
 
 
@@ -217,20 +215,21 @@ def test_a_saved_rank_on_a_host_now_refused_is_not_restored(tmp_path: Path) -> N
     path = tmp_path / "state.json"
     far = rank("far", 0, E0).with_rank(OwnEndpoints(1, "tcp://10.1.2.3:5557", None))
     StateFile(path).save([far, rank("near", 0, E1)])
-    with serving("--state-file", str(path)) as (proc, url):
-        workers = httpx.get(f"{url}/workers", timeout=10).json()["workers"]
+    with ServiceIndexer(args=["--state-file", str(path)]) as serve_process:
+        workers = serve_process.workers()
         assert [w["worker_id"] for w in workers] == ["near"]
         assert workers[0]["own_endpoints"] == [{"rank": 0, "endpoint": E1, "replay_endpoint": None}]
-        status, err = proc.stop()
-    assert status == 0
-    assert "warning: state file: worker 'far' not restored" in err
+        serve_process.stop()
+        log = serve_process.log_text()
+    assert "warning: state file: worker 'far' not restored" in log
+    assert "stopped: " in log  # a clean exit
 
 
 def test_report_mode_full_over_http_evicts_reannounced_blocks_once(feed: FakeFeed) -> None:
     """A worker registered with report_mode "full" (vLLM's kv_cache_report_mode): a block
     announced again on reuse goes with its one eviction; /workers says the mode; an
     unknown mode is a 400 naming the field."""
-    service = IndexService(PrefixIndex(), feed=feed, poll_interval=0.01)
+    service = IndexService(PrefixIndex(), feed=feed)
     with (
         serve("127.0.0.1", 0, service=service) as server,
         httpx.Client(base_url=server.url, timeout=10.0) as client,
@@ -241,10 +240,8 @@ def test_report_mode_full_over_http_evicts_reannounced_blocks_once(feed: FakeFee
         assert client.post("/register", json={**body, "report_mode": "full"}).status_code == 200
         feed.deliver("v", 0, batch(store_event(PROMPT, BS)))
         feed.deliver("v", 0, batch(store_event(PROMPT, BS)))
-        applied(service, 2)
         assert client.post("/query", json={"token_ids": PROMPT}).json()["scores"] == {"v": {"0": 6}}
         feed.deliver("v", 0, batch(remove_event(PROMPT, BS)))
-        applied(service, 3)
         assert client.post("/query", json={"token_ids": PROMPT}).json()["scores"] == {}
         (worker,) = client.get("/workers").json()["workers"]
         assert worker["report_mode"] == "full"

@@ -21,43 +21,16 @@ from kvevents.http import serve
 from kvevents.index.prefix import PrefixIndex
 from kvevents.service.core import IndexService, WorkerRegistration
 from kvevents.service.state import StateFile, StateFileError
-from kvevents.subscribe.streams import FeedHealth, Item, StreamSpec, StreamStats, SubscriberStats
+from kvevents.subscribe.streams import StreamSpec
+from kvevents.testing.feeds import FakeFeed
 from kvevents.testing.sockets import Deadline
 
 A = WorkerRegistration("a", "tcp://127.0.0.1:5557", 16, (0, 1), "tcp://127.0.0.1:5600", "t", "m")
 B = WorkerRegistration("b", "tcp://127.0.0.1:5567", 32)
 
 
-class StillFeed:
-    """A feed that accepts every stream and delivers nothing."""
-
-    def add_stream(self, spec: StreamSpec) -> None:
-        pass
-
-    def remove_stream(self, worker_id: str, rank: int | None = None) -> None:
-        pass
-
-    def start(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-    def get(self, timeout: float | None = None) -> Item | None:
-        return None
-
-    def stats(self) -> SubscriberStats:
-        return SubscriberStats(streams=0, incomplete=0, queued=0, callback_errors=0, max_lag=None)
-
-    def stream_stats(self) -> dict[tuple[str, int], StreamStats]:
-        return {}
-
-    def health(self) -> FeedHealth:
-        return FeedHealth("ok", True)
-
-
 def service_with(state: StateFile) -> IndexService:
-    return IndexService(PrefixIndex(), feed=StillFeed(), pushes=True, state=state)
+    return IndexService(PrefixIndex(), feed=FakeFeed(), state=state)
 
 
 def test_registrations_round_trip_through_the_file(tmp_path: Path) -> None:

@@ -26,11 +26,14 @@ from kvevents.index.decision import Decision, Load, TargetScore
 from kvevents.service.core import IndexService, WorkerRegistration
 from kvevents.service.decisions import DecisionLog
 from kvevents.subscribe.streams import FeedState
+from kvevents.testing.feeds import FakeFeed, fake_service
 from kvevents.testing.index import batch, store_event
 from kvevents.testing.publisher import started_publisher
 from kvevents.testing.service import ServiceIndexer
 from kvevents.testing.sockets import wait_for
-from test_service import BS, PROMPT, FakeFeed, applied, make_service
+
+BS = 4
+PROMPT = list(range(100, 124))  # 6 blocks
 
 TOKEN = "s3cret"
 #: Colours of page.html that only data draws: the "live" badge and the hit-rate dots.
@@ -109,11 +112,10 @@ def test_the_log_refuses_a_size_that_keeps_nothing() -> None:
 def test_status_shows_workers_index_decisions_and_hit_rate() -> None:
     """The service records each query's decision; status() gathers what the page shows."""
     feed = FakeFeed()
-    service = make_service(feed)
+    service = fake_service(feed)
     with service:
         service.register(WorkerRegistration("a", "tcp://127.0.0.1:6000", BS, ranks=(0, 1)))
         feed.deliver("a", 1, batch(store_event(PROMPT, BS, medium="CPU")))
-        applied(service, 1)
         service.query(PROMPT)
         service.query(PROMPT[:8] + [7] * 8)
         now = status(service)
@@ -134,7 +136,7 @@ def test_status_shows_workers_index_decisions_and_hit_rate() -> None:
 @pytest.fixture
 def guarded() -> Iterator[tuple[httpx.Client, IndexService, FakeFeed]]:
     feed = FakeFeed()
-    service = make_service(feed)
+    service = fake_service(feed)
     options = AppOptions(auth=TokenCheck(TOKEN, protect_reads=True))
     with (
         serve("127.0.0.1", 0, service=service, options=options) as running,
@@ -147,7 +149,7 @@ def test_the_page_is_self_contained_and_its_script_is_the_only_one_allowed() -> 
     """GET / is one HTML document fetching nothing from elsewhere; its CSP names its script."""
     feed = FakeFeed()
     with (
-        serve("127.0.0.1", 0, service=make_service(feed)) as running,
+        serve("127.0.0.1", 0, service=fake_service(feed)) as running,
         httpx.Client(base_url=running.url, timeout=10.0) as client,
     ):
         page = client.get("/")
@@ -192,12 +194,11 @@ def test_status_json_carries_recorded_decisions_over_http(
     guarded: tuple[httpx.Client, IndexService, FakeFeed],
 ) -> None:
     """A /query answered over HTTP shows up in GET /status with its reason."""
-    client, service, feed = guarded
+    client, _service, feed = guarded
     auth = {"Authorization": f"Bearer {TOKEN}"}
     worker = {"worker_id": "a", "endpoint": "tcp://127.0.0.1:6000", "block_size": BS}
     assert client.post("/register", json=worker, headers=auth).status_code == 200
     feed.deliver("a", 0, batch(store_event(PROMPT, BS)))
-    applied(service, 1)
     assert client.post("/query", json={"token_ids": PROMPT}, headers=auth).status_code == 200
     body = client.get("/status", headers=auth).json()
     (entry,) = body["decisions"]

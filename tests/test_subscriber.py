@@ -3,27 +3,28 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
 from collections.abc import Callable, Iterator
 
 import pytest
 import zmq
 
-from kvevents.errors import DecodeError, LayoutError, SubscriberClosed
+from kvevents.deadline import Deadline
+from kvevents.errors import DecodeError, LayoutError, SubscriberClosed, SubscriberError
 from kvevents.events import AllBlocksCleared, KVEventBatch
 from kvevents.subscribe import (
     AsyncSubscriber,
     Delivery,
-    StreamReset,
     StreamSpec,
-    StreamStatus,
     Subscriber,
-    SubscriberOptions,
     worker_streams,
 )
 from kvevents.subscribe.replay import ReplayOptions
 from kvevents.testing.fixtures import heartbeat, typical_batch, wire_fixtures
 from kvevents.testing.peers import Collector, RawPublisher
-from kvevents.wire import Applied, decode_batch, pack_seq
+from kvevents.testing.sinks import RecordingSink
+from kvevents.wire import pack_seq
 
 W = "w1"
 KEY = (W, 0)
@@ -56,6 +57,22 @@ def connected(pub: RawPublisher, sub: Subscriber, key: tuple[str, int] = KEY) ->
 def publish(pub: RawPublisher, count: int, drop: set[int] = frozenset()) -> None:  # type: ignore[assignment]
     for i in range(count):
         pub.publish(typical_batch(i), drop=i in drop)
+
+
+def probe_until(
+    pub: RawPublisher,
+    sink: RecordingSink,
+    predicate: Callable[[RecordingSink], object],
+    what: str,
+) -> None:
+    """Publish heartbeats until ``predicate(sink)`` holds (the SUB is connected)."""
+    deadline = Deadline(10.0)
+    while not predicate(sink):
+        if deadline.expired:
+            raise TimeoutError(f"timed out waiting for {what}")
+        pub.publish(heartbeat())
+        with contextlib.suppress(TimeoutError):
+            sink.wait(predicate, 0.02)
 
 
 def settle(got: Collector, pub: RawPublisher, key: tuple[str, int] = KEY) -> None:
@@ -133,12 +150,11 @@ def test_end_marker_on_the_live_socket_is_treated_as_a_restart(pubs, subs) -> No
 def test_without_replay_endpoint_every_loss_is_reported(pubs, subs) -> None:
     """No replay: losses are delivered around, reported as missing ranges, stream incomplete."""
     pub = pubs(replay=False)
-    statuses: list[StreamStatus] = []
-    sub = subs([spec_for(pub)], on_status=statuses.append)
+    sub = subs([spec_for(pub)], status_items=True)
     got = connected(pub, sub)
     publish(pub, 20, drop={5, 6, 12})
     settle(got, pub)
-    missing = [s.missing for s in statuses if s.missing is not None]
+    missing = [s.missing for s in got.statuses if s.missing is not None]
     reported = {seq for start, end in missing for seq in range(start, end)}
     delivered = set(got.seqs(KEY))
     assert delivered | reported == set(range(pub.next_seq)) and not delivered & reported
@@ -296,24 +312,28 @@ def test_streams_can_be_added_and_removed_while_running(pubs, subs) -> None:
         sub.remove_stream(W)
 
 
-def test_callback_receives_items_on_the_io_thread(pubs) -> None:
-    """With a callback, items go to it; an exception in it is counted, not fatal."""
+def test_a_sink_is_fed_on_the_io_thread_and_its_errors_are_counted(pubs) -> None:
+    """A subscriber given a sink feeds it on the I/O thread and queues nothing; an exception
+    the sink raises is counted in sink_errors, logged, and the next batch is applied."""
     pub = pubs()
-    seen: list[Delivery | StreamReset] = []
+    spec = spec_for(pub)
+    failed: list[int] = []
 
-    def callback(item: Delivery | StreamReset) -> None:
-        seen.append(item)
-        if len(seen) == 1:
-            raise RuntimeError("consumer bug")
+    def fault(stream: StreamSpec, seq: int) -> Exception | None:
+        if failed:
+            return None
+        failed.append(seq)
+        return RuntimeError("consumer bug")
 
-    with Subscriber([spec_for(pub)], options=SubscriberOptions(callback=callback)) as sub:
-        for _ in range(1000):
-            pub.publish(heartbeat())
-            if len(seen) >= 2:
-                break
-            sub.get(0.01)
-        assert sub.stats().callback_errors == 1
-        assert sub.get_nowait() is None
+    sink = RecordingSink(fault=fault)
+    with Subscriber([spec], sink=sink) as sub:
+        probe_until(pub, sink, lambda s: bool(s.deliveries), what="a batch after the failed one")
+        assert sub.stats().sink_errors == 1
+        assert sink.threads == {"kvevents-subscriber"}
+        assert sink.seqs()[0] > failed[0]
+        assert sub.stats().queued == 0
+        with pytest.raises(SubscriberError, match="feeds the sink it was given"):
+            sub.get(0)
 
 
 def test_async_iteration_and_aclose(pubs) -> None:
@@ -344,11 +364,12 @@ def test_close_is_clean_and_final(pubs) -> None:
     """close() joins the thread and closes every socket; get() then says it was closed."""
     pub = pubs()
     sub = Subscriber([spec_for(pub)])
+    before = set(threading.enumerate())
     sub.start()
-    thread = sub._thread
+    (thread,) = set(threading.enumerate()) - before  # the I/O thread
     sub.close()
     sub.close()
-    assert thread is not None and not thread.is_alive()
+    assert thread.name == "kvevents-subscriber" and not thread.is_alive()
     with pytest.raises(SubscriberClosed):
         sub.get(0.1)
     with pytest.raises(SubscriberClosed):
@@ -385,46 +406,38 @@ def test_topic_filters_other_publishers_topics(pubs, subs) -> None:
     assert got.matches(pub, KEY)
 
 
-def test_on_payload_consumer_applies_batches_itself(pubs, subs) -> None:
-    """on_payload sees every due batch before decoding: what it applies is counted from its
-    Applied and not delivered; None gets the usual Delivery; a DecodeError counts as an
-    undecodable message; another exception is counted and the batch is not delivered."""
+def test_a_sink_decode_error_counts_as_undecodable_and_costs_that_batch(pubs) -> None:
+    """A DecodeError from the sink counts the batch as undecodable (not delivered, no sink
+    error); another exception counts a sink error and the batch as delivered with no events;
+    the batches around them are applied and counted from the sink's Applied."""
     pub = pubs()
-    taken: list[int] = []
-    start = 1 << 62  # set after the handshake, whose heartbeats are delivered the usual way
+    start = 1 << 62  # set after the handshake, whose heartbeats are applied as usual
 
-    def on_payload(stream: StreamSpec, seq: int, payload: bytes) -> Applied | None:
-        assert stream.key == KEY
-        if seq < start or seq % 4 == 1:
-            return None
-        if seq % 4 == 2:
-            raise DecodeError("unreadable on purpose", seq=seq)
-        if seq % 4 == 3:
-            raise RuntimeError("consumer bug")
-        batch = decode_batch(payload).batch
-        taken.append(seq)
-        return Applied(batch.ts, len(batch.events), skipped=1, clears=False)
+    def fault(stream: StreamSpec, seq: int) -> Exception | None:
+        if seq >= start and seq % 4 == 2:
+            return DecodeError("unreadable on purpose", seq=seq)
+        if seq >= start and seq % 4 == 3:
+            return RuntimeError("consumer bug")
+        return None
 
-    sub = subs([spec_for(pub)], on_payload=on_payload)
-    got = connected(pub, sub)
-    while pub.next_seq % 4:
-        pub.publish(heartbeat())
-    settle(got, pub)
-    start = pub.next_seq
-    before = sub.stream_stats()[KEY]
-    for i in range(8):
-        pub.publish(typical_batch(i))
-    seqs = range(start, start + 8)
-    # The last one fails in the consumer: it is accounted for, so everything before it is.
-    got.wait(lambda c: sub.stream_stats()[KEY].last_seq == start + 7, what="the last batch")
-    got.wait(lambda c: start + 5 in c.seqs(KEY), what="the last delivery to be taken")
-    after = sub.stream_stats()[KEY]
-    assert taken == [s for s in seqs if s % 4 == 0]
-    assert [s for s in got.seqs(KEY) if s >= start] == [s for s in seqs if s % 4 == 1]
-    assert after.decode_errors - before.decode_errors == 2
-    assert sub.stats().callback_errors == 2
-    # applied (2) + delivered (2) + failed in the consumer (2): the undecodable ones are not
-    assert after.delivered - before.delivered == 6
-    per_batch = len(typical_batch(0).events)
-    assert after.events - before.events == 4 * per_batch  # the failed ones report none
-    assert after.skipped_events - before.skipped_events == 2
+    sink = RecordingSink(fault=fault)
+    with Subscriber([spec_for(pub)], sink=sink) as sub:
+        probe_until(pub, sink, lambda s: bool(s.deliveries), what="the handshake")
+        while pub.next_seq % 4:
+            pub.publish(heartbeat())
+        sink.wait(lambda s: s.seqs()[-1:] == [pub.next_seq - 1], what="the handshake's end")
+        start = pub.next_seq
+        before = sub.stream_stats()[KEY]
+        for i in range(8):
+            pub.publish(typical_batch(i))
+        seqs = range(start, start + 8)
+        # The last one fails in the sink: it is accounted for, so everything before it is.
+        sink.wait(lambda s: sub.stream_stats()[KEY].last_seq == start + 7, what="the last")
+        after = sub.stream_stats()[KEY]
+        assert [s for s in sink.seqs() if s >= start] == [s for s in seqs if s % 4 in (0, 1)]
+        assert after.decode_errors - before.decode_errors == 2
+        assert sub.stats().sink_errors == 2
+        # applied (4) + failed in the sink (2): the undecodable ones are not delivered
+        assert after.delivered - before.delivered == 6
+        per_batch = len(typical_batch(0).events)
+        assert after.events - before.events == 4 * per_batch  # the failed ones report none

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 
@@ -17,8 +16,10 @@ from kvevents.subscribe import (
 )
 from kvevents.subscribe.fdlimit import fds_needed, make_room
 from kvevents.subscribe.replay import ReplayOptions
-from kvevents.testing.fixtures import typical_batch
+from kvevents.testing.fixtures import heartbeat, typical_batch
+from kvevents.testing.injectors import break_stream
 from kvevents.testing.peers import Collector, RawPublisher
+from kvevents.testing.sinks import RecordingSink
 from kvevents.testing.sockets import unique_ipc, wait_for
 from kvevents.wire.endpoints import MAX_IPC_PATH, rank_endpoint
 
@@ -138,11 +139,7 @@ def test_a_failing_stream_is_detached_and_costs_only_itself(pub, subs) -> None:
         got = Collector(sub)
         got.handshake(other, ("w2", 0))
 
-        def broken(max_messages: int, max_bytes: int) -> list[Any]:
-            raise OSError("socket broke")
-
-        assert sub._loop is not None
-        sub._loop.streams[("w2", 0)].receive = broken
+        break_stream(sub, ("w2", 0), OSError("socket broke"))
         other.publish(typical_batch(0))
         got.wait(lambda c: any(s.state == "failed" for s in c.statuses), what="failed status")
         assert got.statuses[-1] == StreamStatus(spec_for(other, worker="w2"), "failed")
@@ -173,20 +170,24 @@ def test_health_reports_a_stall_while_the_consumer_does_not_read(pub, subs, tmp_
     assert ("late", 0) not in sub.stream_stats()  # abandoned: never added behind our back
 
 
-def test_health_is_dead_with_the_reason_when_the_thread_dies(pub, subs, tmp_path) -> None:
-    """A failure outside any stream ends the thread: health says dead and why; adds refuse."""
-    sub = subs([spec_for(pub)])
-    assert sub._loop is not None
+def test_health_is_dead_with_the_reason_when_the_thread_dies(pub, tmp_path) -> None:
+    """A failure outside any stream ends the thread (here one the sink raises past
+    ``Exception``): health says dead and why; adds refuse."""
 
-    def broken_poll(timeout: int) -> list[object]:
-        raise RuntimeError("poller broke")
+    class ThreadKiller(BaseException):
+        pass
 
-    sub._loop.poller.poll = broken_poll  # type: ignore[method-assign]
-    sub._loop.remove("nobody", None)  # wake the thread so that it polls again
-    health = wait_for(lambda: sub.health().state == "dead" and sub.health(), what="death")
-    assert not health.alive and health.error == "RuntimeError: poller broke"
-    with pytest.raises(StreamAddError, match="not running"):
-        sub.add_stream(StreamSpec("late", 0, unique_ipc(str(tmp_path))))
+    sink = RecordingSink(fault=lambda stream, seq: ThreadKiller("sink broke"))
+    with Subscriber([spec_for(pub)], sink=sink) as sub:
+
+        def dead() -> object:
+            pub.publish(heartbeat())  # until one is read (the slow joiner)
+            return sub.health().state == "dead" and sub.health()
+
+        health = wait_for(dead, interval=0.01, what="death")
+        assert not health.alive and health.error == "ThreadKiller: sink broke"
+        with pytest.raises(StreamAddError, match="not running"):
+            sub.add_stream(StreamSpec("late", 0, unique_ipc(str(tmp_path))))
 
 
 def test_health_before_start_and_after_close() -> None:

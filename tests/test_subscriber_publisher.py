@@ -11,10 +11,21 @@ import pytest
 
 from kvevents.config import KVEventsConfig
 from kvevents.events import BlockStored, KVEventBatch
-from kvevents.subscribe import Delivery, StreamSpec, Subscriber, SubscriberOptions
+from kvevents.subscribe import Delivery, StreamSpec, StreamStatus, Subscriber
 from kvevents.testing.fixtures import heartbeat, typical_batch
 from kvevents.testing.sockets import Deadline
 from kvevents.wire import Applied
+
+
+class NullSink:
+    """A sink that keeps nothing (subclasses apply what they need)."""
+
+    def reset(self, stream: StreamSpec, reason: str) -> None:
+        pass
+
+    def status(self, status: StreamStatus) -> None:
+        pass
+
 
 publisher_module = pytest.importorskip("kvevents.publish.publisher")
 
@@ -114,23 +125,23 @@ def test_a_stalled_subscriber_loses_only_what_the_publishers_queue_cannot_hold(h
     release = threading.Event()
     seqs: list[int] = []
 
-    def on_payload(stream: StreamSpec, seq: int, payload: bytes) -> Applied:
-        if seqs and not held.is_set():
-            held.set()  # the I/O thread stops here until the backlog is queued
-            assert release.wait(30.0), "never released"
-        seqs.append(seq)
-        return Applied(0.0, 1)
+    class HoldingSink(NullSink):
+        def apply(self, stream: StreamSpec, seq: int, payload: bytes) -> Applied:
+            if seqs and not held.is_set():
+                held.set()  # the I/O thread stops here until the backlog is queued
+                assert release.wait(30.0), "never released"
+            seqs.append(seq)
+            return Applied(0.0, 1)
 
     spec = StreamSpec(*KEY, pub.endpoint)  # no replay: a loss cannot be hidden
     big = [100_000 + t for t in range(4096)]  # 5 bytes per token: ~20 KB per batch
-    options = SubscriberOptions(on_payload=on_payload)
     try:
-        with Subscriber([spec], options=options) as sub:
+        with Subscriber([spec], sink=HoldingSink()) as sub:
             deadline = Deadline(15.0)
             while not seqs:  # handshake: the first batch that arrives
                 assert not deadline.expired, "no batch arrived"
                 pub.publish(heartbeat())
-                sub.get(0.02)
+                time.sleep(0.02)  # the sink is fed on the I/O thread: nothing to get here
             first = pub.publish(heartbeat())
             assert held.wait(15.0), "the I/O thread was not held"
             before = sub.stream_stats()[KEY]  # the handshake may have missed seq 0
@@ -147,7 +158,7 @@ def test_a_stalled_subscriber_loses_only_what_the_publishers_queue_cannot_hold(h
             while seqs[-1] != last:
                 assert not deadline.expired, f"stalled at {seqs[-1]}"
                 seen = len(seqs)
-                sub.get(0.05)
+                time.sleep(0.05)
                 if len(seqs) == seen:  # the newest was dropped too: the next shows the loss
                     last = pub.publish(heartbeat())
             stats = sub.stream_stats()[KEY]

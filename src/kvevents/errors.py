@@ -19,6 +19,8 @@
     │                                     worker's registration (.worker_id, .rank, .field)
     ├── TokenizerNotFound (also LookupError)  a model's tokenizer is neither in a directory
     │                                     nor in the local Hugging Face cache (.source)
+    ├── StreamNotRegistered (also KeyError)  a batch of a stream the index was not told of
+    │                                     (.worker_id, .rank, .applied)
     └── SyncTimeout (also TimeoutError)   a simulated cluster's index did not catch up (.lagging)
 
 Invalid configuration raises ``pydantic.ValidationError`` (a ``ValueError``) naming the field.
@@ -27,6 +29,13 @@ Losses (dropped batches, skipped events, gaps) are never exceptions: they are co
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvevents.events import StreamKey
+
+if TYPE_CHECKING:  # wire imports this module: the record is only named here
+    from kvevents.wire import Applied
 
 __all__ = [
     "BindError",
@@ -38,6 +47,7 @@ __all__ = [
     "PublisherError",
     "RegistrationConflict",
     "StreamAddError",
+    "StreamNotRegistered",
     "SubscriberClosed",
     "SubscriberError",
     "SyncTimeout",
@@ -150,6 +160,22 @@ class TokenizerNotFound(KVEventsError, LookupError):
         self.reason = reason
 
 
+class StreamNotRegistered(KVEventsError, KeyError):
+    """A batch of a stream not registered with the index (or removed since) was not applied
+    (:meth:`kvevents.index.PrefixIndex.ingest_payload` with ``registered_only``): applying it
+    would bring a worker back as a ghost. ``applied`` is what the batch held (decoded, so a
+    feed's stats stay true); nothing was changed."""
+
+    def __init__(self, *, worker_id: str, rank: int, applied: Applied) -> None:
+        super().__init__(f"worker {worker_id!r} rank {rank} is not registered")
+        self.worker_id = worker_id
+        self.rank = rank
+        self.applied = applied
+
+    def __str__(self) -> str:  # KeyError's would quote the message
+        return str(self.args[0])
+
+
 class TraceError(KVEventsError, ValueError):
     """A row of a workload trace is malformed; ``line`` is 1-based."""
 
@@ -177,7 +203,7 @@ class SyncTimeout(KVEventsError, TimeoutError):
     (``-1``: nothing yet).
     """
 
-    def __init__(self, timeout: float, lagging: dict[tuple[str, int], tuple[int, int]]) -> None:
+    def __init__(self, timeout: float, lagging: dict[StreamKey, tuple[int, int]]) -> None:
         where = ", ".join(
             f"{w}/rank{r} delivered {d} of {p}" for (w, r), (d, p) in sorted(lagging.items())
         )

@@ -30,8 +30,14 @@ __all__ = [
     "Digest",
     "Event",
     "KVEventBatch",
+    "PackedStored",
+    "StreamKey",
     "UnsetType",
 ]
+
+#: ``(worker_id, rank)``: one engine rank's stream of batches (WIRE.md section 5), and so
+#: what names a subscriber's stream, an index's stream and a router's target alike.
+StreamKey: TypeAlias = tuple[str, int]
 
 
 #: Longest digest token, in characters (a SHA-512 hex digest is 128).
@@ -73,11 +79,50 @@ class BlockStored(
     # lookahead_token_ids; session_id names the request that caused the store, not an owner
     # of the block, so the index ignores it. Fifteen keys at most, the tag included: msgspec
     # writes a struct of more with a longer map header, which would change the pinned bytes
-    # of every store. vLLM's ``locality`` and ``ownership`` are kept on PackedStored (what
-    # decode_batch_packed returns) and BlockRemoved.
+    # of every store. vLLM's ``locality`` and ``ownership`` are therefore declared on
+    # PackedStored (below: what decode_batch_packed returns) and on BlockRemoved.
     lookahead_token_ids: list[int] | UnsetType | None = UNSET
     session_id: str | UnsetType | None = UNSET
     cache_salt: str | UnsetType | None = UNSET
+
+
+#: An absent ``extra_keys`` of a :class:`PackedStored` (msgpack nil), compared by identity.
+NIL = msgspec.Raw(b"\xc0")
+_any_decoder = msgspec.msgpack.Decoder()
+
+
+class PackedStored(
+    msgspec.Struct, tag="BlockStored", tag_field="type", kw_only=True, frozen=True, gc=False
+):
+    """A :class:`BlockStored` as :func:`kvevents.wire.decode_batch_packed` reads it:
+    ``token_ids`` is still the msgpack array (a ``msgspec.Raw``), so a consumer that packs
+    tokens itself (the prefix index) makes no int object per token. ``extra_keys`` stays
+    encoded too (the index reads it only when some block has extras: :meth:`extras`); the
+    other optional keys are decoded, vLLM 0.33's ``locality`` and ``ownership`` included
+    (as on :class:`BlockRemoved`; :class:`BlockStored` cannot declare them without changing
+    the pinned bytes of every store, see its last fields)."""
+
+    block_hashes: list[int]
+    parent_block_hash: int | None = None
+    token_ids: msgspec.Raw
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: msgspec.Raw = NIL
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    lookahead_token_ids: list[int] | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    cache_salt: str | None = None
+
+    def extras(self) -> Any:
+        """``extra_keys`` decoded (None when absent or nil); raises ``msgspec.DecodeError``
+        only for bytes a typed decode already accepted, i.e. never in practice."""
+        return None if self.extra_keys is NIL else _any_decoder.decode(self.extra_keys)
 
 
 class BlockRemoved(

@@ -13,6 +13,7 @@ from kvevents.cli.output import JsonOutput, LiveOutput, Output, TextOutput
 from kvevents.cli.render import ListenView, stats_record
 from kvevents.cli.secure import add_client_options, client_curve
 from kvevents.cli.specs import stream_specs
+from kvevents.events import StreamKey
 from kvevents.integrations.discovery import discover
 from kvevents.subscribe.streams import ReplayOptions, StreamSpec, SubscriberOptions
 
@@ -147,7 +148,7 @@ def _specs(args: argparse.Namespace) -> list[StreamSpec]:
                              topic=args.topic)  # fmt: skip
     for streams in engines:
         specs += streams
-    seen: set[tuple[str, int]] = set()
+    seen: set[StreamKey] = set()
     for stream in specs:
         if stream.key in seen:
             raise UsageError(f"worker {stream.worker_id} rank {stream.rank} is given twice")

@@ -10,11 +10,12 @@ from typing import IO, Any, Protocol
 import msgspec
 
 from kvevents.cli.render import Record, text_line
+from kvevents.events import StreamKey
 from kvevents.subscribe.streams import StreamStats
 
 __all__ = ["JsonOutput", "LiveOutput", "Output", "TextOutput", "stream_table"]
 
-StatsSource = Callable[[], Mapping[tuple[str, int], StreamStats]]
+StatsSource = Callable[[], Mapping[StreamKey, StreamStats]]
 
 
 class Output(Protocol):
@@ -56,7 +57,7 @@ def _lag(value: float | None) -> str:
     return "-" if value is None else f"{value * 1000:.0f} ms"
 
 
-def stream_table(stats: Mapping[tuple[str, int], StreamStats]) -> Any:
+def stream_table(stats: Mapping[StreamKey, StreamStats]) -> Any:
     """A rich table with one row per stream; incomplete streams stand out."""
     from rich.table import Table
 

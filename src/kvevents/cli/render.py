@@ -20,7 +20,7 @@ from typing import Any
 import msgspec
 
 from kvevents.cli.common import plural
-from kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, StreamKey
 from kvevents.subscribe.streams import Delivery, StreamReset, StreamSpec, StreamStats, StreamStatus
 
 __all__ = ["ListenView", "batch_summary", "stats_record", "text_line"]
@@ -64,7 +64,7 @@ class ListenView:
         self.full = full
         self.clock = clock
         self.batches = 0
-        self._tracks: dict[tuple[str, int], _Track] = {}
+        self._tracks: dict[StreamKey, _Track] = {}
 
     def records(self, item: Delivery | StreamReset | StreamStatus) -> list[Record]:
         """The records one item produces (a delivery always gives exactly one ``batch``)."""
@@ -112,9 +112,7 @@ class ListenView:
         return out
 
 
-def stats_record(
-    stats: Mapping[tuple[str, int], StreamStats], batches: int, seconds: float
-) -> Record:
+def stats_record(stats: Mapping[StreamKey, StreamStats], batches: int, seconds: float) -> Record:
     """The final ``summary`` record: what was shown, and every stream's counters."""
     streams = [dataclasses.asdict(s) for _, s in sorted(stats.items())]
     return {"type": "summary", "batches": batches, "seconds": round(seconds, 3), "streams": streams}

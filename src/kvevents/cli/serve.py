@@ -289,15 +289,15 @@ def _service(settings: ServeSettings, args: argparse.Namespace, state: Any) -> A
     from kvevents.index.prefix import PrefixIndex
     from kvevents.index.router import Router
     from kvevents.service.core import IndexService
+    from kvevents.service.feed import subscriber_feed
     from kvevents.subscribe.streams import SubscriberOptions
 
     index = PrefixIndex()
     router = Router(index, settings.policy, seed=settings.seed,
                     prefill_weight=settings.prefill_weight, load_weight=settings.load_weight)  # fmt: skip
-    # The default feed: a Subscriber applying each batch on its own I/O thread.
-    options = SubscriberOptions(curve=client_curve(args))
-    return IndexService(index, router=router, subscriber_options=options,
-                        load_ttl=settings.load_ttl, state=state)  # fmt: skip
+    # The default feed: a Subscriber feeding the service each batch on its own I/O thread.
+    feed = subscriber_feed(SubscriberOptions(curve=client_curve(args)))
+    return IndexService(index, router=router, feed=feed, load_ttl=settings.load_ttl, state=state)
 
 
 def _replica(settings: ServeSettings, args: argparse.Namespace, regs: list[Any]) -> Any:

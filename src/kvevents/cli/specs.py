@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 from kvevents.cli.common import UsageError
 from kvevents.errors import LayoutError
+from kvevents.events import StreamKey
 from kvevents.subscribe.streams import StreamSpec, worker_streams
 
 __all__ = ["parse_worker", "stream_specs"]
@@ -82,7 +83,7 @@ def stream_specs(
         specs += parse_worker(spec, ranks=ranks, topic=topic)
     if not specs:
         raise UsageError("no stream to read: give an ENDPOINT or --worker ID=ENDPOINT")
-    seen: set[tuple[str, int]] = set()
+    seen: set[StreamKey] = set()
     for stream in specs:
         if stream.key in seen:
             raise UsageError(f"worker {stream.worker_id} rank {stream.rank} is given twice")

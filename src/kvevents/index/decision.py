@@ -8,10 +8,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-__all__ = ["Decision", "Load", "LoadBook", "RouteInputs", "Target", "TargetScore"]
+from kvevents.events import StreamKey
 
-#: One (worker, rank): attention-DP ranks are routed to separately.
-Target = tuple[str, int]
+__all__ = ["Decision", "Load", "LoadBook", "RouteInputs", "TargetScore"]
 
 
 class Load(NamedTuple):
@@ -39,7 +38,7 @@ class TargetScore(NamedTuple):
 class Decision:
     """A routing decision and everything needed to explain it."""
 
-    winner: Target | None  #: None when there was no target
+    winner: StreamKey | None  #: None when there was no target
     policy: str
     scores: tuple[TargetScore, ...]  #: one per target, in target order
     request_tokens: int = 0
@@ -47,7 +46,7 @@ class Decision:
     reason: str = ""  #: what decided, in words (e.g. "most matched blocks (6)")
 
     @property
-    def matched(self) -> dict[Target, int]:
+    def matched(self) -> dict[StreamKey, int]:
         """Matched blocks per target."""
         return {(s.worker_id, s.rank): s.matched_blocks for s in self.scores}
 
@@ -105,7 +104,7 @@ class Decision:
         return "\n".join(lines)
 
     @staticmethod
-    def _name(target: Target | None) -> str:
+    def _name(target: StreamKey | None) -> str:
         return "none" if target is None else f"{target[0]}/rank{target[1]}"
 
 
@@ -113,7 +112,7 @@ class LoadBook:
     """Per-target load, kept by whoever knows it (a simulation, engine load reports)."""
 
     def __init__(self) -> None:
-        self._loads: dict[Target, Load] = {}
+        self._loads: dict[StreamKey, Load] = {}
 
     def get(self, worker_id: str, rank: int = 0) -> Load:
         return self._loads.get((worker_id, rank), _IDLE)
@@ -157,12 +156,12 @@ class LoadBook:
         for key in [k for k in self._loads if k[0] == worker_id and rank in (None, k[1])]:
             del self._loads[key]
 
-    def many(self, targets: Sequence[Target]) -> list[Load]:
+    def many(self, targets: Sequence[StreamKey]) -> list[Load]:
         """The loads of ``targets``, in order."""
         get = self._loads.get
         return [get(t, _IDLE) for t in targets]
 
-    def snapshot(self) -> dict[Target, Load]:
+    def snapshot(self) -> dict[StreamKey, Load]:
         return dict(self._loads)
 
 
@@ -174,7 +173,7 @@ _row = TargetScore._make
 class RouteInputs:
     """What a policy sees: per target, matched and request blocks, and load."""
 
-    targets: Sequence[Target]
+    targets: Sequence[StreamKey]
     matched: Sequence[int]
     request_blocks: Sequence[int]
     loads: Sequence[Load]

@@ -17,6 +17,7 @@ import hashlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from kvevents.events import StreamKey
 from kvevents.index.prefix import PrefixIndex
 from kvevents.index.records import HolderKey
 
@@ -65,7 +66,7 @@ class IndexDigest:
     streams: tuple[StreamDigest, ...]
     total: str
 
-    def by_stream(self) -> dict[tuple[str, int], StreamDigest]:
+    def by_stream(self) -> dict[StreamKey, StreamDigest]:
         return {(s.worker_id, s.rank): s for s in self.streams}
 
     def to_dict(self) -> dict[str, object]:
@@ -101,7 +102,7 @@ def holders_digest(
     """:func:`index_digest` from ``holders`` (key, block size) and each one's pairs, read
     through ``blocks_of`` (a service copies one holder at a time under its lock, so queries
     never wait for the whole digest)."""
-    sums: dict[tuple[str, int], list[int]] = {}  # stream -> [sum, blocks, block size]
+    sums: dict[StreamKey, list[int]] = {}  # stream -> [sum, blocks, block size]
     for key, block_size in holders:
         pairs = blocks_of(key)
         entry = sums.setdefault((key.worker_id, key.rank), [0, 0, block_size or 0])

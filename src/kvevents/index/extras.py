@@ -13,9 +13,9 @@ from typing import Any
 
 import msgspec
 
+from kvevents.events import PackedStored
 from kvevents.index.keys import Extras
-from kvevents.index.orphans import Stored
-from kvevents.wire import PackedStored
+from kvevents.index.records import Stored
 
 __all__ = ["event_extras", "has_extras", "no_tokens", "store_extras"]
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from kvevents.events import StreamKey
 from kvevents.index import table as bt
 from kvevents.index.groups import TailGroup
 from kvevents.index.orphans import OrphanPen
@@ -186,7 +187,7 @@ class Stream:
     )
 
     def __init__(
-        self, key: tuple[str, int], block_size: int | None, registered: bool, tombstones: int
+        self, key: StreamKey, block_size: int | None, registered: bool, tombstones: int
     ) -> None:
         self.key = key
         self.block_size = block_size

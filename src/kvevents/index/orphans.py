@@ -3,8 +3,10 @@
 A store names its parent by the engine's hash; our hash of its blocks chains from our hash of
 that parent, so a store whose parent the index has not seen cannot be keyed. It is held here,
 under its parent's engine hash, and placed exactly once when that parent is stored (never
-re-rooted at token 0). A removal of a held block is remembered on the orphan, so the block is
-not placed but still chains its held children.
+re-rooted at token 0). It is held with what its keys are made of
+(:class:`~kvevents.index.tokens.StoreKeys`), read once when it arrived. A removal of a held
+block is remembered on the orphan, so the block is not placed but still chains its held
+children.
 """
 
 from __future__ import annotations
@@ -12,22 +14,21 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 
-from kvevents.events import BlockStored
-from kvevents.wire import PackedStored
+from kvevents.index.records import Stored
+from kvevents.index.tokens import StoreKeys
 
-__all__ = ["Orphan", "OrphanPen", "Stored"]
-
-Stored = BlockStored | PackedStored
+__all__ = ["Orphan", "OrphanPen"]
 
 
 class Orphan:
-    """One held store: the event, its packed tokens, and its blocks removed while held."""
+    """One held store: the event, its keys but the parent's, and its blocks removed while
+    held."""
 
-    __slots__ = ("alive", "event", "packed", "removed")
+    __slots__ = ("alive", "event", "keys", "removed")
 
-    def __init__(self, event: Stored, packed: bytes) -> None:
+    def __init__(self, event: Stored, keys: StoreKeys) -> None:
         self.event = event
-        self.packed = packed
+        self.keys = keys
         self.removed: set[int] = set()
         self.alive = True
 
@@ -43,10 +44,10 @@ class OrphanPen:
         self.queue: deque[Orphan] = deque()  # oldest first; dead entries are skipped
         self.held = 0  # blocks held
 
-    def hold(self, event: Stored, packed: bytes, limit: int) -> int:
+    def hold(self, event: Stored, keys: StoreKeys, limit: int) -> int:
         """Hold a store whose parent is unknown; returns the blocks dropped to stay in ``limit``."""
         assert event.parent_block_hash is not None
-        orphan = Orphan(event, packed)
+        orphan = Orphan(event, keys)
         self.waiting.setdefault(event.parent_block_hash, []).append(orphan)
         for eh in event.block_hashes:
             self.blocks[eh] = orphan

@@ -13,32 +13,46 @@ blocks; a store whose parent is unknown is held as an orphan (bounded, counted) 
 exactly once when its parent arrives, never re-rooted at token 0; a ``block_size`` different
 from the stream's is a loud error and a counter, and the event is not applied; a store whose
 ``token_ids`` length is not ``block_size * len(block_hashes)`` is skipped and counted.
-Stores in other engines' forms (lookahead, bigrams, digest tokens) are read by
-:mod:`kvevents.index.tokens`; a hybrid model's windowed and Mamba groups are followed apart
-(:mod:`kvevents.index.groups`).
+
+A store is applied in two steps: first its blocks' keys are read from the event, once
+(:func:`kvevents.index.tokens.key_store`: tokens in every engine's form, salt, LoRA,
+multimodal extras, lookahead), then they are placed (:meth:`PrefixIndex._place_store`: the
+parent resolved, the holder's tables, orphans, a hybrid model's windowed and Mamba groups,
+which are followed apart: :mod:`kvevents.index.groups`). A batch payload is applied by
+:meth:`PrefixIndex.ingest_payload`, decoded outside the caller's lock: the index service's
+only way in.
 
 The index is not thread-safe: one writer at a time (the service holds a lock).
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import heapq
 import logging
+import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
-from operator import sub
+from contextlib import AbstractContextManager
 
-from kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from kvevents.errors import StreamNotRegistered
+from kvevents.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    PackedStored,
+    StreamKey,
+)
 from kvevents.index import query
 from kvevents.index import table as bt
-from kvevents.index.checks import StoreChecks, pack_ints
-from kvevents.index.extras import has_extras
-from kvevents.index.groups import WHOLE_PREFIX
+from kvevents.index.extras import no_tokens
+from kvevents.index.groups import WHOLE_PREFIX, TailGroup, tail_need
 from kvevents.index.holders import PAGE_SHIFT, Holder, Stream, tier_name
 from kvevents.index.keys import (
     Extras,
     MMSpan,
-    chain_hashes,
     digest_blocks,
     merge_extras,
     pack_tokens,
@@ -46,7 +60,7 @@ from kvevents.index.keys import (
     root_seed,
     split_digests,
 )
-from kvevents.index.orphans import Orphan, Stored
+from kvevents.index.orphans import Orphan
 from kvevents.index.records import (
     DEFAULT_TIER,
     ApplyResult,
@@ -55,12 +69,12 @@ from kvevents.index.records import (
     IndexStats,
     MatchResult,
     ReportMode,
+    Stored,
     StreamInfo,
 )
-from kvevents.index.tokens import Run, read_run, special_run, store_keys
-from kvevents.index.views import IndexViews
+from kvevents.index.tokens import StoreKeys, Unkeyable, key_store
 from kvevents.ratelimit import RateLimitedWarning
-from kvevents.wire import Applied, PackedStored, decode_batch_packed
+from kvevents.wire import Applied, decode_batch_packed
 
 __all__ = [
     "DEFAULT_TIER",
@@ -75,8 +89,7 @@ __all__ = [
 
 log = logging.getLogger("kvevents.index.prefix")
 
-# The feed's hot path calls these once per store: module globals, not attribute lookups.
-_pack_msgpack = bt.pack_msgpack_tokens
+# The feed's hot path calls it once per store: a module global, not an attribute lookup.
 _store_run = bt.store_run
 
 
@@ -88,7 +101,7 @@ def _ranks(ranks: int | Iterable[int]) -> list[int]:
     return sorted(set(ranks))
 
 
-class PrefixIndex(StoreChecks, IndexViews):
+class PrefixIndex:
     """Which (worker, rank, tier) holds which block; longest-prefix queries.
 
     ``block_size`` is used for workers that neither register one nor have sent an event yet;
@@ -114,7 +127,7 @@ class PrefixIndex(StoreChecks, IndexViews):
         self._tombstones = tombstones
         self._log_mismatch = RateLimitedWarning(log, log_interval, clock, level=logging.ERROR)
         self._pages: list[bt.U64Map] = []
-        self._streams: dict[tuple[str, int], Stream] = {}
+        self._streams: dict[StreamKey, Stream] = {}
         self._by_id: dict[int, Holder] = {}
         self._free_ids: list[int] = []
         self._next_id = 0
@@ -166,11 +179,11 @@ class PrefixIndex(StoreChecks, IndexViews):
     def reset_stream(self, worker_id: str, rank: int) -> None:
         """Drop everything held for one stream (its publisher restarted or lost events)."""
         stream = self._streams.get((worker_id, rank))
-        self._c.resets += 1
+        self._c.stream_resets += 1
         if stream is not None:
             self._drop_stream_state(stream)
 
-    def targets(self) -> list[tuple[str, int]]:
+    def targets(self) -> list[StreamKey]:
         """Every known (worker, rank) stream, in registration order."""
         return list(self._streams)
 
@@ -213,15 +226,15 @@ class PrefixIndex(StoreChecks, IndexViews):
         return holder
 
     def _drop_stream_state(self, stream: Stream) -> None:
-        self._c.dropped += stream.drop_state()
+        self._c.orphans_dropped += stream.drop_state()
 
     # ----------------------------------------------------------------- applying events
 
     def apply(self, worker_id: str, rank: int, batch: KVEventBatch) -> ApplyResult:
         """Apply one batch of a (worker, rank) stream, in event order."""
-        before = self._c.snapshot()
+        before = copy.copy(self._c)
         self.ingest(worker_id, rank, batch)
-        return ApplyResult._make(map(sub, self._c.snapshot(), before))
+        return self._c.since(before)
 
     def ingest(self, worker_id: str, rank: int, batch: KVEventBatch) -> bool:
         """:meth:`apply` without the per-batch :class:`ApplyResult` (the feed's hot path;
@@ -246,116 +259,142 @@ class PrefixIndex(StoreChecks, IndexViews):
         return cleared
 
     def ingest_payload(
-        self, worker_id: str, rank: int, payload: bytes, *, seq: int | None = None
+        self,
+        worker_id: str,
+        rank: int,
+        payload: bytes,
+        *,
+        seq: int | None = None,
+        hold: AbstractContextManager[object] | None = None,
+        registered_only: bool = False,
     ) -> Applied:
         """Apply one batch payload: :func:`~kvevents.wire.decode_batch_packed`, then
-        :meth:`ingest`; returns what a subscriber's stats need (the index service applies
-        payloads this way, through ``SubscriberOptions.on_payload``). A payload that cannot be
-        read raises ``DecodeError`` before anything changes."""
+        :meth:`ingest`; returns what a feed's stats need. The index service's only way to
+        apply a batch (as the :class:`~kvevents.subscribe.sink.Sink` of its feed).
+
+        The payload is decoded first, outside ``hold`` (the caller's lock, taken around the
+        apply alone), so readers never wait on a decode however large or hostile the payload.
+        A payload that cannot be read raises ``DecodeError`` before anything changes. With
+        ``registered_only``, a batch of a stream not registered with :meth:`register_worker`
+        (or removed since) raises :class:`~kvevents.errors.StreamNotRegistered` and changes
+        nothing, checked under ``hold``.
+        """
         decoded = decode_batch_packed(payload, seq=seq)
         batch = decoded.batch
-        cleared = self.ingest(worker_id, rank, batch)
+        cleared: bool | None
+        if hold is None and not registered_only:
+            cleared = self.ingest(worker_id, rank, batch)
+        else:  # the service's path, once per batch: inline
+            with hold if hold is not None else contextlib.nullcontext():
+                stream = self._streams.get((worker_id, rank))
+                if registered_only and (stream is None or not stream.registered):
+                    cleared = None  # not applied: it would make the stream up again
+                else:
+                    cleared = self.ingest(worker_id, rank, batch)
+        if cleared is None:
+            applied = Applied(batch.ts, len(batch.events), decoded.skipped_count)
+            raise StreamNotRegistered(worker_id=worker_id, rank=rank, applied=applied)
         return Applied(batch.ts, len(batch.events), decoded.skipped_count, cleared)
 
     def _store(self, stream: Stream, event: Stored) -> None:
-        kind = event.kv_cache_spec_kind
-        if ((kind and kind not in WHOLE_PREFIX) or stream.tails) and self._grouped(stream, event):
+        """A store in two steps: its keys read once (:func:`key_store`), then placed."""
+        kind = event.kv_cache_spec_kind  # nearly every store: no group, or a whole-prefix one
+        tail = (
+            self._tail_group(stream, event)
+            if (kind and kind not in WHOLE_PREFIX) or stream.tails
+            else None
+        )
+        if tail is not None:
+            self._c.group_events += 1
+            if event.block_size != stream.block_size:
+                return  # a group of another block size is not followed (counted only)
+        elif event.block_size != stream.block_size and not self._other_size(stream, event):
             return
-        size = event.block_size
-        if size != stream.block_size and not self._other_size(stream, event):
+        if not event.block_hashes:
             return
-        hashes = event.block_hashes
-        if not hashes:
+        try:
+            keys = key_store(event, self._roots)
+        except Unkeyable as exc:
+            self._bad(stream, str(exc))
             return
-        if type(event) is PackedStored:
-            packed = _pack_msgpack(event.token_ids)
+        if tail is not None:
+            self._place_in_group(stream, tail, event, keys)
         else:
-            packed = pack_ints(event.token_ids)
-        run: Run | None = None
-        if packed is None or event.lookahead_token_ids:  # bigrams, digests, lookahead
-            read = read_run(event, size)
-            if isinstance(read, str):
-                self._bad(stream, read)
-                return
-            run, packed = read, read.packed
-        if len(packed) != 4 * size * len(hashes):
-            self._bad(stream, "token_ids length is not block_size * len(block_hashes)")
-            return
-        salted = run is not None or has_extras(event, len(hashes))
-        if salted and not self._extras_ok(stream, event):
-            return
-        if run is not None:
-            self._note_lookahead(stream, len(run.after) // 4)
-        holder = stream.by_medium.get(event.medium) or self._holder(stream, event.medium)
-        parent = event.parent_block_hash
-        if parent is None:
-            seed = self._root(event)
-        else:  # the parent is most often on the same tier: look there first
-            found = holder.engine.get(parent)
-            if found is None:
-                found = stream.resolve(parent)
-                if found is None:
-                    self._c.orphaned += len(hashes)
-                    self._c.dropped += stream.orphans.hold(event, packed, self._max_orphans)
-                    return
-            seed = found
-        if salted:
-            ours = store_keys(event, packed, size, seed, run)
-            self._c.stored += len(hashes)
-            self._held_again(stream, holder.add(hashes, ours, refresh=stream.refreshes))
-            if stream.orphans.waiting:
-                self._place_waiting(stream, hashes)
-            return
-        self._c.stored += len(hashes)
-        shared = _store_run(holder.table, holder.engine, holder.bit, hashes, packed, size, seed)
-        if shared is None:  # some engine hash is held already: the reference-counted way
-            self._held_again(
-                stream,
-                holder.add(hashes, chain_hashes(packed, size, seed), refresh=stream.refreshes),
-            )
-        elif shared:
-            holder.share(shared)
-        if stream.orphans.waiting:
-            self._place_waiting(stream, hashes)
+            self._place_store(stream, event, keys)
 
     def _remove(self, stream: Stream, event: BlockRemoved) -> None:
         hashes = event.block_hashes
         if stream.tails and (tail := stream.tails.get(event.group_idx)) is not None:
             missed = tail.remove(hashes)
-            self._c.grouped += 1
-            self._c.unknown += missed
-            self._c.removed += len(hashes) - missed
+            self._c.group_events += 1
+            self._c.unknown_removals += missed
+            self._c.removed_blocks += len(hashes) - missed
             return
         holder = stream.holder_of(event.medium)
         unknown = hashes if holder is None else holder.remove(hashes, stream.tombs)
         if unknown and stream.partials:  # a partial block grown full, a placeholder gone
             unknown = stream.known_partials(list(unknown))
         claimed = sum(1 for eh in unknown if stream.orphans.claim_removal(eh)) if unknown else 0
-        self._c.unknown += len(unknown) - claimed
-        self._c.removed += len(hashes) - len(unknown) + claimed
+        self._c.unknown_removals += len(unknown) - claimed
+        self._c.removed_blocks += len(hashes) - len(unknown) + claimed
         stream.tombs.settle()
 
-    # ----------------------------------------------------------------- orphans
+    # ----------------------------------------------------------------- placing a store
+
+    def _place_store(self, stream: Stream, event: Stored, keys: StoreKeys) -> None:
+        """The second step: the parent's key resolved, the blocks placed in their holder's
+        tables (or held as an orphan), then the orphans waiting for them."""
+        after = keys.after  # the hot path reads fields, not properties
+        if after is not None:
+            self._note_lookahead(stream, len(after) // 4)
+        hashes = event.block_hashes
+        holder = stream.by_medium.get(event.medium) or self._holder(stream, event.medium)
+        parent = event.parent_block_hash
+        if parent is None:
+            seed = keys.root
+        else:  # the parent is most often on the same tier: look there first
+            found = holder.engine.get(parent)
+            if found is None:
+                found = stream.resolve(parent)
+                if found is None:
+                    self._c.orphaned_blocks += len(hashes)
+                    self._c.orphans_dropped += stream.orphans.hold(event, keys, self._max_orphans)
+                    return
+            seed = found
+        self._c.stored_blocks += len(hashes)
+        if after is not None or keys.extras is not None:  # not plain: keyed here, then placed
+            self._held_again(stream, holder.add(hashes, keys.chain(seed), refresh=stream.refreshes))
+        else:  # the hot path: keys chained and placed by one table call
+            shared = _store_run(
+                holder.table, holder.engine, holder.bit, hashes, keys.packed, keys.block_size, seed
+            )
+            if shared is None:  # some engine hash is held already: the reference-counted way
+                ours = keys.chain(seed)
+                self._held_again(stream, holder.add(hashes, ours, refresh=stream.refreshes))
+            elif shared:
+                holder.share(shared)
+        if stream.orphans.waiting:
+            self._place_waiting(stream, hashes)
 
     def _place_waiting(self, stream: Stream, hashes: Sequence[int]) -> None:
         # A worklist, not recursion: chains of orphans can be arbitrarily long.
         pending = [hashes]
         while pending and stream.orphans.waiting:
             for orphan in stream.orphans.release(pending.pop()):
-                self._place(stream, orphan)
+                self._place_orphan(stream, orphan)
                 pending.append(orphan.event.block_hashes)
 
-    def _place(self, stream: Stream, orphan: Orphan) -> None:
+    def _place_orphan(self, stream: Stream, orphan: Orphan) -> None:
+        """An orphan whose parent arrived: its keys chained from the parent's (read when it
+        was held), its blocks placed but those removed while it was held."""
         event = orphan.event
-        assert event.parent_block_hash is not None and stream.block_size is not None
+        assert event.parent_block_hash is not None
         seed = stream.resolve(event.parent_block_hash)
         assert seed is not None
         hashes: Sequence[int] = event.block_hashes
-        run = special_run(event, stream.block_size)
-        assert not isinstance(run, str)  # it was read when held
-        ours = store_keys(event, orphan.packed, stream.block_size, seed, run)
-        self._c.placed += len(hashes)
-        self._c.stored += len(hashes)
+        ours = orphan.keys.chain(seed)
+        self._c.orphans_placed += len(hashes)
+        self._c.stored_blocks += len(hashes)
         if orphan.removed:
             # Blocks removed while held are not placed, but still chain their children: held
             # children resolve them through the tombstones, as if stored and then removed.
@@ -371,9 +410,87 @@ class PrefixIndex(StoreChecks, IndexViews):
     def _held_again(self, stream: Stream, blocks: int) -> None:
         """Count stores of blocks their holder had: refreshes or second references."""
         if stream.refreshes:
-            self._c.refreshed += blocks
+            self._c.refreshed_stores += blocks
         else:
-            self._c.duplicates += blocks
+            self._c.duplicate_stores += blocks
+
+    def _tail_group(self, stream: Stream, event: Stored) -> TailGroup | None:
+        """The windowed or Mamba group a store is of (followed apart: groups.py), None for a
+        store of the block tables."""
+        kind = event.kv_cache_spec_kind
+        group, size = event.group_idx, stream.block_size
+        tail = stream.tails.get(group)
+        if tail is None:
+            if not isinstance(kind, str) or not isinstance(group, int) or size is None:
+                return None
+            need = tail_need(kind, event.kv_cache_spec_sliding_window, size)
+            if need is None:
+                return None
+            tail = stream.tails[group] = TailGroup(need)
+        return tail
+
+    def _place_in_group(
+        self, stream: Stream, tail: TailGroup, event: Stored, keys: StoreKeys
+    ) -> None:
+        """A group's store: its keys chained from its parent's, in the group or the tables."""
+        parent = event.parent_block_hash
+        seed = keys.root if parent is None else tail.engine.get(parent)
+        seed = stream.resolve(parent) if seed is None and parent is not None else seed
+        if seed is not None:  # else its chain is unknown: the group's check fails, an under-match
+            tail.add(event.block_hashes, keys.chain(seed), stream.refreshes)
+
+    # ----------------------------------------------------------------- stores refused
+
+    def _note_lookahead(self, stream: Stream, tokens: int) -> None:
+        """A store's blocks cover ``tokens`` after them: queries of the stream must too."""
+        if stream.lookahead != tokens:
+            stream.lookahead = tokens
+            self._sizes = None
+
+    def _other_size(self, stream: Stream, event: Stored) -> bool:
+        """Whether a store of another block size than the stream's may go on. Partial and
+        placeholder stores are legitimate traffic with nothing to key: counted, not logged."""
+        size, limit = event.block_size, stream.block_size
+        if (size == 0 and no_tokens(event)) or (
+            limit is not None and 0 < size < limit and len(event.block_hashes) == 1
+        ):
+            self._c.partial_stores += 1
+            stream.note_partials(event.block_hashes)
+            return False
+        return self._adopt(stream, event)
+
+    def _adopt(self, stream: Stream, event: Stored) -> bool:
+        """Whether a store of another block size than the stream's may go on: only the first
+        store of a stream with none sets it; any other is counted (and logged)."""
+        if stream.block_size is not None:
+            self._mismatch(stream, event)
+            return False
+        if event.block_size <= 0:
+            self._bad(stream, "block_size must be positive")
+            return False
+        stream.block_size = event.block_size
+        self._sizes = None
+        return True
+
+    def _bad(self, stream: Stream, reason: str) -> None:
+        stream.bad_events += 1
+        self._c.bad_events += 1
+        log.debug("worker %s rank %d: store skipped: %s", stream.key[0], stream.key[1], reason)
+
+    def _mismatch(self, stream: Stream, event: Stored) -> None:
+        stream.mismatches += 1
+        self._c.block_size_mismatches += 1
+        self._log_mismatch(
+            f"{stream.key[0]}\0{stream.key[1]}",
+            "worker %s rank %d: BlockStored with block_size %d but the stream's block_size is "
+            "%s; %d store event(s) skipped so far. Register the worker with the engine's "
+            "block size.",
+            stream.key[0],
+            stream.key[1],
+            event.block_size,
+            stream.block_size,
+            stream.mismatches,
+        )
 
     # ----------------------------------------------------------------- queries
 
@@ -459,3 +576,93 @@ class PrefixIndex(StoreChecks, IndexViews):
                     pages[page] = pages.get(page, 0) | mask
         self._sizes = sizes
         return sizes
+
+    # ----------------------------------------------------------------- views
+
+    def stats(self) -> IndexStats:
+        """A frozen record of totals and sizes (``memory_bytes`` is O(holders))."""
+        c = self._c
+        holders = list(self._by_id.values())
+        return IndexStats(
+            streams=len(self._streams),
+            holders=len(holders),
+            blocks=sum(len(page) for page in self._pages),
+            entries=sum(len(h.engine) for h in holders),
+            stored_blocks=c.stored_blocks,
+            removed_blocks=c.removed_blocks,
+            duplicate_stores=c.duplicate_stores,
+            unknown_removals=c.unknown_removals,
+            orphans_held=sum(s.orphans.held for s in self._streams.values()),
+            orphans_placed=c.orphans_placed,
+            orphans_dropped=c.orphans_dropped,
+            block_size_mismatches=c.block_size_mismatches,
+            bad_events=c.bad_events,
+            clears=c.clears,
+            stream_resets=c.stream_resets,
+            partial_stores=c.partial_stores,
+            memory_bytes=self._memory_bytes(holders),
+            refreshed_stores=c.refreshed_stores,
+            group_events=c.group_events,
+            orphaned_blocks=c.orphaned_blocks,
+        )
+
+    def _memory_bytes(self, holders: list[Holder]) -> int:
+        size = sum(page.nbytes for page in self._pages)
+        for holder in holders:
+            size += holder.engine.nbytes + sys.getsizeof(holder.dups)
+            size += sys.getsizeof(holder.shared)
+        return size + sum(stream.tombs.nbytes for stream in self._streams.values())
+
+    def streams(self) -> list[StreamInfo]:
+        """Every known stream with its per-tier block counts and error counters."""
+        return [
+            StreamInfo(
+                worker_id=s.key[0],
+                rank=s.key[1],
+                block_size=s.block_size,
+                registered=s.registered,
+                tiers={tier: len(h.engine) for tier, h in s.holders.items()},
+                orphans_held=s.orphans.held,
+                block_size_mismatches=s.mismatches,
+                bad_events=s.bad_events,
+                batches=s.batches,
+                last_batch_ts=s.last_ts,
+            )
+            for s in self._streams.values()
+        ]
+
+    def snapshot(self) -> dict[HolderKey, frozenset[int]]:
+        """Engine hashes held per holder (to compare with an engine's true cache state)."""
+        return {
+            h.key: frozenset(h.engine)
+            for s in self._streams.values()
+            for h in s.holders.values()
+            if h.engine
+        }
+
+    def holder_blocks(self, key: HolderKey) -> list[tuple[int, int]]:
+        """One holder's ``(engine_hash, our_hash)`` pairs, a copy (empty for an unknown one)."""
+        stream = self._streams.get((key.worker_id, key.rank))
+        holder = None if stream is None else stream.holders.get(key.tier)
+        return [] if holder is None else holder.engine.items()
+
+    def holders_of(self, block_hash: int) -> list[HolderKey]:
+        """Holders of one block, by our hash."""
+        out: dict[HolderKey, int] = {}
+        for page, table in enumerate(self._pages):
+            query.record(self._by_id, page, table.get(block_hash, 0), 0, out)
+        return sorted(out)
+
+    def dump(self) -> list[dict[str, object]]:
+        """Every holder's blocks as ``[engine_hash, our_hash]`` pairs, JSON-ready."""
+        return [
+            {
+                "worker_id": h.key.worker_id,
+                "rank": h.key.rank,
+                "tier": h.key.tier,
+                "block_size": s.block_size,
+                "blocks": [[eh, oh] for eh, oh in h.engine.items()],
+            }
+            for s in self._streams.values()
+            for h in s.holders.values()
+        ]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
+from kvevents.events import StreamKey
 from kvevents.index import table as bt
 from kvevents.index.groups import cut
 from kvevents.index.holders import PAGE_SHIFT, Holder, Stream
@@ -19,7 +20,7 @@ from kvevents.index.records import HolderKey
 __all__ = ["match_all", "record", "walk", "walk_packed"]
 
 #: The index's tables: pages of block tables, holders by id, streams by (worker, rank).
-Tables = tuple[Sequence[bt.U64Map], Mapping[int, Holder], Mapping[tuple[str, int], Stream]]
+Tables = tuple[Sequence[bt.U64Map], Mapping[int, Holder], Mapping[StreamKey, Stream]]
 
 
 _chain_walk = bt.chain_walk
@@ -31,7 +32,7 @@ def match_all(
     packed: bytes,
     seed: int,
     extras_of: Callable[[int, int], Sequence[Extras] | None],
-) -> tuple[dict[HolderKey, int], dict[tuple[str, int], int], dict[int, int]]:
+) -> tuple[dict[HolderKey, int], dict[StreamKey, int], dict[int, int]]:
     """Blocks matched per holder and per stream, and the request's full blocks per block
     size, over the streams of every ``(block_size, lookahead)`` in ``sizes`` (page -> mask).
 
@@ -40,7 +41,7 @@ def match_all(
     """
     pages, by_id, streams = tables
     holders: dict[HolderKey, int] = {}
-    prefixes: dict[tuple[str, int], int] = {}
+    prefixes: dict[StreamKey, int] = {}
     request_blocks: dict[int, int] = {}
     tokens = len(packed) // 4
     for (size, ahead), masks in sizes.items():
@@ -67,10 +68,10 @@ def match_all(
 def walk(
     pages: Sequence[bt.U64Map],
     by_id: Mapping[int, Holder],
-    streams: Mapping[tuple[str, int], Stream],
+    streams: Mapping[StreamKey, Stream],
     hashes: Sequence[int],
     masks: Mapping[int, int],
-) -> tuple[dict[HolderKey, int], dict[tuple[str, int], int]]:
+) -> tuple[dict[HolderKey, int], dict[StreamKey, int]]:
     """Blocks matched per holder and per stream, for the holders of ``masks`` (page -> bits)."""
     holders: dict[HolderKey, int] = {}
     for page, allowed in masks.items():
@@ -82,10 +83,10 @@ def walk(
 def walk_packed(
     pages: Sequence[bt.U64Map],
     by_id: Mapping[int, Holder],
-    streams: Mapping[tuple[str, int], Stream],
+    streams: Mapping[StreamKey, Stream],
     run: tuple[bytes, int, int],
     masks: Mapping[int, int],
-) -> tuple[dict[HolderKey, int], dict[tuple[str, int], int]]:
+) -> tuple[dict[HolderKey, int], dict[StreamKey, int]]:
     """:func:`walk` from packed tokens, ``run = (packed, block_size, seed)``: hashed by the
     walk itself, and hashed again only when a matched stream has blocks on several tiers."""
     packed, size, seed = run
@@ -115,10 +116,10 @@ def record(
 
 def _stream_prefixes(
     pages: Sequence[bt.U64Map],
-    streams: Mapping[tuple[str, int], Stream],
+    streams: Mapping[StreamKey, Stream],
     hashes: Sequence[int],
     holders: Mapping[HolderKey, int],
-) -> dict[tuple[str, int], int]:
+) -> dict[StreamKey, int]:
     out = _deepest(holders)
     for skey, depth in out.items():
         stream = streams[skey]
@@ -127,9 +128,9 @@ def _stream_prefixes(
     return out
 
 
-def _deepest(holders: Mapping[HolderKey, int]) -> dict[tuple[str, int], int]:
+def _deepest(holders: Mapping[HolderKey, int]) -> dict[StreamKey, int]:
     """The longest match of each (worker, rank) over its tiers."""
-    out: dict[tuple[str, int], int] = {}
+    out: dict[StreamKey, int] = {}
     for key, depth in holders.items():
         skey = (key.worker_id, key.rank)
         if out.get(skey, 0) < depth:

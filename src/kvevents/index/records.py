@@ -1,24 +1,31 @@
 """The prefix index's records: holder keys, per-batch results, stats, matches, totals.
 
-Plain immutable records, shared by :mod:`kvevents.index.prefix` and the modules it is split
-into; ``kvevents.index`` re-exports them.
+Plain immutable records, shared by :mod:`kvevents.index.prefix` and the modules beside it
+(``kvevents.index`` re-exports them), and the index's running :class:`Counts`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal, NamedTuple
+from typing import ClassVar, Literal, NamedTuple, TypeAlias
+
+from kvevents.events import BlockStored, PackedStored, StreamKey
 
 __all__ = [
     "DEFAULT_TIER",
     "ApplyResult",
+    "Counts",
     "HolderKey",
     "IndexStats",
     "MatchResult",
     "ReportMode",
+    "Stored",
     "StreamInfo",
 ]
+
+#: A store as the index reads it: decoded whole, or with its tokens still packed.
+Stored: TypeAlias = BlockStored | PackedStored
 
 #: How a stream reports blocks. ``"incremental"``: a store announces a new copy of a block,
 #: so a second store of a held block is a second reference (vLLM's default: its cache does
@@ -40,21 +47,22 @@ class HolderKey(NamedTuple):
 
 
 class ApplyResult(NamedTuple):
-    """What one :meth:`PrefixIndex.apply` call did, in block events unless noted.
+    """What one :meth:`PrefixIndex.apply` call did, in block events unless noted; each field
+    is named as the total it adds to in :class:`IndexStats`.
 
-    A named tuple rather than a dataclass: one is built per batch on the hot path.
+    A named tuple rather than a dataclass: one is built per batch.
     """
 
-    stored: int = 0  #: blocks stored (placed now, duplicates included)
-    removed: int = 0  #: blocks removed (including removals of held orphans)
+    stored_blocks: int = 0  #: blocks stored (placed now, duplicates included)
+    removed_blocks: int = 0  #: blocks removed (including removals of held orphans)
     duplicate_stores: int = 0  #: stores of a block the holder already had (ref counted)
     unknown_removals: int = 0  #: removals of blocks the index never saw (harmless)
-    orphaned: int = 0  #: blocks held because their parent is unknown
-    placed: int = 0  #: held orphan blocks placed because their parent arrived
-    dropped: int = 0  #: held orphan blocks dropped (bound exceeded, clear)
+    orphaned_blocks: int = 0  #: blocks held because their parent is unknown
+    orphans_placed: int = 0  #: held orphan blocks placed because their parent arrived
+    orphans_dropped: int = 0  #: held orphan blocks dropped (bound exceeded, clear)
     bad_events: int = 0  #: events skipped: token count does not match (events)
     block_size_mismatches: int = 0  #: events skipped: wrong block size (events)
-    cleared: int = 0  #: AllBlocksCleared events applied
+    clears: int = 0  #: AllBlocksCleared events applied
 
 
 @dataclass(frozen=True)
@@ -91,6 +99,8 @@ class IndexStats:
     #: events of a hybrid model's sliding-window or Mamba group, followed apart from the
     #: block tables (a hit needs only the blocks before its end from such a group)
     group_events: int = 0
+    #: blocks of stores held as orphans when they arrived (their parent not seen yet)
+    orphaned_blocks: int = 0
 
     @property
     def bytes_per_block(self) -> float:
@@ -126,45 +136,31 @@ class MatchResult:
     request_tokens: int
     request_blocks: Mapping[int, int]
     holders: Mapping[HolderKey, int] = field(default_factory=dict)
-    streams: Mapping[tuple[str, int], int] = field(default_factory=dict)
+    streams: Mapping[StreamKey, int] = field(default_factory=dict)
 
 
+@dataclass(slots=True)
 class Counts:
-    """The index's running totals; ``snapshot`` is in :class:`ApplyResult` field order."""
+    """The index's running totals, each named as in :class:`IndexStats` (and
+    :class:`ApplyResult`): a counter's name is checked by mypy, not found at run time."""
 
-    __slots__ = (
-        "bad_events",
-        "clears",
-        "dropped",
-        "duplicates",
-        "grouped",
-        "mismatches",
-        "orphaned",
-        "partial",
-        "placed",
-        "refreshed",
-        "removed",
-        "resets",
-        "stored",
-        "unknown",
-    )
+    stored_blocks: int = 0
+    removed_blocks: int = 0
+    duplicate_stores: int = 0
+    unknown_removals: int = 0
+    orphaned_blocks: int = 0
+    orphans_placed: int = 0
+    orphans_dropped: int = 0
+    bad_events: int = 0
+    block_size_mismatches: int = 0
+    clears: int = 0
+    stream_resets: int = 0
+    partial_stores: int = 0
+    refreshed_stores: int = 0
+    group_events: int = 0
 
-    def __init__(self) -> None:
-        self.stored = self.removed = self.duplicates = self.unknown = 0
-        self.orphaned = self.placed = self.dropped = 0
-        self.bad_events = self.mismatches = self.clears = self.resets = self.partial = 0
-        self.refreshed = self.grouped = 0
-
-    def snapshot(self) -> tuple[int, ...]:
-        return (
-            self.stored,
-            self.removed,
-            self.duplicates,
-            self.unknown,
-            self.orphaned,
-            self.placed,
-            self.dropped,
-            self.bad_events,
-            self.mismatches,
-            self.clears,
+    def since(self, before: Counts) -> ApplyResult:
+        """What was counted after ``before`` (a copy of these counts), as an ApplyResult."""
+        return ApplyResult(
+            **{name: getattr(self, name) - getattr(before, name) for name in ApplyResult._fields}
         )

@@ -41,12 +41,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from kvevents.events import StreamKey
 from kvevents.index.decision import (
     Decision,
     Load,
     LoadBook,
     RouteInputs,
-    Target,
     TargetScore,
     _row,
 )
@@ -373,7 +373,7 @@ class Router:
         self._load_weight = load_weight
         self._policies: dict[str | tuple[str, float, float], Policy] = {}
         self.policy = self._policy(policy)
-        self.degraded: dict[Target, str] = {}
+        self.degraded: dict[StreamKey, str] = {}
 
     def mark_degraded(self, worker_id: str, rank: int, reason: str) -> None:
         """Stop trusting this target's matched blocks (it stays routable) until healthy."""
@@ -424,7 +424,7 @@ class Router:
         lora: str | int | None = None,
         cache_salt: str | None = None,
         mm: Sequence[MMSpan] = (),
-        targets: Sequence[Target] | None = None,
+        targets: Sequence[StreamKey] | None = None,
         policy: str | Policy | None = None,
     ) -> Decision:
         """Match the request (tokens, or precomputed block hashes) and decide; ``cache_salt``
@@ -442,7 +442,7 @@ class Router:
         self,
         match: MatchResult,
         *,
-        targets: Sequence[Target] | None = None,
+        targets: Sequence[StreamKey] | None = None,
         policy: str | Policy | None = None,
         prefill_weight: float | None = None,
         load_weight: float | None = None,

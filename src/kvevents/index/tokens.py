@@ -1,7 +1,15 @@
-"""A store's tokens in every form real engines send, read for its keys (:mod:`.keys`).
+"""The first step of a store: its blocks' keys, read once from the event.
 
-Nearly every store carries plain int ``token_ids`` and takes the index's packed fast path;
-this module reads the others, each keyed as its engine reuses it:
+:func:`key_store` reads everything of a ``BlockStored`` that enters its blocks' keys
+(:mod:`.keys`) and nothing else: its tokens in every form real engines send, its extras
+(vLLM's ``extra_keys``, SGLang's ``cache_salt``: :mod:`.extras`), its LoRA adapter (the
+root seed) and its lookahead. The answer, :class:`StoreKeys`, lacks only the parent's key,
+which the placement step (:class:`~kvevents.index.prefix.PrefixIndex`) resolves in the stream;
+``StoreKeys.chain(seed)`` then gives the keys, and an orphan keeps its ``StoreKeys`` until its
+parent arrives, so no store is read twice.
+
+Nearly every store carries plain int ``token_ids`` with no extras (``StoreKeys.plain``): its
+keys are chained by the table primitives, in C, as it is placed. The other forms:
 
 - vLLM with lookahead-aware hashing (EAGLE-style drafters; vLLM PR 50897, the successor token
   enters a block's hash): int tokens plus ``lookahead_token_ids``, the tokens after the last
@@ -16,57 +24,139 @@ this module reads the others, each keyed as its engine reuses it:
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from collections.abc import Sequence
+from typing import Any
 
 import msgspec
 
-from kvevents.events import MAX_DIGEST
+from kvevents.events import MAX_DIGEST, PackedStored
 from kvevents.index import table as bt
-from kvevents.index.extras import store_extras
+from kvevents.index.extras import has_extras, store_extras
 from kvevents.index.keys import (
+    ROOT_SEED,
     Extras,
     chain_hashes,
     chain_keys,
     digest_extras,
     merge_extras,
     pack_tokens,
+    root_seed,
 )
-from kvevents.index.orphans import Stored
-from kvevents.wire import PackedStored
+from kvevents.index.records import Stored
 
-__all__ = ["Run", "lookahead_of", "read_run", "special_run", "store_keys"]
+__all__ = ["StoreKeys", "Unkeyable", "key_store", "pack_ints"]
 
 _decode = msgspec.msgpack.Decoder().decode
+# The feed's hot path calls it once per store: a module global, not an attribute lookup.
+_pack_msgpack = bt.pack_msgpack_tokens
 
 
-class Run(NamedTuple):
-    """A store's tokens as the keys need them."""
+class Unkeyable(ValueError):
+    """A store whose keys cannot be read (a bad event: the index skips and counts it); the
+    message says why."""
+
+
+# A msgspec struct: one is made per store on the feed's hot path, and it builds in C.
+class StoreKeys(msgspec.Struct, frozen=True, gc=False):
+    """What a store's keys are made of, but its parent's key (module docstring)."""
 
     packed: bytes  #: the blocks' tokens, uint32 LE (a digest token packs as 0)
-    after: bytes  #: the packed tokens after the last block that its key covers (lookahead)
-    digests: list[Extras] | None  #: per block, its digest tokens as extras
+    block_size: int
+    root: int  #: the seed of a run starting at token 0 (the LoRA adapter's)
+    extras: list[Extras] | None  #: per block, its extra inputs (digests included)
+    after: bytes | None  #: the packed tokens after the last block (None: not a special form)
+
+    @property
+    def plain(self) -> bool:
+        """Plain int tokens, no extras, no lookahead: keys chained by the tables alone."""
+        return self.extras is None and self.after is None
+
+    def chain(self, seed: int) -> list[int]:
+        """The blocks' keys, chained from ``seed`` (the parent's key, or :attr:`root`)."""
+        if self.extras is None and not self.after:
+            return chain_hashes(self.packed, self.block_size, seed)
+        return chain_keys(self.packed, self.block_size, seed, self.extras or (), self.after or b"")
 
 
-def lookahead_of(event: Stored) -> list[Any]:
-    """The event's ``lookahead_token_ids`` (empty when absent)."""
-    value = event.lookahead_token_ids
-    return value if isinstance(value, list) else []
+def key_store(event: Stored, roots: dict[str | int, int]) -> StoreKeys:
+    """The store's :class:`StoreKeys`; :class:`Unkeyable` saying why when it cannot be keyed.
+    ``roots`` caches the root seeds of LoRA adapters."""
+    size = event.block_size
+    if type(event) is PackedStored:
+        packed = _pack_msgpack(event.token_ids)
+    else:
+        packed = pack_ints(event.token_ids)
+    blocks = len(event.block_hashes)
+    # Once per store on the feed's hot path: the common case is inline.
+    no_lora = event.lora_name is None and event.lora_id is None
+    root = ROOT_SEED if no_lora else _root(event, roots)
+    if packed is not None and not event.lookahead_token_ids:
+        if len(packed) != 4 * size * blocks:
+            raise Unkeyable("token_ids length is not block_size * len(block_hashes)")
+        if not has_extras(event, blocks):
+            return StoreKeys(packed, size, root, None, None)
+        return _with_extras(event, packed, size, root, None, None)
+    packed, after, digests = _read_run(event, size)
+    if len(packed) != 4 * size * blocks:
+        raise Unkeyable("token_ids length is not block_size * len(block_hashes)")
+    return _with_extras(event, packed, size, root, digests, after)
 
 
-def read_run(event: Stored, block_size: int) -> Run | str:
-    """The store's :class:`Run`, or the reason it cannot be read (a bad event)."""
+def _with_extras(
+    event: Stored,
+    packed: bytes,
+    size: int,
+    root: int,
+    digests: list[Extras] | None,
+    after: bytes | None,
+) -> StoreKeys:
+    try:
+        extras = store_extras(event)
+    except ValueError as exc:
+        raise Unkeyable(str(exc)) from exc
+    if digests is not None:
+        extras = merge_extras(extras, digests)
+    return StoreKeys(packed, size, root, extras, after)
+
+
+def _root(event: Stored, roots: dict[str | int, int]) -> int:
+    """The root seed of a store with a LoRA adapter (its name, else its id)."""
+    lora = event.lora_name if event.lora_name is not None else event.lora_id
+    assert lora is not None
+    seed = roots.get(lora)
+    if seed is None:
+        seed = roots[lora] = root_seed(lora)
+    return seed
+
+
+def pack_ints(token_ids: Sequence[int | str]) -> bytes | None:
+    """Int token ids as packed uint32 LE, None when one is not an int in range."""
+    try:
+        return pack_tokens(token_ids)  # type: ignore[arg-type]  # a str raises TypeError
+    except (OverflowError, TypeError):
+        return None
+
+
+# ----------------------------------------------------------------- tokens in other forms
+
+
+def _read_run(event: Stored, block_size: int) -> tuple[bytes, bytes, list[Extras] | None]:
+    """A special store's packed tokens, the packed tokens after it its keys cover, and its
+    digest tokens as extras per block (None: none); :class:`Unkeyable` when unreadable."""
     tokens: Any = event.token_ids
     if type(event) is PackedStored:
         tokens = _decode(tokens)
     if not isinstance(tokens, list):
-        return "token_ids is not an array"
-    after = lookahead_of(event)
+        raise Unkeyable("token_ids is not an array")
+    after = _lookahead_of(event)
     if tokens and isinstance(tokens[0], list):
-        unpaired = _unbigram(tokens)
-        if isinstance(unpaired, str):
-            return unpaired
-        tokens, after = unpaired
-    return _run(tokens, _one_successor(tokens, after, block_size), block_size)
+        tokens, after = _unbigram(tokens)
+    return _packed_run(tokens, _one_successor(tokens, after, block_size), block_size)
+
+
+def _lookahead_of(event: Stored) -> list[Any]:
+    value = event.lookahead_token_ids
+    return value if isinstance(value, list) else []
 
 
 def _one_successor(tokens: list[Any], after: list[Any], block_size: int) -> list[Any]:
@@ -81,50 +171,28 @@ def _one_successor(tokens: list[Any], after: list[Any], block_size: int) -> list
     return after
 
 
-def _run(tokens: list[Any], after: list[Any], block_size: int) -> Run | str:
+def _packed_run(
+    tokens: list[Any], after: list[Any], block_size: int
+) -> tuple[bytes, bytes, list[Extras] | None]:
     if any(isinstance(t, str) and len(t) > MAX_DIGEST for t in tokens):
-        return f"a digest token is longer than {MAX_DIGEST} characters"
+        raise Unkeyable(f"a digest token is longer than {MAX_DIGEST} characters")
     try:
         packed, digests = digest_extras(tokens, block_size)
         tail = pack_tokens(after)
     except (OverflowError, TypeError):
-        return "token_ids holds a token that is neither an int in 0..2**32-1 nor a digest"
-    return Run(packed, tail, digests if any(digests) else None)
+        raise Unkeyable(
+            "token_ids holds a token that is neither an int in 0..2**32-1 nor a digest"
+        ) from None
+    return packed, tail, digests if any(digests) else None
 
 
-def _unbigram(pairs: list[Any]) -> tuple[list[Any], list[Any]] | str:
+def _unbigram(pairs: list[Any]) -> tuple[list[Any], list[Any]]:
     """SGLang's bigram keys as tokens plus the one token after them; each pair must start
     with the token the previous one ended with."""
     if not all(isinstance(p, list) and len(p) == 2 for p in pairs):
-        return "bigram token_ids must all be [a, b] pairs"
+        raise Unkeyable("bigram token_ids must all be [a, b] pairs")
     if any(pairs[i][1] != pairs[i + 1][0] for i in range(len(pairs) - 1)):
-        return "bigram token_ids do not chain: a pair must start with the previous one's end"
+        raise Unkeyable(
+            "bigram token_ids do not chain: a pair must start with the previous one's end"
+        )
     return [p[0] for p in pairs], [pairs[-1][1]]
-
-
-def special_run(event: Stored, block_size: int) -> Run | str | None:
-    """:func:`read_run` for a store that is not plain int tokens without lookahead, else None."""
-    if not lookahead_of(event) and _plain(event):
-        return None
-    return read_run(event, block_size)
-
-
-def _plain(event: Stored) -> bool:
-    if type(event) is PackedStored:
-        return bt.pack_msgpack_tokens(event.token_ids) is not None
-    return all(type(t) is int for t in event.token_ids)
-
-
-def store_keys(
-    event: Stored, packed: bytes, block_size: int, seed: int, run: Run | None = None
-) -> list[int]:
-    """Our keys of a store's blocks, chained from ``seed``: its extras (checked beforehand:
-    :func:`kvevents.index.extras.store_extras` raises on bad ones), digest tokens and lookahead
-    included. ``run`` is the store's :class:`Run` when it is not plain int tokens."""
-    extras = store_extras(event)
-    if run is not None:
-        merged = merge_extras(extras, run.digests)
-        return chain_keys(run.packed, block_size, seed, merged, run.after)
-    if extras is None:
-        return chain_hashes(packed, block_size, seed)
-    return chain_keys(packed, block_size, seed, extras)

@@ -82,11 +82,13 @@ def _shut(sock: socket.socket) -> None:
 class _Watched(http.client.HTTPConnection):
     """A connection whose socket the watchdog of its exchange may shut down."""
 
-    watchdog: _Watchdog  # set by the handler that makes it
+    #: Set by :func:`_maker` on each connection it makes (urllib builds the connection with
+    #: its own arguments, so it cannot be a constructor's).
+    watchdog: _Watchdog | None = None
 
     def connect(self) -> None:
         super().connect()  # the TCP connection; HTTPS wraps it in TLS after this returns
-        assert self.sock is not None
+        assert self.sock is not None and self.watchdog is not None
         self.watchdog.watch(self.sock)
 
 

@@ -17,8 +17,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvevents.events import StreamKey
 from kvevents.http import Server
-from kvevents.index.decision import LoadBook, Target
+from kvevents.index.decision import LoadBook
 from kvevents.index.prefix import PrefixIndex
 from kvevents.index.router import Router
 from kvevents.metrics import StatsCollector
@@ -117,8 +118,8 @@ class FrontDoor:
             health_details=self.health_details,
         )
 
-    def _targets(self) -> dict[str, Target]:
-        out: dict[str, Target] = {}
+    def _targets(self) -> dict[str, StreamKey]:
+        out: dict[str, StreamKey] = {}
         for spec in self.engines:
             for engine in spec.engines():
                 out[engine.id] = (spec.worker_id, engine.rank or 0)
@@ -191,7 +192,7 @@ class FrontDoor:
         assert self.service is not None
         health = self.service.stream_health()
         infos = {(s.worker_id, s.rank): s for s in self.service.stream_infos()}
-        degraded = dict(self.service.router.degraded)
+        degraded = self.service.degraded()
         now = time.time()
         out = []
         for engine_id, target in self.planner.targets.items():

@@ -13,7 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from time import monotonic
 
-from kvevents.index.decision import LoadBook, Target
+from kvevents.events import StreamKey
+from kvevents.index.decision import LoadBook
 
 __all__ = ["InFlight", "InFlightStats", "Ticket"]
 
@@ -22,7 +23,7 @@ __all__ = ["InFlight", "InFlightStats", "Ticket"]
 class Ticket:
     """One request on one target, from when it is sent to when its answer ends."""
 
-    target: Target
+    target: StreamKey
     request_blocks: int  #: the prompt's full blocks
     new_blocks: int  #: of those, the blocks the target was not expected to hold
     sent_at: float
@@ -48,7 +49,7 @@ class InFlight:
         self._clock = clock
         self._sent = self._first_bytes = self._ended = 0
 
-    def sent(self, target: Target, request_blocks: int, new_blocks: int) -> Ticket:
+    def sent(self, target: StreamKey, request_blocks: int, new_blocks: int) -> Ticket:
         """Count a request sent: one more in flight, its new blocks queued for prefill."""
         new = max(0, min(new_blocks, request_blocks))
         self.book.add(*target, queued_blocks=new, requests=1)

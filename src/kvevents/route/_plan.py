@@ -44,7 +44,8 @@ from typing import Any, ClassVar, Literal
 import aiohttp
 import msgspec
 
-from kvevents.index.decision import Decision, Target
+from kvevents.events import StreamKey
+from kvevents.index.decision import Decision
 from kvevents.index.keys import request_keys
 from kvevents.index.prefix import MatchResult
 from kvevents.route._engines import Engine, EnginePool
@@ -148,7 +149,7 @@ class PlannerStats:
 class _Planned:
     """One request's plan, as the planner keeps it (the plan's ``context``)."""
 
-    targets: dict[str, Target]  # engine id -> its target
+    targets: dict[str, StreamKey]  # engine id -> its target
     request_blocks: dict[str, int]  # engine id -> the prompt's full blocks there
     matched: dict[str, int]  # engine id -> blocks trusted there (index or predicted)
     keys: dict[str, list[int]]  # engine id -> the prompt's block keys there
@@ -180,10 +181,10 @@ class IndexPlanner:
         service: IndexService,
         pool: EnginePool,
         tokenizers: Mapping[str | None, ModelTokenizer],
-        targets: Mapping[str, Target],
+        targets: Mapping[str, StreamKey],
         *,
         options: PlannerOptions | None = None,
-        block_sizes: Mapping[Target, int] | None = None,
+        block_sizes: Mapping[StreamKey, int] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.service = service
@@ -195,8 +196,8 @@ class IndexPlanner:
         self.inflight = InFlight(service.router.loads, clock)
         self.predictions = Predictions(grace=self.options.grace, clock=clock)
         self.counts = PlannerCounts()
-        self.stale: dict[Target, str] = {}
-        self._watch: dict[Target, _Watch] = {}
+        self.stale: dict[StreamKey, str] = {}
+        self._watch: dict[StreamKey, _Watch] = {}
         self._clock = clock
         self._checked = 0.0
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvevents-tokenizer")
@@ -367,13 +368,17 @@ class IndexPlanner:
         )
 
     def _match(
-        self, ids: Sequence[int] | None, targets: list[Target], lora: str | None, salt: str | None
+        self,
+        ids: Sequence[int] | None,
+        targets: list[StreamKey],
+        lora: str | None,
+        salt: str | None,
     ) -> _Matches:
         if ids is None:
             return _Matches(MatchResult(0, {}), {}, {})
         result = self.service.match(ids, lora=lora, cache_salt=salt)
         keys: dict[int, list[int]] = {}
-        predicted: dict[Target, int] = {}
+        predicted: dict[StreamKey, int] = {}
         streams = dict(result.streams)
         sizes = dict(result.request_blocks)
         for target in targets:
@@ -391,7 +396,7 @@ class IndexPlanner:
         merged = MatchResult(result.request_tokens or len(ids), sizes, result.holders, streams)
         return _Matches(merged, keys, predicted, result.streams)
 
-    def _block_size(self, target: Target) -> int:
+    def _block_size(self, target: StreamKey) -> int:
         """The target's block size: as given for its engine, else its stream's, else the
         engines' default."""
         given = self.block_sizes.get(target)
@@ -463,7 +468,7 @@ class IndexPlanner:
         else:
             counts.under += 1
 
-    def _expect_events(self, target: Target) -> None:
+    def _expect_events(self, target: StreamKey) -> None:
         """An answered request: its engine stored blocks, so its stream must show a batch
         within ``stale_after`` (kept from the first such request until one arrives)."""
         if target in self._watch or not self._has_stream(target):
@@ -488,7 +493,7 @@ class IndexPlanner:
         for target in [t for t in self.stale if t not in self._watch]:
             self._fresh(target)
 
-    def _mark_stale(self, target: Target, watch: _Watch) -> None:
+    def _mark_stale(self, target: StreamKey, watch: _Watch) -> None:
         if target in self.stale:
             return
         why = f"no events within {self.options.stale_after:g} s of an answered request"
@@ -499,14 +504,14 @@ class IndexPlanner:
             "worker %s rank %d: %s; routed on load alone until its events come", *target, why
         )
 
-    def _fresh(self, target: Target) -> None:
+    def _fresh(self, target: StreamKey) -> None:
         if self.stale.pop(target, None) is not None:
             log.warning("worker %s rank %d: its events come again", *target)
 
-    def _has_stream(self, target: Target) -> bool:
+    def _has_stream(self, target: StreamKey) -> bool:
         return any(reg.worker_id == target[0] for reg in self.service.workers())
 
-    def _batches(self) -> dict[Target, int]:
+    def _batches(self) -> dict[StreamKey, int]:
         return {(s.worker_id, s.rank): s.batches for s in self.service.stream_infos()}
 
     def _engine_changed(self, engine: Engine) -> None:
@@ -537,8 +542,8 @@ class _Matches:
 
     result: MatchResult
     keys: Mapping[int, list[int]]
-    predicted: Mapping[Target, int]
-    indexed: Mapping[Target, int] = field(default_factory=dict)
+    predicted: Mapping[StreamKey, int]
+    indexed: Mapping[StreamKey, int] = field(default_factory=dict)
 
 
 def _headers(explain: Mapping[str, Any]) -> list[tuple[bytes, bytes]]:
@@ -574,7 +579,7 @@ def _parent(model: str, engines: Sequence[Engine]) -> str | None:
 
 
 def _by_score(
-    decision: Decision, engines: Sequence[Engine], targets: Mapping[str, Target]
+    decision: Decision, engines: Sequence[Engine], targets: Mapping[str, StreamKey]
 ) -> list[Engine]:
     """The engines best first: the winner, then by score (a stable order for equal ones)."""
     score = {(s.worker_id, s.rank): s.score for s in decision.scores}

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from time import monotonic
 
-from kvevents.index.decision import Target
+from kvevents.events import StreamKey
 
 __all__ = ["Credit", "PredictionStats", "Predictions"]
 
@@ -39,7 +39,7 @@ DEFAULT_MAX_KEYS = 1 << 20
 class Credit:
     """One request's predicted blocks on one target."""
 
-    target: Target
+    target: StreamKey
     keys: Sequence[int]
     expires: float
     live: bool = field(default=True, repr=False)
@@ -70,13 +70,13 @@ class Predictions:
             raise ValueError("grace must be >= 0, ttl > 0 and max_keys >= 1")
         self.grace, self.ttl, self.max_keys = grace, ttl, max_keys
         self._clock = clock
-        self._held: dict[Target, dict[int, int]] = {}  # target -> key -> credits holding it
+        self._held: dict[StreamKey, dict[int, int]] = {}  # target -> key -> credits holding it
         self._expiry: list[tuple[float, int, Credit]] = []  # a heap; stale entries skipped
         self._order = itertools.count()
         self._keys = 0
         self._credits = self._withdrawn = self._expired = 0
 
-    def credit(self, target: Target, keys: Sequence[int]) -> Credit:
+    def credit(self, target: StreamKey, keys: Sequence[int]) -> Credit:
         """Credit ``keys`` to ``target`` until the request ends (:meth:`settle`)."""
         self.expire()
         credit = Credit(target, keys, self._clock() + self.ttl)
@@ -102,7 +102,7 @@ class Predictions:
         credit.expires = min(credit.expires, self._clock() + self.grace)
         self._schedule(credit)
 
-    def prefix(self, target: Target, keys: Sequence[int]) -> int:
+    def prefix(self, target: StreamKey, keys: Sequence[int]) -> int:
         """How many leading ``keys`` are credited to ``target``."""
         held = self._held.get(target)
         if not held:

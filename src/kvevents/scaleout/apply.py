@@ -8,7 +8,10 @@ whose record breaks a bound, is counted as ``malformed``; a record that raises a
 counted in ``apply_errors`` and logged (rate-limited); in both cases the next message is
 applied. Nothing a message on the subject carries can stop a replica.
 
-A batch's payload is decoded before its cursor moves (:meth:`StreamCursor.judge` decides,
+The service is fed through its :class:`~kvevents.subscribe.sink.Sink` methods, as a
+subscriber feeds it: ``apply`` for a batch, ``reset`` for a restart, ``status`` for a loss
+(with why, when messages were trimmed unread) or a stream whole again. A batch's payload is
+decoded before its cursor moves (:meth:`StreamCursor.judge` decides,
 :meth:`StreamCursor.accept` notes): an undecodable payload, whatever sequence it claims,
 leaves the stream as it was.
 """
@@ -18,13 +21,15 @@ from __future__ import annotations
 import logging
 
 from kvevents.errors import DecodeError, LayoutError
+from kvevents.events import StreamKey
 from kvevents.ratelimit import RateLimitedWarning
 from kvevents.scaleout.cursor import BatchVerdict, CursorState, StreamCursor
 from kvevents.scaleout.records import RecordError, RelayRecord, parse_record
+from kvevents.scaleout.replica_records import ReplicaCounts
 from kvevents.scaleout.snapshot import Snapshot
 from kvevents.service.core import IndexService
 from kvevents.service.feed import WorkerRegistration
-from kvevents.subscribe.streams import StreamKey, StreamReset, StreamSpec, StreamStatus
+from kvevents.subscribe.streams import StreamSpec, StreamStatus
 from kvevents.wire import decode_batch_packed
 from kvevents.wire.endpoints import rank_endpoint
 
@@ -38,11 +43,11 @@ _warn = RateLimitedWarning(log, 10.0)
 class RecordApplier:
     """Records in, index service calls out (the replica's event loop thread only).
 
-    ``counts`` is the replica's stats dict (the fields of ``ReplicaStats``); ``service`` is
-    set by the replica once it is made (the service's stream specs come from here).
+    ``counts`` are the replica's counters; ``service`` is set by the replica once it is made
+    (the service's stream specs come from here).
     """
 
-    def __init__(self, counts: dict[str, int], window: int, name: str) -> None:
+    def __init__(self, counts: ReplicaCounts, window: int, name: str) -> None:
         self.counts = counts
         self.window = window
         self.name = name
@@ -71,13 +76,13 @@ class RecordApplier:
         try:
             record = parse_record(headers, body)
         except RecordError as exc:
-            self.counts["malformed"] += 1
+            self.counts.malformed += 1
             _warn("malformed", "replica %s: message %d skipped: %s", self.name, seq, exc)
             return
         try:
             self._apply(record)
         except Exception as exc:  # a defect or a bound we missed: this record only
-            self.counts["apply_errors"] += 1
+            self.counts.apply_errors += 1
             _warn(
                 "apply",
                 "replica %s: message %d (%s of %r rank %d) not applied: %r",
@@ -95,7 +100,7 @@ class RecordApplier:
             return
         spec = self._spec(record.key)
         if spec is None:
-            self.counts["unregistered"] += 1
+            self.counts.unregistered += 1
             return
         cursor = self.cursor(record.key)
         if record.kind == "batch":
@@ -122,7 +127,7 @@ class RecordApplier:
         self.register_worker(reg)
         for rank in reg.ranks:
             self._specs.pop((reg.worker_id, rank), None)
-        self.counts["registrations"] += 1
+        self.counts.registrations += 1
 
     def register_worker(self, reg: WorkerRegistration) -> None:
         self._registering = True
@@ -146,27 +151,30 @@ class RecordApplier:
 
     def _batch(self, spec: StreamSpec, cursor: StreamCursor, record: RelayRecord) -> None:
         verdict = cursor.judge(record.seq, record.digest)
-        if verdict == "duplicate" or verdict == "stale":
-            self.counts["duplicates" if verdict == "duplicate" else "stale"] += 1
+        if verdict == "duplicate":
+            self.counts.duplicates += 1
+            return
+        if verdict == "stale":
+            self.counts.stale += 1
             return
         if verdict in ("restart", "rewind") and not self._decodable(record):
             return  # a reset for a payload nobody can read would only lose the stream
         if verdict in ("restart", "rewind"):
             self._reset(spec)
         try:
-            self.service.apply_payload(spec, record.seq, record.body)
+            self.service.apply(spec, record.seq, record.body)
         except DecodeError:
-            self.counts["undecodable"] += 1
+            self.counts.undecodable += 1
             return
         cursor.accept(record.seq, record.digest, verdict)
-        self.counts["applied"] += 1
+        self.counts.applied += 1
         self._after(spec, cursor, verdict, record.seq)
 
     def _decodable(self, record: RelayRecord) -> bool:
         try:
             decode_batch_packed(record.body, seq=record.seq)
         except DecodeError:
-            self.counts["undecodable"] += 1
+            self.counts.undecodable += 1
             return False
         return True
 
@@ -176,7 +184,7 @@ class RecordApplier:
         """What a verdict tells beyond the batch: a gap degrades the stream, a rewind is
         counted and logged."""
         if verdict == "gap" and cursor.gap is not None:
-            self.counts["gaps"] += 1
+            self.counts.gaps += 1
             self._degrade(spec, cursor, cursor.gap)
             _warn(
                 "gap",
@@ -189,7 +197,7 @@ class RecordApplier:
                 cursor.gap[1] - 1,
             )
         elif verdict == "rewind":
-            self.counts["rewinds"] += 1
+            self.counts.rewinds += 1
             log.warning(
                 "replica %s: worker %r rank %d went on at seq %d, below a sequence that had "
                 "jumped ahead (a forged or misnumbered message): the stream is rebuilt from here",
@@ -204,28 +212,28 @@ class RecordApplier:
             self._reset(spec)
 
     def _reset(self, spec: StreamSpec) -> None:
-        self.service.consume(StreamReset(spec, "restart"))
-        self.service.on_status(StreamStatus(spec, "live"))
-        self.counts["restarts"] += 1
+        self.service.reset(spec, "restart")
+        self.service.status(StreamStatus(spec, "live"))
+        self.counts.restarts += 1
 
     def _loss(self, spec: StreamSpec, cursor: StreamCursor, record: RelayRecord) -> None:
         if not cursor.loss(record.seq, record.end):
             return
-        self.counts["losses"] += 1
+        self.counts.losses += 1
         if record.seq > 0:
             self._degrade(spec, cursor, (record.seq, record.end))
-        else:  # from 0: it hides stores only, the index under-matches (as on_status says)
-            self.service.on_status(StreamStatus(spec, "incomplete", (record.seq, record.end)))
+        else:  # from 0: it hides stores only, the index under-matches (as status says)
+            self.service.status(StreamStatus(spec, "incomplete", (record.seq, record.end)))
 
     def _degrade(self, spec: StreamSpec, cursor: StreamCursor, missing: tuple[int, int]) -> None:
         """The service degrades the stream in routing; the cursor keeps why, for snapshots."""
-        self.service.on_status(StreamStatus(spec, "incomplete", missing))
+        self.service.status(StreamStatus(spec, "incomplete", missing))
         cursor.degraded = f"lost seq {missing[0]}..{missing[1] - 1}"
 
     def _live(self, spec: StreamSpec, cursor: StreamCursor, record: RelayRecord) -> None:
         if cursor.degraded is not None and record.seq >= cursor.last_seq:
             cursor.degraded = None
-            self.service.on_status(StreamStatus(spec, "live"))
+            self.service.status(StreamStatus(spec, "live"))
 
     # ----------------------------------------------------------------- the replica's view
 
@@ -251,22 +259,22 @@ class RecordApplier:
         return len(keys)
 
     def _mark(self, key: StreamKey, why: str) -> None:
-        with self.service.lock:
-            self.service.router.mark_degraded(*key, why)
+        """Degrade a registered stream in routing, saying why."""
+        spec = self._spec(key)
+        if spec is not None:
+            self.service.status(StreamStatus(spec, "incomplete", reason=why))
 
     def states(self) -> list[CursorState]:
         return [c.state(*key) for key, c in self.cursors.items()]
 
     def degraded(self) -> tuple[int, str | None]:
         """How many streams are degraded in routing, and one of them with why."""
-        with self.service.lock:
-            marks = self.service.router.degraded
-            first = next(iter(marks.items()), None)
-            count = len(marks)
+        marks = self.service.degraded()
+        first = next(iter(marks.items()), None)
         if first is None:
             return 0, None
         (worker_id, rank), why = first
-        return count, f"worker {worker_id[:64]!r} rank {rank}: {why}"
+        return len(marks), f"worker {worker_id[:64]!r} rank {rank}: {why}"
 
 
 def _indexed_as(reg: WorkerRegistration) -> tuple[object, ...]:

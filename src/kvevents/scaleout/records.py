@@ -44,6 +44,7 @@ from urllib.parse import quote, unquote
 import msgspec
 
 from kvevents.errors import LayoutError
+from kvevents.events import StreamKey
 from kvevents.service.bounds import MAX_RANK, MAX_RANKS, BlockSize, EndpointText, Name, Rank, Text
 from kvevents.service.feed import WorkerRegistration, default_stream_specs
 
@@ -137,7 +138,7 @@ class RelayRecord:
     worker: WorkerRegistration | None = None
 
     @property
-    def key(self) -> tuple[str, int]:
+    def key(self) -> StreamKey:
         return (self.worker_id, self.rank)
 
     def registration(self) -> WorkerRegistration:

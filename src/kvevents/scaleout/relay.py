@@ -7,7 +7,9 @@ off the wire, plus records of what the subscriber saw (:mod:`kvevents.scaleout.r
 a ``reset`` before the first batch of a restarted engine, a ``loss`` for batches it could not
 replay, ``live`` when a stream is whole again, a ``worker`` record per registration.
 
-The subscriber's I/O thread only queues; a task on the relay's event loop publishes windows
+The relay is its subscriber's :class:`~kvevents.subscribe.sink.Sink`: on the I/O thread,
+:meth:`Relay.apply` checks each batch and queues it, :meth:`Relay.reset` and
+:meth:`Relay.status` queue the records they call for. A task on the relay's event loop publishes windows
 of up to ``window`` messages without waiting for each acknowledgement, then waits for all of
 them. A window that is not fully acknowledged (the server restarting, a timeout) is sent again,
 whole and in order: the message ids make the copies harmless. While ``max_pending`` messages
@@ -27,7 +29,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from kvevents.events import AllBlocksCleared
+from kvevents.events import AllBlocksCleared, StreamKey
 from kvevents.scaleout.jetstream import JetStreamOptions, LoopThread, connect, ensure_stream
 from kvevents.scaleout.records import (
     Outgoing,
@@ -40,7 +42,7 @@ from kvevents.scaleout.records import (
 )
 from kvevents.service.feed import WorkerRegistration, default_stream_specs
 from kvevents.subscribe.streams import (
-    StreamReset,
+    ResetReason,
     StreamSpec,
     StreamStatus,
     SubscriberOptions,
@@ -48,7 +50,7 @@ from kvevents.subscribe.streams import (
 )
 from kvevents.wire import Applied, decode_batch_packed
 
-__all__ = ["Relay", "RelayOptions", "RelayStats"]
+__all__ = ["Relay", "RelayCounts", "RelayOptions", "RelayStats"]
 
 log = logging.getLogger("kvevents.scaleout.relay")
 
@@ -95,14 +97,48 @@ class RelayStats:
     GAUGES: ClassVar[frozenset[str]] = frozenset({"pending"})
 
 
-_KIND_COUNTER = {"batch": "batches", "reset": "resets", "loss": "losses", "live": "lives"}
+@dataclass(slots=True)
+class RelayCounts:
+    """The relay's running counters (each documented on :class:`RelayStats`), typed so that
+    mypy checks their names; :meth:`frozen` is the stats record."""
+
+    batches: int = 0
+    duplicates: int = 0
+    resets: int = 0
+    losses: int = 0
+    lives: int = 0
+    workers: int = 0
+    retries: int = 0
+    pending: int = 0
+    dropped: int = 0
+    published_bytes: int = 0
+
+    def written(self, kind: str, size: int) -> None:
+        """Count one record of ``kind`` acknowledged, ``size`` bytes of payload."""
+        if kind == "batch":
+            self.batches += 1
+        elif kind == "reset":
+            self.resets += 1
+        elif kind == "loss":
+            self.losses += 1
+        elif kind == "live":
+            self.lives += 1
+        else:
+            self.workers += 1
+        self.published_bytes += size
+
+    def frozen(self, queued: int) -> RelayStats:
+        """The stats record, ``queued`` more messages pending."""
+        stats = RelayStats(**dataclasses.asdict(self))
+        return dataclasses.replace(stats, pending=stats.pending + queued)
 
 
 class Relay:
     """Engines' streams to JetStream (see the module's docstring).
 
     ``workers``: the registrations to read (every rank); ``subscriber_options``: the
-    subscriber's knobs (its ``on_payload``, ``callback`` and ``on_status`` are the relay's).
+    subscriber's knobs. The relay is the subscriber's sink (:meth:`apply`, :meth:`reset`,
+    :meth:`status`, called on its I/O thread).
     """
 
     def __init__(
@@ -121,9 +157,9 @@ class Relay:
         self._sub_options = subscriber_options or SubscriberOptions()
         self._queue: collections.deque[Outgoing] = collections.deque()
         self._room = threading.Condition()
-        self._pending_reset: set[tuple[str, int]] = set()
-        self._last_seq: dict[tuple[str, int], int] = {}
-        self._counts = {f.name: 0 for f in dataclasses.fields(RelayStats)}
+        self._pending_reset: set[StreamKey] = set()
+        self._last_seq: dict[StreamKey, int] = {}
+        self._counts = RelayCounts()
         self._aio: LoopThread | None = None
         self._nc: Any = None
         self._js: Any = None
@@ -142,13 +178,7 @@ class Relay:
         self._aio = LoopThread("kvevents-relay-nats")
         self._aio.run(self._connect(), self.js_options.connect_timeout + 5.0)
         self._pump = self._aio.submit(self._run())
-        options = dataclasses.replace(
-            self._sub_options,
-            on_payload=self._on_payload,
-            callback=self._on_item,
-            on_status=self._on_status,
-        )
-        self._subscriber = Subscriber(options=options)
+        self._subscriber = Subscriber(sink=self, options=self._sub_options)
         self._subscriber.start()
         for reg in self._workers:
             self.add_worker(reg)
@@ -175,7 +205,7 @@ class Relay:
         """Wait until every queued message is acknowledged; False if ``timeout`` passed."""
         deadline = time.monotonic() + timeout
         with self._room:
-            while self._queue or self._counts["pending"]:
+            while self._queue or self._counts.pending:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
@@ -215,9 +245,11 @@ class Relay:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # ----------------------------------------------------------------- the I/O thread's side
+    # ----------------------------------------------------------------- the sink (I/O thread)
 
-    def _on_payload(self, spec: StreamSpec, seq: int, payload: bytes) -> Applied:
+    def apply(self, spec: StreamSpec, seq: int, payload: bytes) -> Applied:
+        """Queue batch ``seq`` as it came off the wire (after a ``reset`` record when the
+        engine restarted); ``DecodeError`` (nothing queued) when it cannot be read."""
         # Decoded only to check it and fill the subscriber's stats: what goes out is the
         # payload as the engine wrote it. A DecodeError is the subscriber's to count.
         decoded = decode_batch_packed(payload, seq=seq, limits=self._sub_options.decode_limits)
@@ -232,11 +264,15 @@ class Relay:
         cleared = any(type(e) is AllBlocksCleared for e in batch.events)
         return Applied(batch.ts, len(batch.events), decoded.skipped_count, cleared)
 
-    def _on_item(self, item: object) -> None:
-        if isinstance(item, StreamReset) and item.reason == "restart":
-            self._pending_reset.add(item.stream.key)
+    def reset(self, spec: StreamSpec, reason: ResetReason) -> None:
+        """An engine restarted: its next batch goes out after a ``reset`` record. (A stream
+        removed from the relay writes nothing: replicas keep its blocks until it returns.)"""
+        if reason == "restart":
+            self._pending_reset.add(spec.key)
 
-    def _on_status(self, status: StreamStatus) -> None:
+    def status(self, status: StreamStatus) -> None:
+        """A loss the subscriber could not replay is a ``loss`` record; a stream whole again
+        after one, a ``live`` record."""
         key, prefix = status.stream.key, self.js_options.prefix
         if status.state == "incomplete" and status.missing is not None:
             start, end = status.missing
@@ -275,10 +311,10 @@ class Relay:
                 self._sleeping = False
                 continue
             size = min(len(queue), self.options.window)
-            self._counts["pending"] = size  # before the pops: flush() never sees both empty
+            self._counts.pending = size  # before the pops: flush() never sees both empty
             window = [queue.popleft() for _ in range(size)]
             await self._send(window)
-            self._counts["pending"] = 0
+            self._counts.pending = 0
             with self._room:
                 self._room.notify_all()
 
@@ -294,9 +330,9 @@ class Relay:
                 for future in futures:
                     future.cancel()  # frees its slot in the client's pending limit
                 if self._closing:
-                    self._counts["dropped"] += len(window)
+                    self._counts.dropped += len(window)
                     return
-                self._counts["retries"] += 1
+                self._counts.retries += 1
                 log.warning("relay: %d message(s) not acknowledged (%r); sending again",
                             len(window), exc)  # fmt: skip
                 await asyncio.sleep(self.options.retry_backoff)
@@ -308,18 +344,14 @@ class Relay:
         counts = self._counts
         for (_, payload, headers), ack in zip(window, acks, strict=True):
             if ack.duplicate:
-                counts["duplicates"] += 1
-                continue
-            kind = headers["Kv-Kind"]
-            counts[_KIND_COUNTER.get(kind, "workers")] += 1
-            counts["published_bytes"] += len(payload)
+                counts.duplicates += 1
+            else:
+                counts.written(headers["Kv-Kind"], len(payload))
 
     # ----------------------------------------------------------------- reads
 
     def stats(self) -> RelayStats:
-        counts = dict(self._counts)
-        counts["pending"] += len(self._queue)
-        return RelayStats(**counts)
+        return self._counts.frozen(len(self._queue))
 
     def subscriber_stats(self) -> SubscriberStats:
         return self._subscriber.stats()  # type: ignore[no-any-return]

@@ -2,17 +2,18 @@
 
 At start a :class:`Replica` loads the newest snapshot (:mod:`kvevents.scaleout.snapshot`) of
 its stream, creates its durable consumer at the sequence after it, and from then on fetches
-messages in order, applies them through the service (the same index, router and HTTP API as
-with ZeroMQ), and acknowledges the last of each fetch. Every ``snapshot_batches`` applied
+messages in order, applies them through the service's sink methods, as a subscriber does (the
+same index, router and HTTP API as with ZeroMQ), and acknowledges the last of each fetch. Every ``snapshot_batches`` applied
 messages or ``snapshot_interval`` seconds it saves a snapshot and trims the stream below what
 every live replica has acknowledged and that snapshot covers
 (:mod:`kvevents.scaleout.retention`).
 
 The consumer is the replica's bookmark for retention, not for resuming: the index lives in
 memory, so a restarted replica starts again from the newest snapshot and recreates its
-consumer there. Messages are applied on the replica's event loop thread, one at a time under
-the service's lock (:mod:`kvevents.scaleout.apply`); snapshots are taken between fetches, so a
-snapshot's sequence is exactly what its index holds.
+consumer there. Messages are applied on the replica's event loop thread, one at a time
+(:mod:`kvevents.scaleout.apply`); snapshots are taken between fetches, so a snapshot's
+sequence is exactly what its index holds, and copied and loaded through the service
+(:meth:`IndexService.copy_index`, :meth:`IndexService.load_index`), under its lock.
 
 Nothing stops the consume loop for good: a message it cannot apply is counted and skipped, a
 turn that raises is counted and logged and the loop goes on, a loop that ends anyway is
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import json
 import logging
 import time
@@ -37,7 +37,12 @@ from kvevents.ratelimit import RateLimitedWarning
 from kvevents.scaleout import snapshot as snap
 from kvevents.scaleout.apply import RecordApplier
 from kvevents.scaleout.jetstream import JetStreamOptions, LoopThread, connect, ensure_stream
-from kvevents.scaleout.replica_records import JetStreamFeed, ReplicaOptions, ReplicaStats
+from kvevents.scaleout.replica_records import (
+    JetStreamFeed,
+    ReplicaCounts,
+    ReplicaOptions,
+    ReplicaStats,
+)
 from kvevents.scaleout.retention import newest_snapshots, trim
 from kvevents.service.core import IndexService
 from kvevents.subscribe.streams import FeedHealth
@@ -65,7 +70,7 @@ class Replica:
         self.url = url
         self.js_options = jetstream or JetStreamOptions()
         self.options = options or ReplicaOptions()
-        self._counts = {f.name: 0 for f in dataclasses.fields(ReplicaStats)}
+        self._counts = ReplicaCounts()
         self._applier = RecordApplier(self._counts, self.options.window, self.options.name)
         self.service = service or self.new_service()
         self._aio: LoopThread | None = None
@@ -96,8 +101,7 @@ class Replica:
     def new_service(self, **kwargs: Any) -> IndexService:
         """An index service this replica can feed (``kwargs`` go to IndexService)."""
         return IndexService(
-            feed=JetStreamFeed(self.health),
-            pushes=True,
+            feed=lambda sink: JetStreamFeed(self.health),
             stream_specs=self._applier.stream_specs,
             **kwargs,
         )
@@ -139,10 +143,10 @@ class Replica:
 
     async def _rebind(self) -> Any:
         """A consumer again where this replica was (the server lost it, or the loop ended)."""
-        start = self._counts["covered_seq"] + 1
+        start = self._counts.covered_seq + 1
         await self._recreate_consumer(start)
         self._note_hole(start, await self._first_seq())
-        self._counts["rebinds"] += 1
+        self._counts.rebinds += 1
         log.warning("replica %s: consumer recreated at seq %d", self.options.name, start)
         return await self._bind()
 
@@ -159,7 +163,7 @@ class Replica:
         count them, say so, and degrade every stream they may have belonged to."""
         if first <= start:
             return
-        self._counts["start_gap"] += first - start
+        self._counts.start_gap += first - start
         marked = self._applier.mark_hole(start, first)
         if not marked:
             self._hole = f"messages {start}..{first - 1} of the stream were trimmed unread"
@@ -214,9 +218,8 @@ class Replica:
 
     def _load(self, loaded: snap.Snapshot) -> None:
         self._applier.load(loaded)
-        with self.service.lock:
-            snap.restore(self.service.index, loaded)
-        self._counts["loaded_seq"] = self._counts["covered_seq"] = loaded.seq
+        self.service.load_index(lambda index: snap.restore(index, loaded))
+        self._counts.loaded_seq = self._counts.covered_seq = loaded.seq
         log.info(
             "replica %s: loaded snapshot of seq %d (%d blocks)",
             self.options.name,
@@ -267,7 +270,7 @@ class Replica:
         and start it again after ``restart_delay`` on a consumer where the replica was."""
         if self._closing:
             return
-        self._counts["consume_restarts"] += 1
+        self._counts.consume_restarts += 1
         self._ended = "cancelled" if task.cancelled() else repr(task.exception())
         log.error(
             "replica %s: the consume loop ended (%s); starting it again in %.1f s",
@@ -295,7 +298,7 @@ class Replica:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # a defect: counted and logged, the loop goes on
-                self._counts["consume_errors"] += 1
+                self._counts.consume_errors += 1
                 _warn("turn", "replica %s: consume loop: %r; it goes on", self.options.name, exc)
                 await asyncio.sleep(_RETRY_DELAY)
 
@@ -316,11 +319,11 @@ class Replica:
         try:
             seq = msg.metadata.sequence.stream
         except Exception as exc:  # no stream sequence: nowhere to place it
-            self._counts["malformed"] += 1
+            self._counts.malformed += 1
             _warn("metadata", "replica %s: message skipped: %r", self.options.name, exc)
             return
         self._applier.apply(msg.headers, msg.data, seq)
-        self._counts["covered_seq"] = seq
+        self._counts.covered_seq = seq
 
     async def _fetch(self, psub: Any) -> tuple[Any, list[Any]]:
         from nats.errors import TimeoutError as NatsTimeout
@@ -332,7 +335,7 @@ class Replica:
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the server restarting (the client reconnects), or lost us
-            self._counts["fetch_errors"] += 1
+            self._counts.fetch_errors += 1
             self._failing = repr(exc)
             _warn("fetch", "replica %s: fetch failed (%r); again", self.options.name, exc)
             await asyncio.sleep(_RETRY_DELAY)
@@ -362,8 +365,10 @@ class Replica:
         except Exception as exc:  # redelivered later: the cursors drop the copies
             _warn("ack", "replica %s: ack failed (%r)", self.options.name, exc)
 
-    def _apply(self, headers: dict[str, str] | None, body: bytes, seq: int = 0) -> None:
-        """Apply one message as the consume loop does (tests feed records through here)."""
+    def apply_message(self, headers: dict[str, str] | None, body: bytes, seq: int = 0) -> None:
+        """Apply one message (its headers and body, stream sequence ``seq``) as the consume
+        loop does, from the loop's thread or before :meth:`start` (tests and tools feed
+        records through here)."""
         self._applier.apply(headers, body, seq)
 
     # ----------------------------------------------------------------- snapshots
@@ -382,11 +387,11 @@ class Replica:
         """Save a snapshot of what is applied now, then trim; its sequence (None: failed)."""
         self._since_snapshot = 0
         self._snapshot_at = time.monotonic()
-        seq = self._counts["covered_seq"]
+        seq = self._counts.covered_seq
         try:
             data = snap.encode(self._capture())
         except Exception:  # nothing applied should make this fail: say it loudly
-            self._counts["snapshot_errors"] += 1
+            self._counts.snapshot_errors += 1
             log.exception("replica %s: snapshot of seq %d not taken", self.options.name, seq)
             return None
         from nats.js.api import ObjectMeta
@@ -396,10 +401,10 @@ class Replica:
         try:
             await self._store.put(f"{self.js_options.stream}.{self.options.name}", data, meta=meta)
         except Exception:
-            self._counts["snapshot_errors"] += 1
+            self._counts.snapshot_errors += 1
             log.exception("replica %s: snapshot of seq %d not saved", self.options.name, seq)
             return None
-        self._counts["snapshots"] += 1
+        self._counts.snapshots += 1
         await self._trim(seq)
         return seq
 
@@ -408,21 +413,27 @@ class Replica:
             return
         try:
             if await trim(self._js, self.js_options, saved_seq):
-                self._counts["trims"] += 1
+                self._counts.trims += 1
         except Exception as exc:  # the next snapshot trims again
-            self._counts["trim_errors"] += 1
+            self._counts.trim_errors += 1
             _warn("trim", "replica %s: trim failed (%r)", self.options.name, exc)
 
     def _capture(self) -> snap.Snapshot:
-        service = self.service
-        return snap.capture(
-            service.index,
-            stream=self.js_options.stream,
-            seq=self._counts["covered_seq"],
-            replica=self.options.name,
-            workers=service.workers(),
-            cursors=self._applier.states(),
-            hold=lambda: service.lock,
+        seq, workers, cursors = (
+            self._counts.covered_seq,
+            self.service.workers(),
+            self._applier.states(),
+        )
+        return self.service.copy_index(
+            lambda index, hold: snap.capture(
+                index,
+                stream=self.js_options.stream,
+                seq=seq,
+                replica=self.options.name,
+                workers=workers,
+                cursors=cursors,
+                hold=hold,
+            )
         )
 
     def snapshot_now(self, timeout: float = 60.0) -> int | None:
@@ -437,14 +448,12 @@ class Replica:
         return holders_digest(self.service.holders(), self.service.holder_blocks)
 
     def stats(self) -> ReplicaStats:
-        counts = dict(self._counts)
-        counts["degraded_streams"] = self._applier.degraded()[0]
-        return ReplicaStats(**counts)
+        return self._counts.frozen(self._applier.degraded()[0])
 
     @property
     def covered_seq(self) -> int:
         """The last stream sequence applied."""
-        return self._counts["covered_seq"]
+        return self._counts.covered_seq
 
     def health(self) -> FeedHealth:
         """``dead`` while the consume loop is not running, ``stalled`` while it cannot

@@ -1,21 +1,23 @@
-"""A router replica's records: its options, its stats, and the feed its service is given."""
+"""A router replica's records: its options, its counters and stats, and the feed its service
+is given."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
+from kvevents.events import StreamKey
 from kvevents.scaleout.cursor import DEFAULT_WINDOW
 from kvevents.subscribe.streams import (
     FeedHealth,
-    StreamKey,
     StreamSpec,
     StreamStats,
     SubscriberStats,
 )
 
-__all__ = ["JetStreamFeed", "ReplicaOptions", "ReplicaStats"]
+__all__ = ["JetStreamFeed", "ReplicaCounts", "ReplicaOptions", "ReplicaStats"]
 
 
 @dataclass(frozen=True)
@@ -107,6 +109,39 @@ class ReplicaStats:
     degraded_streams: int = 0
 
 
+@dataclass(slots=True)
+class ReplicaCounts:
+    """The replica's running counters and levels (each documented on :class:`ReplicaStats`),
+    typed so that mypy checks their names; :meth:`frozen` is the stats record."""
+
+    applied: int = 0
+    duplicates: int = 0
+    stale: int = 0
+    restarts: int = 0
+    losses: int = 0
+    malformed: int = 0
+    undecodable: int = 0
+    unregistered: int = 0
+    registrations: int = 0
+    snapshots: int = 0
+    snapshot_errors: int = 0
+    trims: int = 0
+    loaded_seq: int = 0
+    covered_seq: int = 0
+    start_gap: int = 0
+    gaps: int = 0
+    rewinds: int = 0
+    apply_errors: int = 0
+    trim_errors: int = 0
+    fetch_errors: int = 0
+    consume_errors: int = 0
+    consume_restarts: int = 0
+    rebinds: int = 0
+
+    def frozen(self, degraded_streams: int) -> ReplicaStats:
+        return ReplicaStats(**dataclasses.asdict(self), degraded_streams=degraded_streams)
+
+
 class JetStreamFeed:
     """The service's feed when JetStream feeds it: the replica applies messages itself, so
     there is nothing to subscribe to; ``health`` is the replica's."""
@@ -126,11 +161,8 @@ class JetStreamFeed:
     def close(self) -> None:
         pass
 
-    def get(self, timeout: float | None = None) -> None:
-        return None
-
     def stats(self) -> SubscriberStats:
-        return SubscriberStats(streams=0, incomplete=0, queued=0, callback_errors=0, max_lag=None)
+        return SubscriberStats()
 
     def stream_stats(self) -> dict[StreamKey, StreamStats]:
         return {}

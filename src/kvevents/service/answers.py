@@ -9,7 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable, Collection
 from typing import Any, TypeVar
 
-from kvevents.index.decision import Decision, Target
+from kvevents.events import StreamKey
+from kvevents.index.decision import Decision
 from kvevents.index.records import MatchResult
 
 __all__ = ["Shape", "answer", "scoped"]
@@ -38,7 +39,7 @@ def answer(match: MatchResult, decision: Decision) -> dict[str, Any]:
     }
 
 
-def scoped(match: MatchResult, targets: Collection[Target]) -> MatchResult:
+def scoped(match: MatchResult, targets: Collection[StreamKey]) -> MatchResult:
     """``match`` with only the holders and streams of ``targets`` (e.g. one model's)."""
     wanted = set(targets)
     return MatchResult(

@@ -1,5 +1,5 @@
 """What the index service is fed by and keeps: the feed protocol, the registration and stats
-records, and the default feed (a Subscriber applying batches on its own I/O thread).
+records, and the default feed (a Subscriber feeding the service, its sink, on its I/O thread).
 
 Records only, plus one factory: the subscriber (and zmq) load when the default feed is made.
 """
@@ -8,44 +8,49 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, NamedTuple, Protocol
+from typing import NamedTuple, Protocol, TypeAlias
 
+from kvevents.events import StreamKey
 from kvevents.index import ReportMode
+from kvevents.subscribe.sink import Sink
 from kvevents.subscribe.streams import (
     FeedHealth,
-    Item,
-    StreamKey,
     StreamSpec,
     StreamStats,
-    StreamStatus,
     SubscriberOptions,
     SubscriberStats,
     worker_streams,
 )
-from kvevents.wire import Applied
 from kvevents.wire.endpoints import rank_endpoint
 
 __all__ = [
     "Feed",
+    "FeedFactory",
     "OwnEndpoints",
+    "ServiceCounts",
     "ServiceStats",
     "WorkerRegistration",
-    "default_feed",
     "default_stream_specs",
+    "subscriber_feed",
 ]
 
 
 class Feed(Protocol):
-    """What the service needs from an event source (the Subscriber has all of it)."""
+    """What the service drives of the source that feeds it (a Subscriber has all of it): the
+    streams it reads, its life, and what it tells of itself. What it reads it hands to the
+    service's :class:`~kvevents.subscribe.sink.Sink` methods."""
 
     def add_stream(self, spec: StreamSpec) -> None: ...
     def remove_stream(self, worker_id: str, rank: int | None = None) -> None: ...
     def start(self) -> None: ...
     def close(self) -> None: ...
-    def get(self, timeout: float | None = None) -> Item | None: ...
     def stats(self) -> SubscriberStats: ...
     def stream_stats(self) -> dict[StreamKey, StreamStats]: ...
     def health(self) -> FeedHealth: ...
+
+
+#: Makes a service's feed, given the sink to feed (the service): called once, by the service.
+FeedFactory: TypeAlias = Callable[[Sink], Feed]
 
 
 class OwnEndpoints(NamedTuple):
@@ -100,12 +105,13 @@ class WorkerRegistration:
 
 @dataclasses.dataclass(frozen=True)
 class ServiceStats:
-    """The feed consumer's and the registrations' counters."""
+    """What the service applied, answered and registered (the frozen twin of
+    :class:`ServiceCounts`)."""
 
     deliveries: int = 0  #: batches applied to the index
     resets: int = 0  #: stream resets applied (a publisher restarted or a stream was removed)
-    ignored: int = 0  #: feed items of workers (or ranks) no longer registered, not applied
-    apply_errors: int = 0  #: feed items that raised while applied (logged; the feed goes on)
+    ignored: int = 0  #: batches and resets of workers (or ranks) no longer registered
+    apply_errors: int = 0  #: batches and resets that raised while applied (the feed goes on)
     queries: int = 0  #: queries answered
     registrations: int = 0  #: workers registered (a re-registration counts again)
     refused_registrations: int = 0  #: registrations refused whole (a stream could not be added)
@@ -114,6 +120,28 @@ class ServiceStats:
     loads_expired: int = 0  #: loads dropped for want of a newer report within the load TTL
     state_writes: int = 0  #: state file rewrites after a registration changed
     state_write_errors: int = 0  #: state file rewrites that failed (logged; the change stands)
+
+
+@dataclasses.dataclass(slots=True)
+class ServiceCounts:
+    """The service's running counters (each documented on :class:`ServiceStats`): mutable,
+    so that a counter's name is checked by mypy, and frozen by :meth:`frozen`."""
+
+    deliveries: int = 0
+    resets: int = 0
+    ignored: int = 0
+    apply_errors: int = 0
+    queries: int = 0
+    registrations: int = 0
+    refused_registrations: int = 0
+    load_reports: int = 0
+    load_unknown: int = 0
+    loads_expired: int = 0
+    state_writes: int = 0
+    state_write_errors: int = 0
+
+    def frozen(self) -> ServiceStats:
+        return ServiceStats(**dataclasses.asdict(self))
 
 
 def default_stream_specs(reg: WorkerRegistration) -> list[StreamSpec]:
@@ -140,27 +168,15 @@ def _rank_spec(reg: WorkerRegistration, rank: int) -> StreamSpec:
     )
 
 
-def default_feed(
-    callback: Callable[[Item], None] | None = None,
-    options: SubscriberOptions | None = None,
-    on_status: Callable[[StreamStatus], None] | None = None,
-    on_payload: Callable[[StreamSpec, int, bytes], Applied | None] | None = None,
-) -> Feed:
-    """A ``kvevents.subscribe.subscriber.Subscriber`` with no streams yet.
+def subscriber_feed(options: SubscriberOptions | None = None) -> FeedFactory:
+    """The default feed: a ``kvevents.subscribe.subscriber.Subscriber`` with ``options`` and no
+    streams yet, feeding the service on its own I/O thread (no hand-off between threads)."""
 
-    ``options`` are used as given, except that with ``callback`` the subscriber calls it with
-    every item on its I/O thread instead of queueing the item, ``on_status`` (when given)
-    receives every stream state change, and ``on_payload`` (when given) applies batch
-    payloads before they are decoded into deliveries.
-    """
-    # Here, not at the top: the subscriber loads zmq, which a service with its own feed
-    # (tests, simulations) never needs.
-    from kvevents.subscribe.subscriber import Subscriber
+    def make(sink: Sink) -> Feed:
+        # Here, not at the top: the subscriber loads zmq, which a service with its own feed
+        # (tests, simulations) never needs.
+        from kvevents.subscribe.subscriber import Subscriber
 
-    base = options if options is not None else SubscriberOptions()
-    changes: dict[str, Any] = {"callback": callback}
-    if on_status is not None:
-        changes["on_status"] = on_status
-    if on_payload is not None:
-        changes["on_payload"] = on_payload
-    return Subscriber(options=dataclasses.replace(base, **changes))
+        return Subscriber(sink=sink, options=options)
+
+    return make

@@ -14,6 +14,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvevents.events import StreamKey
 from kvevents.index.decision import LoadBook
 
 __all__ = ["DEFAULT_LOAD_TTL", "LoadLedger", "LoadReport"]
@@ -21,8 +22,6 @@ __all__ = ["DEFAULT_LOAD_TTL", "LoadLedger", "LoadReport"]
 #: Seconds a load report counts for: a reporter sending every second or two misses a few
 #: reports before its load is dropped.
 DEFAULT_LOAD_TTL = 10.0
-
-Target = tuple[str, int]
 
 
 @dataclass(frozen=True)
@@ -54,7 +53,7 @@ class LoadLedger:
         self._clock = clock if clock is not None else time.monotonic
         # In report order, oldest first: expiry pops from the front and stops at the first
         # fresh one, so a query pays for what expired, not for every target.
-        self._reported: OrderedDict[Target, float] = OrderedDict()
+        self._reported: OrderedDict[StreamKey, float] = OrderedDict()
 
     def apply(self, report: LoadReport) -> None:
         """Set the target's load and restart its time to live."""
@@ -88,6 +87,6 @@ class LoadLedger:
         for target in [t for t in self._reported if t[0] == worker_id and rank in (None, t[1])]:
             del self._reported[target]
 
-    def reported(self) -> dict[Target, float]:
+    def reported(self) -> dict[StreamKey, float]:
         """Each tracked target's report time, by the ledger's clock."""
         return dict(self._reported)

@@ -1,17 +1,21 @@
-"""A simulated cluster: N engines with real publishers, one subscriber, one prefix index.
+"""A simulated cluster: N engines with real publishers, one subscriber, one index service.
 
 Every (worker, rank) is a stream: a :class:`~kvevents.publish.publisher.ZmqPublisher` bound on
 ``tcp://127.0.0.1:0`` with a replay endpoint, read by one
-:class:`~kvevents.subscribe.subscriber.Subscriber` whose deliveries feed a
-:class:`~kvevents.index.prefix.PrefixIndex` on the caller's thread. With a drop rate, live messages
-pass a :class:`~kvevents.sim.faults.LossyRelay` that loses a seeded fraction of them, so the
-subscriber's replays are exercised.
+:class:`~kvevents.subscribe.subscriber.Subscriber`. The subscriber feeds the cluster's
+:class:`~kvevents.sim.arrivals.Arrivals` (a sink that holds what arrives), and the cluster
+hands each batch, on the caller's thread, to an
+:class:`~kvevents.service.core.IndexService`'s sink over the cluster's
+:class:`~kvevents.index.prefix.PrefixIndex`: the production path, payloads as they came off the
+wire. With a drop rate, live messages pass a :class:`~kvevents.sim.faults.LossyRelay` that loses
+a seeded fraction of them, so the subscriber's replays are exercised.
 
 :meth:`Cluster.sync` is what makes a run reproducible: it returns once the subscriber has
 delivered, for every stream, the last sequence number its publisher allocated (or raises
 :class:`~kvevents.errors.SyncTimeout` at the deadline), so the index then reflects every event
 published so far. ``transport="direct"`` hands batches to the index in-process with no
-sockets: the same bookkeeping, for pure tests and quick sizing runs.
+sockets (each batch encoded, as a publisher would): the same bookkeeping and the same
+service path, for pure tests and quick sizing runs.
 
 :meth:`Cluster.accuracy` compares the index with the engines' exact cached block sets.
 """
@@ -27,11 +31,15 @@ from typing import Any, Literal
 
 from kvevents.deadline import Deadline
 from kvevents.errors import SyncTimeout
-from kvevents.events import KVEventBatch
+from kvevents.events import KVEventBatch, StreamKey
 from kvevents.index.prefix import HolderKey, PrefixIndex
+from kvevents.service.core import IndexService
+from kvevents.service.feed import WorkerRegistration
+from kvevents.sim.arrivals import Arrival, Arrivals
 from kvevents.sim.cache import CPU, GPU
 from kvevents.sim.engine import EngineConfig, SimulatedEngine
-from kvevents.subscribe.streams import StreamKey
+from kvevents.subscribe.streams import FeedHealth, StreamSpec, StreamStats, SubscriberStats
+from kvevents.wire import encode_batch
 
 __all__ = ["Accuracy", "Cluster", "ClusterConfig", "FeedCounters", "HolderAccuracy"]
 
@@ -169,7 +177,7 @@ class _Stream:
     published: int = -1
     delivered: int = -1
     last_ts: float = 0.0
-    held: deque[KVEventBatch] = field(default_factory=deque)
+    held: deque[Arrival] = field(default_factory=deque)
 
     def publish(self, batch: KVEventBatch) -> int:
         seq: int = self.publisher.publish(batch)
@@ -178,19 +186,50 @@ class _Stream:
         return seq
 
 
-class _DirectSink:
-    """The in-process transport: ``publish`` queues the batch for the cluster to apply."""
+#: Where the direct transport's streams "are": nothing connects there.
+_DIRECT = "inproc://kvevents-sim-direct"
 
-    def __init__(self, key: StreamKey, queue: deque[tuple[StreamKey, int, KVEventBatch]]) -> None:
-        self._key = key
-        self._queue = queue
+
+class _DirectPublisher:
+    """The in-process transport: ``publish`` encodes the batch and hands it to the cluster's
+    arrivals, as a subscriber would once it came off the wire."""
+
+    def __init__(self, key: StreamKey, arrivals: Arrivals) -> None:
+        self._spec = StreamSpec(key[0], key[1], _DIRECT)
+        self._arrivals = arrivals
         self._next = 0
 
     def publish(self, batch: KVEventBatch) -> int:
         seq = self._next
         self._next += 1
-        self._queue.append((self._key, seq, batch))
+        self._arrivals.apply(self._spec, seq, encode_batch(batch))
         return seq
+
+
+class _OwnStreams:
+    """The index service's feed in a cluster: the cluster reads its streams itself (its
+    subscriber's specs are known when it starts), so there is nothing to add or start here."""
+
+    def add_stream(self, spec: StreamSpec) -> None:
+        pass
+
+    def remove_stream(self, worker_id: str, rank: int | None = None) -> None:
+        pass
+
+    def start(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def stats(self) -> SubscriberStats:
+        return SubscriberStats()
+
+    def stream_stats(self) -> dict[StreamKey, StreamStats]:
+        return {}
+
+    def health(self) -> FeedHealth:
+        return FeedHealth("ok", True)
 
 
 class Cluster:
@@ -205,12 +244,16 @@ class Cluster:
         self.config = cfg = config or ClusterConfig()
         self.worker_ids = [f"w{i}" for i in range(cfg.workers)]
         self.index = PrefixIndex(block_size=cfg.block_size)
+        #: The index's service: every batch reaches the index through its sink.
+        self.service = IndexService(
+            self.index, feed=lambda sink: _OwnStreams(), stream_specs=lambda reg: []
+        )
         self.engines: dict[str, SimulatedEngine] = {}
         self.streams: dict[StreamKey, _Stream] = {}
         self.staleness = 0.0
         self.heartbeats = 0
         self._clock = clock
-        self._direct: deque[tuple[StreamKey, int, KVEventBatch]] = deque()
+        self._arrivals = Arrivals()
         self._subscriber: Any = None
         self._relay: Any = None
         self._rule: Any = None
@@ -227,7 +270,8 @@ class Cluster:
                 self.engines[worker] = SimulatedEngine(
                     cfg.engine_config(), publishers=sinks, clock=self._clock
                 )
-                self.index.register_worker(worker, block_size=cfg.block_size, ranks=cfg.ranks)
+                reg = WorkerRegistration(worker, _DIRECT, cfg.block_size, tuple(range(cfg.ranks)))
+                self.service.register(reg, persist=False)
             if cfg.transport == "zmq":
                 self._connect()
         except BaseException:
@@ -257,7 +301,7 @@ class Cluster:
 
     def _open_stream(self, key: StreamKey) -> _Stream:
         if self.config.transport == "direct":
-            publisher: Any = _DirectSink(key, self._direct)
+            publisher: Any = _DirectPublisher(key, self._arrivals)
         else:
             from kvevents.config import KVEventsConfig
             from kvevents.publish.publisher import create_publisher
@@ -275,7 +319,7 @@ class Cluster:
 
     def _connect(self) -> None:
         from kvevents.sim.faults import DropRule, LossyRelay
-        from kvevents.subscribe.streams import StreamSpec, SubscriberOptions
+        from kvevents.subscribe.streams import SubscriberOptions
         from kvevents.subscribe.subscriber import Subscriber
 
         live = {k: s.publisher.endpoint for k, s in self.streams.items()}
@@ -288,7 +332,8 @@ class Cluster:
             StreamSpec(k[0], k[1], live[k], s.publisher.replay_endpoint)
             for k, s in self.streams.items()
         ]
-        self._subscriber = Subscriber(specs, options=SubscriberOptions(gap_log_interval=60.0))
+        options = SubscriberOptions(gap_log_interval=60.0)
+        self._subscriber = Subscriber(specs, sink=self._arrivals, options=options)
         self._subscriber.start()
         with _quiet(logging.getLogger("kvevents.subscribe.subscriber")):
             self._handshake()
@@ -359,7 +404,7 @@ class Cluster:
         for stream in self.streams.values():
             held = stream.held
             while held and (cutoff is None or held[0].ts <= cutoff):
-                self.index.apply(stream.key[0], stream.key[1], held.popleft())
+                self._apply(held.popleft())
 
     def _reveal_tail_drops(self) -> None:
         # A subscriber sees a lost message only when a later one arrives. When the rule drops
@@ -372,35 +417,27 @@ class Cluster:
                 self.heartbeats += 1
 
     def _take(self, timeout: float) -> bool:
-        """Receive one item and account for it; False when none came within ``timeout``."""
-        if self._subscriber is None:
-            if not self._direct:
-                return False
-            key, seq, batch = self._direct.popleft()
-            self._deliver(key, seq, batch)
-            return True
-        item = (
-            self._subscriber.get(timeout=timeout) if timeout > 0 else self._subscriber.get_nowait()
-        )
-        if item is None:
+        """Take one arrival and account for it; False when none came within ``timeout``."""
+        arrival = self._arrivals.take(timeout)
+        if arrival is None:
             return False
-        key = item.stream.key
-        if hasattr(item, "batch"):
-            self._deliver(key, item.seq, item.batch)
-        else:
+        stream = self.streams[arrival.stream.key]
+        if arrival.payload is None:
             # A restart: drop the stream; replayed deliveries from 0 rebuild it.
-            self.streams[key].held.clear()
-            self.streams[key].delivered = -1
-            self.index.reset_stream(*key)
+            stream.held.clear()
+            stream.delivered = -1
+            self.service.reset(arrival.stream, "restart")
+            return True
+        stream.delivered = arrival.seq
+        if self.staleness > 0 or stream.held:
+            stream.held.append(arrival)
+        else:
+            self._apply(arrival)
         return True
 
-    def _deliver(self, key: StreamKey, seq: int, batch: KVEventBatch) -> None:
-        stream = self.streams[key]
-        stream.delivered = seq
-        if self.staleness > 0 or stream.held:
-            stream.held.append(batch)
-        else:
-            self.index.apply(key[0], key[1], batch)
+    def _apply(self, arrival: Arrival) -> None:
+        assert arrival.payload is not None
+        self.service.apply(arrival.stream, arrival.seq, arrival.payload)
 
     # ------------------------------------------------------------------ checks and counters
 

@@ -21,7 +21,7 @@ from typing import Any
 import xxhash
 import zmq
 
-from kvevents.subscribe.streams import StreamKey
+from kvevents.events import StreamKey
 from kvevents.wire import unpack_seq
 
 __all__ = ["DropRule", "LossyRelay", "RelayStats"]

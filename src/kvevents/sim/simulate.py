@@ -23,7 +23,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvevents.index.decision import Decision, RouteInputs, Target
+from kvevents.events import StreamKey
+from kvevents.index.decision import Decision, RouteInputs
 from kvevents.index.router import (
     DEFAULT_POLICY,
     Router,
@@ -186,7 +187,7 @@ class PolicyRun:
         self._targets = cluster.targets()
         self._uses_load = policy in (*KV_AWARE, "oracle")
         self.arrivals: dict[str, float] = {}
-        self.routed: Counter[Target] = Counter()
+        self.routed: Counter[StreamKey] = Counter()
         self.rejected = 0
         self.steps = 0
         #: The router's latest decision (for a live view: what decided, in words).
@@ -219,7 +220,7 @@ class PolicyRun:
 
     # ------------------------------------------------------------------ requests
 
-    def submit(self, request: Request, arrival: float) -> Target | None:
+    def submit(self, request: Request, arrival: float) -> StreamKey | None:
         """Route ``request`` arriving at virtual ``arrival`` and queue it on the winner."""
         self.advance(arrival)
         cutoff = self._start_time + arrival - self.config.staleness
@@ -243,7 +244,7 @@ class PolicyRun:
             self.check()
         return target
 
-    def route(self, request: Request) -> Target | None:
+    def route(self, request: Request) -> StreamKey | None:
         if self._uses_load:
             self._update_loads()
         if self.policy == "oracle":
@@ -259,7 +260,7 @@ class PolicyRun:
                 worker, rank, queued_blocks=load.queued_blocks, active_blocks=load.active_blocks
             )
 
-    def _oracle(self, request: Request) -> Target | None:
+    def _oracle(self, request: Request) -> StreamKey | None:
         engines = self.cluster.engines
         first: SimulatedEngine = next(iter(engines.values()))
         hashes = first.block_hashes(request.token_ids)

@@ -21,9 +21,36 @@ from kvevents.subscribe.streams import (
     SubscriberOptions,
 )
 
-__all__ = ["LiveStream", "open_stream"]
+__all__ = ["LiveStream", "StreamCounts", "open_stream"]
 
 log = logging.getLogger("kvevents.subscribe.subscriber")
+
+
+@dataclass(slots=True)
+class StreamCounts:
+    """A stream's running counters, kept by the I/O thread: the mutable twin of
+    :class:`~kvevents.subscribe.streams.StreamCounters` (same fields, each documented there),
+    so that a counter's name is checked by mypy, not found at run time."""
+
+    received: int = 0
+    delivered: int = 0
+    duplicates: int = 0
+    gaps: int = 0
+    replays: int = 0
+    replayed: int = 0
+    unrecoverable: int = 0
+    missing: int = 0
+    restarts: int = 0
+    decode_errors: int = 0
+    skipped_events: int = 0
+    events: int = 0
+    failures: int = 0
+    shed: int = 0
+    oversized: int = 0
+
+    def frozen(self) -> dict[str, int]:
+        """The counters by name, as :class:`StreamCounters` takes them."""
+        return {name: getattr(self, name) for name in STREAM_COUNTERS}
 
 
 @dataclass
@@ -36,15 +63,12 @@ class LiveStream:
     receive: Burst
     ticket: int = 0
     state: StreamState = "new"
-    counts: dict[str, int] = field(default_factory=dict)
+    counts: StreamCounts = field(default_factory=StreamCounts)
     last_seq: int | None = None
     last_ts: float | None = None
     # The first sequence shed in this turn (the outbox was over its byte budget): every later
     # delivery of the turn is shed too, so that the replay rebuilds them in order.
     shed_from: int | None = None
-
-    def add(self, name: str, amount: int = 1) -> None:
-        self.counts[name] = self.counts.get(name, 0) + amount
 
     def stats(self, now: float) -> StreamStats:
         """A snapshot of the counters (read from another thread: approximate)."""
@@ -55,7 +79,7 @@ class LiveStream:
             state="failed" if self.state == "failed" else self.cursor.state,
             last_seq=self.last_seq,
             lag_seconds=lag,
-            **self.counts,
+            **self.counts.frozen(),
         )
 
 
@@ -87,9 +111,7 @@ def open_stream(
         window=options.duplicate_window,
         digest=payload_digest(),
     )
-    return LiveStream(
-        spec, cursor, sub, burst_receiver_for(sub), counts=dict.fromkeys(STREAM_COUNTERS, 0)
-    )
+    return LiveStream(spec, cursor, sub, burst_receiver_for(sub))
 
 
 @functools.cache

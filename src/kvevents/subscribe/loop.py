@@ -3,7 +3,8 @@
 One SUB per stream (sequences are comparable only within a stream, and a SUB connected to
 several endpoints cannot tell which one a message came from), one wake-up PAIR for commands
 from other threads, and the replay client's DEALERs, all on one poller. What becomes of each
-message once its stream's cursor has judged it is in :mod:`kvevents.subscribe.actions`.
+message once its stream's cursor has judged it is the :class:`~kvevents.subscribe.courier.Courier`'s
+job: to the sink, or replayed.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ import time
 import zmq
 
 from kvevents.errors import DecodeError, StreamAddError
+from kvevents.events import StreamKey
 from kvevents.ratelimit import RateLimitedWarning
-from kvevents.subscribe.actions import Actions
 from kvevents.subscribe.commands import (
     AddFailed,
     AddRequest,
@@ -26,17 +27,15 @@ from kvevents.subscribe.commands import (
     RemoveStreams,
     Stop,
 )
+from kvevents.subscribe.courier import Courier
 from kvevents.subscribe.cursor import Deliver
 from kvevents.subscribe.fdlimit import room_for_stream
-from kvevents.subscribe.handover import Handover
 from kvevents.subscribe.live import LiveStream, open_stream
-from kvevents.subscribe.outbox import Outbox
+from kvevents.subscribe.queueing import QueueSink
 from kvevents.subscribe.replay import ReplayBatch, ReplayClient, ReplayEvent
+from kvevents.subscribe.sink import Sink
 from kvevents.subscribe.streams import (
     FeedHealth,
-    Item,
-    StreamKey,
-    StreamReset,
     StreamSpec,
     StreamStats,
     StreamStatus,
@@ -54,17 +53,27 @@ _READ_BYTES = 4 << 20
 _MAX_POLL_MS = 1000
 
 
-class Loop(Actions):
+class Loop:
     """The body of the I/O thread. Other threads only call :meth:`command` and read stats.
 
-    What it does with each message once the cursor has judged it is in :class:`Actions`.
+    It feeds ``sink``; ``queue`` is the sink again when it is the subscriber's own queue
+    (then shed batches are replayed once it has room). What becomes of each message once the
+    cursor has judged it is the :class:`~kvevents.subscribe.courier.Courier`'s (made when the
+    thread starts, with the replay client).
     """
 
-    def __init__(self, specs: list[StreamSpec], options: SubscriberOptions, outbox: Outbox[Item]):
+    def __init__(
+        self,
+        specs: list[StreamSpec],
+        options: SubscriberOptions,
+        sink: Sink,
+        queue: QueueSink | None = None,
+    ) -> None:
         self.options = options
-        self.outbox = outbox
         self.streams: dict[StreamKey, LiveStream] = {}
-        self.callback_errors = 0
+        self.courier: Courier | None = None
+        self._sink = sink
+        self._queue = queue
         # Why the thread died (None while it runs or after a clean stop).
         self.error: str | None = None
         # When the current turn of work began (None while waiting for work): stall detection.
@@ -73,15 +82,14 @@ class Loop(Actions):
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         # Before the first socket: libzmq fixes the limit when it creates its socket table.
         self._ctx.set(zmq.MAX_SOCKETS, options.max_sockets)
-        self._limits = options.decode_limits
         self._warnings = RateLimitedWarning(
             log, interval=options.gap_log_interval, clock=options.wall_clock
         )
         self._mailbox = Mailbox(self._ctx)
         self._by_socket: dict[zmq.Socket[bytes], LiveStream] = {}
         self._running = True
-        self._turn = Handover(outbox, options.queue_bytes)
-        outbox.on_low = self.wake
+        if queue is not None:
+            queue.outbox.on_low = self.wake
 
     # ------------------------------------------------------------------ other threads
 
@@ -136,6 +144,9 @@ class Loop(Actions):
             options=self.options.replay,
             max_message_size=self.options.max_message_size,
         )
+        self.courier = Courier(
+            self._sink, self._queue, self.replays, self.streams, self.options, self._warnings
+        )
         for spec in self._initial:
             try:
                 self._add(spec)
@@ -172,8 +183,7 @@ class Loop(Actions):
             else:
                 self._on_replay_events(self.replays.handle(sock))
         self._on_replay_events(self.replays.tick())
-        self._turn.flush()
-        self._after_shedding()
+        self._courier.end_turn()
         self.busy_since = None
 
     def _on_wake(self, wake: zmq.Socket[bytes]) -> None:
@@ -229,7 +239,7 @@ class Loop(Actions):
                 continue
             stream = self.streams.pop(stream_key)
             self._detach(stream)
-            self._emit(StreamReset(stream.spec, "removed"))
+            self._courier.reset(stream, "removed")
 
     def _detach(self, stream: LiveStream) -> None:
         """Close the stream's sockets (its replay's too); idempotent."""
@@ -242,7 +252,7 @@ class Loop(Actions):
         """An error of the stream's own: it costs that stream only. It is detached (a broken
         socket would otherwise fail again on every turn), counted, logged once, and
         reported ``"failed"``; removing and adding it again starts it afresh."""
-        stream.add("failures")
+        stream.counts.failures += 1
         self._detach(stream)
         spec = stream.spec
         log.error(
@@ -253,7 +263,7 @@ class Loop(Actions):
             exc_info=exc,
         )
         stream.state = "failed"
-        self._publish_status(StreamStatus(spec, "failed"))
+        self._courier.status(StreamStatus(spec, "failed"))
 
     # ------------------------------------------------------------------ messages
 
@@ -261,26 +271,28 @@ class Loop(Actions):
         # The hot path of the whole subscriber: one call receives a burst, and a shortcut
         # takes the common case (a batch delivered in order on a live stream).
         cursor = stream.cursor
+        courier = self._courier
         messages = stream.receive(_READ_BURST, _READ_BYTES)
-        stream.counts["received"] += len(messages)
+        stream.counts.received += len(messages)
         for message in messages:
             if isinstance(message, tuple):
                 seq, payload = message
                 if stream.state == "live" and cursor.accept(seq, payload):
-                    self._deliver_payload(stream, seq, payload)
+                    courier.deliver(stream, seq, payload)
                     continue
                 actions = cursor.on_live(seq, payload)
             else:
                 try:
                     msg = parse_live(message)  # says what is wrong
                 except DecodeError as exc:
-                    self._decode_failed(stream, exc)
+                    courier.decode_failed(stream, exc)
                     continue
                 actions = cursor.on_live(msg.seq, msg.payload)
             if len(actions) == 1 and type(actions[0]) is Deliver and stream.state == "live":
-                self._deliver(stream, actions[0])  # changes neither the state nor the streams
+                # Changes neither the state nor the streams.
+                courier.deliver(stream, actions[0].seq, actions[0].payload)
                 continue
-            self._apply(stream, actions)
+            courier.carry_out(stream, actions)
             if stream.spec.key not in self.streams:
                 return
 
@@ -290,18 +302,18 @@ class Loop(Actions):
             if stream is None or event.ticket != stream.ticket or stream.state == "failed":
                 continue  # a removed stream, or a replay that was replaced
             try:
-                self._on_replay_event(stream, event)
+                if isinstance(event, ReplayBatch):
+                    self._courier.replayed(stream, event.seq, event.payload)
+                else:
+                    self._courier.carry_out(stream, stream.cursor.on_replay_end(event.ok))
             except Exception as exc:
                 self._stream_failed(stream, exc)
 
-    def _on_replay_event(self, stream: LiveStream, event: ReplayEvent) -> None:
-        if isinstance(event, ReplayBatch):
-            actions = stream.cursor.on_replay(event.seq, event.payload)
-            if any(type(a) is Deliver and a.seq == event.seq for a in actions):
-                stream.add("replayed")
-        else:
-            actions = stream.cursor.on_replay_end(event.ok)
-        self._apply(stream, actions)
+    @property
+    def _courier(self) -> Courier:
+        courier = self.courier
+        assert courier is not None, "the I/O thread has not started"
+        return courier
 
     # ------------------------------------------------------------------ stats
 

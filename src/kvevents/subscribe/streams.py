@@ -2,8 +2,9 @@
 
 Pure records, no sockets. :class:`StreamSpec` names one (worker, rank) stream;
 :func:`worker_streams` expands a worker's base endpoints into all its ranks (WIRE.md section
-5). :class:`Delivery`, :class:`StreamReset` and :class:`StreamStatus` are the items a
-subscriber hands out; :class:`StreamStats` and :class:`SubscriberStats` are frozen counters.
+5). :class:`StreamStatus` is what a sink is told of a stream's state; :class:`Delivery`,
+:class:`StreamReset` and :class:`StreamStatus` are the items a subscriber's own queue hands
+out; :class:`StreamStats` and :class:`SubscriberStats` are frozen counters.
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ from typing import TYPE_CHECKING, ClassVar, Literal, TypeAlias
 import msgspec
 
 from kvevents.errors import LayoutError
-from kvevents.events import KVEventBatch
+from kvevents.events import KVEventBatch, StreamKey
 from kvevents.subscribe.cursor import CursorState
-from kvevents.wire import DEFAULT_LIMITS, Applied, DecodeLimits
+from kvevents.wire import DEFAULT_LIMITS, DecodeLimits
 from kvevents.wire.endpoints import parse_endpoint, rank_endpoint
 
 if TYPE_CHECKING:  # records only: importing them here must not load zmq
@@ -44,7 +45,6 @@ __all__ = [
     "worker_streams",
 ]
 
-StreamKey: TypeAlias = tuple[str, int]
 #: Where a stream stands: the cursor's states, plus ``"failed"`` (the stream hit an error of
 #: its own and was detached; remove and add it again).
 StreamState: TypeAlias = Literal[CursorState, "failed"]
@@ -208,12 +208,14 @@ class StreamStatus:
     ``"failed"`` (detached after an error of its own: remove it and add it again).
 
     ``missing`` is the sequence range ``[start, end)`` lost for good when the state is
-    ``"incomplete"`` because of it.
+    ``"incomplete"`` because of it. ``reason``: why, in words, when the feed knows more than
+    the range (a replica whose messages were trimmed unread); None: the range says it.
     """
 
     stream: StreamSpec
     state: StreamState
     missing: tuple[int, int] | None = None
+    reason: str | None = None
 
 
 Item: TypeAlias = Delivery | StreamReset | StreamStatus
@@ -282,7 +284,8 @@ class SubscriberStats(StreamCounters):
     ``streams``: streams read now; ``incomplete``: how many are incomplete; ``failed``: how
     many are failed (detached); ``queued``: items waiting for the consumer;
     ``queued_bytes``: the payload bytes of those items;
-    ``callback_errors``: exceptions raised by callbacks; ``add_errors``: streams that could
+    ``sink_errors``: exceptions the sink raised (other than a ``DecodeError``, which counts
+    in ``decode_errors``); ``add_errors``: streams that could
     not be added (:class:`~kvevents.errors.StreamAddError`); ``max_lag``: the largest stream
     lag. The counters sum :class:`StreamStats` over current streams. ``replay_*``: what the
     replay client did: requests sent, resumes (a fresh request after a skip or silence),
@@ -295,14 +298,14 @@ class SubscriberStats(StreamCounters):
         {"failed", "incomplete", "max_lag", "queued", "queued_bytes", "streams"}
     )
 
-    streams: int
-    incomplete: int
+    streams: int = 0
+    incomplete: int = 0
     failed: int = 0
-    queued: int
+    queued: int = 0
     queued_bytes: int = 0
-    callback_errors: int
+    sink_errors: int = 0
     add_errors: int = 0
-    max_lag: float | None
+    max_lag: float | None = None
     replay_requests: int = 0
     replay_resumes: int = 0
     replay_timeouts: int = 0
@@ -343,20 +346,15 @@ class SubscriberOptions:
     memory: read 100,000 ahead, 16 pre-queued streams were ingested about 20% slower
     (docs/subscriber.md). ``queue_bytes``: payload bytes waiting for the consumer; past it
     batches are shed (counted in ``shed``), the stream reported ``"incomplete"`` and rebuilt by a
-    replay from the first shed batch once the queue is half empty. ``callback``: called on
-    the I/O thread with every item instead of queueing it (keep it quick). ``on_status``:
-    called on the I/O thread with every :class:`StreamStatus`; ``status_items`` also queues
-    them. ``max_buffered``: live messages held per stream during a replay, and
+    replay from the first shed batch once the queue is half empty. ``queue_size``,
+    ``queue_bytes`` and ``status_items`` (queue every :class:`StreamStatus` too) concern the
+    subscriber's own queue only: a subscriber given a sink queues nothing and sheds nothing.
+    ``max_buffered``: live messages held per stream during a replay, and
     ``max_buffered_bytes`` their payload bytes (past either the replay is abandoned and the
     hole reported unrecoverable). ``duplicate_window``: delivered batches remembered per
     stream to tell a duplicate from a restart. ``gap_log_interval``: at most one gap warning
     per stream per that many seconds. ``wall_clock``: the clock ``lag_seconds`` is measured with.
     ``curve``: the CURVE client of every stream whose spec has none (``docs/security.md``).
-    ``on_payload``: called on the I/O thread
-    with ``(stream, seq, payload)`` of every batch due for delivery, before decoding; a
-    consumer that applies the payload itself returns an :class:`Applied` and no
-    :class:`Delivery` is made, one that returns None gets the usual delivery (the index
-    service applies payloads this way). A ``DecodeError`` it raises counts as undecodable.
     ``add_timeout``: seconds :meth:`Subscriber.add_stream` waits for the I/O thread to set a
     stream up. ``stall_after``: seconds one turn of the I/O thread may last before
     :meth:`Subscriber.health` says ``"stalled"``. ``max_sockets``: the ZeroMQ context's socket
@@ -378,13 +376,10 @@ class SubscriberOptions:
     max_buffered: int = 100_000
     max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES
     duplicate_window: int = 1024
-    callback: Callable[[Delivery | StreamReset], None] | None = None
-    on_status: Callable[[StreamStatus], None] | None = None
     status_items: bool = False
     gap_log_interval: float = 5.0
     wall_clock: Callable[[], float] = time.time
     curve: CurveClient | None = None
-    on_payload: Callable[[StreamSpec, int, bytes], Applied | None] | None = None
     add_timeout: float = 10.0
     stall_after: float = 10.0
     max_sockets: int = DEFAULT_MAX_SOCKETS

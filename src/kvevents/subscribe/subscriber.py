@@ -1,20 +1,20 @@
 """The router-side subscriber: many engines, every rank, one ordered and honest feed.
 
 A :class:`Subscriber` reads any number of (worker, rank) streams on one background I/O thread
-and hands out, per stream in sequence order:
-
-- :class:`Delivery` ``(stream, seq, batch)``: apply the batch;
-- :class:`StreamReset` ``(stream, reason)``: drop everything held for the stream (the
-  publisher restarted, or the stream was removed); the deliveries that follow rebuild it.
+and feeds a :class:`~kvevents.subscribe.sink.Sink`, per stream in sequence order: each batch
+(``apply``), each reset (``reset``: the publisher restarted, or the stream was removed; the
+batches that follow rebuild it) and each change of a stream's state (``status``).
 
 Gaps are replayed, late joins replay from 0, duplicates are dropped, restarts reset the
 stream. What cannot be recovered is delivered around, counted, marks the stream
 ``"incomplete"`` in :meth:`Subscriber.stream_stats`, and is reported as a
-:class:`StreamStatus` (to ``SubscriberOptions.on_status``, and to the queue with
-``status_items=True``). See docs/subscriber.md for what a consumer should do with each.
+:class:`StreamStatus`. See docs/subscriber.md for what a consumer should do with each.
 
-Consume with :meth:`Subscriber.get`, by iterating (blocking, until :meth:`Subscriber.close`),
-with ``async for`` over an :class:`AsyncSubscriber`, or with ``SubscriberOptions.callback``.
+Without a sink of its own, a subscriber feeds its queue
+(:class:`~kvevents.subscribe.queueing.QueueSink`): :class:`Delivery` and
+:class:`StreamReset` items (and :class:`StreamStatus` ones with ``status_items=True``),
+consumed with :meth:`Subscriber.get`, by iterating (blocking, until
+:meth:`Subscriber.close`), or with ``async for`` over an :class:`AsyncSubscriber`.
 """
 
 from __future__ import annotations
@@ -26,14 +26,16 @@ import threading
 from collections.abc import AsyncIterator, Iterable, Iterator
 from types import TracebackType
 
-from kvevents.errors import StreamAddError, SubscriberClosed
+from kvevents.errors import StreamAddError, SubscriberClosed, SubscriberError
+from kvevents.events import StreamKey
 from kvevents.subscribe.loop import Loop
 from kvevents.subscribe.outbox import Outbox
+from kvevents.subscribe.queueing import QueueSink
+from kvevents.subscribe.sink import Sink
 from kvevents.subscribe.streams import (
     STREAM_COUNTERS,
     FeedHealth,
     Item,
-    StreamKey,
     StreamSpec,
     StreamStats,
     SubscriberOptions,
@@ -46,17 +48,26 @@ _START_TIMEOUT = 30.0
 
 
 class Subscriber:
-    """Reads many streams on one I/O thread; see the module docstring.
+    """Reads many streams on one I/O thread and feeds ``sink``; see the module docstring.
 
-    Construction has no side effect; :meth:`start` (or ``with``) connects. ``get`` and
-    iteration may be used from any one consumer thread at a time.
+    Construction has no side effect; :meth:`start` (or ``with``) connects. The sink is called
+    on the I/O thread (keep it quick: a slow one holds every stream back). Without one, ``get``
+    and iteration may be used from any one consumer thread at a time.
     """
 
     def __init__(
-        self, streams: Iterable[StreamSpec] = (), *, options: SubscriberOptions | None = None
+        self,
+        streams: Iterable[StreamSpec] = (),
+        *,
+        sink: Sink | None = None,
+        options: SubscriberOptions | None = None,
     ) -> None:
         self.options = options or SubscriberOptions()
         self._outbox: Outbox[Item] = Outbox(self.options.queue_size)
+        self._queue: QueueSink | None = None
+        if sink is None:
+            sink = self._queue = QueueSink(self._outbox, self.options)
+        self._sink = sink
         self._specs: dict[StreamKey, StreamSpec] = {}
         self._lock = threading.Lock()
         self._loop: Loop | None = None
@@ -75,7 +86,7 @@ class Subscriber:
                 raise SubscriberClosed("subscriber was closed; create a new one")
             if self._thread is not None:
                 return
-            loop = Loop(list(self._specs.values()), self.options, self._outbox)
+            loop = Loop(list(self._specs.values()), self.options, self._sink, self._queue)
             ready = threading.Event()
             failure: list[BaseException] = []
             thread = threading.Thread(
@@ -166,7 +177,10 @@ class Subscriber:
     # ------------------------------------------------------------------ consuming
 
     def get(self, timeout: float | None = None) -> Item | None:
-        """The next item; None after ``timeout`` seconds; SubscriberClosed once closed and drained."""
+        """The next item; None after ``timeout`` seconds; SubscriberClosed once closed and drained.
+
+        Only without a sink of one's own (else :class:`~kvevents.errors.SubscriberError`)."""
+        self._check_queued()
         ok, item = self._outbox.get(timeout)
         if ok:
             return item
@@ -180,11 +194,18 @@ class Subscriber:
 
     def __iter__(self) -> Iterator[Item]:
         """Every item, blocking, until the subscriber is closed and drained."""
+        self._check_queued()
         while True:
             ok, item = self._outbox.get(None)
             if not ok:
                 return
             yield item  # type: ignore[misc]
+
+    def _check_queued(self) -> None:
+        if self._queue is None:
+            raise SubscriberError(
+                "this subscriber feeds the sink it was given: it queues nothing to get"
+            )
 
     # ------------------------------------------------------------------ stats
 
@@ -196,7 +217,7 @@ class Subscriber:
             return FeedHealth("dead", False, 0.0, why)
         return loop.health(thread.is_alive())
 
-    def stream_stats(self) -> dict[tuple[str, int], StreamStats]:
+    def stream_stats(self) -> dict[StreamKey, StreamStats]:
         """Counters of every stream read now, by (worker_id, rank)."""
         loop = self._loop
         if loop is None:
@@ -204,7 +225,7 @@ class Subscriber:
         return {key: loop.stream_stats(s) for key, s in list(loop.streams.items())}
 
     def stats(self) -> SubscriberStats:
-        """Totals over every stream, plus queue depth and callback errors."""
+        """Totals over every stream, plus queue depth and sink errors."""
         per_stream = list(self.stream_stats().values())
         lags = [s.lag_seconds for s in per_stream if s.lag_seconds is not None]
 
@@ -218,7 +239,7 @@ class Subscriber:
             **totals,
             queued=len(self._outbox),
             queued_bytes=self._outbox.bytes,
-            callback_errors=0 if loop is None else loop.callback_errors,
+            sink_errors=0 if loop is None or loop.courier is None else loop.courier.sink_errors,
             add_errors=self._add_errors,
             max_lag=max(lags) if lags else None,
             **{f"replay_{name}": value for name, value in replay.items()},
@@ -269,7 +290,7 @@ class AsyncSubscriber:
         """See :meth:`Subscriber.health`."""
         return self.sync.health()
 
-    def stream_stats(self) -> dict[tuple[str, int], StreamStats]:
+    def stream_stats(self) -> dict[StreamKey, StreamStats]:
         """See :meth:`Subscriber.stream_stats`."""
         return self.sync.stream_stats()
 

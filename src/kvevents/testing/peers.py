@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import zmq
 
-from kvevents.events import KVEventBatch
+from kvevents.events import KVEventBatch, StreamKey
 from kvevents.subscribe.streams import Delivery, StreamReset, StreamStatus
 from kvevents.testing.fixtures import heartbeat
 from kvevents.testing.sockets import unique_inproc
@@ -237,7 +237,7 @@ class Collector:
 
     def __init__(self, subscriber: Subscriber) -> None:
         self.subscriber = subscriber
-        self.delivered: dict[tuple[str, int], list[tuple[int, KVEventBatch]]] = {}
+        self.delivered: dict[StreamKey, list[tuple[int, KVEventBatch]]] = {}
         self.resets: list[StreamReset] = []
         self.statuses: list[StreamStatus] = []
 
@@ -260,7 +260,7 @@ class Collector:
         else:
             self.statuses.append(item)
 
-    def seqs(self, key: tuple[str, int]) -> list[int]:
+    def seqs(self, key: StreamKey) -> list[int]:
         """Delivered sequence numbers of one stream since its last reset."""
         return [seq for seq, _ in self.delivered.get(key, [])]
 
@@ -274,9 +274,7 @@ class Collector:
                 raise TimeoutError(f"timed out after {timeout}s waiting for {what or predicate}")
             self.pump()
 
-    def handshake(
-        self, publisher: RawPublisher, key: tuple[str, int], timeout: float = 10.0
-    ) -> None:
+    def handshake(self, publisher: RawPublisher, key: StreamKey, timeout: float = 10.0) -> None:
         """Publish heartbeats until ``key`` delivered one: the SUB is connected (slow joiner)."""
         deadline = time.monotonic() + timeout
         while not self.delivered.get(key):
@@ -285,11 +283,11 @@ class Collector:
             publisher.publish(heartbeat())
             self.pump(0.02)
 
-    def caught_up(self, publisher: RawPublisher, key: tuple[str, int]) -> bool:
+    def caught_up(self, publisher: RawPublisher, key: StreamKey) -> bool:
         """True when ``key`` delivered up to the publisher's last sequence."""
         return self.seqs(key)[-1:] == [publisher.next_seq - 1]
 
-    def matches(self, publisher: RawPublisher, key: tuple[str, int]) -> bool:
+    def matches(self, publisher: RawPublisher, key: StreamKey) -> bool:
         """True when the stream delivered exactly what ``publisher`` published, in order."""
         got = self.delivered.get(key, [])
         want = [(seq, decode_batch(payload).batch) for seq, payload in publisher.published]

@@ -187,8 +187,6 @@ class _PausableForwarder(Forwarder):
 class PausablePublisher(ZmqPublisher):
     """A :class:`ZmqPublisher` whose forwarding tests can pause (see :func:`paused_forwarding`)."""
 
-    _forwarder: _PausableForwarder | None
-
     def _new_forwarder(self, context: zmq.Context[Any], names: dict[str, str]) -> Forwarder:
         return _PausableForwarder(
             context,
@@ -201,7 +199,7 @@ class PausablePublisher(ZmqPublisher):
 
     def pause_forwarding(self, timeout: float = 10.0) -> None:
         """Stop moving batches to the PUB socket until :meth:`resume_forwarding`."""
-        forwarder = self._forwarder
+        forwarder = self._pausable()
         if forwarder is None or self._state != "started":
             raise PublisherError(f"publisher for rank {self.rank} is not running")
         forwarder.command = "pause"
@@ -218,8 +216,15 @@ class PausablePublisher(ZmqPublisher):
 
     def resume_forwarding(self) -> None:
         """Move batches again."""
-        if self._forwarder is not None:
-            self._forwarder.resume("run")
+        forwarder = self._pausable()
+        if forwarder is not None:
+            forwarder.resume("run")
+
+    def _pausable(self) -> _PausableForwarder | None:
+        """The running forwarder (made by :meth:`_new_forwarder`: always pausable)."""
+        forwarder = self._forwarder
+        assert forwarder is None or isinstance(forwarder, _PausableForwarder)
+        return forwarder
 
 
 @contextlib.contextmanager

@@ -19,6 +19,7 @@ import sys
 from collections.abc import Sequence
 from typing import IO, Any
 
+from kvevents.events import StreamKey
 from kvevents.testing._process import IndexerProcess
 from kvevents.testing.sockets import Deadline
 
@@ -146,7 +147,7 @@ class ServiceIndexer(IndexerProcess):
 
     def matched_blocks(
         self, token_ids: Sequence[int], block_size: int | None = None
-    ) -> dict[tuple[str, int], int]:
+    ) -> dict[StreamKey, int]:
         """Matched prefix length in blocks per (worker id, rank); absent means 0.
 
         ``block_size`` is accepted for symmetry with ``DynamoIndexer``, whose replies count

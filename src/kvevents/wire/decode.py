@@ -20,7 +20,15 @@ from typing import Any
 import msgspec
 
 from kvevents.errors import DecodeError
-from kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored, Event, KVEventBatch
+from kvevents.events import (
+    NIL,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Event,
+    KVEventBatch,
+    PackedStored,
+)
 from kvevents.wire.generic import decode_generic
 from kvevents.wire.records import (
     DEFAULT_LIMITS,
@@ -45,7 +53,6 @@ __all__ = [
 ]
 
 _batch_decoder = msgspec.msgpack.Decoder(KVEventBatch)
-_any_decoder = msgspec.msgpack.Decoder()
 
 
 # Typed shapes of the array-form events (vLLM up to 0.23, SGLang before its map change).
@@ -85,15 +92,14 @@ _array_decoder = msgspec.msgpack.Decoder(_ArrayBatch)
 
 # Probes: the tokens and extra_keys of every event, still encoded, for a large payload's
 # typed paths (decoded whole, 3-byte tokens cost 12 bytes per byte and empty lists in the
-# free-form extra_keys 64).
-_NIL = msgspec.Raw(b"\xc0")
+# free-form extra_keys 64). An absent one is NIL.
 # Below this size a payload cannot cost more than a few megabytes whatever it holds.
 _PROBE_FROM = 64 * 1024
 
 
 class _MapProbe(msgspec.Struct, tag="BlockStored", tag_field="type", gc=False):
-    token_ids: msgspec.Raw = _NIL
-    extra_keys: msgspec.Raw = _NIL
+    token_ids: msgspec.Raw = NIL
+    extra_keys: msgspec.Raw = NIL
 
 
 class _MapProbeRemoved(msgspec.Struct, tag="BlockRemoved", tag_field="type", gc=False):
@@ -106,14 +112,14 @@ class _MapProbeCleared(msgspec.Struct, tag="AllBlocksCleared", tag_field="type",
 
 class _ArrayProbe(msgspec.Struct, tag="BlockStored", array_like=True, gc=False):
     # The seven fields before extra_keys, unread.
-    f1: msgspec.Raw = _NIL
-    f2: msgspec.Raw = _NIL
-    token_ids: msgspec.Raw = _NIL
-    f4: msgspec.Raw = _NIL
-    f5: msgspec.Raw = _NIL
-    f6: msgspec.Raw = _NIL
-    f7: msgspec.Raw = _NIL
-    extra_keys: msgspec.Raw = _NIL
+    f1: msgspec.Raw = NIL
+    f2: msgspec.Raw = NIL
+    token_ids: msgspec.Raw = NIL
+    f4: msgspec.Raw = NIL
+    f5: msgspec.Raw = NIL
+    f6: msgspec.Raw = NIL
+    f7: msgspec.Raw = NIL
+    extra_keys: msgspec.Raw = NIL
 
 
 class _ArrayProbeRemoved(msgspec.Struct, tag="BlockRemoved", array_like=True, gc=False):
@@ -151,10 +157,10 @@ def _too_large_for_typed(payload: bytes, limits: DecodeLimits) -> bool:
 
 
 def _over(event: object, limits: DecodeLimits) -> bool:
-    extra = getattr(event, "extra_keys", _NIL)
+    extra = getattr(event, "extra_keys", NIL)
     if len(extra) > limits.max_extra_bytes:
         return True
-    tokens = getattr(event, "token_ids", _NIL)
+    tokens = getattr(event, "token_ids", NIL)
     head = container_len(memoryview(tokens)) if len(tokens) > limits.max_tokens else None
     return head is not None and head[1] > limits.max_tokens
 
@@ -186,37 +192,6 @@ def _decode(payload: bytes, seq: int | None, limits: DecodeLimits) -> DecodedBat
     except msgspec.DecodeError:
         pass
     return decode_generic(payload, seq, limits)
-
-
-class PackedStored(
-    msgspec.Struct, tag="BlockStored", tag_field="type", kw_only=True, frozen=True, gc=False
-):
-    """A ``BlockStored`` as :func:`decode_batch_packed` reads it: ``token_ids`` is still the
-    msgpack array (a ``msgspec.Raw``), so a consumer that packs tokens itself (the prefix
-    index) makes no int object per token. ``extra_keys`` stays encoded too (the index reads it
-    only when some block has extras: :meth:`extras`); the other optional keys are decoded."""
-
-    block_hashes: list[int]
-    parent_block_hash: int | None = None
-    token_ids: msgspec.Raw
-    block_size: int
-    lora_id: int | None = None
-    medium: str | None = None
-    lora_name: str | None = None
-    extra_keys: msgspec.Raw = _NIL
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-    lookahead_token_ids: list[int] | None = None
-    locality: str | None = None
-    ownership: str | None = None
-    session_id: str | None = None
-    cache_salt: str | None = None
-
-    def extras(self) -> Any:
-        """``extra_keys`` decoded (None when absent or nil); raises ``msgspec.DecodeError``
-        only for bytes a typed decode already accepted, i.e. never in practice."""
-        return None if self.extra_keys is _NIL else _any_decoder.decode(self.extra_keys)
 
 
 class _PackedBatch(KVEventBatch, array_like=True, frozen=True, gc=False):

@@ -73,9 +73,9 @@ class DecodedBatch(msgspec.Struct, frozen=True, gc=False):
 
 
 class Applied(msgspec.Struct, frozen=True, gc=False):
-    """What a :attr:`SubscriberOptions.on_payload` consumer reports of a batch it applied
-    itself: the batch's ``ts``, its number of events, events skipped as unreadable, and
-    whether it holds an ``AllBlocksCleared`` (the stream's view is whole again after one)."""
+    """What a sink (:class:`kvevents.subscribe.sink.Sink`) reports of a batch it applied: the
+    batch's ``ts``, its number of events, events skipped as unreadable, and whether it holds
+    an ``AllBlocksCleared`` (the stream's view is whole again after one)."""
 
     ts: float
     events: int

@@ -17,9 +17,14 @@ from typing import Any
 
 import httpx
 
+from kvevents.events import StreamKey
 from kvevents.index.prefix import PrefixIndex
 from kvevents.service.core import IndexService, WorkerRegistration
-from kvevents.subscribe.streams import StreamKey, StreamSpec, SubscriberOptions
+from kvevents.service.feed import subscriber_feed
+from kvevents.subscribe.streams import (
+    StreamSpec,
+    SubscriberOptions,
+)
 from kvevents.testing.conformance.stage import NotObservable, StreamRegistration, u64
 from kvevents.testing.dynamo import DynamoIndexer, DynamoIndexerError, find_dynamo_python
 from kvevents.testing.service import ServiceIndexer
@@ -39,7 +44,7 @@ class KVEventsConsumer:
     """Our subscriber and prefix index in this process, wired as ``kvevents serve`` wires them.
 
     One :class:`~kvevents.service.core.IndexService` per scenario with its default feed: a
-    :class:`~kvevents.subscribe.subscriber.Subscriber` that applies batches on its I/O thread.
+    :class:`~kvevents.subscribe.subscriber.Subscriber` that feeds it batches on its I/O thread.
     ``index_factory`` makes the index (tests pass a deliberately broken one to prove the
     suite can fail).
     """
@@ -68,7 +73,7 @@ class KVEventsConsumer:
         }
         service = IndexService(
             self._index_factory(),
-            subscriber_options=self._options,
+            feed=subscriber_feed(self._options),
             # Our test publishers bind ephemeral ports, not base + rank: name each one.
             stream_specs=lambda reg: [specs[(reg.worker_id, r)] for r in reg.ranks],
         )

@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-from kvevents.subscribe.streams import StreamKey
+from kvevents.events import StreamKey
 from kvevents.testing.conformance.stage import (
     Consumer,
     NotObservable,

@@ -16,8 +16,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from kvevents.events import BlockRemoved, BlockStored, Event, KVEventBatch
-from kvevents.subscribe.streams import StreamKey
+from kvevents.events import BlockRemoved, BlockStored, Event, KVEventBatch, StreamKey
 from kvevents.testing.index import HashStyle, engine_hashes, store_event
 from kvevents.testing.peers import RawPublisher
 from kvevents.testing.sockets import Deadline
