@@ -13,8 +13,8 @@ import kvevents
 import kvevents.http
 from kvevents.http import _openapi, serve
 from kvevents.index.digest import holders_digest
+from kvevents.testing.feeds import FakeFeed, fake_service
 from kvevents.testing.index import batch, store_event
-from test_service import BS, LOCAL, PROMPT, FakeFeed, applied, make_service
 
 EXPORTED = [
     "ABORT",
@@ -48,6 +48,9 @@ EXPORTED = [
     "status_routes",
 ]
 ROOT = Path(kvevents.__file__).parent
+BS = 4
+PROMPT = list(range(100, 124))  # 6 blocks
+LOCAL = "tcp://127.0.0.1:6000"
 
 
 def test_the_face_exports_exactly_these_names() -> None:
@@ -82,7 +85,7 @@ def test_every_app_serves_the_digest_and_what_is_added_to_it() -> None:
     covered_seq)."""
     for extra in (None, lambda: {"covered_seq": 41}):
         feed = FakeFeed()
-        service = make_service(feed)
+        service = fake_service(feed)
         with (
             serve("127.0.0.1", 0, service=service, digest_extra=extra) as running,
             httpx.Client(base_url=running.url, timeout=10.0) as client,
@@ -90,7 +93,6 @@ def test_every_app_serves_the_digest_and_what_is_added_to_it() -> None:
             body = {"worker_id": "w", "endpoint": LOCAL, "block_size": BS}
             assert client.post("/register", json=body).status_code == 200
             feed.deliver("w", 0, batch(store_event(PROMPT, BS)))
-            applied(service, 1)
             reply = client.get("/digest")
         assert reply.status_code == 200 and reply.headers["content-type"] == "application/json"
         answer = reply.json()
