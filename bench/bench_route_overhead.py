@@ -1,12 +1,18 @@
 """The front door's own cost: time to first token added in front of a fast stand-in engine,
-and requests per second at saturation with 1, 16 and 128 concurrent streams.
+and requests per second at saturation with 1, 16 and 128 concurrent streams, next to vLLM
+Router in front of the same engine in the same run.
 
 Same-run baseline: the same client straight to the same engine. The engine
-(:class:`kvevents.testing.openai_engine.StandInEngine`) and the front door each run in their
-own process (this file with ``--serve-engine`` / ``--serve-proxy``); the client is this
-process, an asyncio client on raw sockets that stamps the first SSE event of each answer.
-``--router NAME=URL`` adds any other router in front of the same engine (start it against
-``--engine-port``) to the same run, e.g. vLLM Router for the side by side of issue #24.
+(:class:`kvevents.testing.openai_engine.StandInEngine`, this file with ``--serve-engine``) and
+each router run in their own process; the client is this process, an asyncio client on raw
+sockets that stamps the first SSE event of each answer. ``kvevents route`` is the real front
+door (``python -m kvevents route``): each request's chat rendered and tokenized with the
+model's own tokenizer and template (the tiny chat model's, built here), looked up in the index
+and planned; the engine has no event stream, so every request is routed on load, as vLLM
+Router's ``round_robin`` is. vLLM Router (``round_robin``) runs from the venv the route rig
+installs (``bench/.work/route/venvs/vllm-router``; installed here when missing; reported, not
+dropped, when it cannot be). ``--router NAME=URL`` adds any other router already in front of
+the engine on ``--engine-port``.
 
 Every answer is checked (status 200, ``data: [DONE]`` seen): a lost or failed request is
 counted and reported, never dropped from the figures.
@@ -29,10 +35,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import Row, percentile
 
 SECTION = "front door overhead in front of a stand-in engine (streamed chat, 8 tokens)"
+MODEL = "stand-in"
 BODY = (
-    b'{"model":"stand-in","messages":[{"role":"user","content":"Say hello."}],'
-    b'"stream":true,"max_tokens":8}'
+    b'{"model":"stand-in","messages":[{"role":"system","content":"You are a helpful assistant '
+    b'who answers in short sentences."},{"role":"user","content":"Say hello to the router, '
+    b'then count to three."}],"stream":true,"max_tokens":8}'
 )
+HERE = Path(__file__).resolve().parent
+WORK = HERE / ".work"
+VLLM_ROUTER = "vllm-router==0.1.17"
+VLLM_ROUTER_VENV = WORK / "route" / "venvs" / "vllm-router"
+INSTALL_TIMEOUT = 900.0
 CONCURRENCY = (1, 16, 128)
 # vLLM Router in front of a trivial backend, as measured for docs (FRONTDOOR.md): p50 1.6 ms
 # against 1.0 ms direct, so about 0.6 ms added.
@@ -143,21 +156,94 @@ def _child(args: Sequence[str]) -> tuple[subprocess.Popen[str], str]:
 def _serve_engine(port: int) -> None:
     from kvevents.testing.openai_engine import Behaviour, StandInEngine
 
-    engine = StandInEngine(port=port, behaviour=Behaviour(tokens=8)).start()
+    engine = StandInEngine(models=(MODEL,), port=port, behaviour=Behaviour(tokens=8)).start()
     print(engine.url, flush=True)
     sys.stdin.read()  # until the parent closes our stdin (or dies)
     engine.close()
 
 
-def _serve_proxy(engine_url: str) -> None:
-    from kvevents.route import EnginePool, serve
-    from kvevents.testing.route import RoundRobinPlanner
+class _Router:
+    """A router in a process of its own, listening on ``url`` once started."""
 
-    pool = EnginePool([engine_url])
-    server = serve(pool, RoundRobinPlanner(pool))
-    print(server.url, flush=True)
-    sys.stdin.read()
-    server.close()
+    def __init__(self, argv: Sequence[str], url: str) -> None:
+        self.proc = subprocess.Popen(
+            list(argv), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        )
+        self.url = url
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        """Until ``GET /health`` answers 200 (RuntimeError with its stderr if it exits)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"exited {self.proc.returncode}: {self._err()}")
+            if _healthy(self.url):
+                return
+            time.sleep(0.2)
+        raise RuntimeError(f"not ready after {timeout:.0f} s")
+
+    def _err(self) -> str:
+        assert self.proc.stderr is not None
+        return self.proc.stderr.read()[-500:]
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.communicate(timeout=15)
+
+
+def _healthy(url: str) -> bool:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=2) as answer:
+            return bool(answer.status == 200)
+    except (OSError, urllib.error.URLError):
+        return False
+
+
+def _kvevents_route(engine_url: str) -> _Router:
+    """``kvevents route`` in front of the engine, with the tiny chat model's tokenizer."""
+    from kvevents.testing.chat_model import build_tokenizer
+    from kvevents.testing.vllm_server import free_port
+
+    tokenizer = build_tokenizer(WORK / "chat-tokenizer")
+    port = free_port()
+    argv = [sys.executable, "-m", "kvevents.cli", "route", "--host", "127.0.0.1"]
+    argv += ["--port", str(port), "--engine", f"e0={engine_url}"]
+    argv += ["--tokenizer", f"{MODEL}={tokenizer}", "--block-size", "16"]
+    return _Router(argv, f"http://127.0.0.1:{port}")
+
+
+def _vllm_router(engine_url: str) -> _Router | str:
+    """vLLM Router ``round_robin`` in front of the engine, or why it cannot run."""
+    from kvevents.testing.vllm_server import free_port
+
+    binary = VLLM_ROUTER_VENV / "bin" / "vllm-router"
+    if not binary.exists():
+        why = _install(VLLM_ROUTER, VLLM_ROUTER_VENV)
+        if why is not None:
+            return why
+    port, metrics = free_port(), free_port()
+    argv = [str(binary), "--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin"]
+    argv += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics)]
+    argv += ["--worker-urls", engine_url]
+    return _Router(argv, f"http://127.0.0.1:{port}")
+
+
+def _install(requirement: str, venv: Path) -> str | None:
+    """None once ``requirement`` is installed in ``venv``, else why not."""
+    try:
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+        pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", requirement]
+        subprocess.run(pip, check=True, timeout=INSTALL_TIMEOUT, capture_output=True)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"pip install {requirement} failed: {exc}"
+    return None
 
 
 # ---------------------------------------------------------------------- the run
@@ -250,18 +336,27 @@ def run(
     latency_s: float = 4.0,
     load_s: float = 3.0,
 ) -> list[Row]:
-    """The figures: kvevents route (started here) and ``routers`` (name -> URL, already in
-    front of the engine on ``engine_port``) against the engine directly."""
+    """The figures: kvevents route and vLLM Router (started here) and ``routers`` (name ->
+    URL, already in front of the engine on ``engine_port``) against the engine directly."""
     engine, engine_url = _child(["--serve-engine", str(engine_port)])
-    proxy = None
+    started: dict[str, _Router] = {}
+    rows: list[Row] = []
     try:
-        proxy, proxy_url = _child(["--serve-proxy", engine_url])
-        everyone = {"kvevents route": proxy_url, **(routers or {})}
-        return _run_all(engine_url, everyone, {"kvevents route": proxy.pid}, latency_s, load_s)
+        started["kvevents route"] = _kvevents_route(engine_url)
+        peer = _vllm_router(engine_url)
+        if isinstance(peer, str):
+            rows.append(Row(SECTION, "vLLM Router 0.1.17", f"not run: {peer}", 0, ""))
+        else:
+            started["vLLM Router round_robin"] = peer
+        for router in started.values():
+            router.wait_ready()
+        everyone = {name: r.url for name, r in started.items()} | (routers or {})
+        pids = {name: r.proc.pid for name, r in started.items()}
+        return rows + _run_all(engine_url, everyone, pids, latency_s, load_s)
     finally:
-        for child in (proxy, engine):
-            if child is not None:
-                child.communicate(timeout=10)  # closes its stdin: it stops
+        for router in started.values():
+            router.stop()
+        engine.communicate(timeout=10)  # closes its stdin: it stops
 
 
 def _main(argv: list[str]) -> int:
@@ -271,13 +366,9 @@ def _main(argv: list[str]) -> int:
     parser.add_argument("--latency-seconds", type=float, default=4.0)
     parser.add_argument("--load-seconds", type=float, default=3.0)
     parser.add_argument("--serve-engine", type=int, metavar="PORT", help=argparse.SUPPRESS)
-    parser.add_argument("--serve-proxy", metavar="ENGINE_URL", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve_engine is not None:
         _serve_engine(args.serve_engine)
-        return 0
-    if args.serve_proxy:
-        _serve_proxy(args.serve_proxy)
         return 0
     routers = dict(r.split("=", 1) for r in args.router)
     rows = run(routers, args.engine_port, args.latency_seconds, args.load_seconds)
