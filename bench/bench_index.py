@@ -356,25 +356,13 @@ def bench_query() -> list[Row]:
     return rows
 
 
-class _IdleFeed:
-    """A feed with no streams: the HTTP benchmark fills the index directly."""
-
-    def add_stream(self, spec: Any) -> None: ...
-    def remove_stream(self, worker_id: str, rank: int | None = None) -> None: ...
-    def start(self) -> None: ...
-    def close(self) -> None: ...
-    def stats(self) -> None: ...
-
-    def get(self, timeout: float | None = None) -> None:
-        time.sleep(timeout or 0.1)
-
-
 def _http_child(conn: Any) -> None:
     from kvevents.http import serve
     from kvevents.service.core import IndexService
+    from kvevents.testing.feeds import FakeFeed
 
-    index, _, _ = query_setup()
-    service = IndexService(index, feed=_IdleFeed(), stream_specs=lambda reg: [])
+    index, _, _ = query_setup()  # filled directly: the feed has no streams
+    service = IndexService(index, feed=FakeFeed(), stream_specs=lambda reg: [])
     with serve("127.0.0.1", 0, service=service) as server:
         conn.send(server.port)
         conn.recv()
