@@ -19,10 +19,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from harness import Row, percentile
-from kvevents.index.digest import index_digest
-from kvevents.index.prefix import PrefixIndex
-from kvevents.publish.publisher import PublisherOptions, ZmqPublisher
-from kvevents.service.feed import WorkerRegistration
+from kvevents.index._digest import index_digest
+from kvevents.index._prefix import PrefixIndex
+from kvevents.publish._publisher import PublisherOptions, ZmqPublisher
+from kvevents.service._feed import WorkerRegistration
 from kvevents.subscribe import StreamSpec, StreamStatus, Subscriber
 from kvevents.testing.fixtures import typical_batch
 from kvevents.testing.nats import NatsServer, find_nats_server

@@ -22,8 +22,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvevents.index import _table as blocktable
 from kvevents.index import _table_py as py_impl
-from kvevents.index import table as blocktable
 
 try:
     c_impl: ModuleType | None = blocktable._load_native()

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored
-from kvevents.sim.cache import CPU, GPU, RankCache
-from kvevents.sim.hashing import engine_chain_hashes
+from kvevents.sim._cache import CPU, GPU, RankCache
+from kvevents.sim._hashing import engine_chain_hashes
 from kvevents.testing.engine import BlockSets, small_cache
 
 BS = 2

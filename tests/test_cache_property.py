@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvevents.sim.cache import CPU, GPU, PrefixCache
-from kvevents.sim.hashing import engine_chain_hashes
+from kvevents.sim._cache import CPU, GPU, PrefixCache
+from kvevents.sim._hashing import engine_chain_hashes
 from kvevents.testing.engine import BlockSets
 
 BS = 2

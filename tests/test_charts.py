@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import xml.etree.ElementTree as ET
 
-from kvevents.sim.charts import evaluation_svg, sweep_svg
-from kvevents.sim.cluster import ClusterConfig
-from kvevents.sim.evaluate import evaluate
-from kvevents.sim.simulate import SimulationConfig
-from kvevents.sim.trace import default_trace_path, load_trace
+from kvevents.sim._charts import evaluation_svg, sweep_svg
+from kvevents.sim._cluster import ClusterConfig
+from kvevents.sim._evaluate import evaluate
+from kvevents.sim._simulate import SimulationConfig
+from kvevents.sim._trace import default_trace_path, load_trace
 
 SVG = "{http://www.w3.org/2000/svg}"
 

@@ -13,12 +13,12 @@ import pytest
 from pydantic import BaseModel
 
 import kvevents
-from kvevents.index.records import ApplyResult, Counts, IndexStats
-from kvevents.scaleout.relay import RelayCounts, RelayStats
-from kvevents.scaleout.replica_records import ReplicaCounts, ReplicaStats
-from kvevents.service.feed import ServiceCounts, ServiceStats
-from kvevents.subscribe.live import StreamCounts
-from kvevents.subscribe.streams import STREAM_COUNTERS
+from kvevents.index._records import ApplyResult, Counts, IndexStats
+from kvevents.scaleout._relay import RelayCounts, RelayStats
+from kvevents.scaleout._replica_records import ReplicaCounts, ReplicaStats
+from kvevents.service._feed import ServiceCounts, ServiceStats
+from kvevents.subscribe._live import StreamCounts
+from kvevents.subscribe._streams import STREAM_COUNTERS
 
 ROOT = Path(kvevents.__file__).parent
 

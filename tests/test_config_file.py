@@ -25,7 +25,7 @@ from kvevents.cli.config import (
     resolve,
 )
 from kvevents.cli.serve import _registrations
-from kvevents.index.router import DEFAULT_POLICY, POLICIES
+from kvevents.index._router import DEFAULT_POLICY, POLICIES
 
 
 def parse(*argv: str) -> argparse.Namespace:

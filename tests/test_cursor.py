@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvevents.subscribe.cursor import (
+from kvevents.subscribe._cursor import (
     END_SEQ,
     Cursor,
     Deliver,

@@ -7,7 +7,7 @@ import os
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvevents.subscribe.cursor import (
+from kvevents.subscribe._cursor import (
     Action,
     Cursor,
     Deliver,

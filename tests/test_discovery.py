@@ -26,8 +26,8 @@ from kvevents.deadline import Deadline
 from kvevents.errors import DiscoveryError
 from kvevents.events import BlockStored, KVEventBatch
 from kvevents.integrations.discovery import MAX_ANSWER_BYTES, discover, parse_server_info
-from kvevents.publish.records import PublisherOptions
-from kvevents.service.feed import WorkerRegistration
+from kvevents.publish._records import PublisherOptions
+from kvevents.service._feed import WorkerRegistration
 from kvevents.testing.hostile_http import HostileHttpServer, dripping, flooding
 from kvevents.testing.publisher import local_config, started_publisher
 
@@ -255,7 +255,7 @@ def test_the_bounds_are_the_http_registrations() -> None:
     """One home for the numbers: discovery, the HTTP bodies' bounds and the settings take the
     same."""
     from kvevents import bounds
-    from kvevents.service import bounds as fields
+    from kvevents.service import _bounds as fields
 
     assert (fields.MAX_RANKS, fields.MAX_BLOCK_SIZE) == (bounds.MAX_RANKS, bounds.MAX_BLOCK_SIZE)
     top = kv_events(dp_size=bounds.MAX_RANKS, block_size=bounds.MAX_BLOCK_SIZE)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvevents import KVEventsConfig, LayoutError, check_layout, rank_endpoint, rank_endpoints
-from kvevents.wire.endpoints import parse_endpoint
+from kvevents.wire._endpoints import parse_endpoint
 
 
 @pytest.mark.parametrize(

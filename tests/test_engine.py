@@ -8,8 +8,8 @@ import msgspec
 import pytest
 
 from kvevents.events import AllBlocksCleared, BlockStored
-from kvevents.sim.engine import EngineConfig, SimulatedEngine
-from kvevents.sim.records import Request
+from kvevents.sim._engine import EngineConfig, SimulatedEngine
+from kvevents.sim._records import Request
 from kvevents.testing.engine import BlockSets, RecordingSink
 
 BS = 4

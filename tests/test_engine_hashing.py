@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvevents.sim.hashing import block_hash, engine_chain_hashes
+from kvevents.sim._hashing import block_hash, engine_chain_hashes
 
 
 def test_hash_values_are_pinned() -> None:

@@ -7,8 +7,8 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvevents.sim.engine import EngineConfig, SimulatedEngine
-from kvevents.sim.records import Request
+from kvevents.sim._engine import EngineConfig, SimulatedEngine
+from kvevents.sim._records import Request
 from kvevents.testing.engine import BlockSets
 
 RANKS = 2

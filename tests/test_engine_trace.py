@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvevents.sim.engine import EngineConfig, SimulatedEngine
-from kvevents.sim.records import StepResult
-from kvevents.sim.trace import default_trace_path, load_trace, run_trace
+from kvevents.sim._engine import EngineConfig, SimulatedEngine
+from kvevents.sim._records import StepResult
+from kvevents.sim._trace import default_trace_path, load_trace, run_trace
 from kvevents.testing.engine import BlockSets, RecordingSink
 from kvevents.wire import decode_batch, encode_batch
 

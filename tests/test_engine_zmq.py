@@ -1,6 +1,6 @@
 """End to end over real ZeroMQ: engine -> publishers -> raw SUB sockets -> decoded truth.
 
-Needs ``kvevents.publish.publisher`` (skipped until it is merged). Uses only the API in API.md.
+Needs ``kvevents.publish._publisher`` (skipped until it is merged). Uses only the API in API.md.
 """
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ import zmq
 
 from kvevents.config import KVEventsConfig
 from kvevents.events import KVEventBatch
-from kvevents.sim.engine import EngineConfig, SimulatedEngine, zmq_publisher_factory
-from kvevents.sim.trace import default_trace_path, load_trace, run_trace
+from kvevents.sim._engine import EngineConfig, SimulatedEngine, zmq_publisher_factory
+from kvevents.sim._trace import default_trace_path, load_trace, run_trace
 from kvevents.testing.engine import BlockSets
 from kvevents.testing.sockets import Deadline
 from kvevents.wire import decode_batch, parse_live
 
-pytest.importorskip("kvevents.publish.publisher")
+pytest.importorskip("kvevents.publish._publisher")
 
 TRACE = Path(default_trace_path())
 RANKS = 2

@@ -20,7 +20,7 @@ import zmq
 
 from kvevents.errors import DecodeError
 from kvevents.subscribe import StreamSpec, StreamStatus, Subscriber, SubscriberOptions
-from kvevents.subscribe.replay import ReplayBatch, ReplayClient, ReplayEnd, ReplayOptions
+from kvevents.subscribe._replay import ReplayBatch, ReplayClient, ReplayEnd, ReplayOptions
 from kvevents.testing.fixtures import heartbeat, typical_batch, wire_fixtures
 from kvevents.testing.peers import Collector, RawPublisher
 from kvevents.testing.sinks import RecordingSink

@@ -16,7 +16,7 @@ import zmq
 
 from kvevents.errors import DecodeError
 from kvevents.events import BlockStored, KVEventBatch
-from kvevents.publish.publisher import PublisherOptions, PublisherStats, ZmqPublisher
+from kvevents.publish._publisher import PublisherOptions, PublisherStats, ZmqPublisher
 from kvevents.testing.publisher import (
     connect_subscriber,
     local_config,
@@ -189,7 +189,7 @@ def test_flood_with_never_reading_clients_keeps_service_and_live(ctx: zmq.Contex
 
 def test_rate_limiter_memory_is_bounded_by_peer_count() -> None:
     """However many peers ask, the limiter keeps at most max_peers buckets."""
-    from kvevents.publish.admission import PeerBuckets
+    from kvevents.publish._admission import PeerBuckets
 
     buckets = PeerBuckets(rate=1.0, burst=2, max_peers=64)
     for i in range(10_000):

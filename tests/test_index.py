@@ -1,4 +1,4 @@
-"""The prefix index: one test per rule (kvevents.index.prefix)."""
+"""The prefix index: one test per rule (kvevents.index._prefix)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import logging
 import pytest
 
 from kvevents.events import BlockRemoved, BlockStored
-from kvevents.index.keys import block_hashes
-from kvevents.index.prefix import HolderKey, PrefixIndex
+from kvevents.index._keys import block_hashes
+from kvevents.index._prefix import HolderKey, PrefixIndex
 from kvevents.testing.index import (
     batch,
     clear_event,

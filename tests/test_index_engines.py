@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvevents.index.prefix import PrefixIndex
+from kvevents.index._prefix import PrefixIndex
 from kvevents.wire import decode_batch, decode_batch_packed
 
 BS = 4

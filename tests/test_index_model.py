@@ -7,7 +7,7 @@ from collections import Counter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvevents.index.prefix import HolderKey, PrefixIndex
+from kvevents.index._prefix import HolderKey, PrefixIndex
 from kvevents.testing.index import batch, clear_event, engine_hashes, remove_event, store_event
 
 BS = 2

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 from kvevents.errors import DecodeError
 from kvevents.events import AllBlocksCleared, BlockStored
-from kvevents.index.prefix import PrefixIndex
+from kvevents.index._prefix import PrefixIndex
 from kvevents.wire import Applied, PackedStored, decode_batch_packed
 
 BS = 2

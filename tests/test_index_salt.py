@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from kvevents.events import BlockStored
 from kvevents.http import QueryReader
-from kvevents.index.keys import (
+from kvevents.index._keys import (
     ROOT_SEED,
     MMSpan,
     block_hashes,
@@ -28,8 +28,8 @@ from kvevents.index.keys import (
     pack_tokens,
     request_extras,
 )
-from kvevents.index.prefix import PrefixIndex
-from kvevents.service.core import IndexService
+from kvevents.index._prefix import PrefixIndex
+from kvevents.service._core import IndexService
 from kvevents.wire import PackedStored, decode_batch, decode_batch_packed
 
 BS = 16

@@ -7,7 +7,7 @@ import logging
 import pytest
 
 from kvevents.subscribe import Subscriber
-from kvevents.subscribe.streams import StreamSpec, SubscriberOptions
+from kvevents.subscribe._streams import StreamSpec, SubscriberOptions
 from kvevents.testing.fixtures import heartbeat
 from kvevents.testing.peers import Collector, RawPublisher
 

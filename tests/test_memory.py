@@ -1,10 +1,10 @@
-"""kvevents.service.memory: when the service hands freed memory back to the OS after a burst."""
+"""kvevents.service._memory: when the service hands freed memory back to the OS after a burst."""
 
 from __future__ import annotations
 
 import platform
 
-from kvevents.service.memory import IdleTrim, release_free_memory
+from kvevents.service._memory import IdleTrim, release_free_memory
 
 
 def test_idle_trim_waits_for_a_quiet_tick_after_enough_batches() -> None:

@@ -19,7 +19,7 @@ import pytest
 from kvevents.events import BlockStored, KVEventBatch
 from kvevents.http import serve
 from kvevents.metrics import subscriber_collector
-from kvevents.service.core import IndexService, WorkerRegistration
+from kvevents.service._core import IndexService, WorkerRegistration
 from kvevents.testing.publisher import started_publisher
 from kvevents.testing.sockets import Deadline
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from kvevents.subscribe.outbox import Outbox
+from kvevents.subscribe._outbox import Outbox
 from kvevents.testing.sockets import wait_for
 
 

@@ -14,7 +14,7 @@ import zmq
 
 from kvevents import BindError, KVEventsConfig, PublisherClosed, PublisherError
 from kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
-from kvevents.publish.publisher import PublisherOptions, ZmqPublisher, create_publisher
+from kvevents.publish._publisher import PublisherOptions, ZmqPublisher, create_publisher
 from kvevents.testing.publisher import (
     PausablePublisher,
     connect_subscriber,

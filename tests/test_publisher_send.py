@@ -11,7 +11,7 @@ import zmq
 
 from kvevents.deadline import Deadline
 from kvevents.events import BlockRemoved, BlockStored, KVEventBatch
-from kvevents.publish import send
+from kvevents.publish import _send as send
 from kvevents.testing.publisher import (
     connect_subscriber,
     local_config,

@@ -10,15 +10,15 @@ import zmq
 
 from kvevents import KVEventsConfig
 from kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored
-from kvevents.publish.carry import RemovalCarry
-from kvevents.publish.publisher import (
+from kvevents.publish._carry import RemovalCarry
+from kvevents.publish._publisher import (
     NullPublisher,
     PublisherOptions,
     PublisherStats,
     ZmqPublisher,
     create_publisher,
 )
-from kvevents.publish.replay import ReplayLimits, ReplayRing, ReplayServer
+from kvevents.publish._replay import ReplayLimits, ReplayRing, ReplayServer
 from kvevents.ratelimit import RateLimitedWarning
 from kvevents.wire import END_SEQ, pack_seq, replay_request_frames, unpack_seq
 
@@ -162,7 +162,7 @@ def test_stats_fields_documented() -> None:
 
 def test_peer_buckets_refill_at_the_rate_and_cap_at_the_burst() -> None:
     """A peer gets `burst` requests at once, then `rate` per second; other peers are apart."""
-    from kvevents.publish.admission import PeerBuckets
+    from kvevents.publish._admission import PeerBuckets
 
     buckets = PeerBuckets(rate=2.0, burst=3)
     assert [buckets.allow("a", now=0.0) for _ in range(4)] == [True, True, True, False]
@@ -187,7 +187,7 @@ def test_every_replay_server_counter_reaches_stats() -> None:
     """Each ReplayCounters field has a replay_<name> counter in PublisherStats: none is lost."""
     from dataclasses import fields
 
-    from kvevents.publish.replay import ReplayCounters
+    from kvevents.publish._replay import ReplayCounters
 
     published = set(PublisherStats().as_dict())
     missing = [f.name for f in fields(ReplayCounters) if f"replay_{f.name}" not in published]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored
-from kvevents.publish.recorder import EventRecorder
+from kvevents.publish._recorder import EventRecorder
 
 BS = 4
 

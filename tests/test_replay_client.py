@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import zmq
 
-from kvevents.subscribe.replay import (
+from kvevents.subscribe._replay import (
     ReplayBatch,
     ReplayClient,
     ReplayEnd,
@@ -253,8 +253,8 @@ def test_replay_counters_reach_the_subscriber_stats() -> None:
     """Every replay client counter is a field of SubscriberStats (so of /metrics)."""
     import dataclasses
 
-    from kvevents.subscribe.replay import ReplayClientCounters
-    from kvevents.subscribe.streams import SubscriberStats
+    from kvevents.subscribe._replay import ReplayClientCounters
+    from kvevents.subscribe._streams import SubscriberStats
 
     names = {f"replay_{f.name}" for f in dataclasses.fields(ReplayClientCounters)}
     assert names <= {f.name for f in dataclasses.fields(SubscriberStats)}

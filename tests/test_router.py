@@ -1,13 +1,13 @@
-"""Routing policies and explainable decisions (kvevents.index.router)."""
+"""Routing policies and explainable decisions (kvevents.index._router)."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvevents.index.decision import Load, LoadBook
-from kvevents.index.keys import block_hashes
-from kvevents.index.prefix import PrefixIndex
-from kvevents.index.router import Router, make_policy
+from kvevents.index._decision import Load, LoadBook
+from kvevents.index._keys import block_hashes
+from kvevents.index._prefix import PrefixIndex
+from kvevents.index._router import Router, make_policy
 from kvevents.testing.index import batch, store_event
 
 BS = 4
@@ -236,7 +236,7 @@ def test_cost_weights_can_be_set_per_decision() -> None:
 def test_per_request_weights_keep_a_bounded_set_of_policies() -> None:
     """Distinct client-chosen weights do not grow the router without bound, and repeated
     weights reuse one policy, so its tie draws keep spreading."""
-    from kvevents.index import router as router_module
+    from kvevents.index import _router as router_module
 
     router = make_router("prefix_load")
     match = router.index.match([9] * 32)
@@ -284,7 +284,7 @@ def test_bounded_prefix_breaks_ties_by_requests_in_flight() -> None:
 
 def test_bounded_prefix_slack_is_checked() -> None:
     """A negative slack would refuse every target: it is a clear error."""
-    from kvevents.index.router import BoundedPrefix
+    from kvevents.index._router import BoundedPrefix
 
     with pytest.raises(ValueError, match="slack must be >= 0"):
         BoundedPrefix(slack=-0.1)

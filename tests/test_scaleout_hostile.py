@@ -23,9 +23,9 @@ from typing import Any
 
 import pytest
 
-from kvevents.index.digest import StreamDigest, index_digest
-from kvevents.index.prefix import PrefixIndex
-from kvevents.service.feed import WorkerRegistration
+from kvevents.index._digest import StreamDigest, index_digest
+from kvevents.index._prefix import PrefixIndex
+from kvevents.service._feed import WorkerRegistration
 from kvevents.testing.fixtures import typical_batch
 from kvevents.testing.nats import NatsServer, find_nats_server
 from kvevents.wire import encode_batch
@@ -42,8 +42,8 @@ except ImportError:
     pytest.skip("nats-py not installed (pip install 'kvevents[nats]')", allow_module_level=True)
 
 from kvevents.scaleout import JetStreamOptions, Replica, ReplicaOptions
-from kvevents.scaleout.jetstream import StreamConfigError, ensure_stream
-from kvevents.scaleout.records import Outgoing, batch_record, loss_record, worker_record
+from kvevents.scaleout._jetstream import StreamConfigError, ensure_stream
+from kvevents.scaleout._records import Outgoing, batch_record, loss_record, worker_record
 from kvevents.testing.service import ServiceIndexer
 
 BS = 16

@@ -8,11 +8,11 @@ from typing import Any
 import pytest
 
 from kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
-from kvevents.index.digest import index_digest
-from kvevents.index.prefix import PrefixIndex
-from kvevents.scaleout import snapshot as snap
-from kvevents.scaleout.cursor import StreamCursor
-from kvevents.scaleout.records import (
+from kvevents.index._digest import index_digest
+from kvevents.index._prefix import PrefixIndex
+from kvevents.scaleout import _snapshot as snap
+from kvevents.scaleout._cursor import StreamCursor
+from kvevents.scaleout._records import (
     RecordError,
     batch_record,
     loss_record,
@@ -21,8 +21,8 @@ from kvevents.scaleout.records import (
     reset_record,
     worker_record,
 )
-from kvevents.scaleout.retention import trim_point
-from kvevents.service.feed import WorkerRegistration
+from kvevents.scaleout._retention import trim_point
+from kvevents.service._feed import WorkerRegistration
 from kvevents.testing.fixtures import typical_batch
 
 
@@ -241,7 +241,7 @@ def test_trim_keeps_what_the_slowest_replica_and_the_snapshot_need() -> None:
 
 
 def _replica_fed(*messages: tuple[dict[str, str], bytes]) -> object:
-    from kvevents.scaleout.replica import Replica
+    from kvevents.scaleout._replica import Replica
 
     replica = Replica("nats://127.0.0.1:1")  # never started: records are applied by hand
     for headers, body in messages:
@@ -256,7 +256,7 @@ def _records(*outgoing: tuple[str, bytes, dict[str, str]]) -> list[tuple[dict[st
 def test_a_replica_degrades_a_stream_on_a_loss_and_trusts_it_again_when_live() -> None:
     """A loss after applied batches marks the rank degraded in routing; ``live`` clears it; a
     loss of batches another relay delivered changes nothing."""
-    from kvevents.scaleout.records import live_record
+    from kvevents.scaleout._records import live_record
     from kvevents.wire import encode_batch
 
     reg = WorkerRegistration("w", "tcp://127.0.0.1:5557", 16, (0,))
@@ -401,7 +401,7 @@ class _FailsOnce(PrefixIndex):
 def test_a_record_that_raises_anyway_costs_only_itself() -> None:
     """A record whose application raises (a defect) is counted in apply_errors and logged;
     the next batch is applied."""
-    from kvevents.scaleout.replica import Replica
+    from kvevents.scaleout._replica import Replica
 
     replica = Replica("nats://127.0.0.1:1")  # never started: records are applied by hand
     replica.service = replica.new_service(index=_FailsOnce())
@@ -569,7 +569,7 @@ def test_a_fetch_that_returns_nothing_keeps_the_replica_consuming() -> None:
     loop waits for the next fetch (it used to die on ``msgs[-1]``, for ever)."""
     import asyncio
 
-    from kvevents.scaleout.replica import Replica
+    from kvevents.scaleout._replica import Replica
 
     replica = Replica("nats://127.0.0.1:1")
     _, body, headers = worker_record("kv", _REG)
@@ -584,7 +584,7 @@ def test_a_turn_that_raises_is_counted_and_the_loop_goes_on() -> None:
     defect) are each counted; the loop applies the next message."""
     import asyncio
 
-    from kvevents.scaleout.replica import Replica
+    from kvevents.scaleout._replica import Replica
 
     replica: Any = Replica("nats://127.0.0.1:1")
     real, failures = replica._maybe_snapshot, [RuntimeError("a defect")]
@@ -614,8 +614,8 @@ def test_a_turn_that_hangs_makes_the_replica_stalled() -> None:
     import asyncio
     import time
 
-    from kvevents.scaleout.jetstream import LoopThread
-    from kvevents.scaleout.replica import Replica, ReplicaOptions
+    from kvevents.scaleout._jetstream import LoopThread
+    from kvevents.scaleout._replica import Replica, ReplicaOptions
 
     class Connected:
         is_connected = True
@@ -669,7 +669,7 @@ def test_newest_snapshots_are_those_of_the_stream_asked_for() -> None:
     import asyncio
     import json
 
-    from kvevents.scaleout.retention import newest_snapshots
+    from kvevents.scaleout._retention import newest_snapshots
 
     store = _Store(
         _Info("A.r1", json.dumps({"seq": 900, "stream": "A"})),

@@ -8,8 +8,8 @@ import pytest
 
 from kvevents.events import BlockStored
 from kvevents.http import QueryReader, serve
-from kvevents.index.prefix import PrefixIndex
-from kvevents.service.core import IndexService, WorkerRegistration
+from kvevents.index._prefix import PrefixIndex
+from kvevents.service._core import IndexService, WorkerRegistration
 from kvevents.testing.feeds import FakeFeed
 from kvevents.testing.index import batch
 

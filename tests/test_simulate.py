@@ -15,15 +15,15 @@ import httpx
 import pytest
 
 from kvevents.http import Server, create_app
-from kvevents.index.router import DEFAULT_POLICY
-from kvevents.publish.publisher import PublisherOptions, create_publisher
-from kvevents.service.core import IndexService
-from kvevents.sim.cluster import Cluster, ClusterConfig
-from kvevents.sim.engine import SimulatedEngine
-from kvevents.sim.faults import DropRule
-from kvevents.sim.records import Request
-from kvevents.sim.simulate import PolicyRun, SimulationConfig
-from kvevents.sim.trace import default_trace_path
+from kvevents.index._router import DEFAULT_POLICY
+from kvevents.publish._publisher import PublisherOptions, create_publisher
+from kvevents.service._core import IndexService
+from kvevents.sim._cluster import Cluster, ClusterConfig
+from kvevents.sim._engine import SimulatedEngine
+from kvevents.sim._faults import DropRule
+from kvevents.sim._records import Request
+from kvevents.sim._simulate import PolicyRun, SimulationConfig
+from kvevents.sim._trace import default_trace_path
 from kvevents.testing.publisher import local_config
 from kvevents.testing.sockets import wait_for
 

@@ -20,7 +20,7 @@ from kvevents.subscribe import (
     Subscriber,
     worker_streams,
 )
-from kvevents.subscribe.replay import ReplayOptions
+from kvevents.subscribe._replay import ReplayOptions
 from kvevents.testing.fixtures import heartbeat, typical_batch, wire_fixtures
 from kvevents.testing.peers import Collector, RawPublisher
 from kvevents.testing.sinks import RecordingSink

@@ -14,14 +14,14 @@ from kvevents.subscribe import (
     StreamStatus,
     Subscriber,
 )
-from kvevents.subscribe.fdlimit import fds_needed, make_room
-from kvevents.subscribe.replay import ReplayOptions
+from kvevents.subscribe._fdlimit import fds_needed, make_room
+from kvevents.subscribe._replay import ReplayOptions
 from kvevents.testing.fixtures import heartbeat, typical_batch
 from kvevents.testing.injectors import break_stream
 from kvevents.testing.peers import Collector, RawPublisher
 from kvevents.testing.sinks import RecordingSink
 from kvevents.testing.sockets import unique_ipc, wait_for
-from kvevents.wire.endpoints import MAX_IPC_PATH, rank_endpoint
+from kvevents.wire._endpoints import MAX_IPC_PATH, rank_endpoint
 
 W = "w1"
 KEY = (W, 0)
@@ -107,7 +107,7 @@ def test_ipc_path_too_long_fails_when_the_spec_is_built() -> None:
 def test_listen_stops_with_the_reason_when_the_feed_dies(capsys) -> None:
     """kvevents listen notices a dead subscriber thread and says why instead of waiting."""
     from kvevents.cli.listen import _feed_dead
-    from kvevents.subscribe.streams import FeedHealth
+    from kvevents.subscribe._streams import FeedHealth
 
     class Dead:
         def health(self) -> FeedHealth:

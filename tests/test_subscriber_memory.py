@@ -7,9 +7,9 @@ from collections.abc import Iterator
 import pytest
 
 from kvevents.subscribe import StreamSpec, Subscriber, SubscriberOptions
-from kvevents.subscribe.cursor import Cursor, Gap, Unrecoverable
-from kvevents.subscribe.outbox import Outbox
-from kvevents.subscribe.replay import ReplayOptions
+from kvevents.subscribe._cursor import Cursor, Gap, Unrecoverable
+from kvevents.subscribe._outbox import Outbox
+from kvevents.subscribe._replay import ReplayOptions
 from kvevents.testing.fixtures import heartbeat, typical_batch
 from kvevents.testing.peers import Collector, RawPublisher
 from kvevents.testing.sockets import wait_for

@@ -1,4 +1,4 @@
-"""The subscriber against our own publisher (runs once kvevents.publish.publisher exists)."""
+"""The subscriber against our own publisher (runs once kvevents.publish._publisher exists)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ class NullSink:
         pass
 
 
-publisher_module = pytest.importorskip("kvevents.publish.publisher")
+publisher_module = pytest.importorskip("kvevents.publish._publisher")
 
 KEY = ("engine", 0)
 

@@ -1,11 +1,11 @@
-"""Our chained block hash of token ids (kvevents.index.keys)."""
+"""Our chained block hash of token ids (kvevents.index._keys)."""
 
 from __future__ import annotations
 
 import pytest
 import xxhash
 
-from kvevents.index.keys import MASK, ROOT_SEED, block_hashes, chain_hashes, pack_tokens, root_seed
+from kvevents.index._keys import MASK, ROOT_SEED, block_hashes, chain_hashes, pack_tokens, root_seed
 
 
 def test_golden_values() -> None:

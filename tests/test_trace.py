@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from kvevents.errors import TraceError
-from kvevents.sim.hashing import engine_chain_hashes
-from kvevents.sim.trace import (
+from kvevents.sim._hashing import engine_chain_hashes
+from kvevents.sim._trace import (
     TRACE_BLOCK_SIZE,
     TraceRow,
     block_tokens,

@@ -11,7 +11,7 @@ import pytest
 from kvevents.errors import DecodeError
 from kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvevents.wire import DecodeLimits, decode_batch, decode_batch_packed, encode_batch
-from kvevents.wire.scan import ScanError, container_len, skip, type_name
+from kvevents.wire._scan import ScanError, container_len, skip, type_name
 
 HEAD = b"\x92\xcb" + bytes(8)  # [0.0, ...: a batch array of two with its ts
 pack = msgspec.msgpack.encode

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from kvevents.sim.cluster import ClusterConfig
-from kvevents.sim.evaluate import evaluate, format_table
-from kvevents.sim.simulate import SimulationConfig
-from kvevents.sim.trace import TraceRow, default_trace_path, load_trace
-from kvevents.sim.yardsticks import infinite_cache_reuse, pooled_cache_reuse, pooled_config
+from kvevents.sim._cluster import ClusterConfig
+from kvevents.sim._evaluate import evaluate, format_table
+from kvevents.sim._simulate import SimulationConfig
+from kvevents.sim._trace import TraceRow, default_trace_path, load_trace
+from kvevents.sim._yardsticks import infinite_cache_reuse, pooled_cache_reuse, pooled_config
 
 SMALL = ClusterConfig(
     workers=4, capacity_blocks=512, max_num_batched_tokens=2048, transport="direct"

@@ -26,13 +26,7 @@ from pydantic import (
 )
 
 from kvevents.errors import LayoutError
-from kvevents.wire.endpoints import (
-    MAX_PORT,
-    Endpoint,
-    layout_error,
-    parse_endpoint,
-    rank_endpoint,
-)
+from kvevents.wire import MAX_PORT, Endpoint, layout_error, parse_endpoint, rank_endpoint
 
 __all__ = [
     "SGLANG_PUBLISHERS",

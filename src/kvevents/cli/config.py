@@ -61,7 +61,7 @@ MAX_CONFIG_BYTES = 1 << 20
 #: Where :func:`track_given` records the flags given on the command line (dest: option).
 GIVEN = "given_flags"
 
-#: The router's policies (``kvevents.index.router.POLICIES``, held equal by a test: the
+#: The router's policies (``kvevents.index.POLICIES``, held equal by a test: the
 #: parser must build without the index, which needs the service extra).
 PolicyName = Literal["longest_prefix", "prefix_load", "bounded_prefix", "round_robin", "random"]
 
@@ -95,7 +95,7 @@ class WorkerEntry(Settings):
     @field_validator("endpoint", "replay_endpoint")
     @classmethod
     def _endpoint(cls, value: str | None) -> str | None:
-        from kvevents.wire.endpoints import parse_endpoint
+        from kvevents.wire import parse_endpoint
 
         if value is not None:
             parse_endpoint(value)  # LayoutError, a ValueError: reported with the key

@@ -20,7 +20,7 @@ Mooncake trace, sped up). Ctrl-C stops early; a summary is always printed.
 
 
 def add_parser(sub: Any) -> None:
-    from kvevents.sim.demo import DemoConfig
+    from kvevents.sim import DemoConfig
 
     d = DemoConfig()
     p = sub.add_parser(
@@ -61,8 +61,7 @@ def _positive(text: str) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvevents.sim.demo import Demo, DemoConfig
-    from kvevents.sim.trace import default_trace_path, load_trace
+    from kvevents.sim import Demo, DemoConfig, default_trace_path, load_trace
 
     if not 0 <= args.drop_rate < 1:
         raise ValueError(f"--drop-rate must be in [0, 1), got {args.drop_rate}")
@@ -187,7 +186,7 @@ def _summary(demo: Any, summary: Any) -> str:
 
 def _comparison(reports: Any) -> list[str]:
     """KV-aware against round-robin, saying so when they did not serve as many requests."""
-    from kvevents.index.router import DEFAULT_POLICY
+    from kvevents.index import DEFAULT_POLICY
 
     by_policy = {r.policy: r for r in reports}
     aware, rr = by_policy.get(DEFAULT_POLICY), by_policy.get("round_robin")

@@ -15,7 +15,7 @@ from kvevents.cli.secure import add_client_options, client_curve
 from kvevents.cli.specs import stream_specs
 from kvevents.events import StreamKey
 from kvevents.integrations.discovery import discover
-from kvevents.subscribe.streams import ReplayOptions, StreamSpec, SubscriberOptions
+from kvevents.subscribe import ReplayOptions, StreamSpec, SubscriberOptions
 
 EXAMPLES = """examples:
   kvevents listen tcp://10.0.0.5:5557
@@ -82,7 +82,7 @@ def _done(args: argparse.Namespace, view: ListenView, deadline: float | None) ->
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvevents.subscribe.subscriber import Subscriber
+    from kvevents.subscribe import Subscriber
 
     specs = _specs(args)
     options = SubscriberOptions(

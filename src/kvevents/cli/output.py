@@ -11,7 +11,7 @@ import msgspec
 
 from kvevents.cli.render import Record, text_line
 from kvevents.events import StreamKey
-from kvevents.subscribe.streams import StreamStats
+from kvevents.subscribe import StreamStats
 
 __all__ = ["JsonOutput", "LiveOutput", "Output", "TextOutput", "stream_table"]
 

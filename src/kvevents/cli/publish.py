@@ -37,7 +37,7 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "publish",
         help="publish events from a simulated engine",
-        description="Run one simulated engine (kvevents.sim.engine) with a real ZeroMQ publisher "
+        description="Run one simulated engine (kvevents.sim._engine) with a real ZeroMQ publisher "
         "per rank, fed with synthetic requests or a Mooncake trace, paced in real time. "
         "Precedence: flags > $KVEVENTS_PUBLISH_<KEY> > the [publish] table of --config > the "
         "defaults (docs/cli.md).",
@@ -78,7 +78,7 @@ def _d(key: str) -> Any:
 
 def synthetic_requests(seed: int, block_size: int) -> Iterator[Any]:
     """Endless chat-like requests: a few shared system prompts, then a private question."""
-    from kvevents.sim.records import Request
+    from kvevents.sim import Request
 
     rng = random.Random(seed)
     prompts = [[rng.randrange(50_000) for _ in range(block_size * rng.randint(4, 16))]
@@ -90,7 +90,7 @@ def synthetic_requests(seed: int, block_size: int) -> Iterator[Any]:
 
 def trace_requests(path: str) -> Iterator[Any]:
     """The requests of a Mooncake trace, in file order (arrival times are replaced by --rate)."""
-    from kvevents.sim.trace import load_trace, trace_request
+    from kvevents.sim import load_trace, trace_request
 
     rows = load_trace(path)  # read and checked now, before anything binds
     return (trace_request(row, i) for i, row in enumerate(rows))
@@ -102,7 +102,7 @@ def _replay_next_to(endpoint: str, replay: str | None) -> str | None:
     interface); it gets an ephemeral port on the same host."""
     from kvevents.cli.config import PublishSettings
     from kvevents.errors import LayoutError
-    from kvevents.wire.endpoints import parse_endpoint
+    from kvevents.wire import parse_endpoint
 
     if replay != PublishSettings().replay_endpoint:
         return replay  # chosen by the user
@@ -202,8 +202,8 @@ def _summary(engine: Any, began: float) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvevents.publish.publisher import PublisherOptions
-    from kvevents.sim.engine import EngineConfig, SimulatedEngine, zmq_publisher_factory
+    from kvevents.publish import PublisherOptions
+    from kvevents.sim import EngineConfig, SimulatedEngine, zmq_publisher_factory
 
     args = apply_settings(PublishSettings, "publish", args)
     config = _config(args)

@@ -78,7 +78,7 @@ def add_replica_options(p: Any) -> None:
 
 
 def jetstream_options(args: argparse.Namespace) -> Any:
-    from kvevents.scaleout.jetstream import JetStreamOptions
+    from kvevents.scaleout import JetStreamOptions
 
     return JetStreamOptions(
         stream=args.nats_stream, prefix=args.nats_prefix, bucket=args.nats_bucket
@@ -87,7 +87,7 @@ def jetstream_options(args: argparse.Namespace) -> Any:
 
 def new_replica(args: argparse.Namespace, **service_options: Any) -> Any:
     """The replica ``serve --nats`` runs (its service made with ``service_options``)."""
-    from kvevents.scaleout.replica import Replica, ReplicaOptions
+    from kvevents.scaleout import Replica, ReplicaOptions
 
     try:
         options = ReplicaOptions(
@@ -106,7 +106,7 @@ def new_replica(args: argparse.Namespace, **service_options: Any) -> Any:
 
 def start_replica(replica: Any) -> None:
     """Start ``replica``; a NATS server that cannot be reached is a one-line error."""
-    from kvevents.scaleout.jetstream import StreamConfigError
+    from kvevents.scaleout import StreamConfigError
 
     try:
         replica.start()
@@ -125,8 +125,8 @@ def replica_collector(replica: Any) -> Any:
 def _registrations(args: argparse.Namespace) -> list[Any]:
     from kvevents.cli.config import _worker_from_flag
     from kvevents.errors import LayoutError
-    from kvevents.scaleout.records import check_registration
-    from kvevents.service.feed import WorkerRegistration, default_stream_specs
+    from kvevents.scaleout import check_registration
+    from kvevents.service import WorkerRegistration, default_stream_specs
 
     regs = []
     for text in args.workers:
@@ -144,8 +144,7 @@ def _registrations(args: argparse.Namespace) -> list[Any]:
 
 def run(args: argparse.Namespace) -> int:
     from kvevents.cli.common import stop_on_sigterm
-    from kvevents.scaleout.jetstream import StreamConfigError
-    from kvevents.scaleout.relay import Relay
+    from kvevents.scaleout import Relay, StreamConfigError
 
     regs = _registrations(args)
     relay = Relay(args.nats, regs, jetstream=jetstream_options(args))

@@ -21,7 +21,7 @@ import msgspec
 
 from kvevents.cli.common import plural
 from kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, StreamKey
-from kvevents.subscribe.streams import Delivery, StreamReset, StreamSpec, StreamStats, StreamStatus
+from kvevents.subscribe import Delivery, StreamReset, StreamSpec, StreamStats, StreamStatus
 
 __all__ = ["ListenView", "batch_summary", "stats_record", "text_line"]
 

@@ -13,8 +13,13 @@ from kvevents.cli.output import JsonOutput
 from kvevents.cli.render import batch_summary, event_lines
 from kvevents.cli.secure import add_client_options, client_curve
 from kvevents.errors import DecodeError, LayoutError
-from kvevents.wire import ReplayMessage, decode_batch, parse_replay_reply, replay_request_frames
-from kvevents.wire.endpoints import parse_endpoint
+from kvevents.wire import (
+    ReplayMessage,
+    decode_batch,
+    parse_endpoint,
+    parse_replay_reply,
+    replay_request_frames,
+)
 
 EXAMPLES = """examples:
   kvevents replay tcp://10.0.0.5:5600 --from 0

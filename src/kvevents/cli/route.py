@@ -189,7 +189,7 @@ def _add_nats_options(p: Any) -> None:
 
 def engine_specs(settings: RouteSettings) -> list[Any]:
     """The engines of the settings, each with its stream, replay and ranks."""
-    from kvevents.route._frontdoor import EngineSpec
+    from kvevents.route import EngineSpec
 
     if not settings.engines:
         raise UsageError("no engine: give at least one --engine URL")
@@ -241,7 +241,7 @@ def _count(text: str, flag: str, most: int) -> int:
 def tokenizers(settings: RouteSettings) -> dict[str | None, Any]:
     """The models' tokenizers, loaded (a missing one is a one-line error naming it)."""
     from kvevents.errors import TokenizerNotFound
-    from kvevents.route._tokens import EngineOptions, ModelTokenizer
+    from kvevents.route import EngineOptions, ModelTokenizer
 
     if not settings.tokenizers:
         raise UsageError("no tokenizer: give --tokenizer DIR (or MODEL=DIR per served model)")
@@ -265,9 +265,7 @@ def tokenizers(settings: RouteSettings) -> dict[str | None, Any]:
 
 def front_door(settings: RouteSettings, service: Any = None) -> Any:
     from kvevents.http import HttpLimits
-    from kvevents.route._frontdoor import FrontDoor
-    from kvevents.route._options import ProxyOptions
-    from kvevents.route._plan import PlannerOptions
+    from kvevents.route import FrontDoor, PlannerOptions, ProxyOptions
 
     limits = HttpLimits(settings.max_body_bytes, settings.header_timeout, settings.body_timeout,
                         settings.max_connections)  # fmt: skip
@@ -298,11 +296,8 @@ def front_door(settings: RouteSettings, service: Any = None) -> Any:
 
 def _replica(settings: RouteSettings) -> Any:
     """``--nats``: a replica (no snapshots of its own) whose service the front door uses."""
-    from kvevents.index.decision import LoadBook
-    from kvevents.index.prefix import PrefixIndex
-    from kvevents.index.router import Router
-    from kvevents.scaleout.jetstream import JetStreamOptions
-    from kvevents.scaleout.replica import Replica, ReplicaOptions
+    from kvevents.index import LoadBook, PrefixIndex, Router
+    from kvevents.scaleout import JetStreamOptions, Replica, ReplicaOptions
 
     options = ReplicaOptions(name=settings.replica_name, snapshot_batches=0, snapshot_interval=0)
     stream = JetStreamOptions(

@@ -1,4 +1,4 @@
-"""``kvevents serve``: the index service (``kvevents.service.core``) over a live subscriber,
+"""``kvevents serve``: the index service (``kvevents.service._core``) over a live subscriber,
 and its HTTP API (``kvevents.http``)."""
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def _add_engine_options(p: Any) -> None:
 
 
 def _add_router_options(p: Any) -> None:
-    g = p.add_argument_group("routing (see kvevents.index.router)")
+    g = p.add_argument_group("routing (see kvevents.index._router)")
     # The policy names come from the settings model, not the index (the parser must build
     # without the service extra); a test holds the two together.
     g.add_argument("--policy", default=_d("policy"),
@@ -219,8 +219,7 @@ def _refuse_exposed(host: str) -> None:
 
 def _registrations(settings: ServeSettings) -> list[Any]:
     from kvevents.errors import LayoutError
-    from kvevents.service.core import WorkerRegistration
-    from kvevents.service.feed import default_stream_specs
+    from kvevents.service import WorkerRegistration, default_stream_specs
 
     regs = []
     for entry in settings.workers:
@@ -239,7 +238,7 @@ def _engine_registrations(settings: ServeSettings, taken: set[str]) -> list[Any]
     and why: unreachable, no KV events, a bad field) stops the start (exit status 1)."""
     from kvevents.bounds import MAX_NAME_LENGTH
     from kvevents.integrations.discovery import discover, engine_option
-    from kvevents.service.core import WorkerRegistration
+    from kvevents.service import WorkerRegistration
 
     regs = []
     for text in settings.engines:
@@ -261,7 +260,7 @@ def _state(settings: ServeSettings) -> tuple[Any, list[Any]]:
     """The state file (None without --state-file) and the registrations saved in it."""
     if settings.state_file is None:
         return None, []
-    from kvevents.service.state import StateFile
+    from kvevents.service import StateFile
 
     state = StateFile(settings.state_file)
     saved = state.load()  # StateFileError (a ValueError) names the file: exit status 1
@@ -286,11 +285,9 @@ def _restore(service: Any, saved: list[Any], policy: Any) -> None:
 
 
 def _service(settings: ServeSettings, args: argparse.Namespace, state: Any) -> Any:
-    from kvevents.index.prefix import PrefixIndex
-    from kvevents.index.router import Router
-    from kvevents.service.core import IndexService
-    from kvevents.service.feed import subscriber_feed
-    from kvevents.subscribe.streams import SubscriberOptions
+    from kvevents.index import PrefixIndex, Router
+    from kvevents.service import IndexService, subscriber_feed
+    from kvevents.subscribe import SubscriberOptions
 
     index = PrefixIndex()
     router = Router(index, settings.policy, seed=settings.seed,
@@ -302,8 +299,7 @@ def _service(settings: ServeSettings, args: argparse.Namespace, state: Any) -> A
 
 def _replica(settings: ServeSettings, args: argparse.Namespace, regs: list[Any]) -> Any:
     """``--nats``: the replica whose service answers (workers come from the relay)."""
-    from kvevents.index.prefix import PrefixIndex
-    from kvevents.index.router import Router
+    from kvevents.index import PrefixIndex, Router
 
     if regs or settings.state_file is not None:
         raise UsageError("--nats: workers are registered with the relay (kvevents relay), "

@@ -29,8 +29,7 @@ prefix_load it measures index fidelity, not routing quality.
 
 
 def add_parser(sub: Any) -> None:
-    from kvevents.sim.cluster import ClusterConfig
-    from kvevents.sim.simulate import POLICY_NAMES
+    from kvevents.sim import POLICY_NAMES, ClusterConfig
 
     d = ClusterConfig()
     p = sub.add_parser(
@@ -129,10 +128,13 @@ def _policies(known: tuple[str, ...]) -> Callable[[str], tuple[str, ...]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvevents.sim.cluster import ClusterConfig
-    from kvevents.sim.evaluate import format_table
-    from kvevents.sim.simulate import SimulationConfig
-    from kvevents.sim.trace import default_trace_path, load_trace
+    from kvevents.sim import (
+        ClusterConfig,
+        SimulationConfig,
+        default_trace_path,
+        format_table,
+        load_trace,
+    )
 
     if args.chart and not args.chart.endswith(".svg"):
         raise UsageError(f"--chart {args.chart!r}: the chart is SVG; name the file *.svg")
@@ -179,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
         print(_header(path, result.rows, config))
         print(format_table(result, markdown=args.markdown))
     if args.chart:
-        from kvevents.sim.charts import evaluation_svg
+        from kvevents.sim import evaluation_svg
 
         with open(args.chart, "w", encoding="utf-8") as out:
             out.write(evaluation_svg(result))
@@ -188,8 +190,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _sweep(args: argparse.Namespace, rows: Any, config: Any) -> int:
-    from kvevents.sim.charts import sweep_svg
-    from kvevents.sim.sweep import format_sweep, sweep, sweep_series
+    from kvevents.sim import format_sweep, sweep, sweep_series, sweep_svg
 
     policies = [p for p in args.policies if p != "oracle"]  # index fidelity is not swept
     capacities = (max(1, args.capacity // 4), args.capacity)
@@ -215,9 +216,7 @@ def _sweep(args: argparse.Namespace, rows: Any, config: Any) -> int:
 
 def _evaluate(rows: Any, policies: Any, config: Any) -> tuple[Any, str | None]:
     """Every policy's report, or on Ctrl-C those that finished and the one interrupted."""
-    from kvevents.sim.evaluate import Evaluation
-    from kvevents.sim.simulate import run_policy
-    from kvevents.sim.yardsticks import yardsticks
+    from kvevents.sim import Evaluation, run_policy, yardsticks
 
     reports = []
     with _progress(len(policies) * len(rows)) as report:

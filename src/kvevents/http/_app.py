@@ -59,8 +59,7 @@ from kvevents.http._openapi import openapi_route
 from kvevents.http._query import QueryHandler, QueryReader
 from kvevents.http._schema import RegisterBody, UnregisterBody, decode, registration, worker_id
 from kvevents.http._status import status_routes
-from kvevents.service.core import IndexService, WorkerRegistration
-from kvevents.service.memory import IdleTrim, release_free_memory
+from kvevents.service import IdleTrim, IndexService, WorkerRegistration, release_free_memory
 
 __all__ = ["MUTATING", "Api", "AppOptions", "Guard", "create_app"]
 

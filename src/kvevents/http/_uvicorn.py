@@ -1,6 +1,6 @@
 """Every uvicorn internal the HTTP layer leans on, imported here and nowhere else.
 
-:class:`~kvevents.http._protocol.LimitedProtocol` subclasses uvicorn's httptools protocol,
+:class:`~kvevents.http.LimitedProtocol` subclasses uvicorn's httptools protocol,
 which is not a public API of uvicorn. It does so because answering ``POST /query`` on the
 connection, without an ASGI task, costs about 40% less server CPU a query than uvicorn's
 public (ASGI) path (docs/native.md, "/query on the connection"). What it relies on:

@@ -28,8 +28,8 @@ from kvevents.bounds import MAX_BLOCK_SIZE, MAX_ENDPOINT_LENGTH, MAX_NAME_LENGTH
 from kvevents.deadline import Deadline
 from kvevents.errors import DiscoveryError, LayoutError
 from kvevents.integrations._fetch import FetchError, fetch
-from kvevents.subscribe.streams import StreamSpec, worker_streams
-from kvevents.wire.endpoints import MAX_PORT, parse_endpoint
+from kvevents.subscribe import StreamSpec, worker_streams
+from kvevents.wire import MAX_PORT, parse_endpoint
 
 if TYPE_CHECKING:
     from kvevents.security import CurveClient
@@ -81,7 +81,7 @@ class EngineEndpoints:
         )
 
     def registration_fields(self, worker_id: str) -> dict[str, Any]:
-        """The fields of a ``kvevents.service.feed.WorkerRegistration`` for this engine
+        """The fields of a ``kvevents.service.WorkerRegistration`` for this engine
         (``WorkerRegistration(**engine.registration_fields("a"))``; the service layer sits
         above this one, so it is not built here)."""
         return {

@@ -32,8 +32,7 @@ import msgspec
 
 from kvevents.config import SGLangKVEventsConfig
 from kvevents.errors import DecodeError
-from kvevents.publish.publisher import ZmqPublisher
-from kvevents.publish.records import PublisherStats
+from kvevents.publish import PublisherStats, ZmqPublisher
 from kvevents.ratelimit import RateLimitedWarning
 from kvevents.wire import decode_batch
 

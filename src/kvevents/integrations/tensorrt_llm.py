@@ -41,8 +41,13 @@ from kvevents.errors import PublisherError
 from kvevents.events import UNSET, AllBlocksCleared, BlockRemoved, BlockStored, Event, KVEventBatch
 from kvevents.integrations._fetch import FetchError, fetch
 from kvevents.metrics import StatsCollector, publisher_collector
-from kvevents.publish.publisher import Publisher, create_publisher
-from kvevents.publish.records import PublisherOptions, PublisherStats, ShutdownReport
+from kvevents.publish import (
+    Publisher,
+    PublisherOptions,
+    PublisherStats,
+    ShutdownReport,
+    create_publisher,
+)
 from kvevents.ratelimit import RateLimitedWarning
 
 __all__ = [

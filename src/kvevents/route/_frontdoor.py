@@ -19,9 +19,7 @@ from typing import Any
 
 from kvevents.events import StreamKey
 from kvevents.http import Server
-from kvevents.index.decision import LoadBook
-from kvevents.index.prefix import PrefixIndex
-from kvevents.index.router import Router
+from kvevents.index import LoadBook, PrefixIndex, Router
 from kvevents.metrics import StatsCollector
 from kvevents.route._engines import Engine, EnginePool
 from kvevents.route._options import ProxyOptions
@@ -29,7 +27,7 @@ from kvevents.route._plan import IndexPlanner, PlannerOptions
 from kvevents.route._proxy import RouteApp
 from kvevents.route._status import status_pages
 from kvevents.route._tokens import ModelTokenizer
-from kvevents.service.core import IndexService, WorkerRegistration
+from kvevents.service import IndexService, WorkerRegistration
 
 __all__ = ["EngineSpec", "FrontDoor"]
 

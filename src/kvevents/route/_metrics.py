@@ -1,6 +1,6 @@
 """The proxy's counters and its Prometheus registry (``GET /metrics``).
 
-Totals are typed fields (:class:`ProxyCounts`, :class:`~kvevents.route._engines.EngineCounts`)
+Totals are typed fields (:class:`ProxyCounts`, :class:`~kvevents.route.EngineCounts`)
 turned into metrics by :class:`kvevents.metrics.StatsCollector`; the requests by route,
 engine and status and the time to first token are prometheus-client families.
 """

@@ -1,9 +1,9 @@
 """The front door's planner: a request's exact tokens, the index's matches and the front
 door's own view of load in, the engines to try out.
 
-For each chat or completion request (:class:`~kvevents.route._seam.RouteRequest`):
+For each chat or completion request (:class:`~kvevents.route.RouteRequest`):
 
-1. **Tokens.** The served model's :class:`~kvevents.route._tokens.ModelTokenizer` gives the
+1. **Tokens.** The served model's :class:`~kvevents.route.ModelTokenizer` gives the
    prompt's ids as the engine will see them (a large body is tokenized on the tokenizer's
    own thread, which releases the GIL, so other requests' bytes keep moving). What cannot be
    exact in process is asked of **one** engine's ``/tokenize`` (the least loaded); what has
@@ -45,15 +45,13 @@ import aiohttp
 import msgspec
 
 from kvevents.events import StreamKey
-from kvevents.index.decision import Decision
-from kvevents.index.keys import request_keys
-from kvevents.index.prefix import MatchResult
+from kvevents.index import Decision, MatchResult, request_keys
 from kvevents.route._engines import Engine, EnginePool
 from kvevents.route._inflight import InFlight, Ticket
 from kvevents.route._predict import Credit, Predictions
 from kvevents.route._seam import Outcome, Plan, RouteRequest
 from kvevents.route._tokens import ModelTokenizer, Prompt, parse_tokenize_reply, tokenize_request
-from kvevents.service.core import IndexService
+from kvevents.service import IndexService
 
 __all__ = [
     "DEFAULT_ROUTE_POLICY",
@@ -81,7 +79,7 @@ _json = msgspec.json.Encoder()
 class PlannerOptions:
     """How the planner decides.
 
-    ``policy``: the routing policy (:data:`kvevents.index.router.POLICIES`).
+    ``policy``: the routing policy (:data:`kvevents.index.POLICIES`).
     ``block_size``: the engines' block size where their streams have not said (an engine
     routed without events). ``offload_bytes``: bodies at least this large are tokenized on
     the tokenizer thread. ``tokenize_timeout``: seconds for the one ``/tokenize`` call.

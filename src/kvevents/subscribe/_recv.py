@@ -17,7 +17,7 @@ import zmq
 
 from kvevents._libzmq import direct_library
 
-__all__ = ["Burst", "Received", "burst_receiver_for"]
+__all__ = ["Burst", "Received", "burst_receiver_for", "native_receive"]
 
 #: One message: ``(seq, payload)`` for a live batch message (three frames, the second an
 #: 8-byte big-endian sequence), else the list of its frames, for the caller to judge.
@@ -51,6 +51,11 @@ def _native_receiver() -> Any:
         return None
     _receiver = _zmqrecv
     return _receiver
+
+
+def native_receive() -> bool:
+    """Whether sockets' messages are received by the C module (``_zmqrecv``) here, not pyzmq."""
+    return _native_receiver() is not None
 
 
 def burst_receiver_for(socket: zmq.Socket[Any]) -> Burst:

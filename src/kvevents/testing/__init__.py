@@ -26,5 +26,5 @@ Submodules by area (import them directly):
   our HTTP service and NVIDIA Dynamo's indexer.
 
 The simulator's fault injector (a relay that loses a seeded fraction of live messages) is
-``kvevents.sim.faults``.
+``kvevents.sim.LossyRelay``.
 """

@@ -27,8 +27,7 @@ import zmq
 from kvevents.config import KVEventsConfig
 from kvevents.errors import PublisherError
 from kvevents.events import KVEventBatch
-from kvevents.publish.publisher import PublisherOptions, ZmqPublisher
-from kvevents.publish.threads import Forwarder
+from kvevents.publish import Forwarder, PublisherOptions, ZmqPublisher
 from kvevents.testing.sockets import Deadline
 from kvevents.wire import ReplayMessage, parse_live, parse_replay_reply, replay_request_frames
 
