@@ -177,8 +177,10 @@ def test_listen_plain_calls_out_a_restart() -> None:
             until(lambda: bool(seen), lambda: seen.extend(_poll(proc)) or raw.publish(heartbeat()))
             raw.restart()
             step = iter(range(1, 10_000))
-            until(lambda: any("restarted" in s for s in seen),
-                  lambda: seen.extend(_poll(proc)) or raw.publish(typical_batch(next(step))))  # fmt: skip
+            until(
+                lambda: any("restarted" in s for s in seen),
+                lambda: seen.extend(_poll(proc)) or raw.publish(typical_batch(next(step))),
+            )
             proc.popen.send_signal(signal.SIGTERM)
             assert proc.wait() == 0
             tail = proc.rest()
@@ -255,8 +257,18 @@ def test_replay_times_out_on_a_silent_endpoint() -> None:
 
 def test_publish_and_listen_together() -> None:
     """publish (two ranks) feeds listen; each rank arrives complete from seq 0, in order."""
-    with cli("publish", "--endpoint", "tcp://127.0.0.1:0", "--replay-endpoint",
-             "tcp://127.0.0.1:0", "--ranks", "2", "--rate", "200", "--json") as pub:  # fmt: skip
+    with cli(
+        "publish",
+        "--endpoint",
+        "tcp://127.0.0.1:0",
+        "--replay-endpoint",
+        "tcp://127.0.0.1:0",
+        "--ranks",
+        "2",
+        "--rate",
+        "200",
+        "--json",
+    ) as pub:
         ready = json.loads(pub.line() or "{}")
         assert ready["type"] == "ready" and len(ready["ranks"]) == 2
         workers = []
@@ -278,8 +290,17 @@ def test_publish_and_listen_together() -> None:
 
 def test_publish_stops_after_count_with_a_summary() -> None:
     """publish --count stops by itself and prints its summary lines."""
-    with cli("publish", "--endpoint", "tcp://127.0.0.1:0", "--replay-endpoint", "none",
-             "--count", "5", "--rate", "500") as proc:  # fmt: skip
+    with cli(
+        "publish",
+        "--endpoint",
+        "tcp://127.0.0.1:0",
+        "--replay-endpoint",
+        "none",
+        "--count",
+        "5",
+        "--rate",
+        "500",
+    ) as proc:
         assert proc.wait() == 0
         lines = proc.rest()
     assert lines[0].startswith("rank 0: publishing on tcp://127.0.0.1:")
@@ -331,8 +352,16 @@ def test_serve_indexes_a_published_worker_and_serves_metrics() -> None:
     """serve indexes what publish sends and /metrics has index and per-stream subscriber metrics."""
     import httpx
 
-    with cli("publish", "--endpoint", "tcp://127.0.0.1:0", "--replay-endpoint",
-             "tcp://127.0.0.1:0", "--rate", "200", "--json") as pub:  # fmt: skip
+    with cli(
+        "publish",
+        "--endpoint",
+        "tcp://127.0.0.1:0",
+        "--replay-endpoint",
+        "tcp://127.0.0.1:0",
+        "--rate",
+        "200",
+        "--json",
+    ) as pub:
         rank = json.loads(pub.line() or "{}")["ranks"][0]
         worker = f"sim={rank['endpoint']},{rank['replay_endpoint']}"
         with cli("serve", "--port", "0", "--worker", worker) as serve:
@@ -356,8 +385,10 @@ def test_bench_rejects_an_unknown_name_in_one_line() -> None:
     """``kvevents bench nope`` is a one-line usage error listing the benchmarks, exit 2."""
     done = subprocess.run(
         [sys.executable, "-m", "kvevents.cli", "bench", "nope"],
-        capture_output=True, text=True, timeout=TIMEOUT,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
     assert done.returncode == 2
     assert "unknown benchmark 'nope' (choose from " in done.stderr and "wire" in done.stderr
     assert "Traceback" not in done.stderr
@@ -368,9 +399,12 @@ def test_ctrl_c_during_bench_says_what_finished() -> None:
     what finished, records nothing, and exits 130 without a traceback."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvevents.cli", "bench", "wire"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )  # fmt: skip
+    )
     try:
         assert proc.stdout is not None
         assert proc.stdout.readline().strip() == "== bench_wire"
@@ -390,10 +424,20 @@ def test_listen_that_receives_nothing_says_why_and_exits_3() -> None:
     publishing, wrong endpoint or topic, idle engine, encryption) and exits 3, not 0."""
     with started_publisher() as pub:  # bound, but never publishes
         done = subprocess.run(
-            [sys.executable, "-m", "kvevents.cli", "listen", "--plain", "--duration", "0.5",
-             connectable(pub.endpoint)],
-            capture_output=True, text=True, timeout=TIMEOUT,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "kvevents.cli",
+                "listen",
+                "--plain",
+                "--duration",
+                "0.5",
+                connectable(pub.endpoint),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT,
+        )
     assert done.returncode == 3, done.stderr
     assert f"nothing received in 0.5 s from {connectable(pub.endpoint)}; maybe:" in done.stderr
     for cause in ("kv events enabled", "--topic", "heartbeats", "--curve-server-key"):
@@ -404,10 +448,21 @@ def test_publish_on_an_ephemeral_endpoint_puts_replay_next_to_it() -> None:
     """``publish --endpoint tcp://127.0.0.1:0`` alone binds replay on an ephemeral port of the
     same host, not on the default tcp://*:5600."""
     done = subprocess.run(
-        [sys.executable, "-m", "kvevents.cli", "publish", "--endpoint", "tcp://127.0.0.1:0",
-         "--json", "--count", "1"],
-        capture_output=True, text=True, timeout=TIMEOUT,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "kvevents.cli",
+            "publish",
+            "--endpoint",
+            "tcp://127.0.0.1:0",
+            "--json",
+            "--count",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
     assert done.returncode == 0, done.stderr
     ready = json.loads(done.stdout.splitlines()[0])
     replay = ready["ranks"][0]["replay_endpoint"]

@@ -24,10 +24,24 @@ def batch(*events: object, ts: float = 100.0) -> KVEventBatch:
 
 def stats(**overrides: object) -> StreamStats:
     fields: dict[str, object] = dict(
-        worker_id="a", rank=0, state="live", received=3, delivered=3, duplicates=0, gaps=0,
-        replays=0, replayed=0, unrecoverable=0, missing=0, restarts=0, decode_errors=0,
-        skipped_events=0, events=4, last_seq=2, lag_seconds=0.5,
-    )  # fmt: skip
+        worker_id="a",
+        rank=0,
+        state="live",
+        received=3,
+        delivered=3,
+        duplicates=0,
+        gaps=0,
+        replays=0,
+        replayed=0,
+        unrecoverable=0,
+        missing=0,
+        restarts=0,
+        decode_errors=0,
+        skipped_events=0,
+        events=4,
+        last_seq=2,
+        lag_seconds=0.5,
+    )
     fields.update(overrides)
     return StreamStats(**fields)  # type: ignore[arg-type]
 
@@ -45,16 +59,20 @@ def test_worker_with_rank_uses_its_own_endpoint() -> None:
     """--worker ID:RANK=EP names one rank's endpoint as given (no expansion)."""
     (spec,) = stream_specs([], ["a:3=tcp://h:40000"], ranks=4)
     assert (spec.worker_id, spec.rank, spec.endpoint, spec.replay_endpoint) == (
-        "a", 3, "tcp://h:40000", None,
-    )  # fmt: skip
+        "a",
+        3,
+        "tcp://h:40000",
+        None,
+    )
 
 
 def test_positional_endpoints_pair_with_replays_in_order() -> None:
     """Positional endpoints become w0, w1... each with the --replay at the same position."""
     specs = stream_specs(["tcp://h:1", "tcp://g:1"], [], ["tcp://h:2", "tcp://g:2"])
     assert [(s.worker_id, s.replay_endpoint) for s in specs] == [
-        ("w0", "tcp://h:2"), ("w1", "tcp://g:2"),
-    ]  # fmt: skip
+        ("w0", "tcp://h:2"),
+        ("w1", "tcp://g:2"),
+    ]
 
 
 @pytest.mark.parametrize(
@@ -78,8 +96,9 @@ def test_bad_stream_arguments_say_why(
 
 def test_batch_summary_counts_blocks_not_events() -> None:
     """A summary counts stored and removed blocks and clears."""
-    stored = BlockStored(block_hashes=[1, 2, 3], parent_block_hash=None, token_ids=[0] * 12,
-                         block_size=4)  # fmt: skip
+    stored = BlockStored(
+        block_hashes=[1, 2, 3], parent_block_hash=None, token_ids=[0] * 12, block_size=4
+    )
     summary = batch_summary(batch(stored, BlockRemoved(block_hashes=[9]), AllBlocksCleared()))
     assert summary == {"events": 3, "stored": 3, "removed": 1, "cleared": 1}
 
@@ -136,8 +155,11 @@ def test_summary_lists_every_stream() -> None:
 def test_live_table_shows_each_stream() -> None:
     """The terminal table has a row per stream with its state, seq and lag."""
     console = Console(record=True, width=150)
-    console.print(stream_table({("a", 0): stats(), ("b", 1): stats(worker_id="b", rank=1,
-                                                                 state="incomplete")}))  # fmt: skip
+    console.print(
+        stream_table(
+            {("a", 0): stats(), ("b", 1): stats(worker_id="b", rank=1, state="incomplete")}
+        )
+    )
     text = console.export_text()
     assert "a/0" in text and "b/1" in text and "incomplete" in text and "500 ms" in text
 
@@ -244,8 +266,14 @@ def _demo_view() -> Any:
         workers = (WorkerView("w0", 10, 10, 3, 40), WorkerView("w1", 8, 8, 2, 30))
         return LaneView(policy, 5, 9, 0.5, workers, 10.0, 0, 0, 0, 0, 0, decided)
 
-    return DemoView(1.0, 10.0, (lane("longest_prefix", "w1 <- most matched blocks (31)"),
-                                lane("round_robin", "w0 <- in turn, ignoring the cache")))  # fmt: skip
+    return DemoView(
+        1.0,
+        10.0,
+        (
+            lane("longest_prefix", "w1 <- most matched blocks (31)"),
+            lane("round_robin", "w0 <- in turn, ignoring the cache"),
+        ),
+    )
 
 
 def test_the_demo_shows_its_lanes_side_by_side_when_wide_and_each_latest_decision() -> None:

@@ -155,19 +155,64 @@ block_size = 64
         ("prot = 1", {}, [], "kvevents.toml: [serve] prot: unknown key"),
         ('policy = "best"', {}, [], "[serve] policy: Input should be 'longest_prefix'"),
         ("load_ttl = 0", {}, [], "[serve] load_ttl: Input should be greater than 0"),
-        ('[[serve.workers]]\nid = "a"\nendpoint = "nope"', {}, [], "[serve] workers[0].endpoint: endpoint 'nope'"),
-        ('[[serve.workers]]\nendpoint = "tcp://127.0.0.1:1"', {}, [], "[serve] workers[0].id: Field required"),
-        ('[[serve.workers]]\nid = "a"\nendpoint = "tcp://127.0.0.1:1"\nrank = 1', {}, [], "workers[0].rank: unknown key"),
-        ("", {"KVEVENTS_SERVE_PORT": "eighty"}, [], "$KVEVENTS_SERVE_PORT: Input should be a valid integer"),
-        ("", {"KVEVENTS_SERVE_LOAD_WEIGHT": "nan"}, [], "$KVEVENTS_SERVE_LOAD_WEIGHT: Input should be a finite number"),
+        (
+            '[[serve.workers]]\nid = "a"\nendpoint = "nope"',
+            {},
+            [],
+            "[serve] workers[0].endpoint: endpoint 'nope'",
+        ),
+        (
+            '[[serve.workers]]\nendpoint = "tcp://127.0.0.1:1"',
+            {},
+            [],
+            "[serve] workers[0].id: Field required",
+        ),
+        (
+            '[[serve.workers]]\nid = "a"\nendpoint = "tcp://127.0.0.1:1"\nrank = 1',
+            {},
+            [],
+            "workers[0].rank: unknown key",
+        ),
+        (
+            "",
+            {"KVEVENTS_SERVE_PORT": "eighty"},
+            [],
+            "$KVEVENTS_SERVE_PORT: Input should be a valid integer",
+        ),
+        (
+            "",
+            {"KVEVENTS_SERVE_LOAD_WEIGHT": "nan"},
+            [],
+            "$KVEVENTS_SERVE_LOAD_WEIGHT: Input should be a finite number",
+        ),
         ("", {"KVEVENTS_SERVE_COLOUR": "red"}, [], "$KVEVENTS_SERVE_COLOUR: unknown key"),
-        ("", {"KVEVENTS_SERVE_WORKERS": "a"}, [], "$KVEVENTS_SERVE_WORKERS: workers are set in the config file"),
-        ("", {}, ["--prefill-weight", "-2"], "--prefill-weight: Input should be greater than or equal to 0"),
+        (
+            "",
+            {"KVEVENTS_SERVE_WORKERS": "a"},
+            [],
+            "$KVEVENTS_SERVE_WORKERS: workers are set in the config file",
+        ),
+        (
+            "",
+            {},
+            ["--prefill-weight", "-2"],
+            "--prefill-weight: Input should be greater than or equal to 0",
+        ),
         ("", {}, ["--policy", "best"], "--policy: Input should be 'longest_prefix'"),
-        ("", {}, ["--worker", "a=tcp://127.0.0.1:1", "--worker", "a=tcp://127.0.0.1:2"], "worker id 'a' is given twice"),
-        ("", {}, ["--worker", "a:1=tcp://127.0.0.1:1"], "--worker: 'a:1=tcp://127.0.0.1:1': serve registers base endpoints"),
+        (
+            "",
+            {},
+            ["--worker", "a=tcp://127.0.0.1:1", "--worker", "a=tcp://127.0.0.1:2"],
+            "worker id 'a' is given twice",
+        ),
+        (
+            "",
+            {},
+            ["--worker", "a:1=tcp://127.0.0.1:1"],
+            "--worker: 'a:1=tcp://127.0.0.1:1': serve registers base endpoints",
+        ),
     ],
-)  # fmt: skip
+)
 def test_errors_name_the_source_and_the_key(
     tmp_path: Path, toml: str, env: dict[str, str], argv: list[str], message: str
 ) -> None:

@@ -72,9 +72,22 @@ def test_every_scenario_passes_for_our_http_service() -> None:
 def test_catalogue_covers_the_faults_users_ask_for() -> None:
     """The suite keeps every fault of the brief, each with a description of what it checks."""
     names = set(scenario_names())
-    assert {"drops", "duplicates", "late-join", "restart", "replay-3-frame", "ring-trimmed",
-            "encoding-switch", "unknown-tag", "reordered-parent", "block-size-mismatch",
-            "all-cleared", "unknown-removals", "many-ranks", "clean"} <= names  # fmt: skip
+    assert {
+        "drops",
+        "duplicates",
+        "late-join",
+        "restart",
+        "replay-3-frame",
+        "ring-trimmed",
+        "encoding-switch",
+        "unknown-tag",
+        "reordered-parent",
+        "block-size-mismatch",
+        "all-cleared",
+        "unknown-removals",
+        "many-ranks",
+        "clean",
+    } <= names
     assert all(s.injects and s.expects for s in scenarios())
 
 
@@ -271,9 +284,12 @@ def test_ctrl_c_prints_the_results_that_finished() -> None:
     proc = subprocess.Popen(
         # Every scenario: the signal lands long before the last one could finish.
         [sys.executable, "-m", "kvevents.cli", "conformance"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )  # fmt: skip
+    )
     try:
         assert proc.stderr is not None
         first = proc.stderr.readline()

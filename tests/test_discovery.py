@@ -150,7 +150,11 @@ def test_ipv6_hosts_get_brackets() -> None:
         ({"version": "x"}, "kv_events", "kv_events is missing"),
         ({"kv_events": None}, "kv_events", "publishes no KV events"),
         ({"kv_events": [1]}, "kv_events", "not an object"),
-        ({"kv_events": kv_events(publisher="null")}, "kv_events.publisher", "not one of 'zmq', 'kvevents'"),
+        (
+            {"kv_events": kv_events(publisher="null")},
+            "kv_events.publisher",
+            "not one of 'zmq', 'kvevents'",
+        ),
         (
             {"kv_events": {k: v for k, v in kv_events().items() if k != "endpoint_port_base"}},
             "kv_events.endpoint_port_base",
@@ -161,13 +165,21 @@ def test_ipv6_hosts_get_brackets() -> None:
             "kv_events.endpoint_host",
             "is missing",
         ),
-        ({"kv_events": kv_events(endpoint_port_base=70000)}, "kv_events.endpoint_port_base", "1..65535"),
-        ({"kv_events": kv_events(replay_endpoint_port_base="x")}, "kv_events.replay_endpoint_port_base", "1..65535"),
+        (
+            {"kv_events": kv_events(endpoint_port_base=70000)},
+            "kv_events.endpoint_port_base",
+            "1..65535",
+        ),
+        (
+            {"kv_events": kv_events(replay_endpoint_port_base="x")},
+            "kv_events.replay_endpoint_port_base",
+            "1..65535",
+        ),
         ({"kv_events": kv_events(block_size=0)}, "kv_events.block_size", ">= 1"),
         ({"kv_events": kv_events(dp_size=True)}, "kv_events.dp_size", ">= 1"),
         ({"kv_events": kv_events(topic=3)}, "kv_events.topic", "not a string"),
     ],
-)  # fmt: skip
+)
 def test_bad_descriptors_name_the_url_and_the_key(
     engine: Engine, info: Any, key: str, words: str
 ) -> None:
@@ -387,9 +399,11 @@ class Serve:
     def __init__(self, *args: str) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvevents.cli", "serve", "--port", "0", *args],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )  # fmt: skip
+        )
 
     def url(self, timeout: float = 30.0) -> str:
         assert self.proc.stdout is not None
@@ -472,8 +486,9 @@ def test_serve_engine_unreachable_fails_in_one_line(capsys: pytest.CaptureFixtur
     with socket.socket() as closed:
         closed.bind(("127.0.0.1", 0))
         port = closed.getsockname()[1]
-    status = main(["serve", "--port", "0", "--discovery-timeout", "2",
-                   "--engine", f"http://127.0.0.1:{port}"])  # fmt: skip
+    status = main(
+        ["serve", "--port", "0", "--discovery-timeout", "2", "--engine", f"http://127.0.0.1:{port}"]
+    )
     err = capsys.readouterr().err.strip()
     assert status == 1 and "cannot connect" in err and f"127.0.0.1:{port}" in err
 

@@ -154,15 +154,27 @@ def test_loads_of_unknown_workers_are_listed_and_counted_not_kept(running: Runni
             [{"worker_id": "a", "queued_blocks": 0, "active_blocks": MAX_LOAD_BLOCKS + 1}],
             "$.loads[0].active_blocks",
         ),
-        ([{"worker_id": "a", "queued_blocks": "5", "active_blocks": 0}], "$.loads[0].queued_blocks"),
-        ([{"worker_id": "a", "queued_blocks": 1.5, "active_blocks": 0}], "$.loads[0].queued_blocks"),
+        (
+            [{"worker_id": "a", "queued_blocks": "5", "active_blocks": 0}],
+            "$.loads[0].queued_blocks",
+        ),
+        (
+            [{"worker_id": "a", "queued_blocks": 1.5, "active_blocks": 0}],
+            "$.loads[0].queued_blocks",
+        ),
         ([{"worker_id": "a", "active_blocks": 0}], "queued_blocks"),
-        ([{"worker_id": "a", "rank": -1, "queued_blocks": 0, "active_blocks": 0}], "$.loads[0].rank"),
+        (
+            [{"worker_id": "a", "rank": -1, "queued_blocks": 0, "active_blocks": 0}],
+            "$.loads[0].rank",
+        ),
         ([{"queued_blocks": 0, "active_blocks": 0}], "$.loads[0]"),
         ([], "$.loads"),
-        ([{"worker_id": "a", "queued_blocks": 0, "active_blocks": 0}] * (MAX_LOAD_ENTRIES + 1), "$.loads"),
+        (
+            [{"worker_id": "a", "queued_blocks": 0, "active_blocks": 0}] * (MAX_LOAD_ENTRIES + 1),
+            "$.loads",
+        ),
     ],
-)  # fmt: skip
+)
 def test_bad_load_reports_are_400_naming_the_field(
     running: Running, loads: list[dict[str, Any]], field: str
 ) -> None:

@@ -145,8 +145,9 @@ def joined(relay: Relay, engine: Engine, restarts: int = 0) -> None:
 def agrees(replica: Replica, truth: PrefixIndex, timeout: float = 20.0) -> None:
     """The replica's digest reaches the engines' truth (and is asserted equal)."""
     expected = index_digest(truth)
-    wait_until(lambda: replica.digest() == expected, f"replica {replica.options.name} agrees",
-               timeout)  # fmt: skip
+    wait_until(
+        lambda: replica.digest() == expected, f"replica {replica.options.name} agrees", timeout
+    )
     assert replica.digest().total == expected.total
 
 
@@ -311,8 +312,20 @@ def test_a_replica_killed_mid_stream_comes_back_warm(
     """``kvevents serve --nats`` killed with SIGKILL while batches flow, started again: it
     loads its last snapshot, reads the rest, and GET /digest matches the engines."""
     a = engines("a")
-    args = ["--nats", server.url, "--replica-name", "k1", "--snapshot-batches", "20",
-            "--nats-stream", js.stream, "--nats-prefix", js.prefix, "--nats-bucket", js.bucket]  # fmt: skip
+    args = [
+        "--nats",
+        server.url,
+        "--replica-name",
+        "k1",
+        "--snapshot-batches",
+        "20",
+        "--nats-stream",
+        js.stream,
+        "--nats-prefix",
+        js.prefix,
+        "--nats-bucket",
+        js.bucket,
+    ]
     with relay_for(server, [a.registration], js) as relay:
         joined(relay, a)
         with ServiceIndexer(args=args) as first:
@@ -328,8 +341,11 @@ def test_a_replica_killed_mid_stream_comes_back_warm(
             stats = again.call("GET", "/digest")
             assert stats["covered_seq"] > 0 and stats["total"] == expected
             _, metrics = again.send("GET", "/metrics")
-            loaded = [line for line in metrics.decode().splitlines()
-                      if line.startswith("kvevents_replica_loaded_seq ")]  # fmt: skip
+            loaded = [
+                line
+                for line in metrics.decode().splitlines()
+                if line.startswith("kvevents_replica_loaded_seq ")
+            ]
             assert loaded and float(loaded[0].split()[1]) >= 20  # warm: from a snapshot
 
 
@@ -337,8 +353,18 @@ def test_a_replica_refuses_registrations_over_http(
     server: NatsServer, js: JetStreamOptions
 ) -> None:
     """POST /register on a replica is a 400 naming the relay, not a worker silently unfed."""
-    args = ["--nats", server.url, "--replica-name", "h1", "--nats-stream", js.stream,
-            "--nats-prefix", js.prefix, "--nats-bucket", js.bucket]  # fmt: skip
+    args = [
+        "--nats",
+        server.url,
+        "--replica-name",
+        "h1",
+        "--nats-stream",
+        js.stream,
+        "--nats-prefix",
+        js.prefix,
+        "--nats-bucket",
+        js.bucket,
+    ]
     with ServiceIndexer(args=args) as service:
         body = b'{"worker_id": "x", "endpoint": "tcp://127.0.0.1:5557", "block_size": 16}'
         status, reply = service.send("POST", "/register", body)
@@ -365,9 +391,24 @@ def test_the_relay_command_feeds_a_replica(
 ) -> None:
     """``kvevents relay`` relays a worker until SIGTERM, then says what it wrote."""
     a = engines("a")
-    command = [sys.executable, "-m", "kvevents.cli", "relay", "--nats", server.url,
-               "--worker", f"a={a.pub.endpoint},{a.pub.replay_endpoint}", "--block-size", str(BS),
-               "--nats-stream", js.stream, "--nats-prefix", js.prefix, "--metrics-port", "0"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "kvevents.cli",
+        "relay",
+        "--nats",
+        server.url,
+        "--worker",
+        f"a={a.pub.endpoint},{a.pub.replay_endpoint}",
+        "--block-size",
+        str(BS),
+        "--nats-stream",
+        js.stream,
+        "--nats-prefix",
+        js.prefix,
+        "--metrics-port",
+        "0",
+    ]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert "relaying 1 worker(s)" in _line(proc, "relaying")

@@ -212,8 +212,12 @@ def test_a_loaded_snapshot_goes_on_as_the_saved_index_would() -> None:
     blocks, a clear) leave the same index as on the original."""
     index = _built()
     fresh = PrefixIndex()
-    snap.restore(fresh, snap.decode(snap.encode(snap.capture(
-        index, stream="S", seq=1, replica="r", workers=[], cursors=[]))))  # fmt: skip
+    snap.restore(
+        fresh,
+        snap.decode(
+            snap.encode(snap.capture(index, stream="S", seq=1, replica="r", workers=[], cursors=[]))
+        ),
+    )
     child = BlockStored(
         block_hashes=[999_001], parent_block_hash=30_016, token_ids=list(range(16)), block_size=16
     )

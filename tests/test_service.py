@@ -256,9 +256,12 @@ def test_lean_query_answers_like_the_service(
     short = json.dumps(PROMPT[:5])
     raw_cases = [
         (f'{{"token_ids": {short}, "token_ids": {json.dumps(PROMPT)}}}', PROMPT),
-        (f'{{"x": {{"token_ids": [1]}}, "s": "\\"token_ids\\"", "token_ids": {short}}}', PROMPT[:5]),
+        (
+            f'{{"x": {{"token_ids": [1]}}, "s": "\\"token_ids\\"", "token_ids": {short}}}',
+            PROMPT[:5],
+        ),
         (f'{{"model_name": "m", "policy": null, "token_ids": {short}}}', PROMPT[:5]),
-    ]  # fmt: skip
+    ]
     for text, tokens in raw_cases:
         reply = client.post("/query", content=text.encode())
         assert reply.status_code == 200, (text, reply.text)
@@ -601,8 +604,11 @@ def test_metrics_cover_every_service_counter_with_its_documentation(
     """Every ServiceStats, IndexStats and HttpStats field reaches /metrics, its HELP text the field's
     own documentation rather than its name."""
     text = client.get("/metrics").text
-    records = [(ServiceStats, "kvevents_service"), (IndexStats, "kvevents_index"),
-               (HttpStats, "kvevents_http")]  # fmt: skip
+    records = [
+        (ServiceStats, "kvevents_service"),
+        (IndexStats, "kvevents_index"),
+        (HttpStats, "kvevents_http"),
+    ]
     for record, prefix in records:
         docs = field_docs(record)
         for f in dataclasses.fields(record):
@@ -634,8 +640,12 @@ def test_metrics_have_a_query_latency_histogram_and_process_metrics(
     text = client.get("/metrics").text
     assert "# TYPE kvevents_query_duration_seconds histogram" in text
     assert 'kvevents_query_duration_seconds_bucket{le="0.001"}' in text
-    for name in ("process_cpu_seconds_total", "process_resident_memory_bytes",
-                 "process_open_fds", "python_gc_collections_total"):  # fmt: skip
+    for name in (
+        "process_cpu_seconds_total",
+        "process_resident_memory_bytes",
+        "process_open_fds",
+        "python_gc_collections_total",
+    ):
         assert f"\n{name}" in text, name
     assert "\nkvevents_service_feed_healthy 1.0" in text
     assert "\nkvevents_service_feed_stalled_seconds 0.0" in text

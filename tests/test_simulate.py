@@ -265,9 +265,19 @@ def test_simulate_table_shows_requests_rejected_and_how_fidelity_was_checked() -
     """The text table has requests and rejected columns; the header says how often the index's
     fidelity was checked."""
     done = _kvevents(
-        "simulate", "--limit", "60", "--policies", "round_robin", "--capacity", "64",
-        "--budget", "512", "--staleness", "1", timeout=60,
-    )  # fmt: skip
+        "simulate",
+        "--limit",
+        "60",
+        "--policies",
+        "round_robin",
+        "--capacity",
+        "64",
+        "--budget",
+        "512",
+        "--staleness",
+        "1",
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     header, columns, row = done.stdout.splitlines()[:3]
     assert header.endswith("index fidelity checked at the end")
@@ -279,11 +289,22 @@ def test_simulate_table_shows_requests_rejected_and_how_fidelity_was_checked() -
 def test_ctrl_c_in_simulate_prints_what_finished() -> None:
     """Ctrl-C during the second policy prints "interrupted", the first policy's row, exit 130."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvevents.cli", "simulate", "--limit", "400",
-         "--policies", "round_robin,random"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        [
+            sys.executable,
+            "-m",
+            "kvevents.cli",
+            "simulate",
+            "--limit",
+            "400",
+            "--policies",
+            "round_robin,random",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1", "KVEVENTS_TRACE": TRACE},
-    )  # fmt: skip
+    )
     try:
         assert proc.stderr is not None
         for line in proc.stderr:  # progress lines; the child exits (EOF) if something breaks

@@ -334,9 +334,13 @@ def test_two_dp_ranks_publish_on_their_own_endpoints(llm: FakeLLM) -> None:
     """Entries of attention-DP ranks 0 and 1 go to each rank's own stream, rank set."""
     options = PublisherOptions(heartbeat_interval=0.05)
     b = TensorRTLLMBridge(
-        llm.get_kv_cache_events, config(), attention_dp_size=2, block_size=BS,
-        poll_timeout=0.01, options=options,
-    )  # fmt: skip
+        llm.get_kv_cache_events,
+        config(),
+        attention_dp_size=2,
+        block_size=BS,
+        poll_timeout=0.01,
+        options=options,
+    )
     with b:
         endpoints = b.endpoints()
         assert len({endpoints[0][0], endpoints[1][0]}) == 2

@@ -31,6 +31,8 @@ import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
+from kvevents._types import Document
+
 __all__ = [
     "CollectorGroup",
     "StatsCollector",
@@ -126,7 +128,7 @@ class StatsCollector:
         """Build one metric family per field, one sample per labelled record."""
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-        families: dict[str, Any] = {}
+        families: Document = {}
         for labels, record in self.source():
             for name, kind, value, doc in stats_samples(record):
                 if name in labels:

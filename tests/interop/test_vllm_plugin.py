@@ -113,9 +113,15 @@ def test_plugin_publisher_sends_every_vllm_era_on_our_wire(tmp_path: Path) -> No
     fixtures = [f for f in wire_fixtures() if f.engine.startswith("vllm")]
     base = f"ipc://{tmp_path}/pub"
     publisher = VllmPublisher(
-        data_parallel_rank=0, endpoint=base, replay_endpoint=f"ipc://{tmp_path}/replay",
-        buffer_steps=100, hwm=1000, max_queue_size=100, topic="", future_field=True,
-    )  # fmt: skip
+        data_parallel_rank=0,
+        endpoint=base,
+        replay_endpoint=f"ipc://{tmp_path}/replay",
+        buffer_steps=100,
+        hwm=1000,
+        max_queue_size=100,
+        topic="",
+        future_field=True,
+    )
     try:
         for fixture in fixtures:
             publisher.publish(msgspec.Raw(fixture.payload))  # what msgspec sends is the payload

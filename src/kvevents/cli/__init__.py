@@ -151,7 +151,9 @@ def build_parser() -> Parser:
     return parser
 
 
-def _add_unavailable(sub: Any, name: str, missing: str) -> None:
+def _add_unavailable(
+    sub: argparse._SubParsersAction[Parser], name: str, missing: str
+) -> None:  # typeshed names the subparsers action only privately
     """A stand-in for a command whose optional dependency is not installed."""
     extra = EXTRAS[missing]
     why = f"needs the optional package {missing!r}: pip install 'kvevents[{extra}]'"

@@ -6,9 +6,12 @@ import argparse
 import json
 import logging
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvevents.cli.common import UsageError, positive_float
+
+if TYPE_CHECKING:
+    from kvevents.cli.common import Subparsers
 
 EXAMPLES = """examples:
   kvevents conformance
@@ -29,7 +32,7 @@ other consumers failing is information, not an error. See docs/conformance.md.
 _OURS = ("kvevents", "service")
 
 
-def add_parser(sub: Any) -> None:
+def add_parser(sub: Subparsers) -> None:
     p = sub.add_parser(
         "conformance",
         help="fault-injection conformance of KV event consumers",
@@ -39,13 +42,27 @@ def add_parser(sub: Any) -> None:
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--consumer", action="append", default=[], metavar="NAME[=ARG]",
-                   help="kvevents, dynamo[=PYTHON] or service[=URL] (repeatable; default: "
-                   "kvevents)")  # fmt: skip
-    p.add_argument("--scenario", action="append", default=[], metavar="NAME",
-                   help="run only this scenario (repeatable; default: all)")  # fmt: skip
-    p.add_argument("--deadline", type=positive_float, default=5.0, metavar="SECONDS",
-                   help="how long to wait for a consumer to show a sentinel")  # fmt: skip
+    p.add_argument(
+        "--consumer",
+        action="append",
+        default=[],
+        metavar="NAME[=ARG]",
+        help="kvevents, dynamo[=PYTHON] or service[=URL] (repeatable; default: kvevents)",
+    )
+    p.add_argument(
+        "--scenario",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="run only this scenario (repeatable; default: all)",
+    )
+    p.add_argument(
+        "--deadline",
+        type=positive_float,
+        default=5.0,
+        metavar="SECONDS",
+        help="how long to wait for a consumer to show a sentinel",
+    )
     out = p.add_mutually_exclusive_group()
     out.add_argument("--markdown", action="store_true", help="print a Markdown table")
     out.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -102,8 +119,11 @@ def _list(scenarios: list[Any]) -> None:
 
 
 def _progress(result: Any) -> None:
-    print(f"{result.consumer} {result.scenario}: {result.outcome} ({result.seconds:.1f} s)",
-          file=sys.stderr, flush=True)  # fmt: skip
+    print(
+        f"{result.consumer} {result.scenario}: {result.outcome} ({result.seconds:.1f} s)",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def run(args: argparse.Namespace) -> int:

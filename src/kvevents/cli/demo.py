@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvevents.cli.common import Subparsers
 
 EXAMPLES = """examples:
   kvevents demo                       20 seconds, a live view when run in a terminal
@@ -19,7 +22,7 @@ Mooncake trace, sped up). Ctrl-C stops early; a summary is always printed.
 """
 
 
-def add_parser(sub: Any) -> None:
+def add_parser(sub: Subparsers) -> None:
     from kvevents.sim import DemoConfig
 
     d = DemoConfig()

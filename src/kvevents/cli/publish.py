@@ -7,8 +7,9 @@ import itertools
 import random
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from kvevents._types import Document
 from kvevents.cli.common import (
     UsageError,
     non_negative_int,
@@ -19,6 +20,9 @@ from kvevents.cli.common import (
 from kvevents.cli.config import CONFIG_ENV, PublishSettings, apply_settings, default, track_given
 from kvevents.cli.output import JsonOutput
 from kvevents.cli.secure import add_server_options, server_curve
+
+if TYPE_CHECKING:
+    from kvevents.cli.common import Subparsers
 
 EXAMPLES = """examples:
   kvevents publish
@@ -33,7 +37,7 @@ then, in another terminal:  kvevents listen tcp://127.0.0.1:5557 --replay tcp://
 """
 
 
-def add_parser(sub: Any) -> None:
+def add_parser(sub: Subparsers) -> None:
     p = sub.add_parser(
         "publish",
         help="publish events from a simulated engine",
@@ -45,28 +49,51 @@ def add_parser(sub: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     track_given(p)
-    p.add_argument("--config", metavar="FILE",
-                   help=f"TOML settings file, [publish] table (default: ${CONFIG_ENV})")  # fmt: skip
+    p.add_argument(
+        "--config",
+        metavar="FILE",
+        help=f"TOML settings file, [publish] table (default: ${CONFIG_ENV})",
+    )
     p.add_argument("--endpoint", default=_d("endpoint"), help="base PUB endpoint to bind")
-    p.add_argument("--replay-endpoint", default=_d("replay_endpoint"),
-                   help="base replay endpoint to bind ('none': no replay)")  # fmt: skip
+    p.add_argument(
+        "--replay-endpoint",
+        default=_d("replay_endpoint"),
+        help="base replay endpoint to bind ('none': no replay)",
+    )
     p.add_argument("--ranks", type=positive_int, default=_d("ranks"), help="attention-DP ranks")
     p.add_argument("--topic", default=_d("topic"), help="topic frame of every message")
-    p.add_argument("--rate", type=positive_float, default=_d("rate"),
-                   help="engine steps per second; each publishes <= 1 batch per rank")  # fmt: skip
+    p.add_argument(
+        "--rate",
+        type=positive_float,
+        default=_d("rate"),
+        help="engine steps per second; each publishes <= 1 batch per rank",
+    )
     p.add_argument("--trace", help="Mooncake JSON-lines trace to take requests from")
-    p.add_argument("--concurrency", type=positive_int, default=_d("concurrency"),
-                   help="requests kept in flight (default %(default)s)")  # fmt: skip
-    p.add_argument("--block-size", type=positive_int, default=_d("block_size"),
-                   help="tokens per block")  # fmt: skip
-    p.add_argument("--heartbeat", type=positive_float, default=_d("heartbeat"),
-                   help="seconds of silence before an empty batch (default %(default)s)")  # fmt: skip
-    p.add_argument("--seed", type=non_negative_int, default=_d("seed"),
-                   help="synthetic workload seed")  # fmt: skip
+    p.add_argument(
+        "--concurrency",
+        type=positive_int,
+        default=_d("concurrency"),
+        help="requests kept in flight (default %(default)s)",
+    )
+    p.add_argument(
+        "--block-size", type=positive_int, default=_d("block_size"), help="tokens per block"
+    )
+    p.add_argument(
+        "--heartbeat",
+        type=positive_float,
+        default=_d("heartbeat"),
+        help="seconds of silence before an empty batch (default %(default)s)",
+    )
+    p.add_argument(
+        "--seed", type=non_negative_int, default=_d("seed"), help="synthetic workload seed"
+    )
     p.add_argument("--count", type=positive_int, help="stop after N batches")
     p.add_argument("--duration", type=positive_float, help="stop after S seconds")
-    p.add_argument("--metrics-port", type=non_negative_int,
-                   help="serve Prometheus /metrics of the publishers on this port")  # fmt: skip
+    p.add_argument(
+        "--metrics-port",
+        type=non_negative_int,
+        help="serve Prometheus /metrics of the publishers on this port",
+    )
     p.add_argument("--json", action="store_true", help="JSON lines on stdout")
     add_server_options(p)
     p.set_defaults(run=run)
@@ -81,8 +108,9 @@ def synthetic_requests(seed: int, block_size: int) -> Iterator[Any]:
     from kvevents.sim import Request
 
     rng = random.Random(seed)
-    prompts = [[rng.randrange(50_000) for _ in range(block_size * rng.randint(4, 16))]
-               for _ in range(4)]  # fmt: skip
+    prompts = [
+        [rng.randrange(50_000) for _ in range(block_size * rng.randint(4, 16))] for _ in range(4)
+    ]
     for i in itertools.count():
         question = [rng.randrange(50_000) for _ in range(rng.randint(8, block_size * 8))]
         yield Request(f"req-{i}", rng.choice(prompts) + question, rng.randint(4, 48))
@@ -121,8 +149,12 @@ def _config(args: argparse.Namespace) -> Any:
     replay = None if args.replay_endpoint.lower() == "none" else args.replay_endpoint
     replay = _replay_next_to(args.endpoint, replay)
     try:
-        return KVEventsConfig(enable_kv_cache_events=True, endpoint=args.endpoint,
-                              replay_endpoint=replay, topic=args.topic)  # fmt: skip
+        return KVEventsConfig(
+            enable_kv_cache_events=True,
+            endpoint=args.endpoint,
+            replay_endpoint=replay,
+            topic=args.topic,
+        )
     except pydantic.ValidationError as exc:
         first = exc.errors()[0]
         raise UsageError(f"{'.'.join(map(str, first['loc']))}: {first['msg']}") from None
@@ -169,7 +201,7 @@ class _Run:
             time.sleep(max(0.0, tick - time.monotonic()))
 
 
-def _emit(args: argparse.Namespace, record: dict[str, Any]) -> None:
+def _emit(args: argparse.Namespace, record: Document) -> None:
     if args.json:
         JsonOutput().emit(record)
     elif record["type"] == "ready":
@@ -177,28 +209,40 @@ def _emit(args: argparse.Namespace, record: dict[str, Any]) -> None:
             replay = f" (replay {r['replay_endpoint']})" if r["replay_endpoint"] else ""
             print(f"rank {r['rank']}: publishing on {r['endpoint']}{replay}", flush=True)
     else:
-        print(f"published {record['batches']} batches from {record['requests']} requests "
-              f"in {record['seconds']:.1f}s", flush=True)  # fmt: skip
+        print(
+            f"published {record['batches']} batches from {record['requests']} requests "
+            f"in {record['seconds']:.1f}s",
+            flush=True,
+        )
         for r in record["ranks"]:
-            print(f"  rank {r['rank']}: {r['enqueued']} sent, {r['dropped']} dropped, "
-                  f"{r['heartbeats']} heartbeats, {r['replay_requests']} replay requests",
-                  flush=True)  # fmt: skip
+            print(
+                f"  rank {r['rank']}: {r['enqueued']} sent, {r['dropped']} dropped, "
+                f"{r['heartbeats']} heartbeats, {r['replay_requests']} replay requests",
+                flush=True,
+            )
 
 
-def _ready(engine: Any, metrics_port: int | None) -> dict[str, Any]:
-    ranks = [{"rank": p.rank, "endpoint": p.endpoint, "replay_endpoint": p.replay_endpoint}
-             for p in engine.publishers]  # fmt: skip
+def _ready(engine: Any, metrics_port: int | None) -> Document:
+    ranks = [
+        {"rank": p.rank, "endpoint": p.endpoint, "replay_endpoint": p.replay_endpoint}
+        for p in engine.publishers
+    ]
     return {"type": "ready", "ranks": ranks, "metrics_port": metrics_port}
 
 
-def _summary(engine: Any, began: float) -> dict[str, Any]:
+def _summary(engine: Any, began: float) -> Document:
     ranks = []
     for p in engine.publishers:
         stats = p.stats()
         ranks.append({"rank": p.rank, **stats.as_dict(), "dropped": stats.dropped})
     metrics = engine.metrics()
-    return {"type": "summary", "batches": metrics.batches, "requests": metrics.submitted,
-            "seconds": round(time.monotonic() - began, 3), "ranks": ranks}  # fmt: skip
+    return {
+        "type": "summary",
+        "batches": metrics.batches,
+        "requests": metrics.submitted,
+        "seconds": round(time.monotonic() - began, 3),
+        "ranks": ranks,
+    }
 
 
 def run(args: argparse.Namespace) -> int:
@@ -212,8 +256,9 @@ def run(args: argparse.Namespace) -> int:
     )
     options = PublisherOptions(heartbeat_interval=args.heartbeat, curve=server_curve(args))
     engine_config = EngineConfig(block_size=args.block_size, ranks=args.ranks)
-    engine = SimulatedEngine(engine_config, clock=time.time,
-                             publisher_factory=zmq_publisher_factory(config, options))  # fmt: skip
+    engine = SimulatedEngine(
+        engine_config, clock=time.time, publisher_factory=zmq_publisher_factory(config, options)
+    )
     with stop_on_sigterm(), engine:
         exporter = _start_metrics(engine, args.metrics_port)
         runner = _Run(engine, source, args)

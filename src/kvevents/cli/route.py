@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvevents.cli.common import (
     UsageError,
@@ -21,6 +21,9 @@ from kvevents.cli.config import (
     engine_names,
     track_given,
 )
+
+if TYPE_CHECKING:
+    from kvevents.cli.common import Subparsers
 
 EXAMPLES = """examples:
   kvevents route --port 8000 --tokenizer /models/tiny --block-size 32 \\
@@ -41,7 +44,7 @@ x-kvevents-engine and x-kvevents-predicted-cached-tokens. GET / is a status page
 """
 
 
-def add_parser(sub: Any) -> None:
+def add_parser(sub: Subparsers) -> None:
     p = sub.add_parser(
         "route",
         help="run the OpenAI-compatible front door in front of engines",
@@ -72,7 +75,7 @@ def _d(key: str) -> Any:
     return default(RouteSettings, key)
 
 
-def _add_engine_options(p: Any) -> None:
+def _add_engine_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engines")
     g.add_argument(
         "--engine",
@@ -118,13 +121,21 @@ def _add_engine_options(p: Any) -> None:
         metavar="ENGINE=N",
         help="an engine's block size where it is not --block-size",
     )
-    g.add_argument("--health-interval", type=positive_float, default=_d("health_interval"),
-                   help="seconds between each engine's health checks")  # fmt: skip
-    g.add_argument("--health-timeout", type=positive_float, default=_d("health_timeout"),
-                   help="seconds a health check may take")  # fmt: skip
+    g.add_argument(
+        "--health-interval",
+        type=positive_float,
+        default=_d("health_interval"),
+        help="seconds between each engine's health checks",
+    )
+    g.add_argument(
+        "--health-timeout",
+        type=positive_float,
+        default=_d("health_timeout"),
+        help="seconds a health check may take",
+    )
 
 
-def _add_token_options(p: Any) -> None:
+def _add_token_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("tokens (as the engine makes them; docs/route.md)")
     g.add_argument(
         "--tokenizer",
@@ -135,30 +146,50 @@ def _add_token_options(p: Any) -> None:
         help="a served model's tokenizer and chat template: a directory, or a model id in the "
         "local Hugging Face cache (never downloaded); repeatable, one per model",
     )
-    g.add_argument("--chat-template", metavar="TEXT_OR_FILE",
-                   help="the engines' --chat-template, if they run one")  # fmt: skip
-    g.add_argument("--max-model-len", type=positive_int,
-                   help="the engines' --max-model-len (for truncate_prompt_tokens=-1)")  # fmt: skip
-    g.add_argument("--trust-request-chat-template", action="store_true",
-                   help="the engines run with --trust-request-chat-template")  # fmt: skip
-    g.add_argument("--enable-auto-tool-choice", action="store_true",
-                   help="the engines run with --enable-auto-tool-choice")  # fmt: skip
-    g.add_argument("--tool-call-parser", metavar="NAME",
-                   help="the engines' --tool-call-parser")  # fmt: skip
+    g.add_argument(
+        "--chat-template",
+        metavar="TEXT_OR_FILE",
+        help="the engines' --chat-template, if they run one",
+    )
+    g.add_argument(
+        "--max-model-len",
+        type=positive_int,
+        help="the engines' --max-model-len (for truncate_prompt_tokens=-1)",
+    )
+    g.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="the engines run with --trust-request-chat-template",
+    )
+    g.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="the engines run with --enable-auto-tool-choice",
+    )
+    g.add_argument("--tool-call-parser", metavar="NAME", help="the engines' --tool-call-parser")
 
 
-def _add_routing_options(p: Any) -> None:
+def _add_routing_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("routing")
-    g.add_argument("--policy", default=_d("policy"),
-                   help=f"routing policy (default: {_d('policy')})")  # fmt: skip
-    g.add_argument("--stale-after", type=positive_float, default=_d("stale_after"),
-                   help="seconds after an answered request by which the engine's events must "
-                   "arrive (else its stream gets no cache credit until they do)")  # fmt: skip
-    g.add_argument("--prediction-grace", type=float, default=_d("prediction_grace"),
-                   help="seconds a request's predicted blocks outlive it")  # fmt: skip
+    g.add_argument(
+        "--policy", default=_d("policy"), help=f"routing policy (default: {_d('policy')})"
+    )
+    g.add_argument(
+        "--stale-after",
+        type=positive_float,
+        default=_d("stale_after"),
+        help="seconds after an answered request by which the engine's events must "
+        "arrive (else its stream gets no cache credit until they do)",
+    )
+    g.add_argument(
+        "--prediction-grace",
+        type=float,
+        default=_d("prediction_grace"),
+        help="seconds a request's predicted blocks outlive it",
+    )
 
 
-def _add_limit_options(p: Any) -> None:
+def _add_limit_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("limits")
     for flag, kind, what in (
         ("--max-body-bytes", positive_int, "largest request body (413 above)"),
@@ -173,12 +204,17 @@ def _add_limit_options(p: Any) -> None:
         g.add_argument(flag, type=kind, default=_d(key), help=what)
 
 
-def _add_nats_options(p: Any) -> None:
+def _add_nats_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("the index from JetStream (docs/scale-out.md)")
-    g.add_argument("--nats", metavar="URL",
-                   help="take the index from the relay's stream on this NATS server")  # fmt: skip
-    g.add_argument("--replica-name", default=_d("replica_name"), metavar="NAME",
-                   help="this front door's durable consumer (unique per instance)")  # fmt: skip
+    g.add_argument(
+        "--nats", metavar="URL", help="take the index from the relay's stream on this NATS server"
+    )
+    g.add_argument(
+        "--replica-name",
+        default=_d("replica_name"),
+        metavar="NAME",
+        help="this front door's durable consumer (unique per instance)",
+    )
     g.add_argument("--nats-stream", default=_d("nats_stream"), metavar="NAME")
     g.add_argument("--nats-prefix", default=_d("nats_prefix"), metavar="TOKEN")
     g.add_argument("--nats-bucket", default=_d("nats_bucket"), metavar="NAME")
@@ -267,8 +303,12 @@ def front_door(settings: RouteSettings, service: Any = None) -> Any:
     from kvevents.http import HttpLimits
     from kvevents.route import FrontDoor, PlannerOptions, ProxyOptions
 
-    limits = HttpLimits(settings.max_body_bytes, settings.header_timeout, settings.body_timeout,
-                        settings.max_connections)  # fmt: skip
+    limits = HttpLimits(
+        settings.max_body_bytes,
+        settings.header_timeout,
+        settings.body_timeout,
+        settings.max_connections,
+    )
     proxy = ProxyOptions(
         limits=limits,
         connect_timeout=settings.connect_timeout,

@@ -13,21 +13,33 @@ __all__ = ["add_client_options", "add_server_options", "client_curve", "server_c
 def add_server_options(p: argparse.ArgumentParser) -> None:
     """``--curve-secret`` and ``--curve-allow`` for a command that binds (publish)."""
     g = p.add_argument_group("encryption (CurveZMQ, see docs/security.md)")
-    g.add_argument("--curve-secret", metavar="FILE",
-                   help="encrypt: this publisher's NAME.key_secret (from 'kvevents keys "
-                   "generate'); subscribers need the matching NAME.key")  # fmt: skip
-    g.add_argument("--curve-allow", metavar="DIR",
-                   help="admit only the clients whose public NAME.key files are in DIR")  # fmt: skip
+    g.add_argument(
+        "--curve-secret",
+        metavar="FILE",
+        help="encrypt: this publisher's NAME.key_secret (from 'kvevents keys "
+        "generate'); subscribers need the matching NAME.key",
+    )
+    g.add_argument(
+        "--curve-allow",
+        metavar="DIR",
+        help="admit only the clients whose public NAME.key files are in DIR",
+    )
 
 
 def add_client_options(p: argparse.ArgumentParser) -> None:
     """``--curve-server-key`` and ``--curve-secret`` for a command that connects."""
     g = p.add_argument_group("encryption (CurveZMQ, see docs/security.md)")
-    g.add_argument("--curve-server-key", metavar="FILE",
-                   help="the publisher is encrypted: its public NAME.key file")  # fmt: skip
-    g.add_argument("--curve-secret", metavar="FILE",
-                   help="this client's NAME.key_secret (needed by a publisher with an "
-                   "allow-list; default: a fresh key pair)")  # fmt: skip
+    g.add_argument(
+        "--curve-server-key",
+        metavar="FILE",
+        help="the publisher is encrypted: its public NAME.key file",
+    )
+    g.add_argument(
+        "--curve-secret",
+        metavar="FILE",
+        help="this client's NAME.key_secret (needed by a publisher with an "
+        "allow-list; default: a fresh key pair)",
+    )
 
 
 def server_curve(args: argparse.Namespace) -> Any:

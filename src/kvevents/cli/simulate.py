@@ -8,9 +8,13 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from kvevents._types import Document
 from kvevents.cli.common import UsageError, non_negative_int
+
+if TYPE_CHECKING:
+    from kvevents.cli.common import Subparsers
 
 EXAMPLES = """examples:
   kvevents simulate                              the whole synthetic trace, 8 workers, all policies
@@ -28,7 +32,7 @@ prefix_load it measures index fidelity, not routing quality.
 """
 
 
-def add_parser(sub: Any) -> None:
+def add_parser(sub: Subparsers) -> None:
     from kvevents.sim import POLICY_NAMES, ClusterConfig
 
     d = ClusterConfig()
@@ -170,8 +174,10 @@ def run(args: argparse.Namespace) -> int:
     result, interrupted = _evaluate(rows, args.policies, config)
     if interrupted is not None:
         done = ", ".join(r.policy for r in result.reports) or "none"
-        print(f"kvevents simulate: interrupted during {interrupted}; finished: {done}",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"kvevents simulate: interrupted during {interrupted}; finished: {done}",
+            file=sys.stderr,
+        )
         if not result.reports:
             return 130
     if args.json:
@@ -258,7 +264,7 @@ def _progress(total: int) -> Iterator[Callable[[str, int, int], None]]:
             console=Console(stderr=True),
             transient=True,
         )
-        tasks: dict[str, Any] = {}
+        tasks: Document = {}
 
         def show(policy: str, done: int, rows: int) -> None:
             if policy not in tasks:

@@ -38,7 +38,7 @@ def has_extras(event: Stored, blocks: int) -> bool:
         raw = event.extra_keys
         return len(raw) > 1 and raw != (_NILS.get(blocks) or _nils(blocks))
     extra = event.extra_keys
-    return bool(extra) and any(extra)  # type: ignore[arg-type]
+    return bool(extra) and any(extra)  # type: ignore[arg-type]  # a list when truthy
 
 
 _NILS: dict[int, msgspec.Raw] = {}

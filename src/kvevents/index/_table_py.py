@@ -54,13 +54,14 @@ class U64Map(dict[int, int]):
 
     __slots__ = ()
 
+    # Lists, not views, as the class docstring says: a narrower return than dict's.
     def keys(self) -> list[int]:  # type: ignore[override]
         return list(super().keys())
 
-    def values(self) -> list[int]:  # type: ignore[override]
+    def values(self) -> list[int]:  # type: ignore[override]  # a list: as keys()
         return list(super().values())
 
-    def items(self) -> list[tuple[int, int]]:  # type: ignore[override]
+    def items(self) -> list[tuple[int, int]]:  # type: ignore[override]  # a list: as keys()
         return list(super().items())
 
     @property

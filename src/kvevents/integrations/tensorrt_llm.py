@@ -36,6 +36,7 @@ from collections.abc import Callable, Mapping
 from types import TracebackType
 from typing import Any, Literal, TypeAlias
 
+from kvevents._types import DocumentView
 from kvevents.config import KVEventsConfig
 from kvevents.errors import PublisherError
 from kvevents.events import UNSET, AllBlocksCleared, BlockRemoved, BlockStored, Event, KVEventBatch
@@ -95,13 +96,13 @@ def signed64(value: object, field: str) -> int:
     return value - _U64 if value > ~_I64_MIN else value
 
 
-def _get(obj: Mapping[str, Any], key: str, where: str) -> Any:
+def _get(obj: DocumentView, key: str, where: str) -> Any:
     if key not in obj:
         raise _Malformed(f"{where}.{key} is missing")
     return obj[key]
 
 
-def _mapping(value: object, field: str) -> Mapping[str, Any]:
+def _mapping(value: object, field: str) -> DocumentView:
     if not isinstance(value, Mapping):
         raise _Malformed(f"{field} is {type(value).__name__}, expected an object")
     return value
@@ -225,7 +226,7 @@ def _stored_event(run: list[_Block], parent: int | None, block_size: int) -> Blo
     )
 
 
-def _stored(data: Mapping[str, Any], block_size: int | None) -> tuple[list[Event], int]:
+def _stored(data: DocumentView, block_size: int | None) -> tuple[list[Event], int]:
     raw = _list(_get(data, "blocks", "data"), "data.blocks")
     if not raw:
         raise _Malformed("data.blocks is empty: a store names at least one block")
@@ -245,13 +246,13 @@ def _stored(data: Mapping[str, Any], block_size: int | None) -> tuple[list[Event
     return events, partial
 
 
-def _removed(data: Mapping[str, Any]) -> list[Event]:
+def _removed(data: DocumentView) -> list[Event]:
     raw = _list(_get(data, "block_hashes", "data"), "data.block_hashes")
     hashes = [signed64(h, f"data.block_hashes[{i}]") for i, h in enumerate(raw)]
     return [BlockRemoved(block_hashes=hashes)] if hashes else []
 
 
-def _header(entry: Mapping[str, Any], world_size: int) -> tuple[int, int | None]:
+def _header(entry: DocumentView, world_size: int) -> tuple[int, int | None]:
     rank = entry.get("attention_dp_rank")
     rank = 0 if rank is None else _small_int(rank, "attention_dp_rank")
     if rank >= world_size:

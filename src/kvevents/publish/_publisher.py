@@ -27,7 +27,7 @@ from typing import Any, Literal
 import msgspec
 import zmq
 
-from kvevents._libzmq import Send3
+from kvevents._libzmq import Context, Send3, Socket
 from kvevents.config import KVEventsConfig, RankEndpoints, check_layout, rank_endpoints
 from kvevents.errors import DecodeError, LayoutError, PublisherClosed, PublisherError
 from kvevents.events import Event, KVEventBatch
@@ -167,11 +167,11 @@ class ZmqPublisher(Publisher):
         self._last_activity = time.monotonic()
         self._carry = RemovalCarry()
         self._warn = RateLimitedWarning(logger)
-        self._context: zmq.Context[Any] | None = None
-        self._push: zmq.Socket[Any] | None = None
+        self._context: Context | None = None
+        self._push: Socket | None = None
         self._send3: Send3 | None = None
-        self._control: zmq.Socket[Any] | None = None
-        self._wake: zmq.Socket[Any] | None = None
+        self._control: Socket | None = None
+        self._wake: Socket | None = None
         self._forwarder: Forwarder | None = None
         self._service: Service | None = None
         self._authenticator: Any = None
@@ -197,7 +197,7 @@ class ZmqPublisher(Publisher):
             self._state = "started"
 
     def _open(self) -> None:
-        context: zmq.Context[Any] = zmq.Context()
+        context: Context = zmq.Context()
         self._context = context
         base = f"inproc://kvevents-pub-{os.getpid()}-{next(_names)}"
         roles = ("frontend", "capture", "control", "wake", "monitor-publish", "monitor-replay")
@@ -221,15 +221,15 @@ class ZmqPublisher(Publisher):
         self._push = push
         self._send3 = send3_for(push)
 
-    def _caller_socket(self, kind: int, connect: str | None) -> zmq.Socket[Any]:
+    def _caller_socket(self, kind: int, connect: str | None) -> Socket:
         assert self._context is not None
-        socket: zmq.Socket[Any] = self._context.socket(kind)
+        socket: Socket = self._context.socket(kind)
         socket.setsockopt(zmq.LINGER, 0)
         if connect is not None:
             socket.connect(connect)
         return socket
 
-    def _new_forwarder(self, context: zmq.Context[Any], names: dict[str, str]) -> Forwarder:
+    def _new_forwarder(self, context: Context, names: dict[str, str]) -> Forwarder:
         return Forwarder(
             context,
             endpoints=names,
@@ -239,7 +239,7 @@ class ZmqPublisher(Publisher):
             curve=self.options.curve,
         )
 
-    def _new_service(self, context: zmq.Context[Any], names: dict[str, str]) -> Service:
+    def _new_service(self, context: Context, names: dict[str, str]) -> Service:
         ring = None
         if self.endpoints.replay is not None:
             ring = ReplayRing(self.config.buffer_steps, self.options.replay_buffer_bytes)
@@ -310,7 +310,7 @@ class ZmqPublisher(Publisher):
             stats=stats,
         )
 
-    def _teardown(self, linger_ms: int, push: zmq.Socket[Any] | None = None) -> None:
+    def _teardown(self, linger_ms: int, push: Socket | None = None) -> None:
         if push is not None:
             push.close(0)
         forwarder, service = self._forwarder, self._service

@@ -16,7 +16,7 @@ from typing import Any
 
 import zmq
 
-from kvevents._libzmq import Send3, direct_library, sender_for
+from kvevents._libzmq import Send3, Socket, direct_library, sender_for
 
 __all__ = ["MAX_BORROW", "MIN_BORROW", "lent_payloads", "release_payloads", "send3_for"]
 
@@ -53,7 +53,7 @@ def _zerosend() -> Any:
     return _native
 
 
-def send3_for(socket: zmq.Socket[Any]) -> Send3:
+def send3_for(socket: Socket) -> Send3:
     """A function sending three frames non-blocking on ``socket`` (as ``sender_for``'s)."""
     native = _zerosend()
     if native is None:

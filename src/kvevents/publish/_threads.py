@@ -19,6 +19,7 @@ from typing import Any
 
 import zmq
 
+from kvevents._libzmq import Context, Socket
 from kvevents.errors import BindError, PublisherError
 from kvevents.publish._replay import ReplayLimits, ReplayRing, ReplayServer
 from kvevents.security import CurveServer, HandshakeWatch, apply_server, monitor
@@ -69,7 +70,7 @@ class Ready:
         return self.endpoint
 
 
-def bind(socket: zmq.Socket[Any], endpoint: str, *, rank: int, role: str) -> str:
+def bind(socket: Socket, endpoint: str, *, rank: int, role: str) -> str:
     """Bind (never connect), with the IPv6 option for ``[addr]`` hosts; the bound endpoint."""
     if parse_endpoint(endpoint).is_ipv6:
         socket.setsockopt(zmq.IPV6, 1)
@@ -96,7 +97,7 @@ class Forwarder(threading.Thread):
 
     def __init__(
         self,
-        context: zmq.Context[Any],
+        context: Context,
         *,
         endpoints: dict[str, str],
         endpoint: str,
@@ -119,7 +120,7 @@ class Forwarder(threading.Thread):
         self.close_linger_ms = linger_ms
 
     def run(self) -> None:
-        sockets: list[zmq.Socket[Any]] = []
+        sockets: list[Socket] = []
         try:
             frontend, pub, capture, control = self._open(sockets)
         except BaseException as exc:
@@ -135,7 +136,7 @@ class Forwarder(threading.Thread):
             for socket in sockets:
                 socket.close()
 
-    def _open(self, sockets: list[zmq.Socket[Any]]) -> tuple[zmq.Socket[Any], ...]:
+    def _open(self, sockets: list[Socket]) -> tuple[Socket, ...]:
         frontend = self._socket(sockets, zmq.PULL)
         # The queue's capacity is the sender's SNDHWM plus this RCVHWM (inproc adds them).
         frontend.setsockopt(zmq.RCVHWM, 1)
@@ -154,13 +155,13 @@ class Forwarder(threading.Thread):
         control.bind(self._endpoints["control"])
         return frontend, pub, capture, control
 
-    def _socket(self, sockets: list[zmq.Socket[Any]], kind: int) -> zmq.Socket[Any]:
-        socket: zmq.Socket[Any] = self._context.socket(kind)
+    def _socket(self, sockets: list[Socket], kind: int) -> Socket:
+        socket: Socket = self._context.socket(kind)
         socket.setsockopt(zmq.LINGER, 0)
         sockets.append(socket)
         return socket
 
-    def _forward(self, *sockets: zmq.Socket[Any]) -> None:
+    def _forward(self, *sockets: Socket) -> None:
         """Run the proxy until ``TERMINATE`` (a subclass may re-enter it)."""
         frontend, pub, capture, control = sockets
         zmq.proxy_steerable(frontend, pub, capture, control)
@@ -175,7 +176,7 @@ class Service(threading.Thread):
 
     def __init__(
         self,
-        context: zmq.Context[Any],
+        context: Context,
         *,
         endpoints: dict[str, str],
         replay_endpoint: str | None,
@@ -207,7 +208,7 @@ class Service(threading.Thread):
         self.published = 0
         self.bytes_sent = 0
         self._flushed = threading.Condition()
-        self._capture: zmq.Socket[Any] | None = None
+        self._capture: Socket | None = None
 
     def wait_published(self, target: int, timeout: float) -> bool:
         """Wait until ``target`` batches went through the proxy; False on timeout."""
@@ -215,7 +216,7 @@ class Service(threading.Thread):
             return self._flushed.wait_for(lambda: self.published >= target, timeout)
 
     def run(self) -> None:
-        sockets: list[zmq.Socket[Any]] = []
+        sockets: list[Socket] = []
         try:
             capture, wake, router = self._open(sockets)
         except BaseException as exc:
@@ -233,7 +234,7 @@ class Service(threading.Thread):
             for socket in sockets:
                 socket.close(0)
 
-    def _open(self, sockets: list[zmq.Socket[Any]]) -> tuple[Any, Any, Any]:
+    def _open(self, sockets: list[Socket]) -> tuple[Any, Any, Any]:
         capture = self._socket(sockets, zmq.PULL)
         capture.setsockopt(zmq.RCVHWM, 0)
         capture.bind(self._endpoints["capture"])
@@ -258,8 +259,8 @@ class Service(threading.Thread):
         )
         return capture, wake, router
 
-    def _socket(self, sockets: list[zmq.Socket[Any]], kind: int) -> zmq.Socket[Any]:
-        socket: zmq.Socket[Any] = self._context.socket(kind)
+    def _socket(self, sockets: list[Socket], kind: int) -> Socket:
+        socket: Socket = self._context.socket(kind)
         socket.setsockopt(zmq.LINGER, 0)
         sockets.append(socket)
         return socket

@@ -39,11 +39,12 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from typing import ClassVar, Literal
 
 import aiohttp
 import msgspec
 
+from kvevents._types import Document, DocumentView
 from kvevents.events import StreamKey
 from kvevents.index import Decision, MatchResult, request_keys
 from kvevents.route._engines import Engine, EnginePool
@@ -153,7 +154,7 @@ class _Planned:
     keys: dict[str, list[int]]  # engine id -> the prompt's block keys there
     predicted: dict[str, int]  # engine id -> predicted cached tokens
     attempts: dict[str, tuple[Ticket, Credit | None]] = field(default_factory=dict)
-    record: dict[str, Any] = field(default_factory=dict)  # its entry in ``recent``
+    record: Document = field(default_factory=dict)  # its entry in ``recent``
 
 
 @dataclass
@@ -201,7 +202,7 @@ class IndexPlanner:
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvevents-tokenizer")
         self._session: aiohttp.ClientSession | None = None
         #: The last decisions, newest last: what each plan said and what its engine reported.
-        self.recent: deque[dict[str, Any]] = deque(maxlen=RECENT_DECISIONS)
+        self.recent: deque[Document] = deque(maxlen=RECENT_DECISIONS)
         pool.subscribe(self._engine_changed)
 
     # ------------------------------------------------------------------ the seam
@@ -416,7 +417,7 @@ class IndexPlanner:
 
     def _explain(
         self, decision: Decision, prompts: Sequence[Prompt], match: _Matches, planned: _Planned
-    ) -> dict[str, Any]:
+    ) -> Document:
         by_target = {target: engine_id for engine_id, target in planned.targets.items()}
         rows = []
         for row in decision.scores:
@@ -544,7 +545,7 @@ class _Matches:
     indexed: Mapping[StreamKey, int] = field(default_factory=dict)
 
 
-def _headers(explain: Mapping[str, Any]) -> list[tuple[bytes, bytes]]:
+def _headers(explain: DocumentView) -> list[tuple[bytes, bytes]]:
     """The decision for the client: matched blocks per engine (``e0=12, e1=3``), the policy
     and why the winner won (ASCII: engine ids and reasons are made of it; others dropped)."""
     matched = ", ".join(f"{row['engine']}={row['matched_blocks']}" for row in explain["scores"])

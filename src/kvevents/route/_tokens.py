@@ -38,11 +38,12 @@ import json
 import os
 import sys
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from kvevents._types import Document, DocumentView
 from kvevents.errors import TokenizerNotFound
 from kvevents.route._chat import (
     ChatOptions,
@@ -117,7 +118,7 @@ class EngineOptions:
     #: ``--chat-template``: the template's text or a file holding it.
     chat_template: str | None = None
     #: ``--default-chat-template-kwargs``.
-    default_chat_template_kwargs: Mapping[str, Any] | None = None
+    default_chat_template_kwargs: DocumentView | None = None
     #: ``--trust-request-chat-template`` (else a request's ``chat_template`` is refused).
     trust_request_chat_template: bool = False
     #: ``--exclude-tools-when-tool-choice-none``.
@@ -159,7 +160,7 @@ class _Limits:
     output_tokens: int
 
     @classmethod
-    def read(cls, body: Mapping[str, Any], *, chat: bool, max_model_len: int | None) -> _Limits:
+    def read(cls, body: DocumentView, *, chat: bool, max_model_len: int | None) -> _Limits:
         """The limits of a request body (chats count ``max_completion_tokens`` first)."""
         keep, side = body.get("truncate_prompt_tokens"), body.get("truncation_side")
         if keep is not None and (type(keep) is not int or keep < -1):
@@ -387,7 +388,7 @@ class ModelTokenizer:
 
     # -- chats --------------------------------------------------------------------------
 
-    def chat(self, body: Mapping[str, Any]) -> Prompt:
+    def chat(self, body: DocumentView) -> Prompt:
         """The prompt of a parsed ``/v1/chat/completions`` body."""
         try:
             reused = _reused_ids(body)
@@ -402,7 +403,7 @@ class ModelTokenizer:
             return self._no_tokens(exc)
         return self._answer(Prompt(ids, "chat"))
 
-    def render(self, body: Mapping[str, Any]) -> tuple[str, ChatOptions]:
+    def render(self, body: DocumentView) -> tuple[str, ChatOptions]:
         """The chat's text as the engine's template renders it (:class:`NoTokens` if not here)."""
         if self._why_not_template:
             raise NoTokens(self._why_not_template)
@@ -463,7 +464,7 @@ class ModelTokenizer:
 
     # -- completions --------------------------------------------------------------------
 
-    def completion(self, body: Mapping[str, Any]) -> list[Prompt]:
+    def completion(self, body: DocumentView) -> list[Prompt]:
         """The prompts of a parsed ``/v1/completions`` body, one per prompt of a batch.
 
         A body the engine refuses as a whole (no prompt, a mixed batch, ``suffix``, prompt
@@ -593,7 +594,7 @@ def _has_media(messages: Any) -> bool:
     return False
 
 
-def _reused_ids(body: Mapping[str, Any]) -> list[int] | None:
+def _reused_ids(body: DocumentView) -> list[int] | None:
     """``kv_transfer_params.prompt_token_ids``, which vLLM runs instead of rendering."""
     params = body.get("kv_transfer_params")
     if not isinstance(params, dict) or params.get("prompt_token_ids") is None or body.get("echo"):
@@ -612,7 +613,7 @@ def _is_ids(value: Any) -> bool:
     return isinstance(value, list) and all(type(x) is int and x >= 0 for x in value)
 
 
-def _completion_items(body: Mapping[str, Any]) -> list[str | list[int]]:
+def _completion_items(body: DocumentView) -> list[str | list[int]]:
     """The prompts of a completion body: strings and token lists (:class:`NoTokens` else)."""
     if body.get("prompt_embeds") is not None:
         raise NoTokens("prompt_embeds: the engine runs embeddings, not tokens", refused=True)
@@ -635,7 +636,7 @@ def _completion_items(body: Mapping[str, Any]) -> list[str | list[int]]:
 # -- the one fallback: an engine's /tokenize --------------------------------------------
 
 
-def _chat_template_kwargs(body: Mapping[str, Any]) -> Any:
+def _chat_template_kwargs(body: DocumentView) -> Any:
     """The kwargs ``/tokenize`` needs to render what the chat endpoint renders.
 
     ``/tokenize`` takes no ``documents`` or ``reasoning_effort``: they go in as the chat
@@ -649,7 +650,7 @@ def _chat_template_kwargs(body: Mapping[str, Any]) -> Any:
 
 
 def tokenize_request(
-    body: Mapping[str, Any],
+    body: DocumentView,
     kind: Literal["chat", "completion"],
     *,
     index: int = 0,
@@ -665,7 +666,7 @@ def tokenize_request(
     """
     if kind == "completion":
         return json.dumps(_completion_tokenize(body, index)).encode()
-    request: dict[str, Any] = {"model": body.get("model"), "messages": body.get("messages")}
+    request: Document = {"model": body.get("model"), "messages": body.get("messages")}
     for name in (
         "add_generation_prompt",
         "continue_final_message",
@@ -686,7 +687,7 @@ def tokenize_request(
     return json.dumps(request).encode()
 
 
-def _completion_tokenize(body: Mapping[str, Any], index: int) -> dict[str, Any]:
+def _completion_tokenize(body: DocumentView, index: int) -> Document:
     prompt = body.get("prompt")
     item = prompt[index] if isinstance(prompt, list) and not _is_ids(prompt) else prompt
     if index and not isinstance(prompt, list):

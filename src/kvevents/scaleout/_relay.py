@@ -27,7 +27,7 @@ import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvevents.events import AllBlocksCleared, StreamKey
 from kvevents.scaleout._jetstream import JetStreamOptions, LoopThread, connect, ensure_stream
@@ -49,6 +49,9 @@ from kvevents.subscribe import (
     SubscriberStats,
 )
 from kvevents.wire import Applied, decode_batch_packed
+
+if TYPE_CHECKING:
+    from kvevents.subscribe import Subscriber
 
 __all__ = ["Relay", "RelayCounts", "RelayOptions", "RelayStats"]
 
@@ -167,7 +170,7 @@ class Relay:
         self._sleeping = False
         self._closing = False
         self._pump: Any = None
-        self._subscriber: Any = None
+        self._subscriber: Subscriber | None = None
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -198,7 +201,7 @@ class Relay:
         record = worker_record(self.js_options.prefix, reg)
         self._enqueue(record)
         for spec in specs:
-            self._subscriber.add_stream(spec)
+            self.subscriber.add_stream(spec)
         return specs
 
     def flush(self, timeout: float = 10.0) -> bool:
@@ -333,8 +336,9 @@ class Relay:
                     self._counts.dropped += len(window)
                     return
                 self._counts.retries += 1
-                log.warning("relay: %d message(s) not acknowledged (%r); sending again",
-                            len(window), exc)  # fmt: skip
+                log.warning(
+                    "relay: %d message(s) not acknowledged (%r); sending again", len(window), exc
+                )
                 await asyncio.sleep(self.options.retry_backoff)
                 continue
             self._count(window, acks)
@@ -354,9 +358,11 @@ class Relay:
         return self._counts.frozen(len(self._queue))
 
     def subscriber_stats(self) -> SubscriberStats:
-        return self._subscriber.stats()  # type: ignore[no-any-return]
+        return self.subscriber.stats()
 
     @property
-    def subscriber(self) -> Any:
-        """The relay's :class:`~kvevents.subscribe.Subscriber` (for metrics)."""
+    def subscriber(self) -> Subscriber:
+        """The relay's :class:`~kvevents.subscribe.Subscriber` (for metrics); once started."""
+        if self._subscriber is None:
+            raise RuntimeError("the relay is not started")
         return self._subscriber

@@ -7,8 +7,9 @@ Pure functions of a :class:`~kvevents.index.MatchResult` and a routing
 from __future__ import annotations
 
 from collections.abc import Callable, Collection
-from typing import Any, TypeVar
+from typing import TypeVar
 
+from kvevents._types import Document
 from kvevents.events import StreamKey
 from kvevents.index import Decision, MatchResult
 
@@ -20,7 +21,7 @@ _R = TypeVar("_R", covariant=True)
 Shape = Callable[[MatchResult, Decision], _R]
 
 
-def answer(match: MatchResult, decision: Decision) -> dict[str, Any]:
+def answer(match: MatchResult, decision: Decision) -> Document:
     """Our ``POST /query`` reply: matched blocks per (worker, rank) and per holder, and the
     decision explained."""
     scores: dict[str, dict[str, int]] = {}

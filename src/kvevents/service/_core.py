@@ -26,8 +26,9 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from typing import Any, TypeVar
+from typing import TypeVar
 
+from kvevents._types import Document
 from kvevents.errors import (
     DecodeError,
     LayoutError,
@@ -555,7 +556,7 @@ class IndexService:
     def workers(self) -> list[WorkerRegistration]:
         return list(self._workers.values())
 
-    def workers_view(self) -> list[dict[str, Any]]:
+    def workers_view(self) -> list[Document]:
         """Workers with their per-rank index state, stream health and reported load
         (``GET /workers``)."""
         with self.lock:
@@ -584,7 +585,7 @@ class IndexService:
         with self.lock:
             return self.index.holder_blocks(key)
 
-    def dump(self) -> dict[str, Any]:
+    def dump(self) -> Document:
         """Every holder's blocks and the index stats, in memory (``GET /dump`` streams it)."""
         holders = [
             {**holder_header(key, size), "blocks": [list(p) for p in self.holder_blocks(key)]}

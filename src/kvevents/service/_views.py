@@ -12,6 +12,7 @@ from typing import Any
 
 import msgspec
 
+from kvevents._types import Document
 from kvevents.events import StreamKey
 from kvevents.index import HolderKey, Load, StreamInfo
 from kvevents.service._feed import WorkerRegistration
@@ -27,7 +28,7 @@ def worker_rows(
     degraded: Mapping[StreamKey, str],
     loads: Mapping[StreamKey, Load],
     now: float,
-) -> list[dict[str, Any]]:
+) -> list[Document]:
     """``GET /workers``: each worker with, per rank, its index state, stream health, degraded
     mark and reported load (None: no report)."""
     out = []
@@ -35,7 +36,7 @@ def worker_rows(
         ranks = []
         for rank in reg.ranks:
             key = (reg.worker_id, rank)
-            row: dict[str, Any] = {"rank": rank}
+            row: Document = {"rank": rank}
             info = streams.get(key)
             if info is not None:
                 row.update(builtins(info))
@@ -51,7 +52,7 @@ def worker_rows(
     return out
 
 
-def holder_header(key: HolderKey, block_size: int | None) -> dict[str, Any]:
+def holder_header(key: HolderKey, block_size: int | None) -> Document:
     """A holder's fields in a dump, without its blocks."""
     return {
         "worker_id": key.worker_id,

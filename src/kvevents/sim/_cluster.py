@@ -29,6 +29,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from kvevents._types import Document
 from kvevents.deadline import Deadline
 from kvevents.errors import SyncTimeout
 from kvevents.events import KVEventBatch, StreamKey
@@ -135,7 +136,7 @@ class Accuracy:
         """Share of the engines' blocks that the index knows (1.0 when empty)."""
         return self.common / self.true_blocks if self.true_blocks else 1.0
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> Document:
         return {
             "exact": self.exact,
             "exact_holders": self.exact_holders,

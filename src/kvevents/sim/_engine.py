@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from kvevents._types import Document
 from kvevents.events import KVEventBatch
 from kvevents.publish import EventRecorder, RecorderStats
 from kvevents.sim._cache import CPU, GPU, CacheStats, RankCache
@@ -132,7 +133,7 @@ class SimulatedEngine:
         ]
         self._waiting: list[deque[_Seq]] = [deque() for _ in range(cfg.ranks)]
         self._running: list[list[_Seq]] = [[] for _ in range(cfg.ranks)]
-        self._counts: dict[str, Any] = {k: 0 for k in EngineMetrics.__dataclass_fields__}
+        self._counts: Document = {k: 0 for k in EngineMetrics.__dataclass_fields__}
         #: A record per finished request, in finishing order (clear it freely).
         self.finished_requests: list[RequestRecord] = []
         self._first_tokens: list[_Seq] = []
@@ -438,8 +439,11 @@ class SimulatedEngine:
         prompts not computed yet (chunked prefill spreads a long prompt over many steps)."""
         bs = self.config.block_size
         waiting = sum(-(-len(s.tokens) // bs) for s in self._waiting[rank])
-        pending = sum(-(-(s.prompt_len - s.computed) // bs) for s in self._running[rank]
-                      if s.computed < s.prompt_len)  # fmt: skip
+        pending = sum(
+            -(-(s.prompt_len - s.computed) // bs)
+            for s in self._running[rank]
+            if s.computed < s.prompt_len
+        )
         return waiting + pending
 
     def _load_blocks(self, rank: int) -> int:

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
+from kvevents._types import Document
 from kvevents.sim._simulate import (
     POLICY_NAMES,
     PolicyReport,
@@ -62,7 +62,7 @@ class Evaluation:
             return None
         return mine.reuse / self.yardsticks.pooled_cache
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> Document:
         cluster = self.config.cluster
         return {
             "rows": self.rows,

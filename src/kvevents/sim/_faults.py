@@ -16,11 +16,11 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
 import xxhash
 import zmq
 
+from kvevents._libzmq import Context, Socket
 from kvevents.events import StreamKey
 from kvevents.wire import unpack_seq
 
@@ -80,7 +80,7 @@ class LossyRelay:
         self.rule = rule
         self.endpoints: dict[StreamKey, str] = {}
         self._upstreams = dict(upstreams)
-        self._context: zmq.Context[Any] = zmq.Context.instance()
+        self._context: Context = zmq.Context.instance()
         self._stop_endpoint = f"inproc://kvevents-relay-stop-{id(self)}"
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
@@ -115,7 +115,7 @@ class LossyRelay:
         return RelayStats(self._forwarded, self._dropped)
 
     def _run(self) -> None:
-        sockets: list[zmq.Socket[Any]] = []
+        sockets: list[Socket] = []
         try:
             stop = self._context.socket(zmq.PAIR)
             sockets.append(stop)
@@ -132,9 +132,7 @@ class LossyRelay:
         finally:
             _close_all(sockets)
 
-    def _open(
-        self, sockets: list[zmq.Socket[Any]]
-    ) -> dict[zmq.Socket[Any], tuple[StreamKey, zmq.Socket[Any]]]:
+    def _open(self, sockets: list[Socket]) -> dict[Socket, tuple[StreamKey, Socket]]:
         routes = {}
         for key, upstream in self._upstreams.items():
             sub = self._context.socket(zmq.SUB)
@@ -152,8 +150,8 @@ class LossyRelay:
 
     def _forward(
         self,
-        stop: zmq.Socket[Any],
-        routes: dict[zmq.Socket[Any], tuple[StreamKey, zmq.Socket[Any]]],
+        stop: Socket,
+        routes: dict[Socket, tuple[StreamKey, Socket]],
     ) -> None:
         poller = zmq.Poller()
         poller.register(stop, zmq.POLLIN)
@@ -167,7 +165,7 @@ class LossyRelay:
                 key, pub = routes[sub]
                 self._pass(sub, key, pub)
 
-    def _pass(self, sub: zmq.Socket[Any], key: StreamKey, pub: zmq.Socket[Any]) -> None:
+    def _pass(self, sub: Socket, key: StreamKey, pub: Socket) -> None:
         while True:
             try:
                 frames = sub.recv_multipart(zmq.NOBLOCK)
@@ -184,6 +182,6 @@ class LossyRelay:
             self._forwarded += 1
 
 
-def _close_all(sockets: Iterable[zmq.Socket[Any]]) -> None:
+def _close_all(sockets: Iterable[Socket]) -> None:
     for sock in sockets:
         sock.close(linger=0)

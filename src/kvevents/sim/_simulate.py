@@ -21,8 +21,8 @@ import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
+from kvevents._types import Document
 from kvevents.events import StreamKey
 from kvevents.index import DEFAULT_POLICY, Decision, RouteInputs, Router, make_policy
 from kvevents.sim._cluster import Accuracy, Cluster, ClusterConfig, FeedCounters
@@ -112,7 +112,7 @@ class PolicyReport:
         """Max over mean busy time per worker (1.0 is perfectly even)."""
         return _max_over_mean(list(self.busy.values()))
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> Document:
         return {
             "policy": self.policy,
             "requests": self.requests,

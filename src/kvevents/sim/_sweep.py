@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
 
+from kvevents._types import Document
 from kvevents.sim._simulate import SimulationConfig, run_policy
 from kvevents.sim._trace import TraceRow
 from kvevents.sim._yardsticks import pooled_cache_reuse
@@ -36,7 +36,7 @@ class SweepPoint:
     def ratio_to_pooled(self) -> float:
         return self.reuse / self.pooled_reuse if self.pooled_reuse else 0.0
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> Document:
         return {**self.__dict__, "ratio_to_pooled": self.ratio_to_pooled}
 
 

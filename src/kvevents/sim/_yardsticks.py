@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
+from kvevents._types import Document
 from kvevents.sim._cluster import ClusterConfig
 from kvevents.sim._engine import EngineConfig, SimulatedEngine
 from kvevents.sim._trace import TraceRow, row_tokens, trace_request
@@ -34,7 +34,7 @@ class Yardsticks:
     infinite_cache: float
     pooled_cache: float
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> Document:
         return {"infinite_cache": self.infinite_cache, "pooled_cache": self.pooled_cache}
 
 

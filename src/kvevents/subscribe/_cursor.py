@@ -252,6 +252,7 @@ class Cursor:
             return []
         if ok and self._progress and (self._buffer or self._owed()):
             self._progress = False
+            # While replaying a hole, _until is set (begin_replay): the gap ends there at most.
             return [Gap(self._next, min(self._buffer) if self._buffer else self._until)]  # type: ignore[arg-type]
         return self._abandon()
 
@@ -326,6 +327,7 @@ class Cursor:
         buffer = self._buffer
         seq = self._next
         while seq is not None and seq in buffer:
+            # seq is in the buffer (the loop's condition), so _take finds its payload.
             actions.append(self._deliver(seq, self._take(seq)))  # type: ignore[arg-type]
             seq += 1
         if not buffer and self._replaying and not self._owed():
@@ -357,6 +359,7 @@ class Cursor:
     def _abandon(self) -> list[Action]:
         actions: list[Action] = []
         if self._owed() and not self._buffer:
+            # _owed() is true only while _next and _until are both set.
             actions.append(self._skip(self._next, self._until))  # type: ignore[arg-type]
         self._release(actions)
         self._until = None

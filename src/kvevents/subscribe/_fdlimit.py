@@ -15,7 +15,7 @@ from kvevents.subscribe._streams import ReplayOptions
 try:
     import resource
 except ImportError:  # not on Windows: the limit cannot be read there, so it is not checked
-    resource = None  # type: ignore[assignment]
+    resource = None  # type: ignore[assignment]  # the module or None: callers check first
 
 __all__ = ["FDS_PER_SOCKET", "FD_HEADROOM", "fds_needed", "make_room", "room_for_stream"]
 

@@ -298,6 +298,7 @@ class Loop:
 
     def _on_replay_events(self, events: list[ReplayEvent]) -> None:
         for event in events:
+            # The replay client keys replays by what it is handed (Hashable): here StreamKeys.
             stream = self.streams.get(event.key)  # type: ignore[call-overload]
             if stream is None or event.ticket != stream.ticket or stream.state == "failed":
                 continue  # a removed stream, or a replay that was replaced

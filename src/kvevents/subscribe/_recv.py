@@ -15,7 +15,7 @@ from typing import Any, TypeAlias
 
 import zmq
 
-from kvevents._libzmq import direct_library
+from kvevents._libzmq import Socket, direct_library
 
 __all__ = ["Burst", "Received", "burst_receiver_for", "native_receive"]
 
@@ -58,7 +58,7 @@ def native_receive() -> bool:
     return _native_receiver() is not None
 
 
-def burst_receiver_for(socket: zmq.Socket[Any]) -> Burst:
+def burst_receiver_for(socket: Socket) -> Burst:
     """A function receiving the messages waiting on ``socket`` without blocking (see
     :data:`Burst`); a failure other than 'nothing waiting' raises ``zmq.ZMQError`` (pyzmq)
     or ``OSError`` (the C receiver) once no message of the burst is left to return.
@@ -74,7 +74,7 @@ def burst_receiver_for(socket: zmq.Socket[Any]) -> Burst:
     return burst
 
 
-def _pyzmq_burst_receiver(socket: zmq.Socket[Any]) -> Burst:
+def _pyzmq_burst_receiver(socket: Socket) -> Burst:
     recv, more = socket.recv, socket.get
 
     def burst(max_messages: int, max_bytes: int) -> list[Received]:

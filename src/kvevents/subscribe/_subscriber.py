@@ -199,7 +199,7 @@ class Subscriber:
             ok, item = self._outbox.get(None)
             if not ok:
                 return
-            yield item  # type: ignore[misc]
+            yield item  # type: ignore[misc]  # ok: the outbox handed an item, never None
 
     def _check_queued(self) -> None:
         if self._queue is None:
@@ -316,13 +316,13 @@ class AsyncSubscriber:
         while True:
             ok, item = outbox.get(0)
             if ok:
-                return item  # type: ignore[return-value]
+                return item  # type: ignore[return-value]  # ok: an item, not None
             if outbox.closed:
                 raise SubscriberClosed("subscriber was closed")
             ready.clear()
             ok, item = outbox.get(0)  # a put between the check and clear() must not be lost
             if ok:
-                return item  # type: ignore[return-value]
+                return item  # type: ignore[return-value]  # ok: an item, not None
             await ready.wait()
 
     def _event(self) -> asyncio.Event:

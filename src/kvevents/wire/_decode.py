@@ -195,6 +195,7 @@ def _decode(payload: bytes, seq: int | None, limits: DecodeLimits) -> DecodedBat
 
 
 class _PackedBatch(KVEventBatch, array_like=True, frozen=True, gc=False):
+    # Narrows the base's field to the packed store (msgspec decodes by this annotation).
     events: list[PackedStored | BlockRemoved | AllBlocksCleared]  # type: ignore[assignment]
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import msgspec
 
+from kvevents._types import Document
 from kvevents.errors import DecodeError
 from kvevents.events import (
     MAX_DIGEST,
@@ -239,12 +240,10 @@ def _stored(fields: Fields, path: str, limits: DecodeLimits) -> BlockStored:
     )
 
 
-def _optional(
-    fields: Fields, path: str, limits: DecodeLimits, after: list[int] | None
-) -> dict[str, Any]:
+def _optional(fields: Fields, path: str, limits: DecodeLimits, after: list[int] | None) -> Document:
     """The newer optional keys a store may carry (vLLM 0.33, SGLang), where present;
     ``after`` is the lookahead a bigram store's last pair carries."""
-    out: dict[str, Any] = {k: _opt_str(fields[k]) for k in _OPTIONAL_STR if k in fields}
+    out: Document = {k: _opt_str(fields[k]) for k in _OPTIONAL_STR if k in fields}
     raw = fields.get("lookahead_token_ids")
     if after is not None:
         out["lookahead_token_ids"] = after
@@ -276,6 +275,7 @@ def _tokens(
     if head[1] > limits.max_tokens:
         raise Skip(where, too_many_tokens(head[1], limits))
     try:
+        # A list of int, as _int_list declares: mypy sees msgspec's decoder return as Any.
         return _int_list.decode(raw), None  # type: ignore[return-value]
     except msgspec.ValidationError:
         pass
@@ -353,7 +353,7 @@ def _hashes(fields: Fields, path: str) -> list[int]:
         where = f"{path}.block_hashes[{index}]"
         raise Skip(where, f"hash is {name}, expected int or bytes") from None
     if all(type(h) is int for h in hashes):  # the common case
-        return hashes  # type: ignore[return-value]
+        return hashes  # type: ignore[return-value]  # every element an int: checked above
     return [_hash(h, f"{path}.block_hashes[{i}]") for i, h in enumerate(hashes)]
 
 

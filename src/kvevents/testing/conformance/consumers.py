@@ -17,6 +17,7 @@ from typing import Any
 
 import httpx
 
+from kvevents._types import Document
 from kvevents.events import StreamKey
 from kvevents.index import PrefixIndex
 from kvevents.service import IndexService, WorkerRegistration, subscriber_feed
@@ -281,8 +282,13 @@ class ServiceConsumer:
         for worker, group in _group(streams).items():
             endpoint, replay = _base_endpoints(group)
             wid = self._workers[worker] = f"{self._prefix}-{worker}"
-            body = {"worker_id": wid, "endpoint": endpoint, "replay_endpoint": replay,
-                    "block_size": group[0].block_size, "ranks": [s.rank for s in group]}  # fmt: skip
+            body = {
+                "worker_id": wid,
+                "endpoint": endpoint,
+                "replay_endpoint": replay,
+                "block_size": group[0].block_size,
+                "ranks": [s.rank for s in group],
+            }
             self._call("POST", "/register", body)
 
     def _names(self) -> dict[str, str]:
@@ -306,7 +312,7 @@ class ServiceConsumer:
             for rank, blocks in ranks.items()
         }
 
-    def _ranks(self) -> list[tuple[StreamKey, dict[str, Any]]]:
+    def _ranks(self) -> list[tuple[StreamKey, Document]]:
         names = self._names()
         return [
             ((names[w["worker_id"]], int(row["rank"])), row)
