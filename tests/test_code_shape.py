@@ -13,10 +13,13 @@ import pytest
 from pydantic import BaseModel
 
 import kvevents
-from kvevents.index._records import ApplyResult, Counts, IndexStats
-from kvevents.scaleout._relay import RelayCounts, RelayStats
-from kvevents.scaleout._replica_records import ReplicaCounts, ReplicaStats
-from kvevents.service._feed import ServiceCounts, ServiceStats
+from kvevents.index import ApplyResult, IndexStats
+from kvevents.index._records import Counts
+from kvevents.scaleout import RelayStats, ReplicaStats
+from kvevents.scaleout._relay import RelayCounts
+from kvevents.scaleout._replica_records import ReplicaCounts
+from kvevents.service import ServiceStats
+from kvevents.service._feed import ServiceCounts
 from kvevents.subscribe._live import StreamCounts
 from kvevents.subscribe._streams import STREAM_COUNTERS
 

@@ -19,7 +19,7 @@ from kvevents.cli.common import UsageError
 from kvevents.cli.config import ServeSettings, resolve
 from kvevents.files import read_bounded
 from kvevents.http import exposed_mode, is_loopback, load_token
-from kvevents.service._state import StateFile, StateFileError
+from kvevents.service import StateFile, StateFileError
 from kvevents.testing.sockets import Deadline
 
 # A ceiling on the address space of serve in a subprocess: an unbounded read of /dev/zero

@@ -218,3 +218,72 @@ def test_the_architecture_page_names_every_module() -> None:
         )
     ]
     assert unnamed == []
+
+
+TESTS = ROOT.parent.parent / "tests"
+# The test modules at the top: the cross-cutting ones (layout, hygiene, the README, packaging,
+# deployment, observability) and those of the top-level modules (config, files, metrics,
+# security, _libzmq) and of bench/.
+TOP_LEVEL_TESTS = (
+    "test_bench_chart.py",
+    "test_code_shape.py",
+    "test_config.py",
+    "test_config_sglang.py",
+    "test_deploy.py",
+    "test_hostile_files.py",
+    "test_layers.py",
+    "test_library_hygiene.py",
+    "test_libzmq.py",
+    "test_metrics.py",
+    "test_metrics_components.py",
+    "test_observability.py",
+    "test_readme.py",
+    "test_security.py",
+    "test_smoke.py",
+    "test_wheel.py",
+)
+# Test modules that read another layer's private modules on purpose, and why.
+REACHES = {
+    "test_code_shape.py": "holds every layer's running counters against their stats records",
+    "test_libzmq.py": "the native receive and send of two layers, against pyzmq's",
+    "http/test_service.py": "patches the index's decoder (decoding happens outside the lock)",
+    "index/test_index_salt.py": "the salt's field in the HTTP API's schema",
+    "integrations/test_discovery.py": "discovery's bounds are those of the service's fields",
+}
+
+
+def test_tests_reach_other_layers_through_their_faces() -> None:
+    """A test module in ``tests/<layer>/`` may read its own layer's private modules (it
+    specifies them); other layers it reaches through their faces, as users do."""
+    reached = [
+        f"{path.relative_to(TESTS)}: {name}"
+        for path in sorted(TESTS.rglob("test_*.py"))
+        if str(path.relative_to(TESTS)) not in REACHES
+        for layer in FACED
+        if layer != path.parent.name
+        for name in _private_imports(path, layer)
+    ]
+    assert reached == []
+
+
+def test_tests_mirror_the_layers() -> None:
+    """Each faced layer's tests live in ``tests/<layer>/``, with the test of its face; only the
+    cross-cutting modules stay at the top, and no test module imports another."""
+    for layer in FACED:
+        assert (TESTS / layer / f"test_{layer}_face.py").is_file() or layer == "http", layer
+    assert (TESTS / "http" / "test_http_face.py").is_file()
+    top = sorted(p.name for p in TESTS.glob("test_*.py"))
+    assert top == sorted(TOP_LEVEL_TESTS)
+    sibling = [
+        f"{path.relative_to(TESTS)}: {name}"
+        for path in TESTS.rglob("*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        for name in (
+            [node.module or ""]
+            if isinstance(node, ast.ImportFrom)
+            else [a.name for a in node.names]
+        )
+        if name.split(".")[0].startswith("test_")
+    ]
+    assert sibling == []

@@ -19,7 +19,7 @@ import pytest
 from kvevents.events import BlockStored, KVEventBatch
 from kvevents.http import serve
 from kvevents.metrics import subscriber_collector
-from kvevents.service._core import IndexService, WorkerRegistration
+from kvevents.service import IndexService, WorkerRegistration
 from kvevents.testing.publisher import started_publisher
 from kvevents.testing.sockets import Deadline
 
@@ -194,8 +194,7 @@ def test_the_front_doors_alert_rules_pass_promtools_checks_and_unit_tests() -> N
 
 def test_the_front_doors_alerts_read_metrics_it_exposes(tmp_path: Path) -> None:
     """Every metric the front door's rules read is one a live front door exports."""
-    from kvevents.route._frontdoor import EngineSpec, FrontDoor
-    from kvevents.route._tokens import ModelTokenizer
+    from kvevents.route import EngineSpec, FrontDoor, ModelTokenizer
     from kvevents.testing.chat_model import build_tokenizer
     from kvevents.testing.openai_engine import StandInEngine
 

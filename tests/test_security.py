@@ -22,7 +22,7 @@ import pytest
 import zmq
 
 from kvevents.events import BlockStored, KVEventBatch
-from kvevents.publish._publisher import PublisherOptions, ZmqPublisher
+from kvevents.publish import PublisherOptions, ZmqPublisher
 from kvevents.security import (
     CurveClient,
     CurveServer,

@@ -25,6 +25,7 @@ EXPORTED = [
     "Router",
     "StreamDigest",
     "StreamInfo",
+    "TargetScore",
     "holders_digest",
     "index_digest",
     "make_policy",

@@ -25,7 +25,7 @@ import pytest
 
 from kvevents.config import KVEventsConfig
 from kvevents.events import BlockStored, Event, KVEventBatch
-from kvevents.publish._publisher import create_publisher
+from kvevents.publish import create_publisher
 from kvevents.testing._process import IndexerProcess
 from kvevents.testing.dynamo import DynamoIndexer, dynamo_unavailable_reason
 from kvevents.testing.service import ServiceIndexer

@@ -23,11 +23,9 @@ from sglang_peer import REQUIRE_ENV, SGLang, find_sglang_python, sglang_unavaila
 
 from kvevents.deadline import Deadline
 from kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
-from kvevents.subscribe import Delivery, Subscriber
-from kvevents.subscribe._streams import StreamSpec
+from kvevents.subscribe import Delivery, StreamSpec, Subscriber
 from kvevents.testing.dynamo import DynamoIndexer, dynamo_unavailable_reason
-from kvevents.wire import decode_batch, pack_seq
-from kvevents.wire._frames import replay_end_frames, replay_request_frames
+from kvevents.wire import decode_batch, pack_seq, replay_end_frames, replay_request_frames
 
 pytestmark = [pytest.mark.interop, pytest.mark.sglang, pytest.mark.timeout(300)]
 

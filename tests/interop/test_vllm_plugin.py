@@ -24,8 +24,7 @@ import kvevents
 from kvevents.deadline import Deadline
 from kvevents.events import KVEventBatch
 from kvevents.integrations.vllm import OVERRIDE_ENV, VllmPublisher
-from kvevents.subscribe import Delivery, Subscriber
-from kvevents.subscribe._streams import StreamSpec
+from kvevents.subscribe import Delivery, StreamSpec, Subscriber
 from kvevents.testing.fixtures import wire_fixtures
 
 pytestmark = [pytest.mark.interop, pytest.mark.vllm, pytest.mark.timeout(900)]

@@ -13,7 +13,7 @@ import pytest
 
 from kvevents.events import BlockStored, KVEventBatch
 from kvevents.route._tokens import ModelTokenizer
-from kvevents.service._feed import WorkerRegistration
+from kvevents.service import WorkerRegistration
 from kvevents.testing.nats import NatsServer, find_nats_server
 from kvevents.testing.openai_engine import StandInEngine
 from kvevents.testing.publisher import started_publisher

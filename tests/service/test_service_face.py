@@ -7,10 +7,12 @@ import kvevents.service
 
 EXPORTED = [
     "BlockSize",
+    "DecisionLog",
     "EndpointText",
     "HitBucket",
     "IdleTrim",
     "IndexService",
+    "LoadLedger",
     "LoadReport",
     "Name",
     "OwnEndpoints",
@@ -19,6 +21,7 @@ EXPORTED = [
     "RoutedQuery",
     "ServiceStats",
     "StateFile",
+    "StateFileError",
     "Text",
     "WorkerRegistration",
     "decode_registrations",

@@ -8,6 +8,7 @@ import kvevents.wire
 EXPORTED = [
     "DEFAULT_LIMITS",
     "END_SEQ",
+    "MAX_IPC_PATH",
     "MAX_PORT",
     "Applied",
     "DecodeLimits",

@@ -10,7 +10,7 @@ import from here.
 
 from __future__ import annotations
 
-from kvevents.index._decision import Decision, Load, LoadBook, RouteInputs
+from kvevents.index._decision import Decision, Load, LoadBook, RouteInputs, TargetScore
 from kvevents.index._digest import IndexDigest, StreamDigest, holders_digest, index_digest
 from kvevents.index._keys import MMSpan, pack_tokens, request_keys
 from kvevents.index._prefix import PrefixIndex, ReportMode
@@ -45,6 +45,7 @@ __all__ = [
     "Router",
     "StreamDigest",
     "StreamInfo",
+    "TargetScore",
     "holders_digest",
     "index_digest",
     "make_policy",

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from kvevents.service._bounds import BlockSize, EndpointText, Name, Rank, RankCount, Text
 from kvevents.service._core import IndexService
-from kvevents.service._decisions import HitBucket, RoutedQuery
+from kvevents.service._decisions import DecisionLog, HitBucket, RoutedQuery
 from kvevents.service._feed import (
     OwnEndpoints,
     ServiceStats,
@@ -24,16 +24,23 @@ from kvevents.service._feed import (
     default_stream_specs,
     subscriber_feed,
 )
-from kvevents.service._loadreports import LoadReport
+from kvevents.service._loadreports import LoadLedger, LoadReport
 from kvevents.service._memory import IdleTrim, release_free_memory
-from kvevents.service._state import StateFile, decode_registrations, encode_registrations
+from kvevents.service._state import (
+    StateFile,
+    StateFileError,
+    decode_registrations,
+    encode_registrations,
+)
 
 __all__ = [
     "BlockSize",
+    "DecisionLog",
     "EndpointText",
     "HitBucket",
     "IdleTrim",
     "IndexService",
+    "LoadLedger",
     "LoadReport",
     "Name",
     "OwnEndpoints",
@@ -42,6 +49,7 @@ __all__ = [
     "RoutedQuery",
     "ServiceStats",
     "StateFile",
+    "StateFileError",
     "Text",
     "WorkerRegistration",
     "decode_registrations",

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from kvevents.sim._cache import PrefixCache, RankCache
     from kvevents.sim._charts import evaluation_svg, sweep_svg
     from kvevents.sim._cluster import Cluster, ClusterConfig
-    from kvevents.sim._demo import Demo, DemoConfig
+    from kvevents.sim._demo import Demo, DemoConfig, DemoView, LaneView, WorkerView
     from kvevents.sim._engine import EngineConfig, SimulatedEngine, zmq_publisher_factory
     from kvevents.sim._evaluate import Evaluation, evaluate, format_table
     from kvevents.sim._faults import DropRule, LossyRelay
@@ -40,9 +40,11 @@ __all__ = [
     "ClusterConfig",
     "Demo",
     "DemoConfig",
+    "DemoView",
     "DropRule",
     "EngineConfig",
     "Evaluation",
+    "LaneView",
     "LossyRelay",
     "PolicyReport",
     "PrefixCache",
@@ -51,6 +53,7 @@ __all__ = [
     "SimulatedEngine",
     "SimulationConfig",
     "TraceRow",
+    "WorkerView",
     "default_trace_path",
     "engine_chain_hashes",
     "evaluate",
@@ -86,6 +89,9 @@ __getattr__, __dir__ = lazy_exports(
         "kvevents.sim._demo": (
             "Demo",
             "DemoConfig",
+            "DemoView",
+            "LaneView",
+            "WorkerView",
         ),
         "kvevents.sim._engine": (
             "EngineConfig",

@@ -7,7 +7,14 @@ are private (``_frames``, ``_decode``, ``_endpoints``...): import from here.
 from __future__ import annotations
 
 from kvevents.wire._decode import PackedStored, decode_batch, decode_batch_packed
-from kvevents.wire._endpoints import MAX_PORT, Endpoint, layout_error, parse_endpoint, rank_endpoint
+from kvevents.wire._endpoints import (
+    MAX_IPC_PATH,
+    MAX_PORT,
+    Endpoint,
+    layout_error,
+    parse_endpoint,
+    rank_endpoint,
+)
 from kvevents.wire._frames import (
     END_SEQ,
     LiveMessage,
@@ -28,6 +35,7 @@ from kvevents.wire._records import DEFAULT_LIMITS, Applied, DecodedBatch, Decode
 __all__ = [
     "DEFAULT_LIMITS",
     "END_SEQ",
+    "MAX_IPC_PATH",
     "MAX_PORT",
     "Applied",
     "DecodeLimits",

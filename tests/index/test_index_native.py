@@ -7,16 +7,12 @@ sanitizer (``make sanitize`` runs this file again under ASan and UBSan, with mor
 
 from __future__ import annotations
 
-import ctypes
-import mmap
 import os
-import struct
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -26,6 +22,8 @@ from hypothesis import strategies as st
 
 from kvevents.index import _table as blocktable
 from kvevents.index import _table_py as py_impl
+from kvevents.testing.guardpage import guarded
+from kvevents.testing.strategies import json_arrays, json_bodies, msgpack_arrays
 
 try:
     c_impl: ModuleType | None = blocktable._load_native()
@@ -37,53 +35,11 @@ except (ImportError, OSError, AttributeError, ValueError) as exc:  # pragma: no 
 pytestmark = pytest.mark.skipif(c_impl is None, reason=C_MISSING or "C extension available")
 #: Examples per fuzz test; the sanitizer job raises it.
 EXAMPLES = int(os.environ.get("KVEVENTS_FUZZ_EXAMPLES", "200"))
-PAGE = mmap.PAGESIZE
 
 
 def c() -> ModuleType:
     assert c_impl is not None
     return c_impl
-
-
-class _GuardedPage:
-    """One readable page followed by an unreadable one (Linux: mmap, then mprotect)."""
-
-    def __init__(self) -> None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.mmap.restype = ctypes.c_void_p
-        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t] + [ctypes.c_int] * 4
-        libc.mmap.argtypes.append(ctypes.c_long)
-        libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
-        address = libc.mmap(None, 2 * PAGE, mmap.PROT_READ | mmap.PROT_WRITE, flags, -1, 0)
-        if address in (None, ctypes.c_void_p(-1).value):
-            raise OSError(ctypes.get_errno(), "mmap failed")
-        if libc.mprotect(address + PAGE, PAGE, 0) != 0:
-            libc.munmap(address, 2 * PAGE)
-            raise OSError(ctypes.get_errno(), "mprotect failed")
-        self.libc, self.address = libc, address
-
-    def at_end(self, data: bytes) -> memoryview:
-        """``data`` copied so that it ends exactly where the readable page ends."""
-        assert len(data) <= PAGE
-        start = self.address + PAGE - len(data)
-        ctypes.memmove(start, data, len(data))
-        return memoryview((ctypes.c_char * len(data)).from_address(start)).cast("B")
-
-    def close(self) -> None:
-        self.libc.munmap(self.address, 2 * PAGE)
-
-
-@contextmanager
-def guarded() -> Iterator[_GuardedPage]:
-    if not sys.platform.startswith("linux"):
-        pytest.skip("guard pages are set up with Linux mmap/mprotect")
-    page = _GuardedPage()
-    try:
-        yield page
-    finally:
-        page.close()
 
 
 def agree(call: Callable[[ModuleType, Any], Any], data: bytes) -> None:
@@ -107,64 +63,6 @@ def _outcome(call: Callable[[], Any]) -> tuple[str, Any]:
 
 
 # ------------------------------------------------------------------ inputs
-
-
-def msgpack_int(v: int, code: int) -> bytes:
-    """``v`` written with the msgpack int format byte ``code`` (0xcc..0xd3), or as a fixint."""
-    if code == 0 or not 0xCC <= code <= 0xD3:
-        return struct.pack(">b", v) if -32 <= v < 0 else bytes([v & 0x7F])
-    size = 1 << ((code - 0xCC) % 4)
-    signed = code >= 0xD0
-    limit = 2 ** (8 * size - (1 if signed else 0))
-    low = -limit if signed else 0
-    v = min(max(v, low), limit - 1)
-    return bytes([code]) + v.to_bytes(size, "big", signed=signed)
-
-
-ints = st.one_of(
-    st.integers(0, 127),
-    st.integers(0, 2**32 - 1),
-    st.sampled_from([-1, -32, -33, 2**16, 2**32 - 1, 2**32, 2**63 - 1, 2**64 - 1]),
-)
-codes = st.sampled_from([0, *range(0xCC, 0xD4)])
-
-
-@st.composite
-def msgpack_arrays(draw: st.DrawFn) -> bytes:
-    """Int arrays in every int width and header form, some truncated, extended or lying."""
-    items = [msgpack_int(v, code) for v, code in draw(st.lists(st.tuples(ints, codes)))]
-    count = len(items) + draw(st.sampled_from([0, 0, 0, 1, -1, 2**16, 2**32 - 1 - len(items)]))
-    count = max(count, 0)
-    header = draw(
-        st.sampled_from(
-            [b"\xdd" + struct.pack(">I", min(count, 2**32 - 1))]
-            + ([b"\xdc" + struct.pack(">H", count)] if count < 2**16 else [])
-            + ([bytes([0x90 | count])] if count < 16 else [])
-        )
-    )
-    raw = header + b"".join(items)
-    cut = draw(st.integers(0, len(raw)))
-    return draw(st.sampled_from([raw, raw[:cut], raw + draw(st.binary(max_size=3))]))
-
-
-@st.composite
-def json_arrays(draw: st.DrawFn) -> bytes:
-    """JSON int arrays (any spacing), cut short anywhere or with a tail: the scanner's edges."""
-    numbers = draw(st.lists(st.one_of(ints, st.just(0)), max_size=30))
-    sep = draw(st.sampled_from([b",", b", ", b" ,", b",\n"]))
-    raw = b"[" + sep.join(b"%d" % n for n in numbers) + b"]"
-    cut = draw(st.integers(0, len(raw)))
-    tail = draw(st.sampled_from([b"", b" ", b"\t\n", b"x", b"]"]))
-    return draw(st.sampled_from([raw, raw[:cut], raw[:cut] + tail, raw + tail]))
-
-
-@st.composite
-def json_bodies(draw: st.DrawFn) -> bytes:
-    """Query-like objects cut short anywhere: the member scan must stop at the end."""
-    tokens = draw(json_arrays())
-    before = draw(st.sampled_from([b"", b'"model": "m", ', b'"a": [1, {"b": "]"}], ']))
-    raw = b"{" + before + b'"token_ids": ' + tokens + b"}"
-    return raw[: draw(st.integers(0, len(raw)))]
 
 
 fuzzed = st.one_of(st.binary(max_size=64), msgpack_arrays(), json_arrays(), json_bodies())

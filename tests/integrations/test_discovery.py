@@ -26,8 +26,8 @@ from kvevents.deadline import Deadline
 from kvevents.errors import DiscoveryError
 from kvevents.events import BlockStored, KVEventBatch
 from kvevents.integrations.discovery import MAX_ANSWER_BYTES, discover, parse_server_info
-from kvevents.publish._records import PublisherOptions
-from kvevents.service._feed import WorkerRegistration
+from kvevents.publish import PublisherOptions
+from kvevents.service import WorkerRegistration
 from kvevents.testing.hostile_http import HostileHttpServer, dripping, flooding
 from kvevents.testing.publisher import local_config, started_publisher
 

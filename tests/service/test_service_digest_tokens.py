@@ -8,7 +8,7 @@ import pytest
 
 from kvevents.events import BlockStored
 from kvevents.http import QueryReader, serve
-from kvevents.index._prefix import PrefixIndex
+from kvevents.index import PrefixIndex
 from kvevents.service._core import IndexService, WorkerRegistration
 from kvevents.testing.feeds import FakeFeed
 from kvevents.testing.index import batch

@@ -18,10 +18,10 @@ import httpx
 import pytest
 
 from kvevents.http import serve
-from kvevents.index._prefix import PrefixIndex
+from kvevents.index import PrefixIndex
 from kvevents.service._core import IndexService, WorkerRegistration
 from kvevents.service._state import StateFile, StateFileError
-from kvevents.subscribe._streams import StreamSpec
+from kvevents.subscribe import StreamSpec
 from kvevents.testing.feeds import FakeFeed
 from kvevents.testing.sockets import Deadline
 

@@ -10,10 +10,10 @@ import msgspec
 import pytest
 from starlette.routing import Route
 
+from kvevents.bounds import MAX_BLOCK_SIZE, MAX_RANKS
 from kvevents.http import Status, create_app, serve
 from kvevents.http import _openapi as openapi
-from kvevents.service._bounds import MAX_BLOCK_SIZE, MAX_RANKS
-from kvevents.service._core import IndexService
+from kvevents.service import IndexService
 from kvevents.testing.feeds import FakeFeed, fake_service
 from kvevents.testing.index import batch, store_event
 

@@ -22,10 +22,9 @@ import pytest
 from kvevents.events import BlockStored, KVEventBatch
 from kvevents.http import AppOptions, TokenCheck, serve
 from kvevents.http._status import page_html, status
-from kvevents.index._decision import Decision, Load, TargetScore
-from kvevents.service._core import IndexService, WorkerRegistration
-from kvevents.service._decisions import DecisionLog
-from kvevents.subscribe._streams import FeedState
+from kvevents.index import Decision, Load, TargetScore
+from kvevents.service import DecisionLog, IndexService, WorkerRegistration
+from kvevents.subscribe import FeedState
 from kvevents.testing.feeds import FakeFeed, fake_service
 from kvevents.testing.index import batch, store_event
 from kvevents.testing.publisher import started_publisher

@@ -21,7 +21,7 @@ from kvevents.testing.injectors import break_stream
 from kvevents.testing.peers import Collector, RawPublisher
 from kvevents.testing.sinks import RecordingSink
 from kvevents.testing.sockets import unique_ipc, wait_for
-from kvevents.wire._endpoints import MAX_IPC_PATH, rank_endpoint
+from kvevents.wire import MAX_IPC_PATH, rank_endpoint
 
 W = "w1"
 KEY = (W, 0)

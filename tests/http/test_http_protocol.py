@@ -27,8 +27,8 @@ from kvevents.http import (
 from kvevents.http import _protocol as protocol_module
 from kvevents.http._pieces import PARSE_PIECE, Unparsed
 from kvevents.http._server import _query_handler_of
-from kvevents.index._prefix import PrefixIndex
-from kvevents.service._core import IndexService
+from kvevents.index import PrefixIndex
+from kvevents.service import IndexService
 from kvevents.testing.feeds import FakeFeed, fake_specs
 from kvevents.testing.index import batch, store_event
 from kvevents.testing.sockets import wait_for

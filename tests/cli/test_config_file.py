@@ -25,7 +25,7 @@ from kvevents.cli.config import (
     resolve,
 )
 from kvevents.cli.serve import _registrations
-from kvevents.index._router import DEFAULT_POLICY, POLICIES
+from kvevents.index import DEFAULT_POLICY, POLICIES
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -267,7 +267,7 @@ def test_publish_runs_from_a_config_file(tmp_path: Path) -> None:
 
 def test_the_documented_example_file_is_valid(tmp_path: Path) -> None:
     """The TOML example of docs/cli.md is accepted as written, for serve and for publish."""
-    doc = (Path(__file__).resolve().parent.parent / "docs" / "cli.md").read_text()
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "cli.md").read_text()
     example = doc.split("```toml\n", 1)[1].split("```", 1)[0]
     config = write(tmp_path, example)
     settings = serve_settings("--config", config)

@@ -11,7 +11,7 @@ import pytest
 
 from kvevents.config import KVEventsConfig
 from kvevents.events import BlockStored, KVEventBatch
-from kvevents.publish._publisher import create_publisher
+from kvevents.publish import create_publisher
 from kvevents.testing.service import ServiceIndexer, ServiceIndexerError
 from kvevents.testing.sockets import wait_for
 

@@ -23,9 +23,8 @@ from typing import Any
 
 import pytest
 
-from kvevents.index._digest import StreamDigest, index_digest
-from kvevents.index._prefix import PrefixIndex
-from kvevents.service._feed import WorkerRegistration
+from kvevents.index import PrefixIndex, StreamDigest, index_digest
+from kvevents.service import WorkerRegistration
 from kvevents.testing.fixtures import typical_batch
 from kvevents.testing.nats import NatsServer, find_nats_server
 from kvevents.wire import encode_batch

@@ -15,9 +15,9 @@ import httpx
 import pytest
 
 from kvevents.http import Server, create_app
-from kvevents.index._router import DEFAULT_POLICY
-from kvevents.publish._publisher import PublisherOptions, create_publisher
-from kvevents.service._core import IndexService
+from kvevents.index import DEFAULT_POLICY
+from kvevents.publish import PublisherOptions, create_publisher
+from kvevents.service import IndexService
 from kvevents.sim._cluster import Cluster, ClusterConfig
 from kvevents.sim._engine import SimulatedEngine
 from kvevents.sim._faults import DropRule

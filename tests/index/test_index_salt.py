@@ -29,7 +29,7 @@ from kvevents.index._keys import (
     request_extras,
 )
 from kvevents.index._prefix import PrefixIndex
-from kvevents.service._core import IndexService
+from kvevents.service import IndexService
 from kvevents.wire import PackedStored, decode_batch, decode_batch_packed
 
 BS = 16

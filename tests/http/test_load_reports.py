@@ -13,11 +13,8 @@ import pytest
 from kvevents.http import AppOptions, TokenCheck, serve
 from kvevents.http import _openapi as openapi
 from kvevents.http._schema import MAX_LOAD_BLOCKS, MAX_LOAD_ENTRIES
-from kvevents.index._decision import Load, LoadBook
-from kvevents.index._prefix import PrefixIndex
-from kvevents.index._router import Router
-from kvevents.service._core import IndexService, WorkerRegistration
-from kvevents.service._loadreports import LoadLedger, LoadReport
+from kvevents.index import Load, LoadBook, PrefixIndex, Router
+from kvevents.service import IndexService, LoadLedger, LoadReport, WorkerRegistration
 from kvevents.testing.feeds import FakeFeed
 from kvevents.testing.index import batch, store_event
 

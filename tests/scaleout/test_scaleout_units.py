@@ -8,8 +8,7 @@ from typing import Any
 import pytest
 
 from kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
-from kvevents.index._digest import index_digest
-from kvevents.index._prefix import PrefixIndex
+from kvevents.index import PrefixIndex, index_digest
 from kvevents.scaleout import _snapshot as snap
 from kvevents.scaleout._cursor import StreamCursor
 from kvevents.scaleout._records import (
@@ -22,7 +21,7 @@ from kvevents.scaleout._records import (
     worker_record,
 )
 from kvevents.scaleout._retention import trim_point
-from kvevents.service._feed import WorkerRegistration
+from kvevents.service import WorkerRegistration
 from kvevents.testing.fixtures import typical_batch
 
 

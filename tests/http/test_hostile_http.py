@@ -25,8 +25,8 @@ from kvevents.http import (
     load_token,
     serve,
 )
-from kvevents.index._prefix import PrefixIndex
-from kvevents.service._core import IndexService
+from kvevents.index import PrefixIndex
+from kvevents.service import IndexService
 from kvevents.testing.feeds import FakeFeed, fake_specs
 from kvevents.testing.index import batch, store_event
 from kvevents.testing.service import ServiceIndexer

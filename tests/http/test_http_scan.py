@@ -20,7 +20,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvevents.http import _scan, _scan_py
-from test_index_native import guarded, json_arrays, json_bodies
+from kvevents.testing.guardpage import guarded
+from kvevents.testing.strategies import json_arrays, json_bodies
 
 try:
     from kvevents.http import _jsonscan

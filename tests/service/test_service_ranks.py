@@ -11,11 +11,11 @@ import pytest
 
 from kvevents.errors import RegistrationConflict, StreamAddError
 from kvevents.http import serve
-from kvevents.index._prefix import PrefixIndex
+from kvevents.index import PrefixIndex
 from kvevents.service._core import IndexService, WorkerRegistration
 from kvevents.service._feed import OwnEndpoints
 from kvevents.service._state import StateFile
-from kvevents.subscribe._streams import StreamSpec
+from kvevents.subscribe import StreamSpec
 from kvevents.testing.feeds import FakeFeed
 from kvevents.testing.index import batch, remove_event, store_event
 from kvevents.testing.service import ServiceIndexer

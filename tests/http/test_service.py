@@ -22,19 +22,12 @@ from kvevents.http import _dump as service_dump
 from kvevents.http import _query as service_query
 from kvevents.http import _scan as scan
 from kvevents.http._scan_py import pack_json_member, pack_json_tokens
+from kvevents.index import DEFAULT_POLICY, IndexStats, PrefixIndex
 from kvevents.index import _prefix as index_prefix
 from kvevents.index._keys import block_hashes
-from kvevents.index._prefix import IndexStats, PrefixIndex
-from kvevents.index._router import DEFAULT_POLICY
 from kvevents.metrics import field_docs
-from kvevents.service._core import IndexService, ServiceStats, WorkerRegistration
-from kvevents.service._feed import subscriber_feed
-from kvevents.subscribe._streams import (
-    FeedHealth,
-    StreamSpec,
-    SubscriberOptions,
-)
-from kvevents.subscribe._subscriber import Subscriber
+from kvevents.service import IndexService, ServiceStats, WorkerRegistration, subscriber_feed
+from kvevents.subscribe import FeedHealth, StreamSpec, Subscriber, SubscriberOptions
 from kvevents.testing.feeds import FakeFeed, fake_service, fake_specs
 from kvevents.testing.index import batch, engine_hashes, store_event
 from kvevents.testing.sockets import wait_for

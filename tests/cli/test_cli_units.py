@@ -13,7 +13,7 @@ from kvevents.cli.output import stream_table
 from kvevents.cli.render import ListenView, batch_summary, stats_record, text_line
 from kvevents.cli.specs import stream_specs
 from kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
-from kvevents.subscribe._streams import Delivery, StreamReset, StreamSpec, StreamStats, StreamStatus
+from kvevents.subscribe import Delivery, StreamReset, StreamSpec, StreamStats, StreamStatus
 
 SPEC = StreamSpec("a", 0, "tcp://127.0.0.1:5557", "tcp://127.0.0.1:5600")
 
@@ -174,14 +174,14 @@ def test_usage_errors_exit_2_with_one_line(capsys: pytest.CaptureFixture[str]) -
 def test_version_names_the_native_accelerators(capsys: pytest.CaptureFixture[str]) -> None:
     """``kvevents --version`` prints the version and which index tables and receive path run."""
     from kvevents import __version__
-    from kvevents.index import _table as table
+    from kvevents.index import table_implementation
 
     with pytest.raises(SystemExit) as done:
         main(["--version"])
     assert done.value.code == 0
     out = capsys.readouterr().out
     assert out.startswith(f"kvevents {__version__} (index tables: ")
-    assert ("index tables: C;" in out) == (table.IMPLEMENTATION == "c")
+    assert ("index tables: C;" in out) == (table_implementation()[0] == "c")
 
 
 def test_a_missing_extra_names_every_package_at_once(
@@ -205,15 +205,14 @@ def test_the_pure_python_index_is_announced_once(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Running on the fallback tables without having asked for them prints one note."""
+    import kvevents.index
     from kvevents import cli
-    from kvevents.index import _table as table
 
     monkeypatch.delenv("KVEVENTS_PURE_PYTHON", raising=False)
-    monkeypatch.setattr(table, "IMPLEMENTATION", "python")
-    monkeypatch.setattr(table, "FALLBACK_REASON", "no compiler")
+    monkeypatch.setattr(kvevents.index, "table_implementation", lambda: ("python", "no compiler"))
     cli._warn_if_slow()
     assert capsys.readouterr().err.count("pure-Python tables (no compiler)") == 1
-    monkeypatch.setattr(table, "IMPLEMENTATION", "c")
+    monkeypatch.setattr(kvevents.index, "table_implementation", lambda: ("c", None))
     cli._warn_if_slow()
     assert capsys.readouterr().err == ""
 
@@ -254,13 +253,13 @@ def test_full_prints_every_event_in_text_mode_too() -> None:
 def test_serve_defaults_to_the_routers_default_policy() -> None:
     """``kvevents serve`` names the router's default policy without importing the index."""
     from kvevents.cli import build_parser
-    from kvevents.index._router import DEFAULT_POLICY
+    from kvevents.index import DEFAULT_POLICY
 
     assert build_parser().parse_args(["serve"]).policy == DEFAULT_POLICY
 
 
 def _demo_view() -> Any:
-    from kvevents.sim._demo import DemoView, LaneView, WorkerView
+    from kvevents.sim import DemoView, LaneView, WorkerView
 
     def lane(policy: str, decided: str) -> LaneView:
         workers = (WorkerView("w0", 10, 10, 3, 40), WorkerView("w1", 8, 8, 2, 30))
@@ -280,7 +279,7 @@ def test_the_demo_shows_its_lanes_side_by_side_when_wide_and_each_latest_decisio
     """On a wide terminal both lanes' tables share lines; on a narrow one they stack; each lane
     names its latest decision and what decided it."""
     from kvevents.cli.demo import _render
-    from kvevents.sim._demo import DemoConfig
+    from kvevents.sim import DemoConfig
 
     def lines(width: int) -> list[str]:
         console = Console(width=width, record=True, color_system=None)

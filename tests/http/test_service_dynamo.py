@@ -13,9 +13,8 @@ import pytest
 from kvevents.http import AppOptions, serve
 from kvevents.http._dynamo import DynamoQueryReader, dynamo_scores
 from kvevents.http._scan_py import pack_json_member
-from kvevents.index._prefix import PrefixIndex
-from kvevents.index._records import HolderKey, MatchResult
-from kvevents.service._core import IndexService, WorkerRegistration
+from kvevents.index import HolderKey, MatchResult, PrefixIndex
+from kvevents.service import IndexService, WorkerRegistration
 from kvevents.testing.feeds import FakeFeed
 from kvevents.testing.index import batch, store_event
 

@@ -19,7 +19,7 @@ import msgspec
 import pytest
 
 from kvevents.events import BlockRemoved, KVEventBatch
-from kvevents.index._prefix import PrefixIndex
+from kvevents.index import PrefixIndex
 from kvevents.testing.conformance.consumers import (
     DynamoConsumer,
     KVEventsConsumer,

@@ -21,10 +21,9 @@ from typing import Any
 import pytest
 
 from kvevents.config import KVEventsConfig
-from kvevents.index._digest import index_digest
-from kvevents.index._prefix import PrefixIndex
-from kvevents.publish._publisher import ZmqPublisher
-from kvevents.service._feed import WorkerRegistration
+from kvevents.index import PrefixIndex, index_digest
+from kvevents.publish import ZmqPublisher
+from kvevents.service import WorkerRegistration
 from kvevents.subscribe import ReplayOptions, SubscriberOptions
 from kvevents.testing.fixtures import heartbeat, typical_batch
 from kvevents.testing.nats import NatsServer, find_nats_server

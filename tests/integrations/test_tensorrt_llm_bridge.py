@@ -20,7 +20,7 @@ import pytest
 from kvevents.config import KVEventsConfig
 from kvevents.errors import PublisherError
 from kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored
-from kvevents.index._prefix import HolderKey, PrefixIndex
+from kvevents.index import HolderKey, PrefixIndex
 from kvevents.integrations.tensorrt_llm import (
     DEFAULT_MAX_POLL_BYTES,
     TensorRTLLMBridge,
@@ -28,7 +28,7 @@ from kvevents.integrations.tensorrt_llm import (
     map_event,
 )
 from kvevents.metrics import stats_samples
-from kvevents.publish._records import PublisherOptions
+from kvevents.publish import PublisherOptions
 from kvevents.subscribe import Delivery, StreamSpec, Subscriber
 from kvevents.testing.hostile_http import dripping, flooding
 from kvevents.testing.sockets import Deadline
