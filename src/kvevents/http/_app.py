@@ -260,7 +260,7 @@ class Guard:
         if scope["type"] == "http" and not self.auth.allows(
             scope["headers"], scope["path"] in MUTATING
         ):
-            self.counters.add("unauthorized")
+            self.counters.unauthorized += 1
             message = f"{scope['path']}: a valid 'Authorization: Bearer <token>' header is required"
             challenge = [(b"www-authenticate", b"Bearer")]
             await send_json(send, 401, encode({"error": message}), headers=challenge)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import dataclasses
 import itertools
 import logging
 import os
@@ -56,6 +57,21 @@ _JOIN_TIMEOUT = 10.0
 
 #: A publisher's life: ``start()`` goes from new to started, ``shutdown()`` to closed (final).
 PublisherState = Literal["new", "started", "closed"]
+
+
+#: Why a batch was dropped before it reached the queue (each a ``dropped_*`` counter).
+DropCause = Literal["queue_full", "encode_error", "send_error"]
+
+
+@dataclasses.dataclass(slots=True)
+class _SendCounts:
+    """The caller side's running counters (each documented on :class:`PublisherStats`), under
+    the publisher's lock: mutable fields, so that a counter's name is checked by mypy."""
+
+    enqueued: int = 0
+    dropped_queue_full: int = 0
+    dropped_encode_error: int = 0
+    dropped_send_error: int = 0
 
 
 class Publisher(abc.ABC):
@@ -158,9 +174,7 @@ class ZmqPublisher(Publisher):
         self._state: PublisherState = "new"
         self._accepting = True
         self._report: ShutdownReport | None = None
-        self._counts = dict.fromkeys(
-            ("enqueued", "dropped_queue_full", "dropped_encode_error", "dropped_send_error"), 0
-        )
+        self._counts = _SendCounts()
         self._carried_events = 0
         self._heartbeats = 0
         self._next_seq = 0
@@ -279,14 +293,14 @@ class ZmqPublisher(Publisher):
         assert self._service is not None
         with self._lock:
             self._accepting = False
-            accepted = self._counts["enqueued"]
+            accepted = self._counts.enqueued
         self._service.wait_published(accepted, budget)
         with self._lock:
             if self._carry and self._send3 is not None:
                 # Removals carried from dropped batches must not die with the publisher.
                 heartbeat = KVEventBatch(ts=time.time(), events=[], data_parallel_rank=self.rank)
                 self._publish_locked(self._send3, heartbeat)
-            accepted = self._counts["enqueued"]
+            accepted = self._counts.enqueued
             push, self._push, self._send3 = self._push, None, None
         self._service.wait_published(accepted, max(0.0, began + budget - time.monotonic()))
         linger_ms = max(0, int((began + budget - time.monotonic()) * 1000))
@@ -395,7 +409,7 @@ class ZmqPublisher(Publisher):
         try:
             payload = encode_batch(batch)
         except (msgspec.EncodeError, TypeError, ValueError, OverflowError) as exc:
-            self._drop("dropped_encode_error", seq, carried or (), str(exc))
+            self._drop("encode_error", seq, carried or (), str(exc))
             return seq
         if self._send_locked(send3, seq, payload, lambda: batch.events) and carried:
             self._carried_events += len(carried)
@@ -408,16 +422,21 @@ class ZmqPublisher(Publisher):
         try:
             send3(self._topic, pack_seq(seq), payload)
         except zmq.Again:
-            self._drop("dropped_queue_full", seq, events(), "queue full")
+            self._drop("queue_full", seq, events(), "queue full")
             return False
         except zmq.ZMQError as exc:
-            self._drop("dropped_send_error", seq, events(), str(exc))
+            self._drop("send_error", seq, events(), str(exc))
             return False
-        self._counts["enqueued"] += 1
+        self._counts.enqueued += 1
         return True
 
-    def _drop(self, cause: str, seq: int, carry: Any, reason: str) -> None:
-        self._counts[cause] += 1
+    def _drop(self, cause: DropCause, seq: int, carry: Any, reason: str) -> None:
+        if cause == "queue_full":
+            self._counts.dropped_queue_full += 1
+        elif cause == "encode_error":
+            self._counts.dropped_encode_error += 1
+        else:
+            self._counts.dropped_send_error += 1
         self._carry.absorb(carry)
         self._warn(
             cause,
@@ -449,7 +468,7 @@ class ZmqPublisher(Publisher):
         replay = server.counters if server is not None else None
         published = service.published if service is not None else 0
         return PublisherStats(
-            **self._counts,
+            **dataclasses.asdict(self._counts),
             published=published,
             carried_events=self._carried_events,
             pending_carry=len(self._carry),
@@ -463,7 +482,7 @@ class ZmqPublisher(Publisher):
             replay_active=server.active if server is not None else 0,
             replay_waiting=server.waiting if server is not None else 0,
             replay_peers=server.peers_tracked if server is not None else 0,
-            queue_depth=max(0, self._counts["enqueued"] - published),
+            queue_depth=max(0, self._counts.enqueued - published),
             bytes_sent=service.bytes_sent if service is not None else 0,
             heartbeats=self._heartbeats,
             ring_batches=len(ring) if ring is not None else 0,

@@ -25,10 +25,11 @@ Everything suppressed is counted in :class:`RecorderStats`.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 from kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored, Event, KVEventBatch
 
@@ -92,6 +93,25 @@ class _PendingRemove:
 _Pending = _PendingStore | _PendingRemove | AllBlocksCleared
 
 
+@dataclasses.dataclass(slots=True)
+class RecorderCounts:
+    """A recorder's running counters (each documented on :class:`RecorderStats`): mutable fields, so that a counter's name is
+    checked by mypy; :meth:`frozen` makes the record."""
+
+    steps: int = 0
+    batches: int = 0
+    blocks_stored: int = 0
+    stored_events: int = 0
+    blocks_removed: int = 0
+    removed_events: int = 0
+    clears: int = 0
+    partial_blocks: int = 0
+    duplicate_stores: int = 0
+    orphan_stores: int = 0
+    unknown_removals: int = 0
+    superseded_events: int = 0
+
+
 class EventRecorder:
     """Records one rank's cache mutations and flushes one batch per engine step.
 
@@ -122,7 +142,7 @@ class EventRecorder:
         self._pending: list[_Pending] = []
         # the last pending event when it is a store, so chain merging is one identity check
         self._open_store: _PendingStore | None = None
-        self._counts = dict.fromkeys((f.name for f in fields(RecorderStats)), 0)
+        self._counts = RecorderCounts()
 
     # ------------------------------------------------------------------ mutations
 
@@ -144,10 +164,10 @@ class EventRecorder:
         if held is None:
             held = self._held[tier] = set()
         elif block_hash in held:
-            self._counts["duplicate_stores"] += 1
+            self._counts.duplicate_stores += 1
             return False
         if parent_hash is not None and parent_hash not in held and not self._holds(parent_hash):
-            self._counts["orphan_stores"] += 1
+            self._counts.orphan_stores += 1
             return False
         held.add(block_hash)
         lid = self.lora_id if lora_id is DEFAULT else lora_id
@@ -173,7 +193,7 @@ class EventRecorder:
         tier = self.medium if medium is DEFAULT else medium
         held = self._held.get(tier)
         if held is None or block_hash not in held:
-            self._counts["unknown_removals"] += 1
+            self._counts.unknown_removals += 1
             return False
         held.discard(block_hash)
         self._open_store = None
@@ -186,7 +206,7 @@ class EventRecorder:
 
     def record_cleared(self) -> None:
         """The whole cache (every medium) was reset."""
-        self._counts["superseded_events"] += len(self._pending)
+        self._counts.superseded_events += len(self._pending)
         self._pending = [AllBlocksCleared()]
         self._open_store = None
         self._held.clear()
@@ -195,13 +215,13 @@ class EventRecorder:
 
     def flush(self, ts: float | None = None) -> KVEventBatch | None:
         """The step's events as one batch (None when nothing changed); starts the next step."""
-        self._counts["steps"] += 1
+        self._counts.steps += 1
         if not self._pending:
             return None
         events = [self._finish(item) for item in self._pending]
         self._pending = []
         self._open_store = None
-        self._counts["batches"] += 1
+        self._counts.batches += 1
         return KVEventBatch(self._clock() if ts is None else ts, events, self.rank)
 
     def is_announced(self, block_hash: int, medium: str | _Default | None = DEFAULT) -> bool:
@@ -216,7 +236,7 @@ class EventRecorder:
 
     def stats(self) -> RecorderStats:
         """A snapshot of the counters."""
-        return RecorderStats(**self._counts)
+        return RecorderStats(**dataclasses.asdict(self._counts))
 
     # ------------------------------------------------------------------ internals
 
@@ -229,13 +249,13 @@ class EventRecorder:
                 f"block {block_hash} has {len(token_ids)} token ids, more than block_size "
                 f"{self.block_size}: pass one block per call"
             )
-        self._counts["partial_blocks"] += 1
+        self._counts.partial_blocks += 1
         return False
 
     def _finish(self, item: _Pending) -> Event:
         if isinstance(item, _PendingStore):
-            self._counts["stored_events"] += 1
-            self._counts["blocks_stored"] += len(item.hashes)
+            self._counts.stored_events += 1
+            self._counts.blocks_stored += len(item.hashes)
             return BlockStored(
                 block_hashes=item.hashes,
                 parent_block_hash=item.parent,
@@ -246,8 +266,8 @@ class EventRecorder:
                 lora_name=item.lora_name,
             )
         if isinstance(item, _PendingRemove):
-            self._counts["removed_events"] += 1
-            self._counts["blocks_removed"] += len(item.hashes)
+            self._counts.removed_events += 1
+            self._counts.blocks_removed += len(item.hashes)
             return BlockRemoved(block_hashes=item.hashes, medium=item.medium)
-        self._counts["clears"] += 1
+        self._counts.clears += 1
         return item

@@ -108,7 +108,7 @@ class RouteApp:
         elif self.pages is not None:
             await self.pages(scope, receive, send)
         else:
-            self.http_counters.add("not_found")
+            self.http_counters.not_found += 1
             await _refuse(send, OpenAIError(404, f"no such endpoint: {method} {path}"))
 
     # ------------------------------------------------------------------ the OpenAI API

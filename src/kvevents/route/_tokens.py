@@ -33,6 +33,7 @@ than ``chat_template.json``. Pass the engine flags that do change tokens as
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import os
@@ -148,6 +149,30 @@ class TokenizerStats:
     cache_misses: int
     #: Why pieces are not cached for this tokenizer (None: they are).
     uncached: str | None
+
+
+@dataclass(slots=True)
+class _SourceCounts:
+    """Prompts answered by source (the first fields of :class:`TokenizerStats`): mutable
+    fields, so that a counter's name is checked by mypy."""
+
+    chat: int = 0
+    completion: int = 0
+    tokens: int = 0
+    fallback: int = 0
+    none: int = 0
+
+    def add(self, source: Source) -> None:
+        if source == "chat":
+            self.chat += 1
+        elif source == "completion":
+            self.completion += 1
+        elif source == "tokens":
+            self.tokens += 1
+        elif source == "fallback":
+            self.fallback += 1
+        else:
+            self.none += 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -331,7 +356,7 @@ class ModelTokenizer:
         self._engine_template = _engine_template(self.options.chat_template)
         self._parameters = frozenset(inspect.signature(tokenizer.apply_chat_template).parameters)
         self._max_chars = max((len(token) for token in tokenizer.get_vocab()), default=1)
-        self._counts = dict.fromkeys(("chat", "completion", "tokens", "fallback", "none"), 0)
+        self._counts = _SourceCounts()
         self._lock = threading.Lock()
 
     @classmethod
@@ -354,7 +379,7 @@ class ModelTokenizer:
         pieces, hits, misses = self._encoder.stats if self._encoder else (0, 0, 0)
         uncached = self._encoder.why_uncached if self._encoder else "not a fast tokenizer"
         with self._lock:
-            counts = dict(self._counts)
+            counts = dataclasses.asdict(self._counts)
         return TokenizerStats(
             **counts, cache_pieces=pieces, cache_hits=hits, cache_misses=misses, uncached=uncached
         )
@@ -379,7 +404,7 @@ class ModelTokenizer:
 
     def _answer(self, prompt: Prompt) -> Prompt:
         with self._lock:
-            self._counts[prompt.source] += 1
+            self._counts.add(prompt.source)
         return prompt
 
     def _no_tokens(self, exc: NoTokens) -> Prompt:

@@ -27,9 +27,10 @@ that finds blocks on CPU loads them back to GPU (``BlockStored(GPU)``); the CPU 
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from kvevents.publish import EventRecorder
 
@@ -63,6 +64,23 @@ class CacheStats:
     """Successful resets."""
     refused_resets: int = 0
     """reset() calls refused because blocks were in use."""
+
+
+@dataclasses.dataclass(slots=True)
+class CacheCounts:
+    """A rank cache's running counters (each documented on :class:`CacheStats`): mutable fields, so that a counter's name is
+    checked by mypy; :meth:`frozen` makes the record."""
+
+    gpu_hit_blocks: int = 0
+    cpu_hit_blocks: int = 0
+    stored_blocks: int = 0
+    shared_blocks: int = 0
+    evicted_blocks: int = 0
+    offloaded_blocks: int = 0
+    cpu_dropped_blocks: int = 0
+    failed_allocations: int = 0
+    resets: int = 0
+    refused_resets: int = 0
 
 
 @dataclass(frozen=True)
@@ -129,7 +147,7 @@ class RankCache:
         self._lru: OrderedDict[int, None] = OrderedDict()
         self._cpu: OrderedDict[int, _Block] = OrderedDict()
         self._private = 0
-        self._counts = dict.fromkeys((f.name for f in fields(CacheStats)), 0)
+        self._counts = CacheCounts()
 
     # ------------------------------------------------------------------ views
 
@@ -182,7 +200,7 @@ class RankCache:
         return self.available_blocks - pinned >= total_blocks - n
 
     def stats(self) -> CacheStats:
-        return CacheStats(**self._counts)
+        return CacheStats(**dataclasses.asdict(self._counts))
 
     # ------------------------------------------------------------------ request lifecycle
 
@@ -202,8 +220,8 @@ class RankCache:
                 cpu_hits += 1
             else:
                 break
-        self._counts["gpu_hit_blocks"] += gpu_hits
-        self._counts["cpu_hit_blocks"] += cpu_hits
+        self._counts.gpu_hit_blocks += gpu_hits
+        self._counts.cpu_hit_blocks += cpu_hits
         return PrefixHit(gpu_hits, cpu_hits)
 
     def allocate(self, count: int) -> bool:
@@ -211,7 +229,7 @@ class RankCache:
         if count <= 0:
             return True
         if not self._reserve(count):
-            self._counts["failed_allocations"] += 1
+            self._counts.failed_allocations += 1
             return False
         self._private += count
         return True
@@ -232,10 +250,10 @@ class RankCache:
         block = self._gpu.get(block_hash)
         if block is not None:
             self._ref(block_hash, block)
-            self._counts["shared_blocks"] += 1
+            self._counts.shared_blocks += 1
             return
         block = self._gpu[block_hash] = _Block(parent, token_ids, 1, lora_id, lora_name)
-        self._counts["stored_blocks"] += 1
+        self._counts.stored_blocks += 1
         self._announce(block_hash, block, GPU)
 
     def release(self, block_hashes: Sequence[int], private: int = 0) -> None:
@@ -254,12 +272,12 @@ class RankCache:
     def reset(self) -> bool:
         """Drop every cached block of both tiers (``AllBlocksCleared``); refused while in use."""
         if self.used_blocks:
-            self._counts["refused_resets"] += 1
+            self._counts.refused_resets += 1
             return False
         self._gpu.clear()
         self._lru.clear()
         self._cpu.clear()
-        self._counts["resets"] += 1
+        self._counts.resets += 1
         self.recorder.record_cleared()
         return True
 
@@ -302,7 +320,7 @@ class RankCache:
     def _evict(self, count: int) -> None:
         victims = [self._lru.popitem(last=False)[0] for _ in range(count)]
         blocks = [self._gpu.pop(h) for h in victims]
-        self._counts["evicted_blocks"] += count
+        self._counts.evicted_blocks += count
         if self.cpu_capacity_blocks:
             self._offload(victims, blocks)
         for h in victims:
@@ -325,7 +343,7 @@ class RankCache:
         room = self.cpu_capacity_blocks - touched
         fresh = fresh[: max(0, room)]
         self._drop_from_cpu(len(self._cpu) + len(fresh) - self.cpu_capacity_blocks)
-        self._counts["offloaded_blocks"] += len(fresh)
+        self._counts.offloaded_blocks += len(fresh)
         for h, block in fresh:
             self._cpu[h] = block.copy(refs=0)
             self._announce(h, block, CPU)
@@ -333,7 +351,7 @@ class RankCache:
     def _drop_from_cpu(self, count: int) -> None:
         for _ in range(max(0, count)):
             h, _block = self._cpu.popitem(last=False)
-            self._counts["cpu_dropped_blocks"] += 1
+            self._counts.cpu_dropped_blocks += 1
             self.recorder.record_removed(h, medium=CPU)
 
 

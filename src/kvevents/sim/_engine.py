@@ -23,13 +23,13 @@ Choices, documented in docs/engine.md:
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from kvevents._types import Document
 from kvevents.events import KVEventBatch
 from kvevents.publish import EventRecorder, RecorderStats
 from kvevents.sim._cache import CPU, GPU, CacheStats, RankCache
@@ -100,6 +100,25 @@ class _Seq:
     cached_tokens: int = 0
 
 
+@dataclasses.dataclass(slots=True)
+class EngineCounts:
+    """An engine's running counters (each documented on :class:`EngineMetrics`): mutable fields, so that a counter's name is
+    checked by mypy; :meth:`frozen` makes the record."""
+
+    steps: int = 0
+    submitted: int = 0
+    finished: int = 0
+    rejected: int = 0
+    preemptions: int = 0
+    input_tokens: int = 0
+    cached_tokens: int = 0
+    cpu_cached_tokens: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    batches: int = 0
+    events: int = 0
+
+
 class SimulatedEngine:
     """An engine with ``config.ranks`` attention-DP ranks publishing through one sink each.
 
@@ -133,7 +152,7 @@ class SimulatedEngine:
         ]
         self._waiting: list[deque[_Seq]] = [deque() for _ in range(cfg.ranks)]
         self._running: list[list[_Seq]] = [[] for _ in range(cfg.ranks)]
-        self._counts: Document = {k: 0 for k in EngineMetrics.__dataclass_fields__}
+        self._counts = EngineCounts()
         #: A record per finished request, in finishing order (clear it freely).
         self.finished_requests: list[RequestRecord] = []
         self._first_tokens: list[_Seq] = []
@@ -170,10 +189,10 @@ class SimulatedEngine:
         """Queue ``request`` on ``rank`` (least loaded when None). Returns the rank, or None
         when the request can never fit (prompt plus output larger than a rank's capacity)."""
         cfg = self.config
-        self._counts["submitted"] += 1
+        self._counts.submitted += 1
         total = len(request.token_ids) + max(1, request.max_output_tokens)
         if not request.token_ids or -(-total // cfg.block_size) > cfg.capacity_blocks:
-            self._counts["rejected"] += 1
+            self._counts.rejected += 1
             return None
         if rank is None:
             rank = min(range(cfg.ranks), key=lambda r: (self._load_blocks(r), r))
@@ -209,7 +228,7 @@ class SimulatedEngine:
         ts = self.config.start_time + self.now if self._clock is None else self._clock()
         self._stamp(self._time())
         batches = self._publish(ts)
-        self._counts["steps"] += 1
+        self._counts.steps += 1
         return StepResult(ts, total, finished, batches)
 
     def reset_cache(self, rank: int | None = None) -> bool:
@@ -265,7 +284,7 @@ class SimulatedEngine:
         )
 
     def metrics(self) -> EngineMetrics:
-        return EngineMetrics(**{**self._counts, "virtual_time": self.now})
+        return EngineMetrics(**dataclasses.asdict(self._counts), virtual_time=self.now)
 
     def recorder_stats(self, rank: int) -> RecorderStats:
         return self.caches[rank].recorder.stats()
@@ -305,9 +324,9 @@ class SimulatedEngine:
         if not seq.admitted_once:
             seq.admitted_once = True
             gpu_tokens = min(hit.gpu_blocks * bs, seq.computed)
-            self._counts["input_tokens"] += seq.prompt_len
-            self._counts["cached_tokens"] += gpu_tokens
-            self._counts["cpu_cached_tokens"] += seq.computed - gpu_tokens
+            self._counts.input_tokens += seq.prompt_len
+            self._counts.cached_tokens += gpu_tokens
+            self._counts.cpu_cached_tokens += seq.computed - gpu_tokens
             seq.cached_tokens = seq.computed
 
     def _advance(self, seq: _Seq, budget: int, finished: list[str]) -> int:
@@ -316,8 +335,8 @@ class SimulatedEngine:
         if chunk <= 0:
             return 0
         prefill = max(0, min(seq.computed + chunk, seq.prompt_len) - seq.computed)
-        self._counts["prefill_tokens"] += prefill
-        self._counts["decode_tokens"] += chunk - prefill
+        self._counts.prefill_tokens += prefill
+        self._counts.decode_tokens += chunk - prefill
         seq.computed += chunk
         self._commit_full_blocks(seq)
         if seq.computed == len(seq.tokens):
@@ -390,7 +409,7 @@ class SimulatedEngine:
 
     def _finish(self, seq: _Seq) -> None:
         self._release(seq)
-        self._counts["finished"] += 1
+        self._counts.finished += 1
         self._done.append(seq)
 
     def _stamp(self, end: float) -> None:
@@ -415,7 +434,7 @@ class SimulatedEngine:
 
     def _preempt(self, seq: _Seq) -> None:
         self._release(seq)
-        self._counts["preemptions"] += 1
+        self._counts.preemptions += 1
         seq.held = seq.private = seq.computed = 0
         self._waiting[seq.rank].appendleft(seq)
 
@@ -426,8 +445,8 @@ class SimulatedEngine:
             if batch is None:
                 continue
             batches.append(batch)
-            self._counts["batches"] += 1
-            self._counts["events"] += len(batch.events)
+            self._counts.batches += 1
+            self._counts.events += len(batch.events)
             if self.publishers is not None:
                 self.publishers[rank].publish(batch)
         return batches
