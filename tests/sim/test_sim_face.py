@@ -11,6 +11,7 @@ EXPORTED = [
     "ClusterConfig",
     "Demo",
     "DemoConfig",
+    "DemoSummary",
     "DemoView",
     "DropRule",
     "EngineConfig",

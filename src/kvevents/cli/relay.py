@@ -14,6 +14,7 @@ from kvevents.cli.common import UsageError, non_negative_int, positive_float, po
 
 if TYPE_CHECKING:
     from kvevents.cli.common import Subparsers
+    from kvevents.scaleout import Replica
 
 EXAMPLES = """examples:
   nats-server -js -sd /var/lib/nats          # a NATS server with JetStream (the nats extra)
@@ -136,7 +137,10 @@ def jetstream_options(args: argparse.Namespace) -> Any:
     )
 
 
-def new_replica(args: argparse.Namespace, **service_options: Any) -> Any:
+def new_replica(
+    args: argparse.Namespace,
+    **service_options: Any,  # IndexService's keyword arguments
+) -> Replica:
     """The replica ``serve --nats`` runs (its service made with ``service_options``)."""
     from kvevents.scaleout import Replica, ReplicaOptions
 

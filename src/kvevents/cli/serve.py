@@ -19,7 +19,13 @@ from kvevents.cli.relay import add_replica_options, new_replica, replica_collect
 from kvevents.cli.secure import add_client_options, client_curve
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from kvevents.cli.common import Subparsers
+    from kvevents.http import AppOptions, EndpointPolicy
+    from kvevents.scaleout import Replica
+    from kvevents.service import IndexService, StateFile, WorkerRegistration
+    from kvevents.subscribe import StreamSpec
 
 EXAMPLES = """examples:
   kvevents serve
@@ -109,7 +115,7 @@ def add_parser(sub: Subparsers) -> None:
     p.set_defaults(run=run)
 
 
-def _d(key: str) -> Any:
+def _d(key: str) -> Any:  # the default of a setting of any type (argparse takes it as is)
     return default(ServeSettings, key)
 
 
@@ -226,7 +232,7 @@ def _add_limit_options(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _app_options(args: argparse.Namespace) -> Any:
+def _app_options(args: argparse.Namespace) -> AppOptions:
     from kvevents.http import (
         DEFAULT_ALLOWED_HOSTS,
         AppOptions,
@@ -282,7 +288,7 @@ def _refuse_exposed(host: str) -> None:
         )
 
 
-def _registrations(settings: ServeSettings) -> list[Any]:
+def _registrations(settings: ServeSettings) -> list[WorkerRegistration]:
     from kvevents.errors import LayoutError
     from kvevents.service import WorkerRegistration, default_stream_specs
 
@@ -303,7 +309,7 @@ def _registrations(settings: ServeSettings) -> list[Any]:
     return regs
 
 
-def _engine_registrations(settings: ServeSettings, taken: set[str]) -> list[Any]:
+def _engine_registrations(settings: ServeSettings, taken: set[str]) -> list[WorkerRegistration]:
     """One registration per ``--engine``, from what it advertises; a DiscoveryError (the URL
     and why: unreachable, no KV events, a bad field) stops the start (exit status 1)."""
     from kvevents.bounds import MAX_NAME_LENGTH
@@ -330,7 +336,7 @@ def _engine_registrations(settings: ServeSettings, taken: set[str]) -> list[Any]
     return regs
 
 
-def _state(settings: ServeSettings) -> tuple[Any, list[Any]]:
+def _state(settings: ServeSettings) -> tuple[StateFile | None, list[WorkerRegistration]]:
     """The state file (None without --state-file) and the registrations saved in it."""
     if settings.state_file is None:
         return None, []
@@ -343,12 +349,14 @@ def _state(settings: ServeSettings) -> tuple[Any, list[Any]]:
     return state, saved
 
 
-def _restore(service: Any, saved: list[Any], policy: Any) -> None:
+def _restore(
+    service: IndexService, saved: list[WorkerRegistration], policy: EndpointPolicy
+) -> None:
     """Register the state file's workers again, as if over HTTP: the endpoint policy of now
     applies. One refused is skipped with a warning (and leaves the file at the next change).
     The file is not written meanwhile, and /health says "starting" until the end."""
 
-    def check(spec: Any) -> None:  # each rank's own endpoints too
+    def check(spec: StreamSpec) -> None:  # each rank's own endpoints too
         for name in ("endpoint", "replay_endpoint"):
             if getattr(spec, name) is not None:
                 policy.check(name, getattr(spec, name), (0,))
@@ -358,7 +366,9 @@ def _restore(service: Any, saved: list[Any], policy: Any) -> None:
         print(f"kvevents serve: warning: {why}", file=sys.stderr, flush=True)
 
 
-def _service(settings: ServeSettings, args: argparse.Namespace, state: Any) -> Any:
+def _service(
+    settings: ServeSettings, args: argparse.Namespace, state: StateFile | None
+) -> IndexService:
     from kvevents.index import PrefixIndex, Router
     from kvevents.service import IndexService, subscriber_feed
     from kvevents.subscribe import SubscriberOptions
@@ -376,7 +386,9 @@ def _service(settings: ServeSettings, args: argparse.Namespace, state: Any) -> A
     return IndexService(index, router=router, feed=feed, load_ttl=settings.load_ttl, state=state)
 
 
-def _replica(settings: ServeSettings, args: argparse.Namespace, regs: list[Any]) -> Any:
+def _replica(
+    settings: ServeSettings, args: argparse.Namespace, regs: list[WorkerRegistration]
+) -> Replica:
     """``--nats``: the replica whose service answers (workers come from the relay)."""
     from kvevents.index import PrefixIndex, Router
 
@@ -396,7 +408,7 @@ def _replica(settings: ServeSettings, args: argparse.Namespace, regs: list[Any])
     return new_replica(args, index=index, router=router, load_ttl=settings.load_ttl)
 
 
-def _digest_extra(replica: Any) -> Any:
+def _digest_extra(replica: Replica | None) -> Callable[[], dict[str, int]] | None:
     """A replica's ``covered_seq`` in ``GET /digest``; nothing more for a plain service."""
     if replica is None:
         return None

@@ -140,10 +140,14 @@ def pack_ints(token_ids: Sequence[int | str]) -> bytes | None:
 # ----------------------------------------------------------------- tokens in other forms
 
 
+# Token lists here are as engines sent them, each checked where it is read (ints, digest
+# strings, or SGLang's [a, b] pairs): hence list[Any].
+
+
 def _read_run(event: Stored, block_size: int) -> tuple[bytes, bytes, list[Extras] | None]:
     """A special store's packed tokens, the packed tokens after it its keys cover, and its
     digest tokens as extras per block (None: none); :class:`Unkeyable` when unreadable."""
-    tokens: Any = event.token_ids
+    tokens: Any = event.token_ids  # a list (checked below) or packed msgpack bytes
     if type(event) is PackedStored:
         tokens = _decode(tokens)
     if not isinstance(tokens, list):
@@ -154,12 +158,12 @@ def _read_run(event: Stored, block_size: int) -> tuple[bytes, bytes, list[Extras
     return _packed_run(tokens, _one_successor(tokens, after, block_size), block_size)
 
 
-def _lookahead_of(event: Stored) -> list[Any]:
+def _lookahead_of(event: Stored) -> list[Any]:  # as sent: see above
     value = event.lookahead_token_ids
     return value if isinstance(value, list) else []
 
 
-def _one_successor(tokens: list[Any], after: list[Any], block_size: int) -> list[Any]:
+def _one_successor(tokens: list[Any], after: list[Any], block_size: int) -> list[Any]:  # as sent
     """``after`` as the tokens following the last block. A list of one successor per block
     (each block's first token after it, the last one's included) says the same thing and
     is read as its last entry."""
@@ -172,7 +176,9 @@ def _one_successor(tokens: list[Any], after: list[Any], block_size: int) -> list
 
 
 def _packed_run(
-    tokens: list[Any], after: list[Any], block_size: int
+    tokens: list[Any],
+    after: list[Any],
+    block_size: int,  # as sent: checked by the packers
 ) -> tuple[bytes, bytes, list[Extras] | None]:
     if any(isinstance(t, str) and len(t) > MAX_DIGEST for t in tokens):
         raise Unkeyable(f"a digest token is longer than {MAX_DIGEST} characters")
@@ -186,7 +192,7 @@ def _packed_run(
     return packed, tail, digests if any(digests) else None
 
 
-def _unbigram(pairs: list[Any]) -> tuple[list[Any], list[Any]]:
+def _unbigram(pairs: list[Any]) -> tuple[list[Any], list[Any]]:  # as sent: checked here
     """SGLang's bigram keys as tokens plus the one token after them; each pair must start
     with the token the previous one ended with."""
     if not all(isinstance(p, list) and len(p) == 2 for p in pairs):

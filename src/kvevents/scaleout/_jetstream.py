@@ -14,7 +14,7 @@ import logging
 import threading
 from collections.abc import Coroutine
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvevents.ratelimit import RateLimitedWarning
 from kvevents.scaleout._records import DEFAULT_PREFIX, DEFAULT_STREAM
@@ -22,6 +22,10 @@ from kvevents.scaleout._records import DEFAULT_PREFIX, DEFAULT_STREAM
 __all__ = ["JetStreamOptions", "LoopThread", "StreamConfigError", "connect", "ensure_stream"]
 
 T = TypeVar("T")
+
+if TYPE_CHECKING:
+    from nats.aio.client import Client
+    from nats.js import JetStreamContext
 
 log = logging.getLogger("kvevents.scaleout.jetstream")
 # A server restarting makes the client report every failed attempt (5 a second): one line
@@ -65,10 +69,11 @@ class LoopThread:
         asyncio.set_event_loop(self.loop)
         self.loop.run_forever()
 
+    # A coroutine's yield and send types: unused here (asyncio drives it), hence Any.
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
-    def run(self, coro: Coroutine[Any, Any, T], timeout: float) -> T:
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float) -> T:  # as submit()
         """Run ``coro`` on the loop and wait for it (TimeoutError after ``timeout``)."""
         future = self.submit(coro)
         try:
@@ -89,7 +94,7 @@ class LoopThread:
 _RECONNECT_WAIT = 0.2
 
 
-async def connect(url: str, options: JetStreamOptions, name: str) -> Any:
+async def connect(url: str, options: JetStreamOptions, name: str) -> Client:
     """A NATS connection: the first one fails after about ``connect_timeout`` (a wrong URL is
     an error at start), once made it reconnects for ever (a server restart is a pause)."""
     import nats
@@ -115,7 +120,9 @@ class StreamConfigError(ValueError):
     subjects, what conflicts, and the fix."""
 
 
-async def ensure_stream(js: Any, options: JetStreamOptions, *, writes: bool = False) -> None:
+async def ensure_stream(
+    js: JetStreamContext, options: JetStreamOptions, *, writes: bool = False
+) -> None:
     """Create the stream unless it exists (a relay or a replica may start first).
 
     ``writes``: the caller publishes to ``<prefix>.>`` (a relay), so an existing stream must
@@ -132,7 +139,7 @@ async def ensure_stream(js: Any, options: JetStreamOptions, *, writes: bool = Fa
         _check_subjects(options, list(info.config.subjects or []))
 
 
-async def _add_stream(js: Any, options: JetStreamOptions) -> None:
+async def _add_stream(js: JetStreamContext, options: JetStreamOptions) -> None:
     from nats.js.api import RetentionPolicy, StorageType, StreamConfig
     from nats.js.errors import BadRequestError, NotFoundError
 
@@ -154,7 +161,7 @@ async def _add_stream(js: Any, options: JetStreamOptions) -> None:
         raise StreamConfigError(await _refusal(js, options, exc)) from None
 
 
-async def _refusal(js: Any, options: JetStreamOptions, exc: Any) -> str:
+async def _refusal(js: JetStreamContext, options: JetStreamOptions, exc: Exception) -> str:
     """Why the server refused to create the stream, with the streams that hold its subjects."""
     ours = f"{options.prefix}.>"
     said = getattr(exc, "description", None) or repr(exc)

@@ -30,7 +30,7 @@ import contextlib
 import json
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvevents.index import IndexDigest, holders_digest
 from kvevents.ratelimit import RateLimitedWarning
@@ -48,6 +48,15 @@ from kvevents.service import IndexService
 from kvevents.subscribe import FeedHealth
 
 __all__ = ["Replica", "ReplicaOptions", "ReplicaStats"]
+
+if TYPE_CHECKING:
+    from collections.abc import Coroutine
+
+    from nats.aio.msg import Msg
+    from nats.js import JetStreamContext
+    from nats.js.object_store import ObjectStore
+
+    PullSubscription = JetStreamContext.PullSubscription
 
 log = logging.getLogger("kvevents.scaleout.replica")
 # A server restarting fails every fetch (5 a second): one line per 10 s, with a count.
@@ -74,11 +83,13 @@ class Replica:
         self._applier = RecordApplier(self._counts, self.options.window, self.options.name)
         self.service = service or self.new_service()
         self._aio: LoopThread | None = None
+        # nats-py's client, JetStream context and object store: set by start() before any use
+        # (Any, not Optional: every use would otherwise re-check what start() guarantees).
         self._nc: Any = None
         self._js: Any = None
         self._store: Any = None
         self._task: asyncio.Task[None] | None = None
-        self._psub: Any = None  # the pull subscription the consume loop fetches from
+        self._psub: PullSubscription | None = None  # what the consume loop fetches from
         self._closing = False
         self._since_snapshot = 0
         self._snapshot_at = time.monotonic()
@@ -98,7 +109,7 @@ class Replica:
     def service(self, service: IndexService) -> None:
         self._applier.service = service
 
-    def new_service(self, **kwargs: Any) -> IndexService:
+    def new_service(self, **kwargs: Any) -> IndexService:  # IndexService's keywords
         """An index service this replica can feed (``kwargs`` go to IndexService)."""
         return IndexService(
             feed=lambda sink: JetStreamFeed(self.health),
@@ -127,7 +138,7 @@ class Replica:
         psub = await self._subscribe()
         self._spawn(self._consume(psub))
 
-    async def _subscribe(self) -> Any:
+    async def _subscribe(self) -> PullSubscription:
         """Load the newest snapshot and bind a fresh consumer after it; when the stream was
         trimmed past that snapshot meanwhile (another replica saved a newer one), again."""
         for _ in range(5):
@@ -141,7 +152,7 @@ class Replica:
         self._note_hole(start, first)
         return await self._bind()
 
-    async def _rebind(self) -> Any:
+    async def _rebind(self) -> PullSubscription:
         """A consumer again where this replica was (the server lost it, or the loop ended)."""
         start = self._counts.covered_seq + 1
         await self._recreate_consumer(start)
@@ -150,8 +161,9 @@ class Replica:
         log.warning("replica %s: consumer recreated at seq %d", self.options.name, start)
         return await self._bind()
 
-    async def _bind(self) -> Any:
-        return await self._js.pull_subscribe_bind(
+    async def _bind(self) -> PullSubscription:
+        js: JetStreamContext = self._js
+        return await js.pull_subscribe_bind(
             durable=self.options.name, stream=self.js_options.stream
         )
 
@@ -258,7 +270,7 @@ class Replica:
 
     # ----------------------------------------------------------------- the consume loop
 
-    def _spawn(self, coro: Any) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:  # sent and yielded: unused
         """Run ``coro`` as the consume task (on the loop's thread), watched."""
         self._turned_at = time.monotonic()
         task = asyncio.get_running_loop().create_task(coro)
@@ -290,7 +302,7 @@ class Replica:
                 await self._psub.unsubscribe()
         await self._consume(await self._rebind())
 
-    async def _consume(self, psub: Any) -> None:
+    async def _consume(self, psub: PullSubscription) -> None:
         while not self._closing:
             self._psub = psub
             try:
@@ -302,7 +314,7 @@ class Replica:
                 _warn("turn", "replica %s: consume loop: %r; it goes on", self.options.name, exc)
                 await asyncio.sleep(_RETRY_DELAY)
 
-    async def _turn(self, psub: Any) -> Any:
+    async def _turn(self, psub: PullSubscription) -> PullSubscription:
         """One fetch: apply what came, acknowledge it, snapshot when due. The subscription
         to fetch from next (a new one when the consumer was recreated)."""
         self._turned_at = time.monotonic()
@@ -315,7 +327,7 @@ class Replica:
         await self._maybe_snapshot()
         return psub
 
-    def _apply_message(self, msg: Any) -> None:
+    def _apply_message(self, msg: Msg) -> None:
         try:
             seq = msg.metadata.sequence.stream
         except Exception as exc:  # no stream sequence: nowhere to place it
@@ -325,7 +337,7 @@ class Replica:
         self._applier.apply(msg.headers, msg.data, seq)
         self._counts.covered_seq = seq
 
-    async def _fetch(self, psub: Any) -> tuple[Any, list[Any]]:
+    async def _fetch(self, psub: PullSubscription) -> tuple[PullSubscription, list[Msg]]:
         from nats.errors import TimeoutError as NatsTimeout
 
         try:
@@ -343,7 +355,7 @@ class Replica:
         self._failing = None
         return psub, list(msgs)
 
-    async def _bound(self, psub: Any) -> Any:
+    async def _bound(self, psub: PullSubscription) -> PullSubscription:
         """``psub``, or a new subscription when the server no longer has the consumer (it
         deleted it after ``inactive_threshold`` without fetches, or someone did)."""
         from nats.js.errors import NotFoundError
@@ -359,7 +371,7 @@ class Replica:
             await psub.unsubscribe()
         return await self._rebind()
 
-    async def _ack(self, msg: Any) -> None:
+    async def _ack(self, msg: Msg) -> None:
         try:
             await msg.ack()  # acknowledges every message before it too (AckPolicy.ALL)
         except Exception as exc:  # redelivered later: the cursors drop the copies
@@ -485,7 +497,7 @@ class Replica:
         return FeedHealth("ok", True, 0.0)
 
 
-async def _object_store(js: Any, options: JetStreamOptions) -> Any:
+async def _object_store(js: JetStreamContext, options: JetStreamOptions) -> ObjectStore:
     from nats.js.errors import BucketNotFoundError, NotFoundError
 
     try:

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from kvevents.sim._cache import PrefixCache, RankCache
     from kvevents.sim._charts import evaluation_svg, sweep_svg
     from kvevents.sim._cluster import Cluster, ClusterConfig
-    from kvevents.sim._demo import Demo, DemoConfig, DemoView, LaneView, WorkerView
+    from kvevents.sim._demo import Demo, DemoConfig, DemoSummary, DemoView, LaneView, WorkerView
     from kvevents.sim._engine import EngineConfig, SimulatedEngine, zmq_publisher_factory
     from kvevents.sim._evaluate import Evaluation, evaluate, format_table
     from kvevents.sim._faults import DropRule, LossyRelay
@@ -40,6 +40,7 @@ __all__ = [
     "ClusterConfig",
     "Demo",
     "DemoConfig",
+    "DemoSummary",
     "DemoView",
     "DropRule",
     "EngineConfig",
@@ -89,6 +90,7 @@ __getattr__, __dir__ = lazy_exports(
         "kvevents.sim._demo": (
             "Demo",
             "DemoConfig",
+            "DemoSummary",
             "DemoView",
             "LaneView",
             "WorkerView",
