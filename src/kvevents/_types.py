@@ -11,9 +11,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, TypeAlias
 
-__all__ = ["Document", "DocumentView"]
+__all__ = ["Document", "DocumentView", "JSONValue"]
 
 #: A decoded JSON object or TOML table (string keys), or one being built to be encoded.
 Document: TypeAlias = dict[str, Any]
 #: The same, read only.
 DocumentView: TypeAlias = Mapping[str, Any]
+#: One value of a decoded document (a member, an item), checked where it is read.
+JSONValue: TypeAlias = Any

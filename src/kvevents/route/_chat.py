@@ -48,14 +48,14 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Literal
+from typing import Literal
 
 import jinja2
 import jinja2.ext
 import jinja2.nodes
 import jinja2.sandbox
 
-from kvevents._types import Document, DocumentView
+from kvevents._types import Document, DocumentView, JSONValue
 
 __all__ = [
     "ChatOptions",
@@ -175,7 +175,7 @@ def _flag(body: DocumentView, name: str, default: bool) -> bool:
     return value
 
 
-def _optional(body: DocumentView, name: str, kind: type) -> Any:
+def _optional(body: DocumentView, name: str, kind: type) -> JSONValue:
     value = body.get(name)
     if value is not None and not isinstance(value, kind):
         raise _refuse(f"{name} is not a {kind.__name__}")
@@ -191,7 +191,7 @@ class ChatOptions:
     add_special_tokens: bool
     chat_template: str | None
     chat_template_kwargs: DocumentView
-    documents: list[Any] | None
+    documents: list[JSONValue] | None
     reasoning_effort: str | None
 
     @classmethod
@@ -259,7 +259,7 @@ def foreign_parameters(kwargs: DocumentView, ours: frozenset[str]) -> str | None
     return next((k for k in kwargs if k in ours and k not in _ENGINE_CALL_PARAMETERS), None)
 
 
-def _function(value: Any, where: str) -> Document:
+def _function(value: JSONValue, where: str) -> Document:
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         raise _refuse(f"{where}.function has no name")
     dumped: Document = {"name": value["name"]}
@@ -277,7 +277,7 @@ def _function(value: Any, where: str) -> Document:
     return dumped
 
 
-def _tool(value: Any, where: str) -> Document:
+def _tool(value: JSONValue, where: str) -> Document:
     if not isinstance(value, dict) or value.get("type", "function") != "function":
         raise _refuse(f"{where} is not a function tool")
     defer = value.get("defer_loading")
@@ -292,7 +292,7 @@ def _tool(value: Any, where: str) -> Document:
     return dumped
 
 
-def tool_choice(body: DocumentView) -> Any:
+def tool_choice(body: DocumentView) -> JSONValue:
     """The request's ``tool_choice`` as vLLM reads it: ``"auto"`` when tools come without one."""
     if "tool_choice" in body:
         return body["tool_choice"]
@@ -341,8 +341,8 @@ def tool_dicts(body: DocumentView, *, exclude_when_none: bool = False) -> list[D
     return [_tool(tool, f"tools[{i}]") for i, tool in enumerate(tools)]
 
 
-def _strip_billing_header(parts: list[Any]) -> list[Any]:
-    kept: list[Any] = []
+def _strip_billing_header(parts: list[JSONValue]) -> list[JSONValue]:
+    kept: list[JSONValue] = []
     for part in parts:
         text = part if isinstance(part, str) else None
         if isinstance(part, dict) and part.get("type") == "text":
@@ -368,7 +368,7 @@ def _text_part(part: Document, kind: str, fmt: ContentFormat) -> str | Document 
     return {"type": "text", "text": text, **extra}
 
 
-def _part(part: Any, fmt: ContentFormat) -> str | Document | None:
+def _part(part: JSONValue, fmt: ContentFormat) -> str | Document | None:
     """One content part as the template sees it (None: skipped)."""
     if isinstance(part, str):
         return part if fmt == "string" else {"type": "text", "text": part}
@@ -390,9 +390,9 @@ def _part(part: Any, fmt: ContentFormat) -> str | Document | None:
     raise _refuse(f"unsupported content part type {kind!r}")
 
 
-def _content(role: str, content: Any, fmt: ContentFormat) -> str | list[Any]:
+def _content(role: str, content: JSONValue, fmt: ContentFormat) -> str | list[JSONValue]:
     if content is None:
-        parts: list[Any] = []
+        parts: list[JSONValue] = []
     elif isinstance(content, str):
         parts = [content]
     elif isinstance(content, list):
@@ -408,7 +408,7 @@ def _content(role: str, content: Any, fmt: ContentFormat) -> str | list[Any]:
     return rendered
 
 
-def _arguments(value: Any) -> Document:
+def _arguments(value: JSONValue) -> Document:
     """Tool call arguments as the template sees them: a decoded JSON object, else ``{}``."""
     if not value:
         return {}
@@ -425,7 +425,7 @@ def _validated(value: Document, order: Sequence[str]) -> Document:
     return {**head, **{k: v for k, v in value.items() if k not in head}}
 
 
-def _tool_call(call: Any, where: str) -> Document:
+def _tool_call(call: JSONValue, where: str) -> Document:
     if (
         not isinstance(call, dict)
         or call.get("type") != "function"
@@ -451,18 +451,18 @@ def _tool_calls(message: DocumentView) -> list[Document] | None:
     return [_tool_call(call, f"tool_calls[{i}]") for i, call in enumerate(calls)] or None
 
 
-def _reasoning(message: DocumentView) -> Any:
+def _reasoning(message: DocumentView) -> JSONValue:
     reasoning = message.get("reasoning")
     return message.get("reasoning_content") if reasoning is None else reasoning
 
 
-def _tool_content(content: str | list[Any]) -> str | list[Any]:
+def _tool_content(content: str | list[JSONValue]) -> str | list[JSONValue]:
     if isinstance(content, str) or any(part.get("type") != "text" for part in content):
         return content
     return "\n".join(part.get("text", "") for part in content)
 
 
-def _message(message: Any, fmt: ContentFormat) -> Document:
+def _message(message: JSONValue, fmt: ContentFormat) -> Document:
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise _refuse("a message without a role")
     role = message["role"]
@@ -492,14 +492,14 @@ def _message(message: Any, fmt: ContentFormat) -> Document:
     return result
 
 
-def conversation(messages: Any, fmt: ContentFormat) -> list[Document]:
+def conversation(messages: JSONValue, fmt: ContentFormat) -> list[Document]:
     """The messages as the template receives them."""
     if not isinstance(messages, list) or not messages:
         raise _refuse("messages is not a non-empty list")
     return [_message(message, fmt) for message in messages]
 
 
-def _system_text(content: Any) -> str:
+def _system_text(content: JSONValue) -> str:
     if not isinstance(content, list):
         return content or ""
     texts = [

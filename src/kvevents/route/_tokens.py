@@ -42,9 +42,9 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeAlias
 
-from kvevents._types import Document, DocumentView
+from kvevents._types import Document, DocumentView, JSONValue
 from kvevents.errors import TokenizerNotFound
 from kvevents.route._chat import (
     ChatOptions,
@@ -71,10 +71,13 @@ __all__ = [
     "tokenize_request",
 ]
 
+#: A Hugging Face tokenizer (fast or slow): transformers declares no one type for them all.
+HFTokenizer: TypeAlias = Any
+
 Source = Literal["chat", "completion", "tokens", "fallback", "none"]
 
 
-def _import_transformers() -> Any:
+def _import_transformers() -> Any:  # the transformers module (untyped), loaded on first use
     """``transformers``, imported without its "PyTorch was not found" advice.
 
     transformers logs that advice once, on import, unless ``TRANSFORMERS_NO_ADVISORY_WARNINGS``
@@ -215,7 +218,7 @@ class _Limits:
         return self.max_model_len if self.output_tokens == 0 else max(0, self.max_model_len - 1)
 
 
-def _load_hf(source: str | Path) -> Any:
+def _load_hf(source: str | Path) -> HFTokenizer:
     """The tokenizer, as vLLM loads it (left truncation side for generation)."""
     auto_tokenizer = _import_transformers().AutoTokenizer
 
@@ -244,7 +247,7 @@ def _cache_hint() -> str:
     return f"not in the local Hugging Face cache {HF_HUB_CACHE} (nothing is downloaded)"
 
 
-def _model_files(tokenizer: Any) -> Path | None:
+def _model_files(tokenizer: HFTokenizer) -> Path | None:
     """The directory the tokenizer came from, when it is one (a cache snapshot included)."""
     path = Path(getattr(tokenizer, "name_or_path", "") or "")
     if path.is_dir():
@@ -275,7 +278,7 @@ def _renderer_reason(directory: Path | None) -> str | None:
     return None
 
 
-def _processor_template(directory: Path | None, tokenizer_template: Any) -> str | None:
+def _processor_template(directory: Path | None, tokenizer_template: JSONValue) -> str | None:
     """A processor's own chat template (``chat_template.json``), when it differs."""
     if directory is None or not (directory / "chat_template.json").is_file():
         return None
@@ -296,7 +299,7 @@ def _engine_template(option: str | None) -> str | None:
         return option
 
 
-def _wrap(tokenizer: Any) -> tuple[list[int], list[int]] | None:
+def _wrap(tokenizer: HFTokenizer) -> tuple[list[int], list[int]] | None:
     """The ids ``add_special_tokens`` puts before and after a text (None: not a fixed wrap)."""
     wraps = set()
     for probe in ("a", "Hello world", " x\n y", "0123"):
@@ -312,7 +315,7 @@ def _wrap(tokenizer: Any) -> tuple[list[int], list[int]] | None:
     return list(prefix), list(suffix)
 
 
-def _encoder(tokenizer: Any) -> Encoder | None:
+def _encoder(tokenizer: HFTokenizer) -> Encoder | None:
     """A cached encoder that agrees with ``tokenizer`` on probes, or None (encode with it)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     wrap = (
@@ -342,7 +345,7 @@ class ModelTokenizer:
     model's tokenizer for them); see the module docstring for what falls back and why."""
 
     def __init__(
-        self, tokenizer: Any, *, model_name: str, options: EngineOptions | None = None
+        self, tokenizer: HFTokenizer, *, model_name: str, options: EngineOptions | None = None
     ) -> None:
         self.model_name = model_name
         self.options = options or EngineOptions()
@@ -370,7 +373,7 @@ class ModelTokenizer:
         return cls(_load_hf(source), model_name=model_name, options=options)
 
     @property
-    def tokenizer(self) -> Any:
+    def tokenizer(self) -> HFTokenizer:
         """The Hugging Face tokenizer (for reading; changing it changes every answer)."""
         return self._tokenizer
 
@@ -474,7 +477,7 @@ class ModelTokenizer:
                 "a request chat_template without --trust-request-chat-template", refused=True
             )
 
-    def _template(self, requested: str | None, tools: Any) -> str:
+    def _template(self, requested: str | None, tools: JSONValue) -> str:
         """The template text the engine uses for this request (vLLM's order of choice)."""
         given = requested or self._engine_template
         if given is None and tools is None and self._processor_template is not None:
@@ -606,7 +609,7 @@ _MEDIA_KEYS = (
 )
 
 
-def _has_media(messages: Any) -> bool:
+def _has_media(messages: JSONValue) -> bool:
     """vLLM's test for content it must render (and so not reuse forwarded ids)."""
     for message in messages if isinstance(messages, list) else ():
         content = message.get("content") if isinstance(message, dict) else None
@@ -634,7 +637,7 @@ def _reused_ids(body: DocumentView) -> list[int] | None:
     return list(ids)
 
 
-def _is_ids(value: Any) -> bool:
+def _is_ids(value: JSONValue) -> bool:
     return isinstance(value, list) and all(type(x) is int and x >= 0 for x in value)
 
 
@@ -661,7 +664,7 @@ def _completion_items(body: DocumentView) -> list[str | list[int]]:
 # -- the one fallback: an engine's /tokenize --------------------------------------------
 
 
-def _chat_template_kwargs(body: DocumentView) -> Any:
+def _chat_template_kwargs(body: DocumentView) -> JSONValue:
     """The kwargs ``/tokenize`` needs to render what the chat endpoint renders.
 
     ``/tokenize`` takes no ``documents`` or ``reasoning_effort``: they go in as the chat
