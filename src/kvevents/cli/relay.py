@@ -14,7 +14,9 @@ from kvevents.cli.common import UsageError, non_negative_int, positive_float, po
 
 if TYPE_CHECKING:
     from kvevents.cli.common import Subparsers
-    from kvevents.scaleout import Replica
+    from kvevents.metrics import StatsCollector
+    from kvevents.scaleout import JetStreamOptions, Relay, Replica
+    from kvevents.service import WorkerRegistration
 
 EXAMPLES = """examples:
   nats-server -js -sd /var/lib/nats          # a NATS server with JetStream (the nats extra)
@@ -129,7 +131,7 @@ def add_replica_options(p: argparse.ArgumentParser) -> None:
     )
 
 
-def jetstream_options(args: argparse.Namespace) -> Any:
+def jetstream_options(args: argparse.Namespace) -> JetStreamOptions:
     from kvevents.scaleout import JetStreamOptions
 
     return JetStreamOptions(
@@ -160,7 +162,7 @@ def new_replica(
     return replica
 
 
-def start_replica(replica: Any) -> None:
+def start_replica(replica: Replica) -> None:
     """Start ``replica``; a NATS server that cannot be reached is a one-line error."""
     from kvevents.scaleout import StreamConfigError
 
@@ -172,13 +174,13 @@ def start_replica(replica: Any) -> None:
         raise UsageError(f"--nats {replica.url}: cannot start the replica ({exc!r})") from None
 
 
-def replica_collector(replica: Any) -> Any:
+def replica_collector(replica: Replica) -> StatsCollector:
     from kvevents.metrics import StatsCollector
 
     return StatsCollector("kvevents_replica", lambda: [({}, replica.stats())])
 
 
-def _registrations(args: argparse.Namespace) -> list[Any]:
+def _registrations(args: argparse.Namespace) -> list[WorkerRegistration]:
     from kvevents.cli.config import _worker_from_flag
     from kvevents.errors import LayoutError
     from kvevents.scaleout import check_registration
@@ -239,7 +241,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _metrics(relay: Any, port: int | None) -> Any:
+def _metrics(relay: Relay, port: int | None) -> Any:  # prometheus_client's server (untyped)
     """The /metrics server of ``--metrics-port`` (None without it)."""
     if port is None:
         return None

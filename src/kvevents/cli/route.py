@@ -24,6 +24,9 @@ from kvevents.cli.config import (
 
 if TYPE_CHECKING:
     from kvevents.cli.common import Subparsers
+    from kvevents.route import EngineSpec, FrontDoor, ModelTokenizer
+    from kvevents.scaleout import Replica
+    from kvevents.service import IndexService
 
 EXAMPLES = """examples:
   kvevents route --port 8000 --tokenizer /models/tiny --block-size 32 \\
@@ -223,7 +226,7 @@ def _add_nats_options(p: argparse.ArgumentParser) -> None:
 # ----------------------------------------------------------------------------- building
 
 
-def engine_specs(settings: RouteSettings) -> list[Any]:
+def engine_specs(settings: RouteSettings) -> list[EngineSpec]:
     """The engines of the settings, each with its stream, replay and ranks."""
     from kvevents.route import EngineSpec
 
@@ -274,7 +277,7 @@ def _count(text: str, flag: str, most: int) -> int:
     return count
 
 
-def tokenizers(settings: RouteSettings) -> dict[str | None, Any]:
+def tokenizers(settings: RouteSettings) -> dict[str | None, ModelTokenizer]:
     """The models' tokenizers, loaded (a missing one is a one-line error naming it)."""
     from kvevents.errors import TokenizerNotFound
     from kvevents.route import EngineOptions, ModelTokenizer
@@ -288,7 +291,7 @@ def tokenizers(settings: RouteSettings) -> dict[str | None, Any]:
         tool_call_parser=settings.tool_call_parser,
         max_model_len=settings.max_model_len,
     )
-    out: dict[str | None, Any] = {}
+    out: dict[str | None, ModelTokenizer] = {}
     for entry in settings.tokenizers:
         model, sep, source = entry.partition("=")
         key, source = (model, source) if sep else (None, entry)
@@ -299,7 +302,7 @@ def tokenizers(settings: RouteSettings) -> dict[str | None, Any]:
     return out
 
 
-def front_door(settings: RouteSettings, service: Any = None) -> Any:
+def front_door(settings: RouteSettings, service: IndexService | None = None) -> FrontDoor:
     from kvevents.http import HttpLimits
     from kvevents.route import FrontDoor, PlannerOptions, ProxyOptions
 
@@ -334,7 +337,7 @@ def front_door(settings: RouteSettings, service: Any = None) -> Any:
     )
 
 
-def _replica(settings: RouteSettings) -> Any:
+def _replica(settings: RouteSettings) -> Replica:
     """``--nats``: a replica (no snapshots of its own) whose service the front door uses."""
     from kvevents.index import LoadBook, PrefixIndex, Router
     from kvevents.scaleout import JetStreamOptions, Replica, ReplicaOptions

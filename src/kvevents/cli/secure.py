@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import TYPE_CHECKING
 
 from kvevents.cli.common import UsageError
+
+if TYPE_CHECKING:
+    from kvevents.security import CurveClient, CurveServer
 
 __all__ = ["add_client_options", "add_server_options", "client_curve", "server_curve"]
 
@@ -42,7 +45,7 @@ def add_client_options(p: argparse.ArgumentParser) -> None:
     )
 
 
-def server_curve(args: argparse.Namespace) -> Any:
+def server_curve(args: argparse.Namespace) -> CurveServer | None:
     """The ``CurveServer`` the options name, or None (plain wire)."""
     if args.curve_secret is None:
         if args.curve_allow is not None:
@@ -56,7 +59,7 @@ def server_curve(args: argparse.Namespace) -> Any:
         raise UsageError(str(exc)) from None
 
 
-def client_curve(args: argparse.Namespace) -> Any:
+def client_curve(args: argparse.Namespace) -> CurveClient | None:
     """The ``CurveClient`` the options name, or None (plain wire)."""
     if args.curve_server_key is None:
         if args.curve_secret is not None:

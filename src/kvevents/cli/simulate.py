@@ -8,13 +8,16 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvevents._types import Document
 from kvevents.cli.common import UsageError, non_negative_int
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from kvevents.cli.common import Subparsers
+    from kvevents.sim import Evaluation, SimulationConfig, TraceRow
 
 EXAMPLES = """examples:
   kvevents simulate                              the whole synthetic trace, 8 workers, all policies
@@ -195,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
     return 0 if interrupted is None else 130
 
 
-def _sweep(args: argparse.Namespace, rows: Any, config: Any) -> int:
+def _sweep(args: argparse.Namespace, rows: Sequence[TraceRow], config: SimulationConfig) -> int:
     from kvevents.sim import format_sweep, sweep, sweep_series, sweep_svg
 
     policies = [p for p in args.policies if p != "oracle"]  # index fidelity is not swept
@@ -220,7 +223,9 @@ def _sweep(args: argparse.Namespace, rows: Any, config: Any) -> int:
     return 0
 
 
-def _evaluate(rows: Any, policies: Any, config: Any) -> tuple[Any, str | None]:
+def _evaluate(
+    rows: Sequence[TraceRow], policies: Sequence[str], config: SimulationConfig
+) -> tuple[Evaluation, str | None]:
     """Every policy's report, or on Ctrl-C those that finished and the one interrupted."""
     from kvevents.sim import Evaluation, run_policy, yardsticks
 
@@ -238,7 +243,7 @@ def _evaluate(rows: Any, policies: Any, config: Any) -> tuple[Any, str | None]:
     return Evaluation(len(rows), config, tuple(reports), marks), None
 
 
-def _header(path: str, rows: int, config: Any) -> str:
+def _header(path: str, rows: int, config: SimulationConfig) -> str:
     c = config.cluster
     return (
         f"trace {path}: {rows} rows; {c.workers} workers x {c.ranks} rank(s), "
