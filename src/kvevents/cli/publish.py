@@ -23,6 +23,8 @@ from kvevents.cli.secure import add_server_options, server_curve
 
 if TYPE_CHECKING:
     from kvevents.cli.common import Subparsers
+    from kvevents.config import KVEventsConfig
+    from kvevents.sim import Request, SimulatedEngine
 
 EXAMPLES = """examples:
   kvevents publish
@@ -103,7 +105,7 @@ def _d(key: str) -> Any:
     return default(PublishSettings, key)
 
 
-def synthetic_requests(seed: int, block_size: int) -> Iterator[Any]:
+def synthetic_requests(seed: int, block_size: int) -> Iterator[Request]:
     """Endless chat-like requests: a few shared system prompts, then a private question."""
     from kvevents.sim import Request
 
@@ -116,7 +118,7 @@ def synthetic_requests(seed: int, block_size: int) -> Iterator[Any]:
         yield Request(f"req-{i}", rng.choice(prompts) + question, rng.randint(4, 48))
 
 
-def trace_requests(path: str) -> Iterator[Any]:
+def trace_requests(path: str) -> Iterator[Request]:
     """The requests of a Mooncake trace, in file order (arrival times are replaced by --rate)."""
     from kvevents.sim import load_trace, trace_request
 
@@ -141,7 +143,7 @@ def _replay_next_to(endpoint: str, replay: str | None) -> str | None:
     return f"tcp://{parsed.host}:0" if parsed.is_ephemeral else replay
 
 
-def _config(args: argparse.Namespace) -> Any:
+def _config(args: argparse.Namespace) -> KVEventsConfig:
     import pydantic
 
     from kvevents.config import KVEventsConfig
@@ -160,7 +162,7 @@ def _config(args: argparse.Namespace) -> Any:
         raise UsageError(f"{'.'.join(map(str, first['loc']))}: {first['msg']}") from None
 
 
-def _in_flight(engine: Any) -> int:
+def _in_flight(engine: SimulatedEngine) -> int:
     loads = [engine.load(r) for r in range(engine.config.ranks)]
     return sum(load.waiting_requests + load.running_requests for load in loads)
 
@@ -168,7 +170,9 @@ def _in_flight(engine: Any) -> int:
 class _Run:
     """The paced loop: keep requests in flight, step, sleep to the next tick."""
 
-    def __init__(self, engine: Any, source: Iterator[Any], args: argparse.Namespace) -> None:
+    def __init__(
+        self, engine: SimulatedEngine, source: Iterator[Request], args: argparse.Namespace
+    ) -> None:
         self.engine, self.source, self.args = engine, source, args
         self.exhausted = False
         self.began = time.monotonic()
@@ -222,6 +226,8 @@ def _emit(args: argparse.Namespace, record: Document) -> None:
             )
 
 
+# engine: Any in the next three, as its publishers are ZeroMQ ones here (rank, endpoints,
+# stats), which the engine's BatchSink type does not say.
 def _ready(engine: Any, metrics_port: int | None) -> Document:
     ranks = [
         {"rank": p.rank, "endpoint": p.endpoint, "replay_endpoint": p.replay_endpoint}
@@ -230,7 +236,7 @@ def _ready(engine: Any, metrics_port: int | None) -> Document:
     return {"type": "ready", "ranks": ranks, "metrics_port": metrics_port}
 
 
-def _summary(engine: Any, began: float) -> Document:
+def _summary(engine: Any, began: float) -> Document:  # see _ready
     ranks = []
     for p in engine.publishers:
         stats = p.stats()
@@ -274,7 +280,10 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _start_metrics(engine: Any, port: int | None) -> tuple[Any, int] | None:
+def _start_metrics(
+    engine: Any,
+    port: int | None,  # see _ready
+) -> tuple[Any, int] | None:  # prometheus_client's server (untyped), the port
     if port is None:
         return None
     from kvevents.metrics import publisher_collector, start_exporter
