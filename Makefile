@@ -27,9 +27,9 @@ SGLANG_STAMP := $(SGLANG_VENV)/.installed
 SGLANG_PLUGIN_STAMP := $(SGLANG_VENV)/.kvevents
 
 # The index-facing tests, run a second time with the C block table switched off.
-FALLBACK_TESTS := tests/test_index.py tests/test_index_model.py tests/test_router.py \
-	tests/test_service.py tests/test_simulate.py tests/test_blocktable.py \
-	tests/test_index_payloads.py tests/test_index_salt.py
+FALLBACK_TESTS := tests/index/test_index.py tests/index/test_index_model.py tests/index/test_router.py \
+	tests/http/test_service.py tests/sim/test_simulate.py tests/index/test_blocktable.py \
+	tests/index/test_index_payloads.py tests/index/test_index_salt.py
 
 # The C modules again, built with AddressSanitizer and UndefinedBehaviorSanitizer: the tables
 # and the HTTP JSON scanners under their native tests and a longer fuzz pass (a couple of
@@ -38,8 +38,8 @@ FALLBACK_TESTS := tests/test_index.py tests/test_index_model.py tests/test_route
 SAN_CC ?= gcc
 SAN_DIR := build/sanitize
 SAN_FLAGS := -g -O1 -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=all
-SANITIZE_TESTS := tests/test_index_native.py tests/test_blocktable.py tests/test_index.py \
-	tests/test_libzmq.py tests/test_publisher_send.py tests/test_http_scan.py
+SANITIZE_TESTS := tests/index/test_index_native.py tests/index/test_blocktable.py tests/index/test_index.py \
+	tests/test_libzmq.py tests/publish/test_publisher_send.py tests/http/test_http_scan.py
 SAN_MODULES := index/_blocktable subscribe/_zmqrecv publish/_zerosend http/_jsonscan
 SANITIZE_EXAMPLES ?= 1000
 
@@ -91,7 +91,7 @@ promtool:
 		{ DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus >/dev/null 2>&1 || \
 		  { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus >/dev/null; }; }; }
 
-# Headless Chromium for the status page's browser test (tests/test_status_page.py), from the OS
+# Headless Chromium for the status page's browser test (tests/http/test_status_page.py), from the OS
 # packages: installed only by root where apt-get exists (about 30 s, 155 MB of archives, 479 MB
 # on disk; Debian 12). Elsewhere install it yourself, or the test skips with the reason.
 browser:

@@ -1,15 +1,15 @@
 """The optional C accelerators; everything else about the package is in pyproject.toml.
 
 Each of the four extensions is optional: without a compiler the install still succeeds and
-kvevents runs its pure-Python code instead (kvevents.index.table, kvevents.subscribe._recv,
-kvevents.publish.send and kvevents.http._scan pick at import).
+kvevents runs its pure-Python code instead (kvevents.index._table, kvevents.subscribe._recv,
+kvevents.publish._send and kvevents.http._scan pick at import).
 """
 
 from setuptools import Extension, setup
 
 setup(
     ext_modules=[
-        # The prefix index's tables and hot loops (kvevents.index.table; reference: _table_py).
+        # The prefix index's tables and hot loops (kvevents.index._table; reference: _table_py).
         Extension(
             "kvevents.index._blocktable", ["src/kvevents/index/_blocktable.c"], optional=True
         ),

@@ -16,10 +16,10 @@ from pathlib import Path
 
 from harness import Row, throughput
 from kvevents.events import BlockRemoved, BlockStored, KVEventBatch
-from kvevents.publish.recorder import EventRecorder
-from kvevents.sim.engine import EngineConfig, SimulatedEngine
-from kvevents.sim.hashing import engine_chain_hashes
-from kvevents.sim.trace import default_trace_path, load_trace, run_trace
+from kvevents.publish._recorder import EventRecorder
+from kvevents.sim._engine import EngineConfig, SimulatedEngine
+from kvevents.sim._hashing import engine_chain_hashes
+from kvevents.sim._trace import default_trace_path, load_trace, run_trace
 from kvevents.wire import encode_batch
 
 TRACE = Path(default_trace_path())

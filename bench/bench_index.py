@@ -34,11 +34,11 @@ from harness import Row, percentile  # noqa: E402
 from kvevents.events import BlockRemoved, BlockStored, KVEventBatch  # noqa: E402
 from kvevents.http import _scan as scan  # noqa: E402
 from kvevents.http import _scan_py as scan_py  # noqa: E402
+from kvevents.index import _table as blocktable  # noqa: E402
 from kvevents.index import _table_py as table_py  # noqa: E402
-from kvevents.index import table as blocktable  # noqa: E402
-from kvevents.index.keys import ROOT_SEED, block_hashes, chain_hashes, pack_tokens  # noqa: E402
-from kvevents.index.prefix import PrefixIndex  # noqa: E402
-from kvevents.index.router import Router  # noqa: E402
+from kvevents.index._keys import ROOT_SEED, block_hashes, chain_hashes, pack_tokens  # noqa: E402
+from kvevents.index._prefix import PrefixIndex  # noqa: E402
+from kvevents.index._router import Router  # noqa: E402
 from kvevents.testing.index import batch, engine_hashes, random_worker_batches  # noqa: E402
 from kvevents.wire import decode_batch, decode_batch_packed, encode_batch  # noqa: E402
 
@@ -358,7 +358,7 @@ def bench_query() -> list[Row]:
 
 def _http_child(conn: Any) -> None:
     from kvevents.http import serve
-    from kvevents.service.core import IndexService
+    from kvevents.service import IndexService
     from kvevents.testing.feeds import FakeFeed
 
     index, _, _ = query_setup()  # filled directly: the feed has no streams

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import Row, median, percentile
 from kvevents._libzmq import sender_for
 from kvevents.events import BlockRemoved, BlockStored, KVEventBatch
-from kvevents.publish.publisher import PublisherOptions, ZmqPublisher
+from kvevents.publish._publisher import PublisherOptions, ZmqPublisher
 from kvevents.testing.publisher import (
     local_config,
     probe_until,

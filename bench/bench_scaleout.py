@@ -19,10 +19,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from harness import Row, percentile
-from kvevents.index.digest import index_digest
-from kvevents.index.prefix import PrefixIndex
-from kvevents.publish.publisher import PublisherOptions, ZmqPublisher
-from kvevents.service.feed import WorkerRegistration
+from kvevents.index._digest import index_digest
+from kvevents.index._prefix import PrefixIndex
+from kvevents.publish._publisher import PublisherOptions, ZmqPublisher
+from kvevents.service._feed import WorkerRegistration
 from kvevents.subscribe import StreamSpec, StreamStatus, Subscriber
 from kvevents.testing.fixtures import typical_batch
 from kvevents.testing.nats import NatsServer, find_nats_server
@@ -139,10 +139,22 @@ def run() -> list[Row]:
             direct = direct_rate(pub)
             rate, relay = relay_rate(server, pub, js)
             base = "direct ZeroMQ ingest (subscriber + index)"
-            rows.append(Row(SECTION, "relay, 64-block batches", "batches/s", rate, "batches/s",
-                            direct, base))  # fmt: skip
-            rows.append(Row(SECTION, "relay, 64-block batches", "blocks/s", rate * BLOCKS,
-                            "blocks/s", direct * BLOCKS, base))  # fmt: skip
+            rows.append(
+                Row(
+                    SECTION, "relay, 64-block batches", "batches/s", rate, "batches/s", direct, base
+                )
+            )
+            rows.append(
+                Row(
+                    SECTION,
+                    "relay, 64-block batches",
+                    "blocks/s",
+                    rate * BLOCKS,
+                    "blocks/s",
+                    direct * BLOCKS,
+                    base,
+                )
+            )
             last = relay.flush() and server  # everything acknowledged
             assert last
             options = ReplicaOptions(name="a", snapshot_batches=0, snapshot_interval=0, trim=False)
@@ -155,14 +167,24 @@ def run() -> list[Row]:
             save_s = time.perf_counter() - t0
             assert seq is not None
             started = time.perf_counter()
-            warm = Replica(server.url, jetstream=js,
-                           options=ReplicaOptions(name="b", trim=False)).start()  # fmt: skip
+            warm = Replica(
+                server.url, jetstream=js, options=ReplicaOptions(name="b", trim=False)
+            ).start()
             warm_s = time.perf_counter() - started
             assert warm.digest() == first.digest(), "the warm replica differs"
             blocks = index_digest(warm.service.index).streams[0].blocks
             case = f"new replica, {blocks:,}-block index"
-            rows.append(Row(SECTION, case, "time to serve from a snapshot", warm_s, "s",
-                            replay_s, "replaying the stream"))  # fmt: skip
+            rows.append(
+                Row(
+                    SECTION,
+                    case,
+                    "time to serve from a snapshot",
+                    warm_s,
+                    "s",
+                    replay_s,
+                    "replaying the stream",
+                )
+            )
             rows.append(Row(SECTION, case, "snapshot save (capture, encode, upload)", save_s, "s"))
             memory = first.service.index_stats().memory_bytes / 1e6
             rows.append(Row(SECTION, case, "index memory (its own accounting)", memory, "MB"))
@@ -173,10 +195,26 @@ def run() -> list[Row]:
             retries = relay.stats().retries
             hit = delay_samples(pub, warm, BATCHES + DELAY_BATCHES, server.restart)
             case = "the NATS server restarted mid-stream (file storage, 1M-block stream)"
-            rows.append(Row(SECTION, case, "longest engine -> replica delay", max(hit), "s",
-                            max(samples), "no fault"))  # fmt: skip
-            rows.append(Row(SECTION, case, "relay windows sent again",
-                            relay.stats().retries - retries, "windows"))  # fmt: skip
+            rows.append(
+                Row(
+                    SECTION,
+                    case,
+                    "longest engine -> replica delay",
+                    max(hit),
+                    "s",
+                    max(samples),
+                    "no fault",
+                )
+            )
+            rows.append(
+                Row(
+                    SECTION,
+                    case,
+                    "relay windows sent again",
+                    relay.stats().retries - retries,
+                    "windows",
+                )
+            )
             warm.close()
             first.close()
             relay.close()
@@ -191,8 +229,18 @@ def _rss_rows(server: NatsServer, js: object, indexer: type, blocks: int) -> lis
     one following an empty stream."""
 
     def args(name: str, stream: str, bucket: str) -> list[str]:
-        return ["--nats", server.url, "--replica-name", name, "--nats-stream", stream,
-                "--nats-prefix", stream.lower(), "--nats-bucket", bucket]  # fmt: skip
+        return [
+            "--nats",
+            server.url,
+            "--replica-name",
+            name,
+            "--nats-stream",
+            stream,
+            "--nats-prefix",
+            stream.lower(),
+            "--nats-bucket",
+            bucket,
+        ]
 
     started = time.perf_counter()
     with indexer(args=args("m1", js.stream, js.bucket), startup_timeout=120.0) as full:  # type: ignore[attr-defined]
@@ -203,9 +251,10 @@ def _rss_rows(server: NatsServer, js: object, indexer: type, blocks: int) -> lis
     case = f"replica process, {blocks:,}-block index"
     return [
         Row(SECTION, case, "resident memory", full_rss, "MB", empty_rss, "empty replica"),
-        Row(SECTION, case, "(re)started: serving after (process start, snapshot load)",
-            serving, "s"),
-    ]  # fmt: skip
+        Row(
+            SECTION, case, "(re)started: serving after (process start, snapshot load)", serving, "s"
+        ),
+    ]
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import Row, median, percentile
-from kvevents.publish.publisher import PublisherOptions, ZmqPublisher
+from kvevents.publish._publisher import PublisherOptions, ZmqPublisher
 from kvevents.security import CurveClient, CurveServer, apply_client, generate_keypair
 from kvevents.testing.fixtures import heartbeat, typical_batch
 from kvevents.testing.publisher import local_config

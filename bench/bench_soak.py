@@ -450,8 +450,9 @@ class Soak:
             rows.append(
                 ("subscriber", name, metrics.get(f"kvevents_subscriber_{name}_total", 0), "")
             )
-        self.rows = [Row(SECTION, f"{group}: {case}", "", value, unit)
-                     for group, case, value, unit in rows]  # fmt: skip
+        self.rows = [
+            Row(SECTION, f"{group}: {case}", "", value, unit) for group, case, value, unit in rows
+        ]
 
 
 def run() -> list[Row]:

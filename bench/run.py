@@ -85,8 +85,10 @@ def main(argv: list[str]) -> int:
             print(render(got, ""), flush=True)
     except KeyboardInterrupt:
         finished = ", ".join(done) or "none"
-        print(f"interrupted during bench_{current}; finished: {finished}; nothing recorded",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"interrupted during bench_{current}; finished: {finished}; nothing recorded",
+            file=sys.stderr,
+        )
         return 130
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     header = f"# Benchmark results\n\nRecorded {stamp} by `make bench` on: {machine()}."

@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from kvevents.subscribe import StreamSpec, Subscriber, SubscriberOptions
-from kvevents.subscribe.replay import ReplayOptions
+from kvevents.subscribe._replay import ReplayOptions
 
 
 @pytest.fixture

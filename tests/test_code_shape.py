@@ -13,12 +13,24 @@ import pytest
 from pydantic import BaseModel
 
 import kvevents
-from kvevents.index.records import ApplyResult, Counts, IndexStats
-from kvevents.scaleout.relay import RelayCounts, RelayStats
-from kvevents.scaleout.replica_records import ReplicaCounts, ReplicaStats
-from kvevents.service.feed import ServiceCounts, ServiceStats
-from kvevents.subscribe.live import StreamCounts
-from kvevents.subscribe.streams import STREAM_COUNTERS
+from kvevents.http import HttpCounters, HttpStats
+from kvevents.index import ApplyResult, IndexStats
+from kvevents.index._records import Counts
+from kvevents.integrations.tensorrt_llm import BridgeStats, _BridgeCounts
+from kvevents.publish import RecorderStats
+from kvevents.publish._recorder import RecorderCounts
+from kvevents.route import TokenizerStats
+from kvevents.route._tokens import _SourceCounts
+from kvevents.scaleout import RelayStats, ReplicaStats
+from kvevents.scaleout._relay import RelayCounts
+from kvevents.scaleout._replica_records import ReplicaCounts
+from kvevents.service import ServiceStats
+from kvevents.service._feed import ServiceCounts
+from kvevents.sim._cache import CacheCounts, CacheStats
+from kvevents.sim._engine import EngineCounts
+from kvevents.sim._records import EngineMetrics
+from kvevents.subscribe._live import StreamCounts
+from kvevents.subscribe._streams import STREAM_COUNTERS
 
 ROOT = Path(kvevents.__file__).parent
 
@@ -82,6 +94,12 @@ def test_no_class_declares_state_it_does_not_set() -> None:
         (ServiceCounts, ServiceStats, set()),
         (ReplicaCounts, ReplicaStats, {"degraded_streams"}),
         (RelayCounts, RelayStats, set()),
+        (HttpCounters, HttpStats, set()),
+        (RecorderCounts, RecorderStats, set()),
+        (CacheCounts, CacheStats, set()),
+        (EngineCounts, EngineMetrics, {"virtual_time"}),
+        (_BridgeCounts, BridgeStats, {"last_error"}),
+        (_SourceCounts, TokenizerStats, {"cache_pieces", "cache_hits", "cache_misses", "uncached"}),
     ],
 )
 def test_running_counters_are_the_twins_of_their_stats(

@@ -35,16 +35,30 @@ def test_fields_and_defaults_are_sglangs() -> None:
 
 def test_a_full_sglang_config_maps_onto_ours() -> None:
     """Every shared field carries over; any publisher but "null" enables publishing."""
-    text = json.dumps({
-        "publisher": "kvevents", "endpoint": "tcp://*:6000", "bind": True,
-        "replay_endpoint": "tcp://*:6100", "buffer_steps": 50, "hwm": 7,
-        "max_queue_size": 9, "topic": "kv", "format": "dynamo",
-    })  # fmt: skip
+    text = json.dumps(
+        {
+            "publisher": "kvevents",
+            "endpoint": "tcp://*:6000",
+            "bind": True,
+            "replay_endpoint": "tcp://*:6100",
+            "buffer_steps": 50,
+            "hwm": 7,
+            "max_queue_size": 9,
+            "topic": "kv",
+            "format": "dynamo",
+        }
+    )
     config = read_kv_events_config(text)
     assert config == KVEventsConfig(
-        enable_kv_cache_events=True, publisher="zmq", endpoint="tcp://*:6000",
-        replay_endpoint="tcp://*:6100", buffer_steps=50, hwm=7, max_queue_size=9, topic="kv",
-    )  # fmt: skip
+        enable_kv_cache_events=True,
+        publisher="zmq",
+        endpoint="tcp://*:6000",
+        replay_endpoint="tcp://*:6100",
+        buffer_steps=50,
+        hwm=7,
+        max_queue_size=9,
+        topic="kv",
+    )
     assert config.publishing
 
 
@@ -69,8 +83,9 @@ def test_endpoints_sglang_binds_are_accepted_without_bind(endpoint: str) -> None
 
 def test_bind_true_binds_a_concrete_host() -> None:
     """``bind: true`` on a concrete host is what kvevents does anyway."""
-    config = read_kv_events_config({"publisher": "zmq", "endpoint": "tcp://127.0.0.1:5557",
-                                    "bind": True})  # fmt: skip
+    config = read_kv_events_config(
+        {"publisher": "zmq", "endpoint": "tcp://127.0.0.1:5557", "bind": True}
+    )
     assert config.endpoint == "tcp://127.0.0.1:5557"
 
 

@@ -19,7 +19,7 @@ from kvevents.cli.common import UsageError
 from kvevents.cli.config import ServeSettings, resolve
 from kvevents.files import read_bounded
 from kvevents.http import exposed_mode, is_loopback, load_token
-from kvevents.service.state import StateFile, StateFileError
+from kvevents.service import StateFile, StateFileError
 from kvevents.testing.sockets import Deadline
 
 # A ceiling on the address space of serve in a subprocess: an unbounded read of /dev/zero
@@ -127,7 +127,7 @@ def test_a_state_file_over_its_limit_names_the_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A state file over MAX_STATE_BYTES is a StateFileError naming it and the limit."""
-    monkeypatch.setattr("kvevents.service.state.MAX_STATE_BYTES", 64)
+    monkeypatch.setattr("kvevents.service._state.MAX_STATE_BYTES", 64)
     path = tmp_path / "state.json"
     path.write_text('{"version": 1, "workers": []}' + " " * 64)
     with pytest.raises(StateFileError, match=rf"state file {path}: over 64 bytes"):

@@ -43,7 +43,7 @@ def test_every_library_module_imports() -> None:
     names = [n for n in names if not n.endswith("__main__")]
     for name in names:
         importlib.import_module(name)
-    assert "kvevents.subscribe.subscriber" in names and "kvevents.cli.listen" in names
+    assert "kvevents.subscribe._subscriber" in names and "kvevents.cli.listen" in names
 
 
 def test_library_never_prints() -> None:

@@ -130,7 +130,8 @@ def test_the_native_sender_is_built_here() -> None:
     built and wired to pyzmq's libzmq (its tests in test_publisher_send.py then run)."""
     if os.environ.get("KVEVENTS_REQUIRE_NATIVE") != "1":
         pytest.skip("KVEVENTS_REQUIRE_NATIVE is not set")
-    from kvevents.publish import _zerosend, send
+    from kvevents.publish import _send as send
+    from kvevents.publish import _zerosend
 
     assert send._zerosend() is _zerosend
     big = bytes(range(256)) * 256  # 64 KiB: lent to libzmq, not copied

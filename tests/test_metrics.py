@@ -65,9 +65,9 @@ def test_exporter_serves_labelled_samples() -> None:
 
 def test_every_stats_record_declares_only_real_fields_as_gauges() -> None:
     """A GAUGES entry that names no field is a typo that would silently export a counter."""
-    from kvevents.index.prefix import IndexStats
-    from kvevents.publish.publisher import PublisherStats
-    from kvevents.subscribe.streams import StreamStats, SubscriberStats
+    from kvevents.index import IndexStats
+    from kvevents.publish import PublisherStats
+    from kvevents.subscribe import StreamStats, SubscriberStats
 
     for record in (PublisherStats, StreamStats, SubscriberStats, IndexStats):
         names = {f.name for f in dataclasses.fields(record)}

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from kvevents.metrics import publisher_collector, start_exporter, subscriber_collector
-from kvevents.subscribe.streams import StreamStats, SubscriberStats
+from kvevents.subscribe import StreamStats, SubscriberStats
 from kvevents.testing.fixtures import heartbeat
 from kvevents.testing.publisher import started_publisher
 from kvevents.testing.sockets import Deadline
@@ -100,7 +100,7 @@ def test_exporter_serves_publishers_of_every_rank() -> None:
         rank: int
 
         def stats(self) -> Any:
-            from kvevents.publish.publisher import PublisherStats
+            from kvevents.publish import PublisherStats
 
             return PublisherStats(enqueued=10 + self.rank, next_seq=10 + self.rank)
 

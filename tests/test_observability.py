@@ -19,7 +19,7 @@ import pytest
 from kvevents.events import BlockStored, KVEventBatch
 from kvevents.http import serve
 from kvevents.metrics import subscriber_collector
-from kvevents.service.core import IndexService, WorkerRegistration
+from kvevents.service import IndexService, WorkerRegistration
 from kvevents.testing.publisher import started_publisher
 from kvevents.testing.sockets import Deadline
 
@@ -68,12 +68,18 @@ def test_the_alert_rules_pass_promtools_checks_and_unit_tests() -> None:
     """promtool accepts the rules and every alert's unit test (fires when it should, names the
     right labels and summary, and stays quiet otherwise)."""
     promtool = _promtool()
-    check = subprocess.run([promtool, "check", "rules", str(ALERTS)],
-                           capture_output=True, text=True, timeout=60)  # fmt: skip
+    check = subprocess.run(
+        [promtool, "check", "rules", str(ALERTS)], capture_output=True, text=True, timeout=60
+    )
     assert check.returncode == 0, check.stdout + check.stderr
     assert "SUCCESS: 9 rules found" in check.stdout
-    tested = subprocess.run([promtool, "test", "rules", str(ALERT_TESTS)],
-                            capture_output=True, text=True, timeout=60, cwd=ALERT_TESTS.parent)  # fmt: skip
+    tested = subprocess.run(
+        [promtool, "test", "rules", str(ALERT_TESTS)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ALERT_TESTS.parent,
+    )
     assert tested.returncode == 0, tested.stdout + tested.stderr
     tested_alerts = set(re.findall(r"alertname: (\w+)", ALERT_TESTS.read_text()))
     assert tested_alerts == set(re.findall(r"- alert: (\w+)", ALERTS.read_text()))
@@ -91,8 +97,9 @@ def test_every_dashboard_query_is_valid_promql(tmp_path: Path) -> None:
         ]
     path = tmp_path / "dashboard-rules.yml"
     path.write_text("\n".join(rules) + "\n")
-    check = subprocess.run([promtool, "check", "rules", str(path)],
-                           capture_output=True, text=True, timeout=60)  # fmt: skip
+    check = subprocess.run(
+        [promtool, "check", "rules", str(path)], capture_output=True, text=True, timeout=60
+    )
     assert check.returncode == 0, check.stdout + check.stderr
 
 
@@ -111,8 +118,11 @@ def test_the_dashboard_is_a_well_formed_grafana_dashboard() -> None:
     for panel in doc["panels"]:
         box = panel["gridPos"]
         assert box["x"] >= 0 and box["x"] + box["w"] <= 24, panel["title"]
-        cells = {(x, y) for x in range(box["x"], box["x"] + box["w"])
-                 for y in range(box["y"], box["y"] + box["h"])}  # fmt: skip
+        cells = {
+            (x, y)
+            for x in range(box["x"], box["x"] + box["w"])
+            for y in range(box["y"], box["y"] + box["h"])
+        }
         assert not cells & taken, f"{panel['title']} overlaps another panel"
         taken |= cells
         if panel["type"] == "row":
@@ -130,11 +140,13 @@ def scraped() -> Iterator[set[str]]:
     server = serve("127.0.0.1", 0, service=service, collectors=[subscriber_collector(service.feed)])
     try:
         with started_publisher() as publisher:
-            service.register(WorkerRegistration("w0", publisher.endpoint, 4, (0,),
-                                                publisher.replay_endpoint))  # fmt: skip
+            service.register(
+                WorkerRegistration("w0", publisher.endpoint, 4, (0,), publisher.replay_endpoint)
+            )
             tokens = list(range(8))
-            stored = BlockStored(block_hashes=[1, 2], parent_block_hash=None, token_ids=tokens,
-                                 block_size=4)  # fmt: skip
+            stored = BlockStored(
+                block_hashes=[1, 2], parent_block_hash=None, token_ids=tokens, block_size=4
+            )
             deadline = Deadline(20)
             while service.index_stats().blocks == 0 and not deadline.expired:
                 publisher.publish(KVEventBatch(ts=time.time(), events=[stored]))
@@ -166,19 +178,23 @@ def test_the_front_doors_alert_rules_pass_promtools_checks_and_unit_tests() -> N
     """promtool accepts the front door's rules and each one's unit test passes (the drift
     alert fires on 20% mispredictions, not on exact ones nor on too few answers)."""
     promtool = _promtool()
-    check = subprocess.run([promtool, "check", "rules", str(ROUTE_ALERTS)],
-                           capture_output=True, text=True, timeout=60)  # fmt: skip
+    check = subprocess.run(
+        [promtool, "check", "rules", str(ROUTE_ALERTS)], capture_output=True, text=True, timeout=60
+    )
     assert check.returncode == 0, check.stdout + check.stderr
     assert "SUCCESS: 3 rules found" in check.stdout
-    tested = subprocess.run([promtool, "test", "rules", str(ROUTE_ALERT_TESTS)],
-                            capture_output=True, text=True, timeout=60)  # fmt: skip
+    tested = subprocess.run(
+        [promtool, "test", "rules", str(ROUTE_ALERT_TESTS)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert tested.returncode == 0, tested.stdout + tested.stderr
 
 
 def test_the_front_doors_alerts_read_metrics_it_exposes(tmp_path: Path) -> None:
     """Every metric the front door's rules read is one a live front door exports."""
-    from kvevents.route._frontdoor import EngineSpec, FrontDoor
-    from kvevents.route._tokens import ModelTokenizer
+    from kvevents.route import EngineSpec, FrontDoor, ModelTokenizer
     from kvevents.testing.chat_model import build_tokenizer
     from kvevents.testing.openai_engine import StandInEngine
 
@@ -190,7 +206,10 @@ def test_the_front_doors_alerts_read_metrics_it_exposes(tmp_path: Path) -> None:
         body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
         assert httpx.post(f"{front.url}/v1/chat/completions", json=body).status_code == 200
         text = httpx.get(f"{front.url}/metrics").text
-    scraped = {re.split(r"[{ ]", line, maxsplit=1)[0] for line in text.splitlines()
-               if line and not line.startswith("#")}  # fmt: skip
+    scraped = {
+        re.split(r"[{ ]", line, maxsplit=1)[0]
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
     named = set().union(*(_metric_names(e) for e in _alert_exprs(ROUTE_ALERTS))) - PROMETHEUS_OWN
     assert named and named - scraped == set()

@@ -22,7 +22,7 @@ import pytest
 import zmq
 
 from kvevents.events import BlockStored, KVEventBatch
-from kvevents.publish.publisher import PublisherOptions, ZmqPublisher
+from kvevents.publish import PublisherOptions, ZmqPublisher
 from kvevents.security import (
     CurveClient,
     CurveServer,
@@ -340,8 +340,13 @@ def test_bad_keys_are_refused_with_a_reason(tmp_path: Path) -> None:
 def test_secret_keys_stay_out_of_reprs() -> None:
     """Logging a config never prints a secret key."""
     pair = generate_keypair()
-    shown = repr((pair, CurveServer(pair.secret_key, pair.public_key),
-                  CurveClient.for_server(pair.public_key, pair)))  # fmt: skip
+    shown = repr(
+        (
+            pair,
+            CurveServer(pair.secret_key, pair.public_key),
+            CurveClient.for_server(pair.public_key, pair),
+        )
+    )
     assert pair.secret_key not in shown and pair.public_key in shown
     assert isinstance(pair, KeyPair)
 
@@ -350,8 +355,12 @@ def test_secret_keys_stay_out_of_reprs() -> None:
 
 
 def kvevents(*args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvevents.cli", *args], capture_output=True,
-                          text=True, timeout=timeout)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "kvevents.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_cli_keys_generate_then_publish_listen_and_replay_encrypted(tmp_path: Path) -> None:
@@ -364,14 +373,34 @@ def test_cli_keys_generate_then_publish_listen_and_replay_encrypted(tmp_path: Pa
     assert "engine.key_secret" in made.stdout
     secret = tmp_path / "server" / "engine.key_secret"
     assert stat.S_IMODE(os.stat(secret).st_mode) == 0o600
-    client = ["--curve-server-key", str(tmp_path / "server" / "engine.key"),
-              "--curve-secret", str(tmp_path / "clients" / "router.key_secret")]  # fmt: skip
+    client = [
+        "--curve-server-key",
+        str(tmp_path / "server" / "engine.key"),
+        "--curve-secret",
+        str(tmp_path / "clients" / "router.key_secret"),
+    ]
     publish = subprocess.Popen(
-        [sys.executable, "-m", "kvevents.cli", "publish", "--endpoint", "tcp://127.0.0.1:0",
-         "--replay-endpoint", "tcp://127.0.0.1:0", "--rate", "200", "--json",
-         "--curve-secret", str(secret), "--curve-allow", str(tmp_path / "clients")],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "kvevents.cli",
+            "publish",
+            "--endpoint",
+            "tcp://127.0.0.1:0",
+            "--replay-endpoint",
+            "tcp://127.0.0.1:0",
+            "--rate",
+            "200",
+            "--json",
+            "--curve-secret",
+            str(secret),
+            "--curve-allow",
+            str(tmp_path / "clients"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert publish.stdout is not None
         assert select.select([publish.stdout], [], [], 30)[0], "publish printed no ready line"

@@ -17,8 +17,8 @@ def test_public_names_resolve() -> None:
 def test_pure_modules_do_not_import_zmq() -> None:
     """The package, codec, cursor, engine side and index are usable without loading ZeroMQ."""
     code = (
-        "import sys; import kvevents, kvevents.wire, kvevents.subscribe.cursor, kvevents.sim.engine, "
-        "kvevents.index.prefix, kvevents.index.router; print('zmq' in sys.modules)"
+        "import sys; import kvevents, kvevents.wire, kvevents.subscribe._cursor, kvevents.sim._engine, "
+        "kvevents.index._prefix, kvevents.index._router; print('zmq' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

@@ -18,11 +18,17 @@ import ctypes
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 import zmq
 
-__all__ = ["Send3", "direct_library", "sender_for"]
+__all__ = ["Context", "Send3", "Socket", "direct_library", "sender_for"]
+
+# pyzmq's Socket is generic over what its send and recv calls return (the value itself for a
+# blocking socket, an awaitable under zmq.asyncio), and zmq.Context() makes Socket[Any]: the
+# package's sockets are all blocking ones, named once here.
+Socket: TypeAlias = zmq.Socket[Any]
+Context: TypeAlias = zmq.Context[Any]
 
 Send3 = Callable[[bytes, bytes, bytes], None]
 _FLAGS_MORE = zmq.SNDMORE | zmq.NOBLOCK
@@ -70,7 +76,7 @@ def direct_library() -> Any:
     return lib
 
 
-def sender_for(socket: zmq.Socket[Any]) -> Send3:
+def sender_for(socket: Socket) -> Send3:
     """A function sending three frames non-blocking on ``socket``.
 
     Raises ``zmq.Again`` when the first frame would block (nothing is sent: libzmq accepts a
@@ -92,7 +98,7 @@ def sender_for(socket: zmq.Socket[Any]) -> Send3:
     return send3
 
 
-def _pyzmq_sender(socket: zmq.Socket[Any]) -> Send3:
+def _pyzmq_sender(socket: Socket) -> Send3:
     def send3(a: bytes, b: bytes, c: bytes) -> None:
         socket.send(a, _FLAGS_MORE)
         socket.send(b, _FLAGS_MORE)

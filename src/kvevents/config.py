@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import (
     BaseModel,
@@ -25,14 +25,9 @@ from pydantic import (
     field_validator,
 )
 
+from kvevents._types import DocumentView
 from kvevents.errors import LayoutError
-from kvevents.wire.endpoints import (
-    MAX_PORT,
-    Endpoint,
-    layout_error,
-    parse_endpoint,
-    rank_endpoint,
-)
+from kvevents.wire import MAX_PORT, Endpoint, layout_error, parse_endpoint, rank_endpoint
 
 __all__ = [
     "SGLANG_PUBLISHERS",
@@ -215,7 +210,7 @@ def _sglang_binds(endpoint: str, bind: bool | None) -> bool:
     return scheme != "tcp" or rest.rpartition(":")[0] in _WILDCARD_HOSTS
 
 
-def read_kv_events_config(data: str | bytes | Mapping[str, Any]) -> KVEventsConfig:
+def read_kv_events_config(data: str | bytes | DocumentView) -> KVEventsConfig:
     """A ``--kv-events-config`` value in either dialect, as a :class:`KVEventsConfig`.
 
     A config with ``enable_kv_cache_events`` is kvevents' (and vLLM's, TensorRT-LLM's) dialect;

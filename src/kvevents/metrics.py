@@ -29,7 +29,9 @@ import functools
 import inspect
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from kvevents._types import Document
 
 __all__ = [
     "CollectorGroup",
@@ -42,11 +44,14 @@ __all__ = [
     "subscriber_collector",
 ]
 
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance as StatsRecord  # any stats record (a dataclass)
+
 Labels = Mapping[str, str]
-Source = Callable[[], Iterable[tuple[Labels, Any]]]
+Source = Callable[[], Iterable[tuple[Labels, "StatsRecord"]]]
 
 
-def metric_kind(record: Any, field: dataclasses.Field[Any]) -> str:
+def metric_kind(record: StatsRecord, field: dataclasses.Field[Any]) -> str:  # a field of any type
     """``"gauge"`` or ``"counter"`` for one field of a stats record.
 
     Declared, never guessed: the field's metadata (``{"metric": "gauge"}``) first, then the
@@ -95,7 +100,7 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-def stats_samples(record: Any) -> Iterator[tuple[str, str, float, str]]:
+def stats_samples(record: StatsRecord) -> Iterator[tuple[str, str, float, str]]:
     """``(field, kind, value, doc)`` for every numeric field of a stats dataclass; ``doc`` is
     the field's ``doc`` metadata, else its documentation (:func:`field_docs`), else its name."""
     if not dataclasses.is_dataclass(record):
@@ -122,11 +127,11 @@ class StatsCollector:
         self.source = source
         self.docs = docs or {}
 
-    def collect(self) -> Iterator[Any]:
+    def collect(self) -> Iterator[Any]:  # prometheus_client's metric families (untyped)
         """Build one metric family per field, one sample per labelled record."""
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-        families: dict[str, Any] = {}
+        families: Document = {}
         for labels, record in self.source():
             for name, kind, value, doc in stats_samples(record):
                 if name in labels:
@@ -147,12 +152,13 @@ class CollectorGroup:
     def __init__(self, collectors: Iterable[StatsCollector]) -> None:
         self.collectors = list(collectors)
 
-    def collect(self) -> Iterator[Any]:
+    def collect(self) -> Iterator[Any]:  # prometheus_client's metric families (untyped)
         """Every family of every member collector."""
         for collector in self.collectors:
             yield from collector.collect()
 
 
+# Duck-typed: a publisher, or an iterable of them (anything with stats() and rank).
 def publisher_collector(publishers: Any, prefix: str = "kvevents_publisher") -> StatsCollector:
     """Metrics of one publisher or a sequence of them (one per rank), labelled ``rank``.
 
@@ -163,13 +169,14 @@ def publisher_collector(publishers: Any, prefix: str = "kvevents_publisher") -> 
     if not members:
         raise ValueError("publisher_collector needs at least one publisher")
 
-    def source() -> Iterator[tuple[Labels, Any]]:
+    def source() -> Iterator[tuple[Labels, StatsRecord]]:
         for publisher in members:
             yield {"rank": str(publisher.rank)}, publisher.stats()
 
     return StatsCollector(prefix, source)
 
 
+# Duck-typed: anything with stats() and stream_stats(), as Subscriber and the relay have.
 def subscriber_collector(subscriber: Any, prefix: str = "kvevents_subscriber") -> CollectorGroup:
     """Metrics of a subscriber: totals as ``<prefix>_*`` and per stream as
     ``<prefix>_stream_*`` labelled ``worker_id`` and ``rank`` (the one worker label of every
@@ -178,10 +185,10 @@ def subscriber_collector(subscriber: Any, prefix: str = "kvevents_subscriber") -
     Streams added or removed later appear or vanish at the next scrape.
     """
 
-    def totals() -> Iterator[tuple[Labels, Any]]:
+    def totals() -> Iterator[tuple[Labels, StatsRecord]]:
         yield {}, subscriber.stats()
 
-    def streams() -> Iterator[tuple[Labels, Any]]:
+    def streams() -> Iterator[tuple[Labels, StatsRecord]]:
         for (worker, rank), stats in sorted(subscriber.stream_stats().items()):
             yield {"worker_id": worker, "rank": str(rank)}, stats
 
@@ -192,7 +199,7 @@ def subscriber_collector(subscriber: Any, prefix: str = "kvevents_subscriber") -
 
 def start_exporter(
     collectors: Iterable[StatsCollector | CollectorGroup], port: int = 0, addr: str = "127.0.0.1"
-) -> tuple[Any, int]:
+) -> tuple[Any, int]:  # prometheus_client's server (untyped), the port
     """Serve ``/metrics`` for ``collectors`` on a background thread; returns (server, port).
 
     For publishers inside engines that have no HTTP server of their own. Call

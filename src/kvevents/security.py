@@ -25,6 +25,7 @@ import zmq
 import zmq.auth
 from zmq.utils.monitor import parse_monitor_message
 
+from kvevents._libzmq import Context, Socket
 from kvevents.ratelimit import RateLimitedWarning
 
 __all__ = [
@@ -270,7 +271,7 @@ def _read_certificate(path: str | os.PathLike[str]) -> tuple[str, str | None]:
 # ---------------------------------------------------------------------- sockets
 
 
-def apply_server(socket: zmq.Socket[Any], curve: CurveServer | None) -> None:
+def apply_server(socket: Socket, curve: CurveServer | None) -> None:
     """Make ``socket`` a CURVE server (before it binds); nothing when ``curve`` is None."""
     if curve is None:
         return
@@ -279,7 +280,7 @@ def apply_server(socket: zmq.Socket[Any], curve: CurveServer | None) -> None:
     socket.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN.encode())
 
 
-def apply_client(socket: zmq.Socket[Any], curve: CurveClient | None) -> None:
+def apply_client(socket: Socket, curve: CurveClient | None) -> None:
     """Make ``socket`` a CURVE client (before it connects); nothing when ``curve`` is None."""
     if curve is None:
         return
@@ -298,7 +299,7 @@ class _AllowList:
         return key.decode("ascii", "replace") in self._keys
 
 
-def start_authenticator(context: zmq.Context[Any], curve: CurveServer | None) -> Any:
+def start_authenticator(context: Context, curve: CurveServer | None) -> Any:
     """A started ZAP handler enforcing ``curve.allowed_clients`` on ``context``, or None.
 
     Start it before any CURVE socket binds and ``stop()`` it before ``context.term()``.
@@ -325,7 +326,7 @@ _WATCHED = (
 )
 
 
-def monitor(socket: zmq.Socket[Any], endpoint: str) -> None:
+def monitor(socket: Socket, endpoint: str) -> None:
     """Report ``socket``'s failed handshakes on the inproc ``endpoint`` (a :class:`HandshakeWatch`)."""
     socket.monitor(endpoint, _WATCHED)
 
@@ -341,20 +342,20 @@ class HandshakeWatch:
         self.rank = rank
         self.auth_rejected = 0
         self.handshake_failed = 0
-        self.sockets: list[zmq.Socket[Any]] = []
-        self._roles: dict[zmq.Socket[Any], str] = {}
+        self.sockets: list[Socket] = []
+        self._roles: dict[Socket, str] = {}
         self._warn = RateLimitedWarning(logger)
 
-    def attach(self, context: zmq.Context[Any], endpoint: str, role: str) -> zmq.Socket[Any]:
+    def attach(self, context: Context, endpoint: str, role: str) -> Socket:
         """A PAIR reading the monitor at ``endpoint`` (inproc: it may be bound later)."""
-        sock: zmq.Socket[Any] = context.socket(zmq.PAIR)
+        sock: Socket = context.socket(zmq.PAIR)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(endpoint)
         self.sockets.append(sock)
         self._roles[sock] = role
         return sock
 
-    def handle(self, sock: zmq.Socket[Any]) -> None:
+    def handle(self, sock: Socket) -> None:
         """Count every event waiting on ``sock``."""
         while True:
             try:
@@ -366,12 +367,21 @@ class HandshakeWatch:
     def _count(self, event: int, role: str) -> None:
         if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
             self.auth_rejected += 1
-            self._warn("auth", "publisher rank %d (%s): refused a client key not on the allow-list",
-                       self.rank, role)  # fmt: skip
+            self._warn(
+                "auth",
+                "publisher rank %d (%s): refused a client key not on the allow-list",
+                self.rank,
+                role,
+            )
         elif event & _WATCHED:
             self.handshake_failed += 1
-            self._warn("handshake", "publisher rank %d (%s): a peer failed the CURVE handshake "
-                       "(no keys or the wrong server key)", self.rank, role)  # fmt: skip
+            self._warn(
+                "handshake",
+                "publisher rank %d (%s): a peer failed the CURVE handshake "
+                "(no keys or the wrong server key)",
+                self.rank,
+                role,
+            )
 
     def close(self) -> None:
         """Close the monitor readers (the owning thread, at its end)."""

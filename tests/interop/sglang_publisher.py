@@ -95,8 +95,9 @@ def main() -> None:
 
         load_plugins()
     registry = sorted(kv_events.EventPublisherFactory._registry)
-    print(json.dumps({"ready": True, "version": version("sglang"), "registry": registry}),
-          flush=True)  # fmt: skip
+    print(
+        json.dumps({"ready": True, "version": version("sglang"), "registry": registry}), flush=True
+    )
     for line in sys.stdin:
         request = json.loads(line)
         if request["op"] == "quit":

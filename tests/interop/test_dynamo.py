@@ -4,7 +4,7 @@ The indexer runs as a subprocess from the ``ai-dynamo-runtime`` wheel (see
 ``kvevents.testing.dynamo``); these tests are skipped, with the reason, only where it cannot be
 imported (and fail instead when ``KVEVENTS_REQUIRE_DYNAMO`` is set, as CI should). Each scenario runs against two sources: ``raw``, a minimal pyzmq PUB + ROUTER that
 speaks ``kvevents.wire`` frames exactly, and ``kvevents``, our publisher (skipped until
-``kvevents.publish.publisher`` exists). Dynamo subscribes through a forwarder that can drop chosen live
+``kvevents.publish._publisher`` exists). Dynamo subscribes through a forwarder that can drop chosen live
 sequence numbers, so a gap is real on the live path while our replay socket still holds it.
 
 Each test owns its instance ids and token ranges, so one indexer serves the whole module.
@@ -139,10 +139,10 @@ class RawSource:
 
 
 class KVEventsSource:
-    """Our publisher (kvevents.publish.publisher, API.md) on ephemeral ports."""
+    """Our publisher (kvevents.publish._publisher, API.md) on ephemeral ports."""
 
     def __init__(self) -> None:
-        publisher = pytest.importorskip("kvevents.publish.publisher")
+        publisher = pytest.importorskip("kvevents.publish._publisher")
         config = KVEventsConfig(
             enable_kv_cache_events=True,
             endpoint="tcp://127.0.0.1:0",

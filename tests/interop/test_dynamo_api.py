@@ -25,7 +25,7 @@ import pytest
 
 from kvevents.config import KVEventsConfig
 from kvevents.events import BlockStored, Event, KVEventBatch
-from kvevents.publish.publisher import create_publisher
+from kvevents.publish import create_publisher
 from kvevents.testing._process import IndexerProcess
 from kvevents.testing.dynamo import DynamoIndexer, dynamo_unavailable_reason
 from kvevents.testing.service import ServiceIndexer
@@ -215,8 +215,12 @@ def test_two_ranks_and_two_models_register_and_query_alike(
     for tokens in (chain.tokens[: BS + 2], chain.tokens[:3], []):
         same(peers, "POST", "/query", {"token_ids": tokens, "model_name": "api-a"})
     same(peers, "POST", "/query", {"token_ids": chain.tokens, "model_name": "api-a", "x": 1})
-    same(peers, "POST", "/query", {"token_ids": chain.tokens, "model_name": "api-a",
-                                   "lora_name": "adapter"})  # fmt: skip
+    same(
+        peers,
+        "POST",
+        "/query",
+        {"token_ids": chain.tokens, "model_name": "api-a", "lora_name": "adapter"},
+    )
     unknown = same(peers, "POST", "/query", {"token_ids": chain.tokens, "model_name": "api-z"})
     assert unknown == Reply(404, {"error": "no indexer for model=api-z routing_group=default"})
 

@@ -23,11 +23,9 @@ from sglang_peer import REQUIRE_ENV, SGLang, find_sglang_python, sglang_unavaila
 
 from kvevents.deadline import Deadline
 from kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
-from kvevents.subscribe import Delivery, Subscriber
-from kvevents.subscribe.streams import StreamSpec
+from kvevents.subscribe import Delivery, StreamSpec, Subscriber
 from kvevents.testing.dynamo import DynamoIndexer, dynamo_unavailable_reason
-from kvevents.wire import decode_batch, pack_seq
-from kvevents.wire.frames import replay_end_frames, replay_request_frames
+from kvevents.wire import decode_batch, pack_seq, replay_end_frames, replay_request_frames
 
 pytestmark = [pytest.mark.interop, pytest.mark.sglang, pytest.mark.timeout(300)]
 
@@ -39,27 +37,40 @@ SGLANG_OWN = "sglang.srt.disaggregation.kv_events.ZmqEventPublisher"
 
 def config(publisher: str = "kvevents", **fields: Any) -> str:
     """SGLang's --kv-events-config JSON, on loopback ports the system picks."""
-    base = {"publisher": publisher, "endpoint": "tcp://127.0.0.1:0", "bind": True,
-            "replay_endpoint": "tcp://127.0.0.1:0", "topic": "kv", "format": "dynamo"}  # fmt: skip
+    base = {
+        "publisher": publisher,
+        "endpoint": "tcp://127.0.0.1:0",
+        "bind": True,
+        "replay_endpoint": "tcp://127.0.0.1:0",
+        "topic": "kv",
+        "format": "dynamo",
+    }
     return json.dumps({**base, **fields})
 
 
 def stored(first: int, count: int = 1, parent: int | None = None, **extra: Any) -> dict[str, Any]:
     """SGLang's BlockStored fields for ``count`` blocks of tokens from ``first * BLOCK``."""
     return {
-        "type": "BlockStored", "block_hashes": list(range(first, first + count)),
-        "parent_block_hash": parent, "token_ids": list(range(first * BLOCK, (first + count) * BLOCK)),
-        "block_size": BLOCK, "lora_id": None, "medium": "GPU", **extra,
-    }  # fmt: skip
+        "type": "BlockStored",
+        "block_hashes": list(range(first, first + count)),
+        "parent_block_hash": parent,
+        "token_ids": list(range(first * BLOCK, (first + count) * BLOCK)),
+        "block_size": BLOCK,
+        "lora_id": None,
+        "medium": "GPU",
+        **extra,
+    }
 
 
 def ours(first: int, count: int = 1, parent: int | None = None) -> BlockStored:
     """Our BlockStored for :func:`stored`'s blocks."""
     return BlockStored(
-        block_hashes=list(range(first, first + count)), parent_block_hash=parent,
-        token_ids=list(range(first * BLOCK, (first + count) * BLOCK)), block_size=BLOCK,
+        block_hashes=list(range(first, first + count)),
+        parent_block_hash=parent,
+        token_ids=list(range(first * BLOCK, (first + count) * BLOCK)),
+        block_size=BLOCK,
         medium="GPU",
-    )  # fmt: skip
+    )
 
 
 @pytest.fixture(scope="module")
@@ -138,9 +149,13 @@ def test_sglang_events_reach_our_subscriber_through_ours(sglang: SGLang) -> None
         [{"type": "AllBlocksCleared"}],
     ]
     read_bigram = BlockStored(
-        block_hashes=[9], parent_block_hash=None, token_ids=[1, 2, 3, 4], block_size=BLOCK,
-        medium="GPU", lookahead_token_ids=[5],
-    )  # fmt: skip
+        block_hashes=[9],
+        parent_block_hash=None,
+        token_ids=[1, 2, 3, 4],
+        block_size=BLOCK,
+        medium="GPU",
+        lookahead_token_ids=[5],
+    )
     expected = [
         [ours(0, 2)],
         [ours(2, 1, parent=1), BlockRemoved(block_hashes=[0], medium="GPU")],

@@ -14,8 +14,15 @@ from kvevents.integrations.sglang import SGLangPublisher, register
 
 # What SGLang 0.5.23's EventPublisherFactory passes: its config's fields minus publisher and
 # format (the factory pops both), as keywords, after attn_dp_rank.
-FACTORY_FIELDS = {"endpoint": "tcp://127.0.0.1:0", "bind": True, "replay_endpoint": None,
-                  "buffer_steps": 10, "hwm": 100, "max_queue_size": 10, "topic": "t"}  # fmt: skip
+FACTORY_FIELDS = {
+    "endpoint": "tcp://127.0.0.1:0",
+    "bind": True,
+    "replay_endpoint": None,
+    "buffer_steps": 10,
+    "hwm": 100,
+    "max_queue_size": 10,
+    "topic": "t",
+}
 
 
 def test_built_from_the_factorys_keywords_and_described_as_sglang_asks() -> None:
@@ -30,8 +37,10 @@ def test_built_from_the_factorys_keywords_and_described_as_sglang_asks() -> None
         ":0"
     )
     assert {k: source[k] for k in ("dp_rank", "topic", "block_size")} == {
-        "dp_rank": 2, "topic": "t", "block_size": 16,
-    }  # fmt: skip
+        "dp_rank": 2,
+        "topic": "t",
+        "block_size": 16,
+    }
     assert "replay_endpoint" not in source
 
 

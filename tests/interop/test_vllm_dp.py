@@ -25,9 +25,8 @@ import pytest
 from vllm_peer import SCRIPT, STARTUP_TIMEOUT, expected_hit, scratch_dir
 
 from kvevents.deadline import Deadline
-from kvevents.index.prefix import PrefixIndex
-from kvevents.subscribe import Delivery, Subscriber
-from kvevents.subscribe.streams import worker_streams
+from kvevents.index import PrefixIndex
+from kvevents.subscribe import Delivery, Subscriber, worker_streams
 from kvevents.testing.service import ServiceIndexer
 from kvevents.testing.vllm_server import VllmServer
 

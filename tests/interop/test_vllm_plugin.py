@@ -24,8 +24,7 @@ import kvevents
 from kvevents.deadline import Deadline
 from kvevents.events import KVEventBatch
 from kvevents.integrations.vllm import OVERRIDE_ENV, VllmPublisher
-from kvevents.subscribe import Delivery, Subscriber
-from kvevents.subscribe.streams import StreamSpec
+from kvevents.subscribe import Delivery, StreamSpec, Subscriber
 from kvevents.testing.fixtures import wire_fixtures
 
 pytestmark = [pytest.mark.interop, pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -113,9 +112,15 @@ def test_plugin_publisher_sends_every_vllm_era_on_our_wire(tmp_path: Path) -> No
     fixtures = [f for f in wire_fixtures() if f.engine.startswith("vllm")]
     base = f"ipc://{tmp_path}/pub"
     publisher = VllmPublisher(
-        data_parallel_rank=0, endpoint=base, replay_endpoint=f"ipc://{tmp_path}/replay",
-        buffer_steps=100, hwm=1000, max_queue_size=100, topic="", future_field=True,
-    )  # fmt: skip
+        data_parallel_rank=0,
+        endpoint=base,
+        replay_endpoint=f"ipc://{tmp_path}/replay",
+        buffer_steps=100,
+        hwm=1000,
+        max_queue_size=100,
+        topic="",
+        future_field=True,
+    )
     try:
         for fixture in fixtures:
             publisher.publish(msgspec.Raw(fixture.payload))  # what msgspec sends is the payload

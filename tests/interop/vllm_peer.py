@@ -27,9 +27,9 @@ from typing import IO, Any, Protocol
 
 import kvevents
 from kvevents.deadline import Deadline
-from kvevents.index.prefix import PrefixIndex
+from kvevents.index._prefix import PrefixIndex
 from kvevents.subscribe import Delivery, StreamReset, Subscriber
-from kvevents.subscribe.streams import StreamSpec
+from kvevents.subscribe._streams import StreamSpec
 from kvevents.testing.service import ServiceIndexer
 from kvevents.testing.venvs import PeerSilent, peer_python, read_json_line
 

@@ -68,8 +68,11 @@ def engines() -> Iterator[Callable[..., StandInEngine]]:
 
 
 def ask(front: FrontDoor, user: str, **extra: Any) -> httpx.Response:
-    body = {"model": MODEL, "messages": [{"role": "system", "content": SYSTEM},
-                                         {"role": "user", "content": user}], **extra}  # fmt: skip
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}],
+        **extra,
+    }
     return httpx.post(f"{front.url}/v1/chat/completions", json=body, timeout=30)
 
 
@@ -150,9 +153,19 @@ def test_a_multimodal_request_gets_no_credit_and_no_tokenize_call(
     pool = [engines(tokenize=[1, 2, 3]) for _ in range(2)]
     front = door(*pool)
     ask(front, "warm up")
-    body = {"model": MODEL, "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": [
-        {"type": "text", "text": "what is this?"},
-        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}  # fmt: skip
+    body = {
+        "model": MODEL,
+        "messages": [
+            {"role": "system", "content": SYSTEM},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "what is this?"},
+                    {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+                ],
+            },
+        ],
+    }
     reply = httpx.post(f"{front.url}/v1/chat/completions", json=body, timeout=30)
     assert reply.status_code == 200 and predicted(reply) == 0
     assert sum(len(e.received("/tokenize")) for e in pool) == 0

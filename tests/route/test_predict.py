@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvevents.index.decision import Load, LoadBook
+from kvevents.index import Load, LoadBook
 from kvevents.route._inflight import InFlight
 from kvevents.route._predict import Predictions
 

@@ -90,9 +90,14 @@ def test_the_request_reaches_the_engine_byte_for_byte(engines: Engines, proxy: P
     ]
     # Nothing the client did not send: no user-agent, accept or encoding added by the proxy.
     assert set(names) == {
-        b"host", b"content-type", b"authorization", b"x-request-id", b"x-custom",
-        b"x-repeated", b"content-length",
-    }  # fmt: skip
+        b"host",
+        b"content-type",
+        b"authorization",
+        b"x-request-id",
+        b"x-custom",
+        b"x-repeated",
+        b"content-length",
+    }
 
 
 def test_the_answer_comes_back_unchanged_with_the_decision(engines: Engines, proxy: Proxy) -> None:
@@ -220,8 +225,12 @@ def test_models_are_the_union_of_the_healthy_engines(engines: Engines, proxy: Pr
     assert listing["object"] == "list"
     assert [card["id"] for card in listing["data"]] == ["m1", "m2"]
     assert listing["data"][0] == {
-        "id": "m1", "object": "model", "created": 0, "owned_by": "stand-in", "root": "m1",
-    }  # fmt: skip
+        "id": "m1",
+        "object": "model",
+        "created": 0,
+        "owned_by": "stand-in",
+        "root": "m1",
+    }
 
 
 def test_other_routes_go_to_an_engine_serving_the_model(engines: Engines, proxy: Proxy) -> None:

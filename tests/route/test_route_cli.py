@@ -68,15 +68,23 @@ def test_route_takes_its_settings_from_a_config_file_and_the_environment(
     ("args", "message"),
     [
         ([], "no engine: give at least one --engine URL"),
-        (["--engine", "http://127.0.0.1:1", "--kv-events", "x=tcp://127.0.0.1:5557"],
-         "no --engine 'x' (NAME or URL)"),
+        (
+            ["--engine", "http://127.0.0.1:1", "--kv-events", "x=tcp://127.0.0.1:5557"],
+            "no --engine 'x' (NAME or URL)",
+        ),
         (["--engine", "ftp://nowhere"], "expected [NAME=]http://HOST:PORT"),
-        (["--engine", "http://127.0.0.1:1", "--tokenizer", "/no/such/dir"], "--tokenizer /no/such/dir"),
-        (["--engine", "http://127.0.0.1:1", "--dp-size", "http://127.0.0.1:1=0"], "expected 1..1024"),
+        (
+            ["--engine", "http://127.0.0.1:1", "--tokenizer", "/no/such/dir"],
+            "--tokenizer /no/such/dir",
+        ),
+        (
+            ["--engine", "http://127.0.0.1:1", "--dp-size", "http://127.0.0.1:1=0"],
+            "expected 1..1024",
+        ),
         (["--engine", "a=http://127.0.0.1:1", "--engine-block-size", "a=0"], "expected 1..1048576"),
         (["--policy", "best"], "policy"),
     ],
-)  # fmt: skip
+)
 def test_bad_settings_are_one_line_naming_the_flag(args: list[str], message: str) -> None:
     """Each mistake is a usage error (exit 2) whose one line names what is wrong."""
     done = route(*args)

@@ -13,7 +13,7 @@ import pytest
 
 from kvevents.events import BlockStored, KVEventBatch
 from kvevents.route._tokens import ModelTokenizer
-from kvevents.service.feed import WorkerRegistration
+from kvevents.service import WorkerRegistration
 from kvevents.testing.nats import NatsServer, find_nats_server
 from kvevents.testing.openai_engine import StandInEngine
 from kvevents.testing.publisher import started_publisher
@@ -55,11 +55,26 @@ def test_the_front_door_predicts_from_the_replicas_stream(
         reg = WorkerRegistration("e0", publisher.endpoint, BLOCK, (0,), publisher.replay_endpoint)
         with Relay(nats_server.url, [reg], jetstream=js).start():
             args = [
-                "route", "--port", "0", "--tokenizer", str(chat_model_tokenizer),
-                "--block-size", str(BLOCK), "--engine", f"e0={engine.url}",
-                "--nats", nats_server.url, "--nats-stream", "ROUTE", "--nats-prefix", "route",
-                "--nats-bucket", "route-snapshots", "--prediction-grace", "0",
-            ]  # fmt: skip
+                "route",
+                "--port",
+                "0",
+                "--tokenizer",
+                str(chat_model_tokenizer),
+                "--block-size",
+                str(BLOCK),
+                "--engine",
+                f"e0={engine.url}",
+                "--nats",
+                nats_server.url,
+                "--nats-stream",
+                "ROUTE",
+                "--nats-prefix",
+                "route",
+                "--nats-bucket",
+                "route-snapshots",
+                "--prediction-grace",
+                "0",
+            ]
             with RouteProcess(args) as route:
                 first = httpx.post(f"{route.url}/v1/chat/completions", json=BODY, timeout=30)
                 assert first.headers["x-kvevents-predicted-cached-tokens"] == "0"

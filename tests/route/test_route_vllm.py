@@ -152,9 +152,13 @@ def chat(
     rig.sync()
     if stream:
         raw = rig.client.chat.completions.with_raw_response.create(
-            model=rig.model, messages=messages, max_tokens=8, stream=True,
-            stream_options={"include_usage": True}, extra_body=extra or None,
-        )  # fmt: skip
+            model=rig.model,
+            messages=messages,
+            max_tokens=8,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=extra or None,
+        )
         text, usage = "", None
         for chunk in raw.parse():
             if chunk.choices:
@@ -196,9 +200,12 @@ def test_completions_streamed_and_not_are_predicted_exactly(rig: Rig) -> None:
         rig.sync()
         if stream:
             raw = rig.client.completions.with_raw_response.create(
-                model=rig.model, prompt=prompt, max_tokens=4, stream=True,
+                model=rig.model,
+                prompt=prompt,
+                max_tokens=4,
+                stream=True,
                 stream_options={"include_usage": True},
-            )  # fmt: skip
+            )
             usage = [c.usage for c in raw.parse() if c.usage is not None][-1]
         else:
             raw = rig.client.completions.with_raw_response.create(
@@ -253,8 +260,14 @@ def test_a_client_that_goes_away_aborts_its_request_on_the_engine(rig: Rig, stre
     finished_reason for an abort, so its running and generated tokens tell)."""
     _wait_running(rig, 0)
     generated = _engine_totals(rig)[1]
-    body = {"model": rig.model, "prompt": "count forever", "max_tokens": LONG, "n": CHOICES,
-            "ignore_eos": True, "stream": stream}  # fmt: skip
+    body = {
+        "model": rig.model,
+        "prompt": "count forever",
+        "max_tokens": LONG,
+        "n": CHOICES,
+        "ignore_eos": True,
+        "stream": stream,
+    }
     if stream:
         with httpx.Client(timeout=30) as http:
             request = http.build_request("POST", f"{rig.door.url}/v1/completions", json=body)

@@ -87,25 +87,24 @@ def missing_packages(command: str) -> tuple[list[str], list[str]]:
 def version_line() -> str:
     """``kvevents X.Y.Z`` and which native accelerators this install runs on."""
     from kvevents import __version__
-    from kvevents.index import table
-    from kvevents.subscribe import _recv
+    from kvevents.index import table_implementation
+    from kvevents.subscribe import native_receive
 
-    if table.IMPLEMENTATION == "c":
-        index = "C"
-    else:
-        index = f"pure Python, about 4x slower ({table.FALLBACK_REASON})"
-    receive = "C" if _recv._native_receiver() is not None else "pyzmq"
+    tables, why_not_c = table_implementation()
+    index = "C" if tables == "c" else f"pure Python, about 4x slower ({why_not_c})"
+    receive = "C" if native_receive() else "pyzmq"
     return f"kvevents {__version__} (index tables: {index}; message receive: {receive})"
 
 
 def _warn_if_slow() -> None:
     """Say once, on stderr, when the index runs without its C tables for a reason the user did
     not choose (no compiler at install time): everything works, about 4x slower."""
-    from kvevents.index import table
+    from kvevents.index import table_implementation
 
-    if table.IMPLEMENTATION != "c" and os.environ.get("KVEVENTS_PURE_PYTHON") != "1":
+    tables, why_not_c = table_implementation()
+    if tables != "c" and os.environ.get("KVEVENTS_PURE_PYTHON") != "1":
         print(
-            f"kvevents: note: the index runs on its pure-Python tables ({table.FALLBACK_REASON}); "
+            f"kvevents: note: the index runs on its pure-Python tables ({why_not_c}); "
             "reinstall with a C compiler for about 4x the speed",
             file=sys.stderr,
         )
@@ -152,7 +151,9 @@ def build_parser() -> Parser:
     return parser
 
 
-def _add_unavailable(sub: Any, name: str, missing: str) -> None:
+def _add_unavailable(
+    sub: argparse._SubParsersAction[Parser], name: str, missing: str
+) -> None:  # typeshed names the subparsers action only privately
     """A stand-in for a command whose optional dependency is not installed."""
     extra = EXTRAS[missing]
     why = f"needs the optional package {missing!r}: pip install 'kvevents[{extra}]'"

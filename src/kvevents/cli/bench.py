@@ -6,9 +6,12 @@ import argparse
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from kvevents.cli.common import UsageError
+
+if TYPE_CHECKING:
+    from kvevents.cli.common import Subparsers
 
 EXAMPLES = """examples:
   kvevents bench                 run every benchmark and record bench/RESULTS.md
@@ -16,7 +19,7 @@ EXAMPLES = """examples:
 """
 
 
-def add_parser(sub: Any) -> None:
+def add_parser(sub: Subparsers) -> None:
     parser = sub.add_parser(
         "bench",
         help="run the benchmarks",

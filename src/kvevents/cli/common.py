@@ -8,6 +8,11 @@ import signal
 import threading
 from collections.abc import Iterator
 from types import FrameType
+from typing import TYPE_CHECKING, TypeAlias
+
+if TYPE_CHECKING:
+    # What ArgumentParser.add_subparsers() returns: typeshed names its class only privately.
+    Subparsers: TypeAlias = argparse._SubParsersAction[argparse.ArgumentParser]
 
 __all__ = [
     "UsageError",

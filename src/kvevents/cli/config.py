@@ -30,6 +30,7 @@ from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from kvevents._types import Document
 from kvevents.bounds import MAX_BLOCK_SIZE, MAX_NAME_LENGTH, MAX_RANK, MAX_RANKS
 from kvevents.cli.common import UsageError
 from kvevents.files import read_bounded
@@ -61,7 +62,7 @@ MAX_CONFIG_BYTES = 1 << 20
 #: Where :func:`track_given` records the flags given on the command line (dest: option).
 GIVEN = "given_flags"
 
-#: The router's policies (``kvevents.index.router.POLICIES``, held equal by a test: the
+#: The router's policies (``kvevents.index.POLICIES``, held equal by a test: the
 #: parser must build without the index, which needs the service extra).
 PolicyName = Literal["longest_prefix", "prefix_load", "bounded_prefix", "round_robin", "random"]
 
@@ -95,7 +96,7 @@ class WorkerEntry(Settings):
     @field_validator("endpoint", "replay_endpoint")
     @classmethod
     def _endpoint(cls, value: str | None) -> str | None:
-        from kvevents.wire.endpoints import parse_endpoint
+        from kvevents.wire import parse_endpoint
 
         if value is not None:
             parse_endpoint(value)  # LayoutError, a ValueError: reported with the key
@@ -107,7 +108,7 @@ class WorkerEntry(Settings):
         return tuple(range(ranks)) if isinstance(ranks, int) else tuple(sorted(set(ranks)))
 
 
-def _worker_from_flag(text: str) -> dict[str, Any]:
+def _worker_from_flag(text: str) -> Document:
     """``ID=ENDPOINT[,REPLAY]`` (``--worker``) as a :class:`WorkerEntry`'s keys."""
     worker, sep, endpoints = text.partition("=")
     parts = endpoints.split(",")
@@ -305,8 +306,11 @@ def env_prefix(command: str) -> str:
 
 
 def _tracked(base: type[argparse.Action]) -> type[argparse.Action]:
+    # A subclass of an Action class known only at run time, which mypy cannot check.
     class Given(base):  # type: ignore[valid-type,misc]
-        def __call__(self, parser: Any, namespace: Any, values: Any, option: Any = None) -> None:
+        def __call__(
+            self, parser: argparse.ArgumentParser, namespace: Any, values: Any, option: Any = None
+        ) -> None:
             super().__call__(parser, namespace, values, option)
             given = getattr(namespace, GIVEN, None)
             if given is None:
@@ -360,8 +364,8 @@ def _error(where: str, exc: ValidationError, model: type[Settings], name: Any = 
 
 
 def _validated(
-    model: type[S], data: dict[str, Any], where: str, strict: bool = True, name: Any = None
-) -> dict[str, Any]:
+    model: type[S], data: Document, where: str, strict: bool = True, name: Any = None
+) -> Document:
     """``data`` checked against ``model`` alone; its values as the model made them."""
     try:
         settings = model.model_validate(data, strict=strict)
@@ -371,10 +375,10 @@ def _validated(
     return {key: getattr(settings, fields[key]) for key in data}
 
 
-def _read_toml(path: Path) -> dict[str, Any]:
+def _read_toml(path: Path) -> Document:
     try:
         text = read_bounded(path, MAX_CONFIG_BYTES, "settings file").decode()
-        document: dict[str, Any] = tomllib.loads(text)
+        document: Document = tomllib.loads(text)
     except OSError as exc:
         raise UsageError(f"--config {path}: {exc.strerror or exc}") from None
     except UnicodeDecodeError as exc:
@@ -387,7 +391,7 @@ def _read_toml(path: Path) -> dict[str, Any]:
     return document
 
 
-def _file_layer(model: type[S], command: str, path: Path) -> dict[str, Any]:
+def _file_layer(model: type[S], command: str, path: Path) -> Document:
     document = _read_toml(path)
     for key, value in document.items():
         if not isinstance(value, dict) or key not in ("serve", "publish", "route"):
@@ -399,9 +403,9 @@ def _file_layer(model: type[S], command: str, path: Path) -> dict[str, Any]:
     return _validated(model, table, f"{path}: [{command}] ")
 
 
-def _env_layer(model: type[S], command: str, environ: Mapping[str, str]) -> dict[str, Any]:
+def _env_layer(model: type[S], command: str, environ: Mapping[str, str]) -> Document:
     prefix = env_prefix(command)
-    data: dict[str, Any] = {}
+    data: Document = {}
     for var, text in environ.items():
         if not var.startswith(prefix):
             continue
@@ -422,7 +426,7 @@ def _env_value(model: type[Settings], key: str, text: str) -> Any:
     return text
 
 
-def _flag_layer(model: type[S], args: argparse.Namespace) -> dict[str, Any]:
+def _flag_layer(model: type[S], args: argparse.Namespace) -> Document:
     given: dict[str, str] = getattr(args, GIVEN, None) or {}
     known = set(keys(model).values())
     data = {dest: getattr(args, dest) for dest in given if dest in known}
@@ -435,7 +439,7 @@ def resolve(
     """The settings of ``command``: defaults, then the file, the environment, the flags."""
     env = os.environ if environ is None else environ
     config = getattr(args, "config", None) or env.get(CONFIG_ENV) or None
-    merged: dict[str, Any] = {}
+    merged: Document = {}
     if config is not None:
         merged.update(_file_layer(model, command, Path(config)))
     merged.update(_env_layer(model, command, env))

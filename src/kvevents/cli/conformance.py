@@ -6,9 +6,14 @@ import argparse
 import json
 import logging
 import sys
-from typing import Any
+from typing import TYPE_CHECKING
 
 from kvevents.cli.common import UsageError, positive_float
+
+if TYPE_CHECKING:
+    from kvevents.cli.common import Subparsers
+    from kvevents.testing.conformance.run import Report, ScenarioResult
+    from kvevents.testing.conformance.stage import Consumer, Scenario
 
 EXAMPLES = """examples:
   kvevents conformance
@@ -29,7 +34,7 @@ other consumers failing is information, not an error. See docs/conformance.md.
 _OURS = ("kvevents", "service")
 
 
-def add_parser(sub: Any) -> None:
+def add_parser(sub: Subparsers) -> None:
     p = sub.add_parser(
         "conformance",
         help="fault-injection conformance of KV event consumers",
@@ -39,13 +44,27 @@ def add_parser(sub: Any) -> None:
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--consumer", action="append", default=[], metavar="NAME[=ARG]",
-                   help="kvevents, dynamo[=PYTHON] or service[=URL] (repeatable; default: "
-                   "kvevents)")  # fmt: skip
-    p.add_argument("--scenario", action="append", default=[], metavar="NAME",
-                   help="run only this scenario (repeatable; default: all)")  # fmt: skip
-    p.add_argument("--deadline", type=positive_float, default=5.0, metavar="SECONDS",
-                   help="how long to wait for a consumer to show a sentinel")  # fmt: skip
+    p.add_argument(
+        "--consumer",
+        action="append",
+        default=[],
+        metavar="NAME[=ARG]",
+        help="kvevents, dynamo[=PYTHON] or service[=URL] (repeatable; default: kvevents)",
+    )
+    p.add_argument(
+        "--scenario",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="run only this scenario (repeatable; default: all)",
+    )
+    p.add_argument(
+        "--deadline",
+        type=positive_float,
+        default=5.0,
+        metavar="SECONDS",
+        help="how long to wait for a consumer to show a sentinel",
+    )
     out = p.add_mutually_exclusive_group()
     out.add_argument("--markdown", action="store_true", help="print a Markdown table")
     out.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -54,7 +73,7 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(run=run)
 
 
-def _scenarios(names: list[str]) -> list[Any]:
+def _scenarios(names: list[str]) -> list[Scenario]:
     from kvevents.testing.conformance.scenarios import scenario, scenarios
 
     if not names:
@@ -65,7 +84,7 @@ def _scenarios(names: list[str]) -> list[Any]:
         raise UsageError(str(exc.args[0])) from None
 
 
-def _consumer(text: str) -> Any:
+def _consumer(text: str) -> Consumer:
     from kvevents.testing.conformance import consumers as adapters
 
     name, _, arg = text.partition("=")
@@ -82,12 +101,14 @@ def _consumer(text: str) -> Any:
     raise UsageError(f"--consumer {text!r}: expected kvevents, dynamo[=PYTHON] or service[=URL]")
 
 
-def _interrupted(finished: list[Any]) -> str:
+def _interrupted(finished: list[ScenarioResult]) -> str:
     done = len(finished)
     return f"kvevents conformance: interrupted after {done} result{'' if done == 1 else 's'}"
 
 
-def _partial(consumers: list[Any], scenarios: list[Any], finished: list[Any]) -> Any:
+def _partial(
+    consumers: list[Consumer], scenarios: list[Scenario], finished: list[ScenarioResult]
+) -> Report:
     """The report of what finished before an interruption (other cells read "not run")."""
     from kvevents.testing.conformance.run import Report
 
@@ -96,14 +117,17 @@ def _partial(consumers: list[Any], scenarios: list[Any], finished: list[Any]) ->
     return Report(names, tuple(s.name for s in scenarios), tuple(finished))
 
 
-def _list(scenarios: list[Any]) -> None:
+def _list(scenarios: list[Scenario]) -> None:
     for s in scenarios:
         print(f"{s.name}\n  injects: {s.injects}\n  expects: {s.expects}")
 
 
-def _progress(result: Any) -> None:
-    print(f"{result.consumer} {result.scenario}: {result.outcome} ({result.seconds:.1f} s)",
-          file=sys.stderr, flush=True)  # fmt: skip
+def _progress(result: ScenarioResult) -> None:
+    print(
+        f"{result.consumer} {result.scenario}: {result.outcome} ({result.seconds:.1f} s)",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -117,9 +141,9 @@ def run(args: argparse.Namespace) -> int:
     if not args.verbose:
         # The faults are deliberate: the gap and mismatch warnings they cause are noise here.
         logging.getLogger("kvevents").setLevel(logging.CRITICAL)
-    finished: list[Any] = []
+    finished: list[ScenarioResult] = []
 
-    def progress(result: Any) -> None:
+    def progress(result: ScenarioResult) -> None:
         finished.append(result)
         _progress(result)
 

@@ -5,7 +5,14 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rich.console import Group, RenderableType
+
+    from kvevents.cli.common import Subparsers
+    from kvevents.sim import Demo, DemoConfig, DemoSummary, DemoView, PolicyReport
 
 EXAMPLES = """examples:
   kvevents demo                       20 seconds, a live view when run in a terminal
@@ -19,8 +26,8 @@ Mooncake trace, sped up). Ctrl-C stops early; a summary is always printed.
 """
 
 
-def add_parser(sub: Any) -> None:
-    from kvevents.sim.demo import DemoConfig
+def add_parser(sub: Subparsers) -> None:
+    from kvevents.sim import DemoConfig
 
     d = DemoConfig()
     p = sub.add_parser(
@@ -61,8 +68,7 @@ def _positive(text: str) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvevents.sim.demo import Demo, DemoConfig
-    from kvevents.sim.trace import default_trace_path, load_trace
+    from kvevents.sim import Demo, DemoConfig, default_trace_path, load_trace
 
     if not 0 <= args.drop_rate < 1:
         raise ValueError(f"--drop-rate must be in [0, 1), got {args.drop_rate}")
@@ -86,10 +92,10 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_plain(demo: Any) -> Any:
+def _run_plain(demo: Demo) -> DemoSummary:
     last = [-10.0]
 
-    def show(view: Any) -> None:
+    def show(view: DemoView) -> None:
         if view.elapsed - last[0] >= 2.0:
             last[0] = view.elapsed
             print(_line(view), flush=True)
@@ -97,7 +103,7 @@ def _run_plain(demo: Any) -> Any:
     return demo.run(show)
 
 
-def _line(view: Any) -> str:
+def _line(view: DemoView) -> str:
     lanes = " | ".join(
         f"{lane.policy}: {lane.submitted}/{lane.total} requests, reuse {lane.reuse:.1%}, "
         f"{lane.events_per_s:.0f} events/s, gaps {lane.gaps} replays {lane.replays}"
@@ -106,19 +112,19 @@ def _line(view: Any) -> str:
     return f"[{view.elapsed:5.1f}s, trace {view.virtual:5.0f}s] {lanes}"
 
 
-def _run_live(demo: Any) -> Any:
+def _run_live(demo: Demo) -> DemoSummary:
     from rich.console import Group
     from rich.live import Live
 
     with Live(Group(), refresh_per_second=4, transient=False) as live:
 
-        def show(view: Any) -> None:
+        def show(view: DemoView) -> None:
             live.update(_render(view, demo.config))
 
         return demo.run(show)
 
 
-def _render(view: Any, config: Any) -> Any:
+def _render(view: DemoView, config: DemoConfig) -> Group:
     """The live view: the lanes side by side when the terminal is wide enough for both,
     stacked otherwise; each with its latest decision and what decided it."""
     from rich.columns import Columns
@@ -126,12 +132,12 @@ def _render(view: Any, config: Any) -> Any:
     from rich.progress_bar import ProgressBar
     from rich.table import Table
 
-    parts: list[Any] = [
+    parts: list[RenderableType] = [
         f"[bold]kvevents demo[/]  {view.elapsed:4.1f}/{config.duration:g} s wall, "
         f"trace {view.virtual:5.0f} s ({config.speedup:g}x), "
         f"{config.drop_rate:.0%} of live messages dropped on purpose"
     ]
-    lanes: list[Any] = []
+    lanes: list[RenderableType] = []
     for lane in view.lanes:
         table = Table(
             title=f"{lane.policy}: reuse [bold]{lane.reuse:.1%}[/], {lane.events_per_s:.0f} "
@@ -157,7 +163,7 @@ def _render(view: Any, config: Any) -> Any:
     return Group(*parts, Columns(lanes, padding=(0, 4)))
 
 
-def _summary(demo: Any, summary: Any) -> str:
+def _summary(demo: Demo, summary: DemoSummary) -> str:
     """The closing summary, in lines of at most 100 characters so no terminal of that width
     wraps one mid-number."""
     c = demo.config
@@ -185,9 +191,9 @@ def _summary(demo: Any, summary: Any) -> str:
     return "\n".join(lines)
 
 
-def _comparison(reports: Any) -> list[str]:
+def _comparison(reports: Sequence[PolicyReport]) -> list[str]:
     """KV-aware against round-robin, saying so when they did not serve as many requests."""
-    from kvevents.index.router import DEFAULT_POLICY
+    from kvevents.index import DEFAULT_POLICY
 
     by_policy = {r.policy: r for r in reports}
     aware, rr = by_policy.get(DEFAULT_POLICY), by_policy.get("round_robin")

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import TYPE_CHECKING
 
 from kvevents.cli.common import UsageError
+
+if TYPE_CHECKING:
+    from kvevents.cli.common import Subparsers
 
 EXAMPLES = """examples:
   kvevents keys generate keys/ --name engine-a
@@ -22,7 +25,7 @@ EXAMPLES = """examples:
 """
 
 
-def add_parser(sub: Any) -> None:
+def add_parser(sub: Subparsers) -> None:
     p = sub.add_parser(
         "keys",
         help="create CURVE key pairs for encrypted streams",

@@ -6,7 +6,7 @@ import argparse
 import sys
 import time
 import urllib.parse
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvevents.cli.common import UsageError, plural, positive_float, positive_int, stop_on_sigterm
 from kvevents.cli.output import JsonOutput, LiveOutput, Output, TextOutput
@@ -15,7 +15,11 @@ from kvevents.cli.secure import add_client_options, client_curve
 from kvevents.cli.specs import stream_specs
 from kvevents.events import StreamKey
 from kvevents.integrations.discovery import discover
-from kvevents.subscribe.streams import ReplayOptions, StreamSpec, SubscriberOptions
+from kvevents.subscribe import ReplayOptions, StreamSpec, SubscriberOptions
+
+if TYPE_CHECKING:
+    from kvevents.cli.common import Subparsers
+    from kvevents.subscribe import Subscriber
 
 EXAMPLES = """examples:
   kvevents listen tcp://10.0.0.5:5557
@@ -36,7 +40,7 @@ output:
 """
 
 
-def add_parser(sub: Any) -> None:
+def add_parser(sub: Subparsers) -> None:
     p = sub.add_parser(
         "listen",
         help="tail one or more event streams",
@@ -46,14 +50,33 @@ def add_parser(sub: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("endpoints", nargs="*", metavar="ENDPOINT", help="base PUB endpoint(s)")
-    p.add_argument("--replay", action="append", default=[], metavar="ENDPOINT",
-                   help="base replay endpoint, one per positional ENDPOINT, in order")  # fmt: skip
-    p.add_argument("--worker", action="append", default=[], metavar="ID[:RANK]=EP[,REPLAY]",
-                   help="a named worker (with :RANK, that rank's own endpoints)")  # fmt: skip
-    p.add_argument("--engine", action="append", default=[], metavar="[ID=]URL",
-                   help="an engine's HTTP URL: read its streams from /server_info")  # fmt: skip
-    p.add_argument("--discovery-timeout", type=positive_float, default=5.0,
-                   help="seconds to wait for an engine's /server_info (default 5)")  # fmt: skip
+    p.add_argument(
+        "--replay",
+        action="append",
+        default=[],
+        metavar="ENDPOINT",
+        help="base replay endpoint, one per positional ENDPOINT, in order",
+    )
+    p.add_argument(
+        "--worker",
+        action="append",
+        default=[],
+        metavar="ID[:RANK]=EP[,REPLAY]",
+        help="a named worker (with :RANK, that rank's own endpoints)",
+    )
+    p.add_argument(
+        "--engine",
+        action="append",
+        default=[],
+        metavar="[ID=]URL",
+        help="an engine's HTTP URL: read its streams from /server_info",
+    )
+    p.add_argument(
+        "--discovery-timeout",
+        type=positive_float,
+        default=5.0,
+        help="seconds to wait for an engine's /server_info (default 5)",
+    )
     p.add_argument("--ranks", type=positive_int, default=1, help="ranks per worker (default 1)")
     p.add_argument("--topic", default="", help="topic prefix to subscribe to (default: all)")
     p.add_argument("--json", action="store_true", help="JSON lines on stdout")
@@ -61,8 +84,12 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--full", action="store_true", help="include every event, not only counts")
     p.add_argument("--count", type=positive_int, help="stop after N batches")
     p.add_argument("--duration", type=positive_float, help="stop after S seconds")
-    p.add_argument("--replay-timeout", type=positive_float, default=5.0,
-                   help="seconds of replay silence before a retry (default 5)")  # fmt: skip
+    p.add_argument(
+        "--replay-timeout",
+        type=positive_float,
+        default=5.0,
+        help="seconds of replay silence before a retry (default 5)",
+    )
     add_client_options(p)
     p.set_defaults(run=run)
 
@@ -82,7 +109,7 @@ def _done(args: argparse.Namespace, view: ListenView, deadline: float | None) ->
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvevents.subscribe.subscriber import Subscriber
+    from kvevents.subscribe import Subscriber
 
     specs = _specs(args)
     options = SubscriberOptions(
@@ -114,8 +141,10 @@ def run(args: argparse.Namespace) -> int:
         out.emit(stats_record(sub.stream_stats(), view.batches, elapsed))
         out.close()
     if status == 0 and not view.batches:
-        print(nothing_received(specs, elapsed, curve=args.curve_server_key is not None),
-              file=sys.stderr)  # fmt: skip
+        print(
+            nothing_received(specs, elapsed, curve=args.curve_server_key is not None),
+            file=sys.stderr,
+        )
         return 3
     return status
 
@@ -144,8 +173,9 @@ def _specs(args: argparse.Namespace) -> list[StreamSpec]:
     if engines and not (args.endpoints or args.worker):
         specs: list[StreamSpec] = []
     else:
-        specs = stream_specs(args.endpoints, args.worker, args.replay, ranks=args.ranks,
-                             topic=args.topic)  # fmt: skip
+        specs = stream_specs(
+            args.endpoints, args.worker, args.replay, ranks=args.ranks, topic=args.topic
+        )
     for streams in engines:
         specs += streams
     seen: set[StreamKey] = set()
@@ -174,7 +204,7 @@ def _engine_streams(text: str, timeout: float) -> list[StreamSpec]:
     return engine.streams(worker)
 
 
-def _feed_dead(sub: Any) -> bool:
+def _feed_dead(sub: Subscriber) -> bool:
     """True (and said on stderr) when the subscriber's I/O thread stopped: nothing more comes,
     so waiting on would only hide it."""
     health = sub.health()

@@ -11,7 +11,7 @@ import msgspec
 
 from kvevents.cli.render import Record, text_line
 from kvevents.events import StreamKey
-from kvevents.subscribe.streams import StreamStats
+from kvevents.subscribe import StreamStats
 
 __all__ = ["JsonOutput", "LiveOutput", "Output", "TextOutput", "stream_table"]
 
@@ -49,8 +49,18 @@ class TextOutput(JsonOutput):
         self.stream.flush()
 
 
-_COLUMNS = ("stream", "state", "last seq", "delivered", "replayed", "events", "gaps", "lost",
-            "restarts", "lag")  # fmt: skip
+_COLUMNS = (
+    "stream",
+    "state",
+    "last seq",
+    "delivered",
+    "replayed",
+    "events",
+    "gaps",
+    "lost",
+    "restarts",
+    "lag",
+)
 
 
 def _lag(value: float | None) -> str:
@@ -67,10 +77,18 @@ def stream_table(stats: Mapping[StreamKey, StreamStats]) -> Any:
     for (worker, rank), s in sorted(stats.items()):
         style = {"incomplete": "bold red", "replaying": "yellow"}.get(s.state, "")
         table.add_row(
-            f"{worker}/{rank}", s.state, str(s.last_seq if s.last_seq is not None else "-"),
-            str(s.delivered), str(s.replayed), str(s.events), str(s.gaps),
-            str(s.missing), str(s.restarts), _lag(s.lag_seconds), style=style,
-        )  # fmt: skip
+            f"{worker}/{rank}",
+            s.state,
+            str(s.last_seq if s.last_seq is not None else "-"),
+            str(s.delivered),
+            str(s.replayed),
+            str(s.events),
+            str(s.gaps),
+            str(s.missing),
+            str(s.restarts),
+            _lag(s.lag_seconds),
+            style=style,
+        )
     return table
 
 

@@ -8,9 +8,15 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvevents.cli.common import UsageError, non_negative_int, positive_float, positive_int
+
+if TYPE_CHECKING:
+    from kvevents.cli.common import Subparsers
+    from kvevents.metrics import StatsCollector
+    from kvevents.scaleout import JetStreamOptions, Relay, Replica
+    from kvevents.service import WorkerRegistration
 
 EXAMPLES = """examples:
   nats-server -js -sd /var/lib/nats          # a NATS server with JetStream (the nats extra)
@@ -26,7 +32,7 @@ message ids. See docs/scale-out.md.
 """
 
 
-def add_parser(sub: Any) -> None:
+def add_parser(sub: Subparsers) -> None:
     p = sub.add_parser(
         "relay",
         help="relay engines' KV events into NATS JetStream",
@@ -37,57 +43,108 @@ def add_parser(sub: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--nats", required=True, metavar="URL", help="the NATS server")
-    p.add_argument("--worker", dest="workers", action="append", default=[], required=True,
-                   metavar="ID=EP[,REPLAY]", help="a worker to relay (base endpoints; repeatable)")  # fmt: skip
+    p.add_argument(
+        "--worker",
+        dest="workers",
+        action="append",
+        default=[],
+        required=True,
+        metavar="ID=EP[,REPLAY]",
+        help="a worker to relay (base endpoints; repeatable)",
+    )
     p.add_argument("--ranks", type=positive_int, default=1, help="ranks of each --worker")
     p.add_argument("--block-size", type=positive_int, default=16, help="block size of --worker")
-    p.add_argument("--metrics-port", type=non_negative_int, metavar="PORT",
-                   help="serve /metrics (kvevents_relay_*, kvevents_subscriber_*) on this port")  # fmt: skip
+    p.add_argument(
+        "--metrics-port",
+        type=non_negative_int,
+        metavar="PORT",
+        help="serve /metrics (kvevents_relay_*, kvevents_subscriber_*) on this port",
+    )
     add_jetstream_options(p)
     p.set_defaults(run=run)
 
 
-def add_jetstream_options(p: Any) -> None:
+def add_jetstream_options(p: argparse.ArgumentParser) -> None:
     """The stream's options (shared by ``relay`` and ``serve --nats``)."""
     g = p.add_argument_group("NATS JetStream (docs/scale-out.md)")
     g.add_argument("--nats-stream", default="KVEVENTS", metavar="NAME", help="the stream's name")
-    g.add_argument("--nats-prefix", default="kvevents", metavar="TOKEN",
-                   help="the stream's subjects' first token")  # fmt: skip
-    g.add_argument("--nats-bucket", default="kvevents-snapshots", metavar="NAME",
-                   help="the object store bucket of snapshots")  # fmt: skip
+    g.add_argument(
+        "--nats-prefix",
+        default="kvevents",
+        metavar="TOKEN",
+        help="the stream's subjects' first token",
+    )
+    g.add_argument(
+        "--nats-bucket",
+        default="kvevents-snapshots",
+        metavar="NAME",
+        help="the object store bucket of snapshots",
+    )
 
 
-def add_replica_options(p: Any) -> None:
+def add_replica_options(p: argparse.ArgumentParser) -> None:
     """``kvevents serve --nats``: consume the stream as a router replica."""
     g = p.add_argument_group("router replica over NATS JetStream (docs/scale-out.md)")
-    g.add_argument("--nats", metavar="URL",
-                   help="consume the relay's stream on this NATS server instead of ZeroMQ")  # fmt: skip
-    g.add_argument("--replica-name", default="replica", metavar="NAME",
-                   help="this replica's durable consumer (unique per replica)")  # fmt: skip
-    g.add_argument("--snapshot-batches", type=non_negative_int, default=100_000,
-                   help="save a snapshot after this many messages (0: never by count)")  # fmt: skip
-    g.add_argument("--snapshot-interval", type=float, default=60.0, metavar="SECONDS",
-                   help="save a snapshot after this long (0: never by time)")  # fmt: skip
-    g.add_argument("--inactive-threshold", type=positive_float, default=30.0, metavar="SECONDS",
-                   help="a stopped replica holds the stream back this long")  # fmt: skip
+    g.add_argument(
+        "--nats",
+        metavar="URL",
+        help="consume the relay's stream on this NATS server instead of ZeroMQ",
+    )
+    g.add_argument(
+        "--replica-name",
+        default="replica",
+        metavar="NAME",
+        help="this replica's durable consumer (unique per replica)",
+    )
+    g.add_argument(
+        "--snapshot-batches",
+        type=non_negative_int,
+        default=100_000,
+        help="save a snapshot after this many messages (0: never by count)",
+    )
+    g.add_argument(
+        "--snapshot-interval",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="save a snapshot after this long (0: never by time)",
+    )
+    g.add_argument(
+        "--inactive-threshold",
+        type=positive_float,
+        default=30.0,
+        metavar="SECONDS",
+        help="a stopped replica holds the stream back this long",
+    )
     g.add_argument("--nats-stream", default="KVEVENTS", metavar="NAME", help="the stream's name")
-    g.add_argument("--nats-prefix", default="kvevents", metavar="TOKEN",
-                   help="the stream's subjects' first token")  # fmt: skip
-    g.add_argument("--nats-bucket", default="kvevents-snapshots", metavar="NAME",
-                   help="the object store bucket of snapshots")  # fmt: skip
+    g.add_argument(
+        "--nats-prefix",
+        default="kvevents",
+        metavar="TOKEN",
+        help="the stream's subjects' first token",
+    )
+    g.add_argument(
+        "--nats-bucket",
+        default="kvevents-snapshots",
+        metavar="NAME",
+        help="the object store bucket of snapshots",
+    )
 
 
-def jetstream_options(args: argparse.Namespace) -> Any:
-    from kvevents.scaleout.jetstream import JetStreamOptions
+def jetstream_options(args: argparse.Namespace) -> JetStreamOptions:
+    from kvevents.scaleout import JetStreamOptions
 
     return JetStreamOptions(
         stream=args.nats_stream, prefix=args.nats_prefix, bucket=args.nats_bucket
     )
 
 
-def new_replica(args: argparse.Namespace, **service_options: Any) -> Any:
+def new_replica(
+    args: argparse.Namespace,
+    **service_options: Any,  # IndexService's keyword arguments
+) -> Replica:
     """The replica ``serve --nats`` runs (its service made with ``service_options``)."""
-    from kvevents.scaleout.replica import Replica, ReplicaOptions
+    from kvevents.scaleout import Replica, ReplicaOptions
 
     try:
         options = ReplicaOptions(
@@ -96,17 +153,18 @@ def new_replica(args: argparse.Namespace, **service_options: Any) -> Any:
             snapshot_interval=max(args.snapshot_interval, 0.0),
             inactive_threshold=args.inactive_threshold,
         )
-        replica = Replica(args.nats, jetstream=jetstream_options(args), options=options,
-                          service=None)  # fmt: skip
+        replica = Replica(
+            args.nats, jetstream=jetstream_options(args), options=options, service=None
+        )
     except ValueError as exc:
         raise UsageError(f"--replica-name: {exc}") from None
     replica.service = replica.new_service(**service_options)
     return replica
 
 
-def start_replica(replica: Any) -> None:
+def start_replica(replica: Replica) -> None:
     """Start ``replica``; a NATS server that cannot be reached is a one-line error."""
-    from kvevents.scaleout.jetstream import StreamConfigError
+    from kvevents.scaleout import StreamConfigError
 
     try:
         replica.start()
@@ -116,24 +174,29 @@ def start_replica(replica: Any) -> None:
         raise UsageError(f"--nats {replica.url}: cannot start the replica ({exc!r})") from None
 
 
-def replica_collector(replica: Any) -> Any:
+def replica_collector(replica: Replica) -> StatsCollector:
     from kvevents.metrics import StatsCollector
 
     return StatsCollector("kvevents_replica", lambda: [({}, replica.stats())])
 
 
-def _registrations(args: argparse.Namespace) -> list[Any]:
+def _registrations(args: argparse.Namespace) -> list[WorkerRegistration]:
     from kvevents.cli.config import _worker_from_flag
     from kvevents.errors import LayoutError
-    from kvevents.scaleout.records import check_registration
-    from kvevents.service.feed import WorkerRegistration, default_stream_specs
+    from kvevents.scaleout import check_registration
+    from kvevents.service import WorkerRegistration, default_stream_specs
 
     regs = []
     for text in args.workers:
         try:
             entry = _worker_from_flag(text)
-            reg = WorkerRegistration(entry["id"], entry["endpoint"], args.block_size,
-                                     tuple(range(args.ranks)), entry["replay_endpoint"])  # fmt: skip
+            reg = WorkerRegistration(
+                entry["id"],
+                entry["endpoint"],
+                args.block_size,
+                tuple(range(args.ranks)),
+                entry["replay_endpoint"],
+            )
             default_stream_specs(reg)
             check_registration(reg)  # what replicas accept: the bounds of POST /register
         except (ValueError, LayoutError) as exc:
@@ -144,8 +207,7 @@ def _registrations(args: argparse.Namespace) -> list[Any]:
 
 def run(args: argparse.Namespace) -> int:
     from kvevents.cli.common import stop_on_sigterm
-    from kvevents.scaleout.jetstream import StreamConfigError
-    from kvevents.scaleout.relay import Relay
+    from kvevents.scaleout import Relay, StreamConfigError
 
     regs = _registrations(args)
     relay = Relay(args.nats, regs, jetstream=jetstream_options(args))
@@ -158,8 +220,9 @@ def run(args: argparse.Namespace) -> int:
         except Exception as exc:  # the client's own errors: no servers, a refused stream
             relay.close()
             raise UsageError(f"--nats {args.nats}: cannot start the relay ({exc!r})") from None
-        print(f"relaying {len(regs)} worker(s) to {args.nats} stream {args.nats_stream}",
-              flush=True)  # fmt: skip
+        print(
+            f"relaying {len(regs)} worker(s) to {args.nats} stream {args.nats_stream}", flush=True
+        )
         exporter = _metrics(relay, args.metrics_port)
         try:
             _wait()
@@ -170,12 +233,15 @@ def run(args: argparse.Namespace) -> int:
                 exporter.shutdown()
             relay.close()
     stats = relay.stats()
-    print(f"stopped: {stats.batches} batches relayed ({stats.duplicates} duplicates dropped, "
-          f"{stats.losses} losses recorded)", file=sys.stderr)  # fmt: skip
+    print(
+        f"stopped: {stats.batches} batches relayed ({stats.duplicates} duplicates dropped, "
+        f"{stats.losses} losses recorded)",
+        file=sys.stderr,
+    )
     return 0
 
 
-def _metrics(relay: Any, port: int | None) -> Any:
+def _metrics(relay: Relay, port: int | None) -> Any:  # prometheus_client's server (untyped)
     """The /metrics server of ``--metrics-port`` (None without it)."""
     if port is None:
         return None

@@ -19,13 +19,14 @@ from typing import Any
 
 import msgspec
 
+from kvevents._types import Document, DocumentView
 from kvevents.cli.common import plural
 from kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, StreamKey
-from kvevents.subscribe.streams import Delivery, StreamReset, StreamSpec, StreamStats, StreamStatus
+from kvevents.subscribe import Delivery, StreamReset, StreamSpec, StreamStats, StreamStatus
 
 __all__ = ["ListenView", "batch_summary", "stats_record", "text_line"]
 
-Record = dict[str, Any]
+Record = Document
 
 
 def batch_summary(batch: KVEventBatch) -> dict[str, int]:
@@ -100,8 +101,15 @@ class ListenView:
         out: list[Record] = []
         if before == "replaying" and track.replayed:
             first, last = track.replayed[0], track.replayed[-1]
-            out.append({"type": "replayed", **base, "first": first, "last": last,
-                        "batches": len(track.replayed)})  # fmt: skip
+            out.append(
+                {
+                    "type": "replayed",
+                    **base,
+                    "first": first,
+                    "last": last,
+                    "batches": len(track.replayed),
+                }
+            )
         track.replayed = []
         if item.state == "replaying":
             out.append({"type": "gap", **base, "after_seq": track.last_seq})
@@ -137,7 +145,7 @@ def event_lines(r: Record) -> list[str]:
     return [f"    {_event_text(event)}" for event in r.get("events", ())]
 
 
-def _event_text(event: Mapping[str, Any]) -> str:
+def _event_text(event: DocumentView) -> str:
     kind = event.get("type", "?")
     if kind == "BlockStored":
         hashes = event["block_hashes"]

@@ -6,15 +6,24 @@ import argparse
 import sys
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from kvevents._types import Document
 from kvevents.cli.common import UsageError, non_negative_int, plural, positive_float
 from kvevents.cli.output import JsonOutput
 from kvevents.cli.render import batch_summary, event_lines
 from kvevents.cli.secure import add_client_options, client_curve
 from kvevents.errors import DecodeError, LayoutError
-from kvevents.wire import ReplayMessage, decode_batch, parse_replay_reply, replay_request_frames
-from kvevents.wire.endpoints import parse_endpoint
+from kvevents.wire import (
+    ReplayMessage,
+    decode_batch,
+    parse_endpoint,
+    parse_replay_reply,
+    replay_request_frames,
+)
+
+if TYPE_CHECKING:
+    from kvevents.cli.common import Subparsers
 
 EXAMPLES = """examples:
   kvevents replay tcp://10.0.0.5:5600 --from 0
@@ -30,7 +39,7 @@ output:
 """
 
 
-def add_parser(sub: Any) -> None:
+def add_parser(sub: Subparsers) -> None:
     p = sub.add_parser(
         "replay",
         help="fetch a range of batches from a replay endpoint",
@@ -40,14 +49,29 @@ def add_parser(sub: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("endpoint", metavar="ENDPOINT", help="the rank's replay endpoint")
-    p.add_argument("--from", dest="start", type=non_negative_int, required=True, metavar="SEQ",
-                   help="first sequence number wanted")  # fmt: skip
-    p.add_argument("--to", dest="stop", type=non_negative_int, metavar="SEQ",
-                   help="last sequence number wanted (inclusive; default: all held)")  # fmt: skip
+    p.add_argument(
+        "--from",
+        dest="start",
+        type=non_negative_int,
+        required=True,
+        metavar="SEQ",
+        help="first sequence number wanted",
+    )
+    p.add_argument(
+        "--to",
+        dest="stop",
+        type=non_negative_int,
+        metavar="SEQ",
+        help="last sequence number wanted (inclusive; default: all held)",
+    )
     p.add_argument("--json", action="store_true", help="JSON lines on stdout")
     p.add_argument("--full", action="store_true", help="include every event, not only counts")
-    p.add_argument("--timeout", type=positive_float, default=5.0,
-                   help="seconds to wait for each message (default 5)")  # fmt: skip
+    p.add_argument(
+        "--timeout",
+        type=positive_float,
+        default=5.0,
+        help="seconds to wait for each message (default 5)",
+    )
     add_client_options(p)
     p.set_defaults(run=run)
 
@@ -90,13 +114,18 @@ def fetch(endpoint: str, start: int, timeout: float, curve: Any = None) -> Itera
         context.term()
 
 
-def _batch_record(message: ReplayMessage, full: bool) -> dict[str, Any]:
+def _batch_record(message: ReplayMessage, full: bool) -> Document:
     try:
         batch = decode_batch(message.payload, seq=message.seq).batch
     except DecodeError as exc:
         return {"type": "undecodable", "seq": message.seq, "error": str(exc)}
-    record: dict[str, Any] = {"type": "batch", "seq": message.seq, "ts": batch.ts,
-                              "rank": batch.data_parallel_rank, "summary": batch_summary(batch)}  # fmt: skip
+    record: Document = {
+        "type": "batch",
+        "seq": message.seq,
+        "ts": batch.ts,
+        "rank": batch.data_parallel_rank,
+        "summary": batch_summary(batch),
+    }
     if full:
         import msgspec
 
@@ -104,16 +133,20 @@ def _batch_record(message: ReplayMessage, full: bool) -> dict[str, Any]:
     return record
 
 
-def _line(record: dict[str, Any]) -> str:
+def _line(record: Document) -> str:
     kind = record["type"]
     if kind == "batch":
         s = record["summary"]
-        head = (f"seq={record['seq']} ts={record['ts']:.3f} events={s['events']} "
-                f"+{s['stored']} stored -{s['removed']} removed" + (" CLEARED" if s["cleared"] else ""))  # fmt: skip
+        head = (
+            f"seq={record['seq']} ts={record['ts']:.3f} events={s['events']} "
+            f"+{s['stored']} stored -{s['removed']} removed" + (" CLEARED" if s["cleared"] else "")
+        )
         return "\n".join([head, *event_lines(record)])
     if kind == "trimmed":
-        return (f"! asked from seq {record['asked']}, first held is {record['first']}: "
-                f"{record['asked']}..{record['first'] - 1} are no longer buffered")  # fmt: skip
+        return (
+            f"! asked from seq {record['asked']}, first held is {record['first']}: "
+            f"{record['asked']}..{record['first'] - 1} are no longer buffered"
+        )
     if kind == "undecodable":
         return f"! seq {record['seq']} undecodable: {record['error']}"
     reason = "end marker" if record["end_marker"] else "--to reached"
@@ -138,8 +171,14 @@ def run(args: argparse.Namespace) -> int:
         first = False
         count += 1
         emit(_batch_record(message, args.full))
-    emit({"type": "end", "batches": count, "end_marker": end_marker,
-          "seconds": round(time.monotonic() - began, 3)})  # fmt: skip
+    emit(
+        {
+            "type": "end",
+            "batches": count,
+            "end_marker": end_marker,
+            "seconds": round(time.monotonic() - began, 3),
+        }
+    )
     if trimmed:
         print(f"kvevents replay: range trimmed at {args.endpoint}", file=sys.stderr)
     return 3 if trimmed else 0

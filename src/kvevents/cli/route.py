@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvevents.cli.common import (
     UsageError,
@@ -21,6 +21,12 @@ from kvevents.cli.config import (
     engine_names,
     track_given,
 )
+
+if TYPE_CHECKING:
+    from kvevents.cli.common import Subparsers
+    from kvevents.route import EngineSpec, FrontDoor, ModelTokenizer
+    from kvevents.scaleout import Replica
+    from kvevents.service import IndexService
 
 EXAMPLES = """examples:
   kvevents route --port 8000 --tokenizer /models/tiny --block-size 32 \\
@@ -41,7 +47,7 @@ x-kvevents-engine and x-kvevents-predicted-cached-tokens. GET / is a status page
 """
 
 
-def add_parser(sub: Any) -> None:
+def add_parser(sub: Subparsers) -> None:
     p = sub.add_parser(
         "route",
         help="run the OpenAI-compatible front door in front of engines",
@@ -72,7 +78,7 @@ def _d(key: str) -> Any:
     return default(RouteSettings, key)
 
 
-def _add_engine_options(p: Any) -> None:
+def _add_engine_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engines")
     g.add_argument(
         "--engine",
@@ -118,13 +124,21 @@ def _add_engine_options(p: Any) -> None:
         metavar="ENGINE=N",
         help="an engine's block size where it is not --block-size",
     )
-    g.add_argument("--health-interval", type=positive_float, default=_d("health_interval"),
-                   help="seconds between each engine's health checks")  # fmt: skip
-    g.add_argument("--health-timeout", type=positive_float, default=_d("health_timeout"),
-                   help="seconds a health check may take")  # fmt: skip
+    g.add_argument(
+        "--health-interval",
+        type=positive_float,
+        default=_d("health_interval"),
+        help="seconds between each engine's health checks",
+    )
+    g.add_argument(
+        "--health-timeout",
+        type=positive_float,
+        default=_d("health_timeout"),
+        help="seconds a health check may take",
+    )
 
 
-def _add_token_options(p: Any) -> None:
+def _add_token_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("tokens (as the engine makes them; docs/route.md)")
     g.add_argument(
         "--tokenizer",
@@ -135,30 +149,50 @@ def _add_token_options(p: Any) -> None:
         help="a served model's tokenizer and chat template: a directory, or a model id in the "
         "local Hugging Face cache (never downloaded); repeatable, one per model",
     )
-    g.add_argument("--chat-template", metavar="TEXT_OR_FILE",
-                   help="the engines' --chat-template, if they run one")  # fmt: skip
-    g.add_argument("--max-model-len", type=positive_int,
-                   help="the engines' --max-model-len (for truncate_prompt_tokens=-1)")  # fmt: skip
-    g.add_argument("--trust-request-chat-template", action="store_true",
-                   help="the engines run with --trust-request-chat-template")  # fmt: skip
-    g.add_argument("--enable-auto-tool-choice", action="store_true",
-                   help="the engines run with --enable-auto-tool-choice")  # fmt: skip
-    g.add_argument("--tool-call-parser", metavar="NAME",
-                   help="the engines' --tool-call-parser")  # fmt: skip
+    g.add_argument(
+        "--chat-template",
+        metavar="TEXT_OR_FILE",
+        help="the engines' --chat-template, if they run one",
+    )
+    g.add_argument(
+        "--max-model-len",
+        type=positive_int,
+        help="the engines' --max-model-len (for truncate_prompt_tokens=-1)",
+    )
+    g.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="the engines run with --trust-request-chat-template",
+    )
+    g.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="the engines run with --enable-auto-tool-choice",
+    )
+    g.add_argument("--tool-call-parser", metavar="NAME", help="the engines' --tool-call-parser")
 
 
-def _add_routing_options(p: Any) -> None:
+def _add_routing_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("routing")
-    g.add_argument("--policy", default=_d("policy"),
-                   help=f"routing policy (default: {_d('policy')})")  # fmt: skip
-    g.add_argument("--stale-after", type=positive_float, default=_d("stale_after"),
-                   help="seconds after an answered request by which the engine's events must "
-                   "arrive (else its stream gets no cache credit until they do)")  # fmt: skip
-    g.add_argument("--prediction-grace", type=float, default=_d("prediction_grace"),
-                   help="seconds a request's predicted blocks outlive it")  # fmt: skip
+    g.add_argument(
+        "--policy", default=_d("policy"), help=f"routing policy (default: {_d('policy')})"
+    )
+    g.add_argument(
+        "--stale-after",
+        type=positive_float,
+        default=_d("stale_after"),
+        help="seconds after an answered request by which the engine's events must "
+        "arrive (else its stream gets no cache credit until they do)",
+    )
+    g.add_argument(
+        "--prediction-grace",
+        type=float,
+        default=_d("prediction_grace"),
+        help="seconds a request's predicted blocks outlive it",
+    )
 
 
-def _add_limit_options(p: Any) -> None:
+def _add_limit_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("limits")
     for flag, kind, what in (
         ("--max-body-bytes", positive_int, "largest request body (413 above)"),
@@ -173,12 +207,17 @@ def _add_limit_options(p: Any) -> None:
         g.add_argument(flag, type=kind, default=_d(key), help=what)
 
 
-def _add_nats_options(p: Any) -> None:
+def _add_nats_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("the index from JetStream (docs/scale-out.md)")
-    g.add_argument("--nats", metavar="URL",
-                   help="take the index from the relay's stream on this NATS server")  # fmt: skip
-    g.add_argument("--replica-name", default=_d("replica_name"), metavar="NAME",
-                   help="this front door's durable consumer (unique per instance)")  # fmt: skip
+    g.add_argument(
+        "--nats", metavar="URL", help="take the index from the relay's stream on this NATS server"
+    )
+    g.add_argument(
+        "--replica-name",
+        default=_d("replica_name"),
+        metavar="NAME",
+        help="this front door's durable consumer (unique per instance)",
+    )
     g.add_argument("--nats-stream", default=_d("nats_stream"), metavar="NAME")
     g.add_argument("--nats-prefix", default=_d("nats_prefix"), metavar="TOKEN")
     g.add_argument("--nats-bucket", default=_d("nats_bucket"), metavar="NAME")
@@ -187,9 +226,9 @@ def _add_nats_options(p: Any) -> None:
 # ----------------------------------------------------------------------------- building
 
 
-def engine_specs(settings: RouteSettings) -> list[Any]:
+def engine_specs(settings: RouteSettings) -> list[EngineSpec]:
     """The engines of the settings, each with its stream, replay and ranks."""
-    from kvevents.route._frontdoor import EngineSpec
+    from kvevents.route import EngineSpec
 
     if not settings.engines:
         raise UsageError("no engine: give at least one --engine URL")
@@ -238,10 +277,10 @@ def _count(text: str, flag: str, most: int) -> int:
     return count
 
 
-def tokenizers(settings: RouteSettings) -> dict[str | None, Any]:
+def tokenizers(settings: RouteSettings) -> dict[str | None, ModelTokenizer]:
     """The models' tokenizers, loaded (a missing one is a one-line error naming it)."""
     from kvevents.errors import TokenizerNotFound
-    from kvevents.route._tokens import EngineOptions, ModelTokenizer
+    from kvevents.route import EngineOptions, ModelTokenizer
 
     if not settings.tokenizers:
         raise UsageError("no tokenizer: give --tokenizer DIR (or MODEL=DIR per served model)")
@@ -252,7 +291,7 @@ def tokenizers(settings: RouteSettings) -> dict[str | None, Any]:
         tool_call_parser=settings.tool_call_parser,
         max_model_len=settings.max_model_len,
     )
-    out: dict[str | None, Any] = {}
+    out: dict[str | None, ModelTokenizer] = {}
     for entry in settings.tokenizers:
         model, sep, source = entry.partition("=")
         key, source = (model, source) if sep else (None, entry)
@@ -263,14 +302,16 @@ def tokenizers(settings: RouteSettings) -> dict[str | None, Any]:
     return out
 
 
-def front_door(settings: RouteSettings, service: Any = None) -> Any:
+def front_door(settings: RouteSettings, service: IndexService | None = None) -> FrontDoor:
     from kvevents.http import HttpLimits
-    from kvevents.route._frontdoor import FrontDoor
-    from kvevents.route._options import ProxyOptions
-    from kvevents.route._plan import PlannerOptions
+    from kvevents.route import FrontDoor, PlannerOptions, ProxyOptions
 
-    limits = HttpLimits(settings.max_body_bytes, settings.header_timeout, settings.body_timeout,
-                        settings.max_connections)  # fmt: skip
+    limits = HttpLimits(
+        settings.max_body_bytes,
+        settings.header_timeout,
+        settings.body_timeout,
+        settings.max_connections,
+    )
     proxy = ProxyOptions(
         limits=limits,
         connect_timeout=settings.connect_timeout,
@@ -296,13 +337,10 @@ def front_door(settings: RouteSettings, service: Any = None) -> Any:
     )
 
 
-def _replica(settings: RouteSettings) -> Any:
+def _replica(settings: RouteSettings) -> Replica:
     """``--nats``: a replica (no snapshots of its own) whose service the front door uses."""
-    from kvevents.index.decision import LoadBook
-    from kvevents.index.prefix import PrefixIndex
-    from kvevents.index.router import Router
-    from kvevents.scaleout.jetstream import JetStreamOptions
-    from kvevents.scaleout.replica import Replica, ReplicaOptions
+    from kvevents.index import LoadBook, PrefixIndex, Router
+    from kvevents.scaleout import JetStreamOptions, Replica, ReplicaOptions
 
     options = ReplicaOptions(name=settings.replica_name, snapshot_batches=0, snapshot_interval=0)
     stream = JetStreamOptions(

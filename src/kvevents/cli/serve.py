@@ -1,11 +1,11 @@
-"""``kvevents serve``: the index service (``kvevents.service.core``) over a live subscriber,
+"""``kvevents serve``: the index service (``kvevents.service._core``) over a live subscriber,
 and its HTTP API (``kvevents.http``)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvevents.cli.common import (
     UsageError,
@@ -17,6 +17,15 @@ from kvevents.cli.common import (
 from kvevents.cli.config import CONFIG_ENV, ServeSettings, apply_settings, default, track_given
 from kvevents.cli.relay import add_replica_options, new_replica, replica_collector, start_replica
 from kvevents.cli.secure import add_client_options, client_curve
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from kvevents.cli.common import Subparsers
+    from kvevents.http import AppOptions, EndpointPolicy
+    from kvevents.scaleout import Replica
+    from kvevents.service import IndexService, StateFile, WorkerRegistration
+    from kvevents.subscribe import StreamSpec
 
 EXAMPLES = """examples:
   kvevents serve
@@ -54,7 +63,7 @@ docs/security.md.
 """
 
 
-def add_parser(sub: Any) -> None:
+def add_parser(sub: Subparsers) -> None:
     p = sub.add_parser(
         "serve",
         help="run the index HTTP service",
@@ -66,21 +75,38 @@ def add_parser(sub: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     track_given(p)
-    p.add_argument("--config", metavar="FILE",
-                   help=f"TOML settings file, [serve] table (default: ${CONFIG_ENV})")  # fmt: skip
+    p.add_argument(
+        "--config",
+        metavar="FILE",
+        help=f"TOML settings file, [serve] table (default: ${CONFIG_ENV})",
+    )
     p.add_argument("--host", default=_d("host"), help="address to listen on")
     p.add_argument("--port", type=non_negative_int, default=_d("port"), help="port (0: any free)")
-    p.add_argument("--state-file", metavar="PATH",
-                   help="keep workers registered over HTTP in PATH, restored at start")  # fmt: skip
-    p.add_argument("--worker", dest="workers", action="append", default=[], metavar="ID=EP[,REPLAY]",
-                   help="register a worker at start (base endpoints)")  # fmt: skip
+    p.add_argument(
+        "--state-file",
+        metavar="PATH",
+        help="keep workers registered over HTTP in PATH, restored at start",
+    )
+    p.add_argument(
+        "--worker",
+        dest="workers",
+        action="append",
+        default=[],
+        metavar="ID=EP[,REPLAY]",
+        help="register a worker at start (base endpoints)",
+    )
     p.add_argument("--ranks", type=positive_int, default=_d("ranks"), help="ranks of each --worker")
-    p.add_argument("--block-size", type=positive_int, default=_d("block_size"),
-                   help="block size of --worker")  # fmt: skip
+    p.add_argument(
+        "--block-size", type=positive_int, default=_d("block_size"), help="block size of --worker"
+    )
     _add_engine_options(p)
-    p.add_argument("--api", choices=("kvevents", "dynamo"), default=_d("api"),
-                   help="request and reply shapes of /register, /unregister, /query and /workers: "
-                   "ours, or NVIDIA Dynamo's standalone indexer's (docs/service.md)")  # fmt: skip
+    p.add_argument(
+        "--api",
+        choices=("kvevents", "dynamo"),
+        default=_d("api"),
+        help="request and reply shapes of /register, /unregister, /query and /workers: "
+        "ours, or NVIDIA Dynamo's standalone indexer's (docs/service.md)",
+    )
     _add_router_options(p)
     _add_access_options(p)
     _add_limit_options(p)
@@ -89,14 +115,20 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(run=run)
 
 
-def _d(key: str) -> Any:
+def _d(key: str) -> Any:  # the default of a setting of any type (argparse takes it as is)
     return default(ServeSettings, key)
 
 
-def _add_engine_options(p: Any) -> None:
-    p.add_argument("--engine", dest="engines", action="append", default=_d("engines"),
-                   metavar="[ID=]URL", help="register an engine's advertised streams (SGLang's /server_info) at "
-                   "start, named ID (default: the URL's host:port); repeatable")  # fmt: skip
+def _add_engine_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--engine",
+        dest="engines",
+        action="append",
+        default=_d("engines"),
+        metavar="[ID=]URL",
+        help="register an engine's advertised streams (SGLang's /server_info) at "
+        "start, named ID (default: the URL's host:port); repeatable",
+    )
     p.add_argument(
         "--discovery-timeout",
         type=positive_float,
@@ -105,23 +137,40 @@ def _add_engine_options(p: Any) -> None:
     )
 
 
-def _add_router_options(p: Any) -> None:
-    g = p.add_argument_group("routing (see kvevents.index.router)")
+def _add_router_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("routing (see kvevents.index._router)")
     # The policy names come from the settings model, not the index (the parser must build
     # without the service extra); a test holds the two together.
-    g.add_argument("--policy", default=_d("policy"),
-                   help=f"routing policy (default: {_d('policy')})")  # fmt: skip
-    g.add_argument("--seed", type=non_negative_int, default=_d("seed"),
-                   help="seed of the policies' random tie-breaks")  # fmt: skip
-    g.add_argument("--prefill-weight", type=float, default=_d("prefill_weight"),
-                   help="prefix_load: weight of the prefill blocks")  # fmt: skip
-    g.add_argument("--load-weight", type=float, default=_d("load_weight"),
-                   help="prefix_load: weight of the reported load")  # fmt: skip
-    g.add_argument("--load-ttl", type=positive_float, default=_d("load_ttl"),
-                   help="seconds a POST /load report counts for (default: %(default)s)")  # fmt: skip
+    g.add_argument(
+        "--policy", default=_d("policy"), help=f"routing policy (default: {_d('policy')})"
+    )
+    g.add_argument(
+        "--seed",
+        type=non_negative_int,
+        default=_d("seed"),
+        help="seed of the policies' random tie-breaks",
+    )
+    g.add_argument(
+        "--prefill-weight",
+        type=float,
+        default=_d("prefill_weight"),
+        help="prefix_load: weight of the prefill blocks",
+    )
+    g.add_argument(
+        "--load-weight",
+        type=float,
+        default=_d("load_weight"),
+        help="prefix_load: weight of the reported load",
+    )
+    g.add_argument(
+        "--load-ttl",
+        type=positive_float,
+        default=_d("load_ttl"),
+        help="seconds a POST /load report counts for (default: %(default)s)",
+    )
 
 
-def _add_access_options(p: Any) -> None:
+def _add_access_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--auth-token-file",
         metavar="FILE",
@@ -136,22 +185,44 @@ def _add_access_options(p: Any) -> None:
         help="serve on a --host other than loopback without a token (behind a proxy or "
         "firewall that does the authentication)",
     )
-    p.add_argument("--auth-reads", action="store_true",
-                   help="require the token on the read-only endpoints too")  # fmt: skip
-    p.add_argument("--allow-endpoint-host", action="append", default=[], metavar="HOST",
-                   help="a host, address, CIDR, '*' or 'ipc' that registered endpoints may "
-                   "name (repeatable; default: loopback only)")  # fmt: skip
+    p.add_argument(
+        "--auth-reads", action="store_true", help="require the token on the read-only endpoints too"
+    )
+    p.add_argument(
+        "--allow-endpoint-host",
+        action="append",
+        default=[],
+        metavar="HOST",
+        help="a host, address, CIDR, '*' or 'ipc' that registered endpoints may "
+        "name (repeatable; default: loopback only)",
+    )
 
 
-def _add_limit_options(p: Any) -> None:
-    p.add_argument("--max-body-bytes", type=positive_int, default=_d("max_body_bytes"),
-                   help="largest request body (413 above)")  # fmt: skip
-    p.add_argument("--header-timeout", type=positive_float, default=_d("header_timeout"),
-                   help="seconds a connection has to send a request's headers")  # fmt: skip
-    p.add_argument("--body-timeout", type=positive_float, default=_d("body_timeout"),
-                   help="seconds a request has to send its body (408 after)")  # fmt: skip
-    p.add_argument("--max-connections", type=positive_int, default=_d("max_connections"),
-                   help="open HTTP connections; more are closed at once")  # fmt: skip
+def _add_limit_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--max-body-bytes",
+        type=positive_int,
+        default=_d("max_body_bytes"),
+        help="largest request body (413 above)",
+    )
+    p.add_argument(
+        "--header-timeout",
+        type=positive_float,
+        default=_d("header_timeout"),
+        help="seconds a connection has to send a request's headers",
+    )
+    p.add_argument(
+        "--body-timeout",
+        type=positive_float,
+        default=_d("body_timeout"),
+        help="seconds a request has to send its body (408 after)",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=positive_int,
+        default=_d("max_connections"),
+        help="open HTTP connections; more are closed at once",
+    )
     p.add_argument(
         "--send-timeout",
         type=positive_float,
@@ -161,7 +232,7 @@ def _add_limit_options(p: Any) -> None:
     )
 
 
-def _app_options(args: argparse.Namespace) -> Any:
+def _app_options(args: argparse.Namespace) -> AppOptions:
     from kvevents.http import (
         DEFAULT_ALLOWED_HOSTS,
         AppOptions,
@@ -217,15 +288,19 @@ def _refuse_exposed(host: str) -> None:
         )
 
 
-def _registrations(settings: ServeSettings) -> list[Any]:
+def _registrations(settings: ServeSettings) -> list[WorkerRegistration]:
     from kvevents.errors import LayoutError
-    from kvevents.service.core import WorkerRegistration
-    from kvevents.service.feed import default_stream_specs
+    from kvevents.service import WorkerRegistration, default_stream_specs
 
     regs = []
     for entry in settings.workers:
-        reg = WorkerRegistration(entry.id, entry.endpoint, entry.block_size or settings.block_size,
-                                 entry.rank_numbers(settings.ranks), entry.replay_endpoint)  # fmt: skip
+        reg = WorkerRegistration(
+            entry.id,
+            entry.endpoint,
+            entry.block_size or settings.block_size,
+            entry.rank_numbers(settings.ranks),
+            entry.replay_endpoint,
+        )
         try:
             default_stream_specs(reg)  # every rank's endpoint, derived by the WIRE.md rule
         except LayoutError as exc:
@@ -234,12 +309,12 @@ def _registrations(settings: ServeSettings) -> list[Any]:
     return regs
 
 
-def _engine_registrations(settings: ServeSettings, taken: set[str]) -> list[Any]:
+def _engine_registrations(settings: ServeSettings, taken: set[str]) -> list[WorkerRegistration]:
     """One registration per ``--engine``, from what it advertises; a DiscoveryError (the URL
     and why: unreachable, no KV events, a bad field) stops the start (exit status 1)."""
     from kvevents.bounds import MAX_NAME_LENGTH
     from kvevents.integrations.discovery import discover, engine_option
-    from kvevents.service.core import WorkerRegistration
+    from kvevents.service import WorkerRegistration
 
     regs = []
     for text in settings.engines:
@@ -251,17 +326,21 @@ def _engine_registrations(settings: ServeSettings, taken: set[str]) -> list[Any]
         taken.add(worker)
         engine = discover(url, timeout=settings.discovery_timeout)
         replay = "" if engine.replay_endpoint is None else f", replay {engine.replay_endpoint}"
-        print(f"{worker}: {engine.ranks} rank(s) at {engine.endpoint}{replay}, block size "
-              f"{engine.block_size}", file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"{worker}: {engine.ranks} rank(s) at {engine.endpoint}{replay}, block size "
+            f"{engine.block_size}",
+            file=sys.stderr,
+            flush=True,
+        )
         regs.append(WorkerRegistration(**engine.registration_fields(worker)))
     return regs
 
 
-def _state(settings: ServeSettings) -> tuple[Any, list[Any]]:
+def _state(settings: ServeSettings) -> tuple[StateFile | None, list[WorkerRegistration]]:
     """The state file (None without --state-file) and the registrations saved in it."""
     if settings.state_file is None:
         return None, []
-    from kvevents.service.state import StateFile
+    from kvevents.service import StateFile
 
     state = StateFile(settings.state_file)
     saved = state.load()  # StateFileError (a ValueError) names the file: exit status 1
@@ -270,12 +349,14 @@ def _state(settings: ServeSettings) -> tuple[Any, list[Any]]:
     return state, saved
 
 
-def _restore(service: Any, saved: list[Any], policy: Any) -> None:
+def _restore(
+    service: IndexService, saved: list[WorkerRegistration], policy: EndpointPolicy
+) -> None:
     """Register the state file's workers again, as if over HTTP: the endpoint policy of now
     applies. One refused is skipped with a warning (and leaves the file at the next change).
     The file is not written meanwhile, and /health says "starting" until the end."""
 
-    def check(spec: Any) -> None:  # each rank's own endpoints too
+    def check(spec: StreamSpec) -> None:  # each rank's own endpoints too
         for name in ("endpoint", "replay_endpoint"):
             if getattr(spec, name) is not None:
                 policy.check(name, getattr(spec, name), (0,))
@@ -285,36 +366,49 @@ def _restore(service: Any, saved: list[Any], policy: Any) -> None:
         print(f"kvevents serve: warning: {why}", file=sys.stderr, flush=True)
 
 
-def _service(settings: ServeSettings, args: argparse.Namespace, state: Any) -> Any:
-    from kvevents.index.prefix import PrefixIndex
-    from kvevents.index.router import Router
-    from kvevents.service.core import IndexService
-    from kvevents.service.feed import subscriber_feed
-    from kvevents.subscribe.streams import SubscriberOptions
+def _service(
+    settings: ServeSettings, args: argparse.Namespace, state: StateFile | None
+) -> IndexService:
+    from kvevents.index import PrefixIndex, Router
+    from kvevents.service import IndexService, subscriber_feed
+    from kvevents.subscribe import SubscriberOptions
 
     index = PrefixIndex()
-    router = Router(index, settings.policy, seed=settings.seed,
-                    prefill_weight=settings.prefill_weight, load_weight=settings.load_weight)  # fmt: skip
+    router = Router(
+        index,
+        settings.policy,
+        seed=settings.seed,
+        prefill_weight=settings.prefill_weight,
+        load_weight=settings.load_weight,
+    )
     # The default feed: a Subscriber feeding the service each batch on its own I/O thread.
     feed = subscriber_feed(SubscriberOptions(curve=client_curve(args)))
     return IndexService(index, router=router, feed=feed, load_ttl=settings.load_ttl, state=state)
 
 
-def _replica(settings: ServeSettings, args: argparse.Namespace, regs: list[Any]) -> Any:
+def _replica(
+    settings: ServeSettings, args: argparse.Namespace, regs: list[WorkerRegistration]
+) -> Replica:
     """``--nats``: the replica whose service answers (workers come from the relay)."""
-    from kvevents.index.prefix import PrefixIndex
-    from kvevents.index.router import Router
+    from kvevents.index import PrefixIndex, Router
 
     if regs or settings.state_file is not None:
-        raise UsageError("--nats: workers are registered with the relay (kvevents relay), "
-                         "not with --worker or --state-file")  # fmt: skip
+        raise UsageError(
+            "--nats: workers are registered with the relay (kvevents relay), "
+            "not with --worker or --state-file"
+        )
     index = PrefixIndex()
-    router = Router(index, settings.policy, seed=settings.seed,
-                    prefill_weight=settings.prefill_weight, load_weight=settings.load_weight)  # fmt: skip
+    router = Router(
+        index,
+        settings.policy,
+        seed=settings.seed,
+        prefill_weight=settings.prefill_weight,
+        load_weight=settings.load_weight,
+    )
     return new_replica(args, index=index, router=router, load_ttl=settings.load_ttl)
 
 
-def _digest_extra(replica: Any) -> Any:
+def _digest_extra(replica: Replica | None) -> Callable[[], dict[str, int]] | None:
     """A replica's ``covered_seq`` in ``GET /digest``; nothing more for a plain service."""
     if replica is None:
         return None

@@ -8,9 +8,16 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING
 
+from kvevents._types import Document
 from kvevents.cli.common import UsageError, non_negative_int
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from kvevents.cli.common import Subparsers
+    from kvevents.sim import Evaluation, SimulationConfig, TraceRow
 
 EXAMPLES = """examples:
   kvevents simulate                              the whole synthetic trace, 8 workers, all policies
@@ -28,9 +35,8 @@ prefix_load it measures index fidelity, not routing quality.
 """
 
 
-def add_parser(sub: Any) -> None:
-    from kvevents.sim.cluster import ClusterConfig
-    from kvevents.sim.simulate import POLICY_NAMES
+def add_parser(sub: Subparsers) -> None:
+    from kvevents.sim import POLICY_NAMES, ClusterConfig
 
     d = ClusterConfig()
     p = sub.add_parser(
@@ -129,10 +135,13 @@ def _policies(known: tuple[str, ...]) -> Callable[[str], tuple[str, ...]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvevents.sim.cluster import ClusterConfig
-    from kvevents.sim.evaluate import format_table
-    from kvevents.sim.simulate import SimulationConfig
-    from kvevents.sim.trace import default_trace_path, load_trace
+    from kvevents.sim import (
+        ClusterConfig,
+        SimulationConfig,
+        default_trace_path,
+        format_table,
+        load_trace,
+    )
 
     if args.chart and not args.chart.endswith(".svg"):
         raise UsageError(f"--chart {args.chart!r}: the chart is SVG; name the file *.svg")
@@ -168,8 +177,10 @@ def run(args: argparse.Namespace) -> int:
     result, interrupted = _evaluate(rows, args.policies, config)
     if interrupted is not None:
         done = ", ".join(r.policy for r in result.reports) or "none"
-        print(f"kvevents simulate: interrupted during {interrupted}; finished: {done}",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"kvevents simulate: interrupted during {interrupted}; finished: {done}",
+            file=sys.stderr,
+        )
         if not result.reports:
             return 130
     if args.json:
@@ -179,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
         print(_header(path, result.rows, config))
         print(format_table(result, markdown=args.markdown))
     if args.chart:
-        from kvevents.sim.charts import evaluation_svg
+        from kvevents.sim import evaluation_svg
 
         with open(args.chart, "w", encoding="utf-8") as out:
             out.write(evaluation_svg(result))
@@ -187,9 +198,8 @@ def run(args: argparse.Namespace) -> int:
     return 0 if interrupted is None else 130
 
 
-def _sweep(args: argparse.Namespace, rows: Any, config: Any) -> int:
-    from kvevents.sim.charts import sweep_svg
-    from kvevents.sim.sweep import format_sweep, sweep, sweep_series
+def _sweep(args: argparse.Namespace, rows: Sequence[TraceRow], config: SimulationConfig) -> int:
+    from kvevents.sim import format_sweep, sweep, sweep_series, sweep_svg
 
     policies = [p for p in args.policies if p != "oracle"]  # index fidelity is not swept
     capacities = (max(1, args.capacity // 4), args.capacity)
@@ -213,11 +223,11 @@ def _sweep(args: argparse.Namespace, rows: Any, config: Any) -> int:
     return 0
 
 
-def _evaluate(rows: Any, policies: Any, config: Any) -> tuple[Any, str | None]:
+def _evaluate(
+    rows: Sequence[TraceRow], policies: Sequence[str], config: SimulationConfig
+) -> tuple[Evaluation, str | None]:
     """Every policy's report, or on Ctrl-C those that finished and the one interrupted."""
-    from kvevents.sim.evaluate import Evaluation
-    from kvevents.sim.simulate import run_policy
-    from kvevents.sim.yardsticks import yardsticks
+    from kvevents.sim import Evaluation, run_policy, yardsticks
 
     reports = []
     with _progress(len(policies) * len(rows)) as report:
@@ -233,7 +243,7 @@ def _evaluate(rows: Any, policies: Any, config: Any) -> tuple[Any, str | None]:
     return Evaluation(len(rows), config, tuple(reports), marks), None
 
 
-def _header(path: str, rows: int, config: Any) -> str:
+def _header(path: str, rows: int, config: SimulationConfig) -> str:
     c = config.cluster
     return (
         f"trace {path}: {rows} rows; {c.workers} workers x {c.ranks} rank(s), "
@@ -259,7 +269,7 @@ def _progress(total: int) -> Iterator[Callable[[str, int, int], None]]:
             console=Console(stderr=True),
             transient=True,
         )
-        tasks: dict[str, Any] = {}
+        tasks: Document = {}
 
         def show(policy: str, done: int, rows: int) -> None:
             if policy not in tasks:

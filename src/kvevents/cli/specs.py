@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from kvevents.cli.common import UsageError
 from kvevents.errors import LayoutError
 from kvevents.events import StreamKey
-from kvevents.subscribe.streams import StreamSpec, worker_streams
+from kvevents.subscribe import StreamSpec, worker_streams
 
 __all__ = ["parse_worker", "stream_specs"]
 

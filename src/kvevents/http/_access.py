@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from kvevents.errors import LayoutError
 from kvevents.files import read_bounded
-from kvevents.wire.endpoints import parse_endpoint, rank_endpoint
+from kvevents.wire import parse_endpoint, rank_endpoint
 
 __all__ = [
     "ACCESS_RULES",

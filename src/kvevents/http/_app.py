@@ -59,8 +59,7 @@ from kvevents.http._openapi import openapi_route
 from kvevents.http._query import QueryHandler, QueryReader
 from kvevents.http._schema import RegisterBody, UnregisterBody, decode, registration, worker_id
 from kvevents.http._status import status_routes
-from kvevents.service.core import IndexService, WorkerRegistration
-from kvevents.service.memory import IdleTrim, release_free_memory
+from kvevents.service import IdleTrim, IndexService, WorkerRegistration, release_free_memory
 
 __all__ = ["MUTATING", "Api", "AppOptions", "Guard", "create_app"]
 
@@ -261,7 +260,7 @@ class Guard:
         if scope["type"] == "http" and not self.auth.allows(
             scope["headers"], scope["path"] in MUTATING
         ):
-            self.counters.add("unauthorized")
+            self.counters.unauthorized += 1
             message = f"{scope['path']}: a valid 'Authorization: Bearer <token>' header is required"
             challenge = [(b"www-authenticate", b"Bearer")]
             await send_json(send, 401, encode({"error": message}), headers=challenge)

@@ -1,7 +1,7 @@
 """The index service's Prometheus metrics, read at scrape time: nothing on the hot path.
 
-Every numeric field of :class:`~kvevents.index.prefix.IndexStats` and
-:class:`~kvevents.service.core.ServiceStats` becomes a metric on its own, its HELP text the
+Every numeric field of :class:`~kvevents.index.IndexStats` and
+:class:`~kvevents.service.ServiceStats` becomes a metric on its own, its HELP text the
 field's documentation (:func:`kvevents.metrics.field_docs`); a field added to either record
 shows up without a change here.
 """
@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from kvevents.metrics import CollectorGroup, StatsCollector
-from kvevents.service.core import IndexService
+from kvevents.service import IndexService
 
 __all__ = ["ServiceCollector"]
 

@@ -1,4 +1,4 @@
-"""``GET /digest``: the digest of a service's index (:mod:`kvevents.index.digest`), so that
+"""``GET /digest``: the digest of a service's index (:mod:`kvevents.index._digest`), so that
 operators and tests can see that router replicas agree.
 
 The answer is ``{"total": HEX, "streams": [{worker_id, rank, block_size, blocks, digest}]}``
@@ -16,8 +16,8 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from kvevents.http._json import JsonObject, json_response
-from kvevents.index.digest import holders_digest
-from kvevents.service.core import IndexService
+from kvevents.index import holders_digest
+from kvevents.service import IndexService
 
 __all__ = ["DigestExtra", "digest_route"]
 

@@ -16,8 +16,8 @@ from collections.abc import AsyncIterator
 import msgspec
 from starlette.concurrency import run_in_threadpool
 
-from kvevents.index.prefix import HolderKey
-from kvevents.service.core import IndexService
+from kvevents.index import HolderKey
+from kvevents.service import IndexService
 
 __all__ = ["CHUNK_PAIRS", "dump_chunks"]
 

@@ -41,11 +41,16 @@ from kvevents.http._errors import BadRequest
 from kvevents.http._json import JsonObject, json_response
 from kvevents.http._query import json_packers
 from kvevents.http._schema import CacheSalt
-from kvevents.index.keys import pack_tokens
-from kvevents.index.records import DEFAULT_TIER, MatchResult
-from kvevents.service.bounds import BlockSize, EndpointText, Rank, Text
-from kvevents.service.core import IndexService
-from kvevents.service.feed import OwnEndpoints, WorkerRegistration
+from kvevents.index import DEFAULT_TIER, MatchResult, pack_tokens
+from kvevents.service import (
+    BlockSize,
+    EndpointText,
+    IndexService,
+    OwnEndpoints,
+    Rank,
+    Text,
+    WorkerRegistration,
+)
 
 __all__ = ["DEFAULT_GROUP", "DynamoApi", "DynamoQueryReader", "dynamo_scores"]
 

@@ -2,8 +2,8 @@
 
 Body ``{"loads": [{worker_id | instance_id, rank? | dp_rank?, queued_blocks, active_blocks},
 ...]}``: each (worker, rank)'s prefill blocks queued and KV blocks held by running requests,
-as :class:`~kvevents.index.decision.Load` counts them. A report replaces the target's load and
-counts for the service's load TTL (:mod:`kvevents.service.loadreports`). Entries for workers
+as :class:`~kvevents.index.Load` counts them. A report replaces the target's load and
+counts for the service's load TTL (:mod:`kvevents.service._loadreports`). Entries for workers
 or ranks not registered are not applied: the reply lists them (``unknown``), and
 ``kvevents_service_load_unknown`` counts them. It is a mutating endpoint: behind the token.
 """
@@ -19,8 +19,7 @@ from starlette.responses import Response
 from kvevents.http._errors import BadRequest
 from kvevents.http._json import json_response
 from kvevents.http._schema import LoadBody, LoadEntry, decode
-from kvevents.service.core import IndexService
-from kvevents.service.loadreports import LoadReport
+from kvevents.service import IndexService, LoadReport
 
 __all__ = ["load_endpoint", "load_reports"]
 

@@ -20,8 +20,8 @@ from starlette.routing import Route
 from kvevents.http._json import JsonObject
 from kvevents.http._schema import LoadBody, QueryBody, RegisterBody, UnregisterBody
 from kvevents.http._status import Status
-from kvevents.index.prefix import IndexStats
-from kvevents.subscribe.streams import FeedState, StreamStats
+from kvevents.index import IndexStats
+from kvevents.subscribe import FeedState, StreamStats
 
 __all__ = ["OPENAPI_VERSION", "openapi_document", "openapi_route"]
 

@@ -136,7 +136,7 @@ class LimitedProtocol(HttpToolsProtocol):
         self._body_size = 0
         self._body_timer: asyncio.TimerHandle | None = None
         if len(self.connections) > self.limits.max_connections:
-            self.counters.add("connections_refused")
+            self.counters.connections_refused += 1
             transport.close()  # over the cap: refused before it costs more than the accept
             return
         self._arm()
@@ -274,7 +274,7 @@ class LimitedProtocol(HttpToolsProtocol):
         """The client has read nothing for send_timeout: drop what it was sent, and it."""
         self._send_timer = None
         if not self.transport.is_closing():
-            self.counters.add("send_timeouts")
+            self.counters.send_timeouts += 1
         self.transport.abort()
 
     def _write_waiting(self) -> None:
@@ -346,14 +346,14 @@ class LimitedProtocol(HttpToolsProtocol):
         if self._unparsed or self.flow.read_paused:  # waiting for us, not for the client
             self._arm()
             return
-        self.counters.add("header_timeouts")
+        self.counters.header_timeouts += 1
         self._cut_off()
 
     def _count_header_bytes(self, size: int) -> None:
         self._header_bytes += size
         if self._header_bytes > self.limits.max_header_bytes:
             self._disarm()
-            self.counters.add("headers_too_large")
+            self.counters.headers_too_large += 1
             self._end_with(partial(self._write_and_close, HEADERS_TOO_LARGE))
 
     def _end_with(self, refusal: Callable[[], None]) -> None:

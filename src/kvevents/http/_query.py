@@ -29,8 +29,8 @@ from kvevents.http._schema import (
     decode,
     mm_spans,
 )
-from kvevents.index.keys import pack_tokens
-from kvevents.service.core import IndexService
+from kvevents.index import pack_tokens
+from kvevents.service import IndexService
 
 __all__ = ["JsonPacker", "MemberPacker", "QueryHandler", "QueryReader", "Reader", "json_packers"]
 

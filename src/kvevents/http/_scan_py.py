@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import msgspec
 
-from kvevents.index.keys import pack_tokens
+from kvevents.index import pack_tokens
 
 __all__ = ["IMPLEMENTATION", "pack_json_member", "pack_json_tokens"]
 

@@ -3,7 +3,7 @@
 Every number a client sends has a range and every string a length, so a request is refused
 with a 400 naming the field and the rule (``Expected `int` <= 1024 - at `$.ranks```) before
 anything is built from it: no ``ranks: 2**62`` reaches ``range()``, no ``block_size: -1``
-reaches the index. A registration's own fields are bounded by :mod:`kvevents.service.bounds`
+reaches the index. A registration's own fields are bounded by :mod:`kvevents.service._bounds`
 (the same bounds hold for one restored from a state file or a scale-out record). Pure: no
 sockets, no service.
 """
@@ -23,16 +23,17 @@ from kvevents.bounds import (
 )
 from kvevents.events import Digest
 from kvevents.http._errors import BadRequest
-from kvevents.index.keys import MMSpan
-from kvevents.service.bounds import (
+from kvevents.index import MMSpan
+from kvevents.service import (
     BlockSize,
     EndpointText,
     Name,
+    OwnEndpoints,
     Rank,
     RankCount,
     Text,
+    WorkerRegistration,
 )
-from kvevents.service.feed import OwnEndpoints, WorkerRegistration
 
 __all__ = [
     "MAX_LOAD_BLOCKS",

@@ -1,8 +1,8 @@
 """The HTTP server thread: uvicorn on a socket bound before it starts, with client limits.
 
-Each connection runs :class:`~kvevents.http._protocol.LimitedProtocol`: the header deadline,
+Each connection runs :class:`~kvevents.http.LimitedProtocol`: the header deadline,
 header size and connection cap, and ``POST /query`` answered on the connection. Other bodies'
-limits are enforced by the app (:func:`~kvevents.http._limits.read_body`).
+limits are enforced by the app (:func:`~kvevents.http.read_body`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from kvevents.http._digest import DigestExtra
 from kvevents.http._limits import HttpCounters, HttpLimits
 from kvevents.http._protocol import LimitedProtocol
 from kvevents.http._query import QueryHandler
-from kvevents.service.core import IndexService
+from kvevents.service import IndexService
 
 __all__ = ["Server", "serve"]
 

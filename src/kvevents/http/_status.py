@@ -24,10 +24,9 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from kvevents.http._json import encode
-from kvevents.index.prefix import StreamInfo
-from kvevents.service.core import IndexService
-from kvevents.service.decisions import HitBucket, RoutedQuery
-from kvevents.subscribe.streams import FeedState, StreamState, StreamStats
+from kvevents.index import StreamInfo
+from kvevents.service import HitBucket, IndexService, RoutedQuery
+from kvevents.subscribe import FeedState, StreamState, StreamStats
 
 __all__ = [
     "HitPoint",

@@ -1,6 +1,6 @@
 """Every uvicorn internal the HTTP layer leans on, imported here and nowhere else.
 
-:class:`~kvevents.http._protocol.LimitedProtocol` subclasses uvicorn's httptools protocol,
+:class:`~kvevents.http.LimitedProtocol` subclasses uvicorn's httptools protocol,
 which is not a public API of uvicorn. It does so because answering ``POST /query`` on the
 connection, without an ASGI task, costs about 40% less server CPU a query than uvicorn's
 public (ASGI) path (docs/native.md, "/query on the connection"). What it relies on:
@@ -20,9 +20,9 @@ public (ASGI) path (docs/native.md, "/query on the connection"). What it relies 
 
 Hence uvicorn is pinned to the versions tested (``pyproject.toml``), and :data:`TESTED` maps
 the digest of those two modules' source (:func:`source_digest`) to the versions that have it.
-``tests/test_http_uvicorn.py`` fails on a uvicorn outside the range or whose modules differ
+``tests/http/test_http_uvicorn.py`` fails on a uvicorn outside the range or whose modules differ
 from every version tested. To take a new uvicorn: run the HTTP tests against it
-(``tests/test_http_protocol.py``, ``tests/test_hostile_http.py``, ``tests/test_service.py``),
+(``tests/http/test_http_protocol.py``, ``tests/http/test_hostile_http.py``, ``tests/http/test_service.py``),
 then add its digest here and widen the range.
 """
 

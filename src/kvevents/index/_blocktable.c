@@ -1,4 +1,4 @@
-/* The prefix index's storage primitives in C: the API and semantics of _blocktable_py.py.
+/* The prefix index's storage primitives in C: the API and semantics of _table_py.py (the plain-Python reference).
  *
  * U64Map is an open-addressing table of 16-byte slots {key, value} with linear probing and
  * backward-shift deletion (no tombstones). Key 0 marks an empty slot, so the entry whose key is

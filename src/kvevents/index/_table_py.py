@@ -1,7 +1,7 @@
 """The prefix index's table primitives in plain Python: the reference for ``_blocktable.c``.
 
 This is what runs where the C module could not be built (or with ``KVEVENTS_PURE_PYTHON=1``),
-and what the differential tests compare the C module to. :mod:`kvevents.index.table` picks one.
+and what the differential tests compare the C module to. :mod:`kvevents.index._table` picks one.
 
 A :class:`U64Map` here is a dict. Its keys are engine hashes or our own hashes, ints that an
 engine writes either as signed 64-bit (SGLang, TensorRT-LLM) or as unsigned 64-bit (vLLM);
@@ -10,7 +10,7 @@ negative key and its two's-complement unsigned value as one key, and checks rang
 whenever the keys of one map are in one form, which is what one engine's stream gives.
 
 None of these functions knows an index rule (reference counts, orphans, tombstone limits):
-they are bulk operations on tables, and :mod:`kvevents.index.prefix` decides when to use them.
+they are bulk operations on tables, and :mod:`kvevents.index._prefix` decides when to use them.
 """
 
 from __future__ import annotations
@@ -54,13 +54,14 @@ class U64Map(dict[int, int]):
 
     __slots__ = ()
 
+    # Lists, not views, as the class docstring says: a narrower return than dict's.
     def keys(self) -> list[int]:  # type: ignore[override]
         return list(super().keys())
 
-    def values(self) -> list[int]:  # type: ignore[override]
+    def values(self) -> list[int]:  # type: ignore[override]  # a list: as keys()
         return list(super().values())
 
-    def items(self) -> list[tuple[int, int]]:  # type: ignore[override]
+    def items(self) -> list[tuple[int, int]]:  # type: ignore[override]  # a list: as keys()
         return list(super().items())
 
     @property

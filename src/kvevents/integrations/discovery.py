@@ -24,12 +24,13 @@ import urllib.parse
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from kvevents._types import Document, DocumentView
 from kvevents.bounds import MAX_BLOCK_SIZE, MAX_ENDPOINT_LENGTH, MAX_NAME_LENGTH, MAX_RANKS
 from kvevents.deadline import Deadline
 from kvevents.errors import DiscoveryError, LayoutError
 from kvevents.integrations._fetch import FetchError, fetch
-from kvevents.subscribe.streams import StreamSpec, worker_streams
-from kvevents.wire.endpoints import MAX_PORT, parse_endpoint
+from kvevents.subscribe import StreamSpec, worker_streams
+from kvevents.wire import MAX_PORT, parse_endpoint
 
 if TYPE_CHECKING:
     from kvevents.security import CurveClient
@@ -80,8 +81,8 @@ class EngineEndpoints:
             curve=curve,
         )
 
-    def registration_fields(self, worker_id: str) -> dict[str, Any]:
-        """The fields of a ``kvevents.service.feed.WorkerRegistration`` for this engine
+    def registration_fields(self, worker_id: str) -> Document:
+        """The fields of a ``kvevents.service.WorkerRegistration`` for this engine
         (``WorkerRegistration(**engine.registration_fields("a"))``; the service layer sits
         above this one, so it is not built here)."""
         return {
@@ -195,13 +196,13 @@ def _shown(value: Any) -> str:
     return text if len(text) <= 80 else f"{text[:60]}... ({len(text)} characters)"
 
 
-def _required(kv: Mapping[str, Any], key: str, url: str) -> Any:
+def _required(kv: DocumentView, key: str, url: str) -> Any:
     if key not in kv:
         raise DiscoveryError(url, f"kv_events.{key} is missing", key=f"kv_events.{key}")
     return kv[key]
 
 
-def _host(kv: Mapping[str, Any], key: str, url: str) -> str:
+def _host(kv: DocumentView, key: str, url: str) -> str:
     host = _required(kv, key, url)
     if not isinstance(host, str):
         raise DiscoveryError(url, f"kv_events.{key} is not a string", key=f"kv_events.{key}")
@@ -225,7 +226,7 @@ def _host(kv: Mapping[str, Any], key: str, url: str) -> str:
 
 
 def _base_port(
-    kv: Mapping[str, Any], key: str, url: str, ranks: int, *, required: bool = True
+    kv: DocumentView, key: str, url: str, ranks: int, *, required: bool = True
 ) -> int | None:
     """The base port at ``key``; rank r publishes on it + r, so every rank's must be a port."""
     if not required and kv.get(key) is None:
@@ -246,7 +247,7 @@ def _base_port(
     return port
 
 
-def _count(kv: Mapping[str, Any], key: str, url: str, top: int) -> int:
+def _count(kv: DocumentView, key: str, url: str, top: int) -> int:
     """The integer at ``key``, in 1..``top`` (the bound a registration over HTTP has)."""
     value = _required(kv, key, url)
     if type(value) is not int or not 1 <= value <= top:
@@ -258,7 +259,7 @@ def _count(kv: Mapping[str, Any], key: str, url: str, top: int) -> int:
     return value
 
 
-def _topic(kv: Mapping[str, Any], url: str) -> str:
+def _topic(kv: DocumentView, url: str) -> str:
     topic = kv.get("topic", "")
     if not isinstance(topic, str):
         raise DiscoveryError(url, "kv_events.topic is not a string", key="kv_events.topic")

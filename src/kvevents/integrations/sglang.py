@@ -30,10 +30,10 @@ from typing import Any
 
 import msgspec
 
+from kvevents._types import Document
 from kvevents.config import SGLangKVEventsConfig
 from kvevents.errors import DecodeError
-from kvevents.publish.publisher import ZmqPublisher
-from kvevents.publish.records import PublisherStats
+from kvevents.publish import PublisherStats, ZmqPublisher
 from kvevents.ratelimit import RateLimitedWarning
 from kvevents.wire import decode_batch
 
@@ -103,13 +103,13 @@ class SGLangPublisher:
         """A snapshot of the counters (safe from any thread)."""
         return SGLangPublisherStats(self._publisher.stats(), self._skipped, self._batches_skipped)
 
-    def describe_local_source(self, block_size: int) -> dict[str, Any] | None:
+    def describe_local_source(self, block_size: int) -> Document | None:
         """Where a process on this host subscribes to this rank: the bound endpoints, a wildcard
         host read as loopback (what SGLang's scheduler asks every publisher for)."""
         endpoint = _local(self._publisher.endpoint)
         if endpoint is None:
             return None
-        source: dict[str, Any] = {
+        source: Document = {
             "dp_rank": self.rank,
             "endpoint": endpoint,
             "topic": self._publisher.config.topic,

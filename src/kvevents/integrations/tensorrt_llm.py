@@ -36,13 +36,19 @@ from collections.abc import Callable, Mapping
 from types import TracebackType
 from typing import Any, Literal, TypeAlias
 
+from kvevents._types import DocumentView
 from kvevents.config import KVEventsConfig
 from kvevents.errors import PublisherError
 from kvevents.events import UNSET, AllBlocksCleared, BlockRemoved, BlockStored, Event, KVEventBatch
 from kvevents.integrations._fetch import FetchError, fetch
 from kvevents.metrics import StatsCollector, publisher_collector
-from kvevents.publish.publisher import Publisher, create_publisher
-from kvevents.publish.records import PublisherOptions, PublisherStats, ShutdownReport
+from kvevents.publish import (
+    Publisher,
+    PublisherOptions,
+    PublisherStats,
+    ShutdownReport,
+    create_publisher,
+)
 from kvevents.ratelimit import RateLimitedWarning
 
 __all__ = [
@@ -90,13 +96,13 @@ def signed64(value: object, field: str) -> int:
     return value - _U64 if value > ~_I64_MIN else value
 
 
-def _get(obj: Mapping[str, Any], key: str, where: str) -> Any:
+def _get(obj: DocumentView, key: str, where: str) -> Any:
     if key not in obj:
         raise _Malformed(f"{where}.{key} is missing")
     return obj[key]
 
 
-def _mapping(value: object, field: str) -> Mapping[str, Any]:
+def _mapping(value: object, field: str) -> DocumentView:
     if not isinstance(value, Mapping):
         raise _Malformed(f"{field} is {type(value).__name__}, expected an object")
     return value
@@ -220,7 +226,7 @@ def _stored_event(run: list[_Block], parent: int | None, block_size: int) -> Blo
     )
 
 
-def _stored(data: Mapping[str, Any], block_size: int | None) -> tuple[list[Event], int]:
+def _stored(data: DocumentView, block_size: int | None) -> tuple[list[Event], int]:
     raw = _list(_get(data, "blocks", "data"), "data.blocks")
     if not raw:
         raise _Malformed("data.blocks is empty: a store names at least one block")
@@ -240,13 +246,13 @@ def _stored(data: Mapping[str, Any], block_size: int | None) -> tuple[list[Event
     return events, partial
 
 
-def _removed(data: Mapping[str, Any]) -> list[Event]:
+def _removed(data: DocumentView) -> list[Event]:
     raw = _list(_get(data, "block_hashes", "data"), "data.block_hashes")
     hashes = [signed64(h, f"data.block_hashes[{i}]") for i, h in enumerate(raw)]
     return [BlockRemoved(block_hashes=hashes)] if hashes else []
 
 
-def _header(entry: Mapping[str, Any], world_size: int) -> tuple[int, int | None]:
+def _header(entry: DocumentView, world_size: int) -> tuple[int, int | None]:
     rank = entry.get("attention_dp_rank")
     rank = 0 if rank is None else _small_int(rank, "attention_dp_rank")
     if rank >= world_size:
@@ -301,6 +307,36 @@ class BridgeStats:
     last_error: str | None = None  #: why the last entry was skipped or the last poll failed
 
 
+@dataclasses.dataclass(slots=True)
+class _BridgeCounts:
+    """The bridge's running counters (each documented on :class:`BridgeStats`): mutable
+    fields, so that a counter's name is checked by mypy."""
+
+    polls: int = 0
+    poll_errors: int = 0
+    events: int = 0
+    created: int = 0
+    stored: int = 0
+    removed: int = 0
+    updated: int = 0
+    bad_events: int = 0
+    partial_blocks: int = 0
+    missed_events: int = 0
+    batches: int = 0
+    publish_errors: int = 0
+
+    def read(self, kind: EventKind) -> None:
+        """Count one entry of ``kind`` read."""
+        if kind == "created":
+            self.created += 1
+        elif kind == "stored":
+            self.stored += 1
+        elif kind == "removed":
+            self.removed += 1
+        else:
+            self.updated += 1
+
+
 class TensorRTLLMBridge:
     """Polls TensorRT-LLM's KV cache events and publishes them per attention-DP rank.
 
@@ -334,7 +370,7 @@ class TensorRTLLMBridge:
             create_publisher(config, rank, world_size=attention_dp_size, options=options)
             for rank in range(attention_dp_size)
         ]
-        self._counts = {f.name: 0 for f in dataclasses.fields(BridgeStats) if f.type == "int"}
+        self._counts = _BridgeCounts()
         self._last_error: str | None = None
         self._last_ids: dict[int, int] = {}
         self._state: BridgeState = "new"
@@ -411,7 +447,7 @@ class TensorRTLLMBridge:
             with self._lock:
                 if entries is None or self._state != "started":
                     return False
-                self._counts["polls"] += 1
+                self._counts.polls += 1
                 for rank, events in sorted(self._map_all(entries).items()):
                     self._publish(rank, events)
             return True
@@ -429,7 +465,7 @@ class TensorRTLLMBridge:
 
     def _poll_failed(self, reason: str) -> None:
         with self._lock:
-            self._counts["poll_errors"] += 1
+            self._counts.poll_errors += 1
             self._last_error = reason
         self._warn("poll", "TensorRT-LLM bridge: %s", reason)
         return None
@@ -437,7 +473,7 @@ class TensorRTLLMBridge:
     def _map_all(self, entries: list[Any]) -> dict[int, list[Event]]:
         per_rank: dict[int, list[Event]] = {}
         for index, entry in enumerate(entries):
-            self._counts["events"] += 1
+            self._counts.events += 1
             try:
                 mapped = map_event(entry, block_size=self.block_size, world_size=self.world_size)
             except ValueError as exc:
@@ -449,18 +485,18 @@ class TensorRTLLMBridge:
         return per_rank
 
     def _skip(self, index: int, reason: str) -> None:
-        self._counts["bad_events"] += 1
+        self._counts.bad_events += 1
         self._last_error = f"entry {index} of a poll: {reason}"
         self._warn("bad", "TensorRT-LLM bridge skipped %s", self._last_error)
 
     def _count(self, mapped: Mapped) -> None:
-        self._counts[mapped.kind] += 1
-        self._counts["partial_blocks"] += mapped.partial_blocks
+        self._counts.read(mapped.kind)
+        self._counts.partial_blocks += mapped.partial_blocks
         if mapped.event_id is None:
             return
         last = self._last_ids.get(mapped.rank)
         if last is not None and mapped.event_id > last + 1:
-            self._counts["missed_events"] += mapped.event_id - last - 1
+            self._counts.missed_events += mapped.event_id - last - 1
         self._last_ids[mapped.rank] = mapped.event_id
 
     def _publish(self, rank: int, events: list[Event]) -> None:
@@ -468,17 +504,17 @@ class TensorRTLLMBridge:
         try:
             self.publishers[rank].publish(batch)
         except PublisherError as exc:
-            self._counts["publish_errors"] += 1
+            self._counts.publish_errors += 1
             self._last_error = f"rank {rank}: {exc}"
             return
-        self._counts["batches"] += 1
+        self._counts.batches += 1
 
     # ------------------------------------------------------------------ introspection
 
     def stats(self) -> BridgeStats:
         """A snapshot of the bridge's counters (safe from any thread)."""
         with self._lock:
-            return BridgeStats(**self._counts, last_error=self._last_error)
+            return BridgeStats(**dataclasses.asdict(self._counts), last_error=self._last_error)
 
     def publisher_stats(self) -> dict[int, PublisherStats]:
         """Each rank's publisher counters."""

@@ -27,7 +27,7 @@ from typing import Any
 import msgspec
 
 from kvevents.config import KVEventsConfig
-from kvevents.publish.publisher import ZmqPublisher
+from kvevents.publish import ZmqPublisher
 
 __all__ = ["OVERRIDE_ENV", "PUBLISHER_NAME", "VllmPublisher", "register"]
 

@@ -9,8 +9,8 @@
 - The proxy: :class:`RouteApp` (the ASGI app), :func:`serve` (it on a server thread),
   :class:`ProxyOptions`; its errors are :class:`OpenAIError`.
 
-Everything here needs the ``route`` extra and loads on first use. Names are kept one per
-line, sorted.
+Everything here needs the ``route`` extra and loads on first use. Its modules are
+private (``_proxy``, ``_plan``...): import from here.
 """
 
 from __future__ import annotations
@@ -21,15 +21,11 @@ from kvevents._lazy import lazy_exports
 
 if TYPE_CHECKING:
     from kvevents.errors import TokenizerNotFound
-    from kvevents.route._engines import (
-        Engine,
-        EngineCounts,
-        EnginePool,
-        EngineState,
-        EngineStats,
-    )
+    from kvevents.route._engines import Engine, EngineCounts, EnginePool, EngineState, EngineStats
+    from kvevents.route._frontdoor import EngineSpec, FrontDoor
     from kvevents.route._metrics import ProxyCounts, ProxyStats
     from kvevents.route._options import ProxyOptions
+    from kvevents.route._plan import PlannerOptions
     from kvevents.route._proxy import RouteApp, serve
     from kvevents.route._replies import OpenAIError
     from kvevents.route._seam import Outcome, OutcomeKind, Plan, Planner, RouteRequest
@@ -48,14 +44,17 @@ __all__ = [
     "EngineCounts",
     "EngineOptions",
     "EnginePool",
+    "EngineSpec",
     "EngineState",
     "EngineStats",
+    "FrontDoor",
     "ModelTokenizer",
     "OpenAIError",
     "Outcome",
     "OutcomeKind",
     "Plan",
     "Planner",
+    "PlannerOptions",
     "Prompt",
     "ProxyCounts",
     "ProxyOptions",
@@ -81,11 +80,28 @@ __getattr__, __dir__ = lazy_exports(
             "EngineState",
             "EngineStats",
         ),
-        "kvevents.route._metrics": ("ProxyCounts", "ProxyStats"),
+        "kvevents.route._frontdoor": (
+            "EngineSpec",
+            "FrontDoor",
+        ),
+        "kvevents.route._metrics": (
+            "ProxyCounts",
+            "ProxyStats",
+        ),
         "kvevents.route._options": ("ProxyOptions",),
-        "kvevents.route._proxy": ("RouteApp", "serve"),
+        "kvevents.route._plan": ("PlannerOptions",),
+        "kvevents.route._proxy": (
+            "RouteApp",
+            "serve",
+        ),
         "kvevents.route._replies": ("OpenAIError",),
-        "kvevents.route._seam": ("Outcome", "OutcomeKind", "Plan", "Planner", "RouteRequest"),
+        "kvevents.route._seam": (
+            "Outcome",
+            "OutcomeKind",
+            "Plan",
+            "Planner",
+            "RouteRequest",
+        ),
         "kvevents.route._tokens": (
             "EngineOptions",
             "ModelTokenizer",

@@ -45,15 +45,17 @@ from __future__ import annotations
 import json
 import re
 from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Literal
+from typing import Literal
 
 import jinja2
 import jinja2.ext
 import jinja2.nodes
 import jinja2.sandbox
+
+from kvevents._types import Document, DocumentView, JSONValue
 
 __all__ = [
     "ChatOptions",
@@ -164,7 +166,7 @@ def _refuse(why: str) -> NoTokens:
     return NoTokens(why, refused=True)
 
 
-def _flag(body: Mapping[str, Any], name: str, default: bool) -> bool:
+def _flag(body: DocumentView, name: str, default: bool) -> bool:
     value = body.get(name, default)
     if value is None:
         return default
@@ -173,7 +175,7 @@ def _flag(body: Mapping[str, Any], name: str, default: bool) -> bool:
     return value
 
 
-def _optional(body: Mapping[str, Any], name: str, kind: type) -> Any:
+def _optional(body: DocumentView, name: str, kind: type) -> JSONValue:
     value = body.get(name)
     if value is not None and not isinstance(value, kind):
         raise _refuse(f"{name} is not a {kind.__name__}")
@@ -188,12 +190,12 @@ class ChatOptions:
     continue_final_message: bool
     add_special_tokens: bool
     chat_template: str | None
-    chat_template_kwargs: Mapping[str, Any]
-    documents: list[Any] | None
+    chat_template_kwargs: DocumentView
+    documents: list[JSONValue] | None
     reasoning_effort: str | None
 
     @classmethod
-    def read(cls, body: Mapping[str, Any]) -> ChatOptions:
+    def read(cls, body: DocumentView) -> ChatOptions:
         """The options of ``body``; :class:`NoTokens` for a value of the wrong kind."""
         options = cls(
             add_generation_prompt=_flag(body, "add_generation_prompt", True),
@@ -211,14 +213,14 @@ class ChatOptions:
         return options
 
 
-def _merge(defaults: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+def _merge(defaults: DocumentView, overrides: DocumentView) -> Document:
     """vLLM's merge: ``defaults`` updated by the overrides that are not None or "auto"."""
     return {**defaults, **{k: v for k, v in overrides.items() if v is not None and v != "auto"}}
 
 
-def request_kwargs(options: ChatOptions) -> dict[str, Any]:
+def request_kwargs(options: ChatOptions) -> Document:
     """The request's own template kwargs: its ``chat_template_kwargs`` under its flags."""
-    extra: dict[str, Any] = {
+    extra: Document = {
         "add_generation_prompt": options.add_generation_prompt,
         "continue_final_message": options.continue_final_message,
         "documents": options.documents,
@@ -232,9 +234,9 @@ def request_kwargs(options: ChatOptions) -> dict[str, Any]:
 
 def template_kwargs(
     options: ChatOptions,
-    tools: list[dict[str, Any]] | None,
-    engine_defaults: Mapping[str, Any],
-) -> dict[str, Any]:
+    tools: list[Document] | None,
+    engine_defaults: DocumentView,
+) -> Document:
     """Everything the engine's chat template call receives besides the conversation.
 
     Keys ``tools`` and ``chat_template`` included (None when absent); ``tokenize`` is refused
@@ -252,15 +254,15 @@ def template_kwargs(
     return merged
 
 
-def foreign_parameters(kwargs: Mapping[str, Any], ours: frozenset[str]) -> str | None:
+def foreign_parameters(kwargs: DocumentView, ours: frozenset[str]) -> str | None:
     """A kwarg our apply_chat_template takes as a parameter but the engine's does not."""
     return next((k for k in kwargs if k in ours and k not in _ENGINE_CALL_PARAMETERS), None)
 
 
-def _function(value: Any, where: str) -> dict[str, Any]:
+def _function(value: JSONValue, where: str) -> Document:
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         raise _refuse(f"{where}.function has no name")
-    dumped: dict[str, Any] = {"name": value["name"]}
+    dumped: Document = {"name": value["name"]}
     for name, kind in (("description", str), ("parameters", dict)):
         item = value.get(name)
         if item is not None and not isinstance(item, kind):
@@ -275,7 +277,7 @@ def _function(value: Any, where: str) -> dict[str, Any]:
     return dumped
 
 
-def _tool(value: Any, where: str) -> dict[str, Any]:
+def _tool(value: JSONValue, where: str) -> Document:
     if not isinstance(value, dict) or value.get("type", "function") != "function":
         raise _refuse(f"{where} is not a function tool")
     defer = value.get("defer_loading")
@@ -284,22 +286,20 @@ def _tool(value: Any, where: str) -> dict[str, Any]:
     function = _function(value.get("function"), where)
     if defer is not None and "defer_loading" not in function:
         function["defer_loading"] = defer
-    dumped: dict[str, Any] = {"type": "function", "function": function}
+    dumped: Document = {"type": "function", "function": function}
     if defer is not None:
         dumped["defer_loading"] = defer
     return dumped
 
 
-def tool_choice(body: Mapping[str, Any]) -> Any:
+def tool_choice(body: DocumentView) -> JSONValue:
     """The request's ``tool_choice`` as vLLM reads it: ``"auto"`` when tools come without one."""
     if "tool_choice" in body:
         return body["tool_choice"]
     return "auto" if body.get("tools") else "none"
 
 
-def check_tool_choice(
-    body: Mapping[str, Any], *, auto_tool_choice: bool, tool_parser: bool
-) -> None:
+def check_tool_choice(body: DocumentView, *, auto_tool_choice: bool, tool_parser: bool) -> None:
     """Refuse what vLLM refuses: empty tools, a choice without tools or naming no tool, and
     ``auto`` (``required``, a named tool) without ``--enable-auto-tool-choice``
     (``--tool-call-parser``)."""
@@ -331,9 +331,7 @@ def check_tool_choice(
         raise _refuse("tool_choice required or named without --tool-call-parser")
 
 
-def tool_dicts(
-    body: Mapping[str, Any], *, exclude_when_none: bool = False
-) -> list[dict[str, Any]] | None:
+def tool_dicts(body: DocumentView, *, exclude_when_none: bool = False) -> list[Document] | None:
     """The request's tools as the engine hands them to the template."""
     tools = body.get("tools")
     if tools is None or (exclude_when_none and tool_choice(body) == "none"):
@@ -343,8 +341,8 @@ def tool_dicts(
     return [_tool(tool, f"tools[{i}]") for i, tool in enumerate(tools)]
 
 
-def _strip_billing_header(parts: list[Any]) -> list[Any]:
-    kept: list[Any] = []
+def _strip_billing_header(parts: list[JSONValue]) -> list[JSONValue]:
+    kept: list[JSONValue] = []
     for part in parts:
         text = part if isinstance(part, str) else None
         if isinstance(part, dict) and part.get("type") == "text":
@@ -358,7 +356,7 @@ def _strip_billing_header(parts: list[Any]) -> list[Any]:
     return kept
 
 
-def _text_part(part: dict[str, Any], kind: str, fmt: ContentFormat) -> str | dict[str, Any] | None:
+def _text_part(part: Document, kind: str, fmt: ContentFormat) -> str | Document | None:
     text = part.get(_TEXT_FIELDS[kind])
     if text is None and kind in _SKIP_WHEN_EMPTY:
         return None
@@ -370,7 +368,7 @@ def _text_part(part: dict[str, Any], kind: str, fmt: ContentFormat) -> str | dic
     return {"type": "text", "text": text, **extra}
 
 
-def _part(part: Any, fmt: ContentFormat) -> str | dict[str, Any] | None:
+def _part(part: JSONValue, fmt: ContentFormat) -> str | Document | None:
     """One content part as the template sees it (None: skipped)."""
     if isinstance(part, str):
         return part if fmt == "string" else {"type": "text", "text": part}
@@ -392,9 +390,9 @@ def _part(part: Any, fmt: ContentFormat) -> str | dict[str, Any] | None:
     raise _refuse(f"unsupported content part type {kind!r}")
 
 
-def _content(role: str, content: Any, fmt: ContentFormat) -> str | list[Any]:
+def _content(role: str, content: JSONValue, fmt: ContentFormat) -> str | list[JSONValue]:
     if content is None:
-        parts: list[Any] = []
+        parts: list[JSONValue] = []
     elif isinstance(content, str):
         parts = [content]
     elif isinstance(content, list):
@@ -410,7 +408,7 @@ def _content(role: str, content: Any, fmt: ContentFormat) -> str | list[Any]:
     return rendered
 
 
-def _arguments(value: Any) -> dict[str, Any]:
+def _arguments(value: JSONValue) -> Document:
     """Tool call arguments as the template sees them: a decoded JSON object, else ``{}``."""
     if not value:
         return {}
@@ -421,13 +419,13 @@ def _arguments(value: Any) -> dict[str, Any]:
     return decoded if isinstance(decoded, dict) else {}
 
 
-def _validated(value: dict[str, Any], order: Sequence[str]) -> dict[str, Any]:
+def _validated(value: Document, order: Sequence[str]) -> Document:
     """A dict with its declared keys first (in declaration order), then the others."""
     head = {k: value[k] for k in order if k in value}
     return {**head, **{k: v for k, v in value.items() if k not in head}}
 
 
-def _tool_call(call: Any, where: str) -> dict[str, Any]:
+def _tool_call(call: JSONValue, where: str) -> Document:
     if (
         not isinstance(call, dict)
         or call.get("type") != "function"
@@ -444,7 +442,7 @@ def _tool_call(call: Any, where: str) -> dict[str, Any]:
     return {**_validated(call, ("id", "function", "type")), "function": function}
 
 
-def _tool_calls(message: Mapping[str, Any]) -> list[dict[str, Any]] | None:
+def _tool_calls(message: DocumentView) -> list[Document] | None:
     calls = message.get("tool_calls")
     if calls is None:
         return None
@@ -453,24 +451,24 @@ def _tool_calls(message: Mapping[str, Any]) -> list[dict[str, Any]] | None:
     return [_tool_call(call, f"tool_calls[{i}]") for i, call in enumerate(calls)] or None
 
 
-def _reasoning(message: Mapping[str, Any]) -> Any:
+def _reasoning(message: DocumentView) -> JSONValue:
     reasoning = message.get("reasoning")
     return message.get("reasoning_content") if reasoning is None else reasoning
 
 
-def _tool_content(content: str | list[Any]) -> str | list[Any]:
+def _tool_content(content: str | list[JSONValue]) -> str | list[JSONValue]:
     if isinstance(content, str) or any(part.get("type") != "text" for part in content):
         return content
     return "\n".join(part.get("text", "") for part in content)
 
 
-def _message(message: Any, fmt: ContentFormat) -> dict[str, Any]:
+def _message(message: JSONValue, fmt: ContentFormat) -> Document:
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise _refuse("a message without a role")
     role = message["role"]
     if "content" in message and message["content"] is None and role not in _NULL_CONTENT_ROLES:
         raise _refuse(f"a {role} message with null content")
-    result: dict[str, Any] = {"role": role, "content": _content(role, message.get("content"), fmt)}
+    result: Document = {"role": role, "content": _content(role, message.get("content"), fmt)}
     if role == "assistant":
         if (calls := _tool_calls(message)) is not None:
             result["tool_calls"] = calls
@@ -494,14 +492,14 @@ def _message(message: Any, fmt: ContentFormat) -> dict[str, Any]:
     return result
 
 
-def conversation(messages: Any, fmt: ContentFormat) -> list[dict[str, Any]]:
+def conversation(messages: JSONValue, fmt: ContentFormat) -> list[Document]:
     """The messages as the template receives them."""
     if not isinstance(messages, list) or not messages:
         raise _refuse("messages is not a non-empty list")
     return [_message(message, fmt) for message in messages]
 
 
-def _system_text(content: Any) -> str:
+def _system_text(content: JSONValue) -> str:
     if not isinstance(content, list):
         return content or ""
     texts = [
@@ -512,7 +510,7 @@ def _system_text(content: Any) -> str:
     return "\n".join(texts)
 
 
-def developer_as_system(messages: list[dict[str, Any]], template: str) -> list[dict[str, Any]]:
+def developer_as_system(messages: list[Document], template: str) -> list[Document]:
     """Developer messages as system messages (and systems merged) for templates without them."""
     if '"developer"' in template or "'developer'" in template:
         return messages
@@ -536,7 +534,7 @@ def _names(template: str, name: str) -> bool:
     return re.search(rf"(?<!\w){re.escape(name)}(?!\w)", template) is not None
 
 
-def version_sensitive(messages: Sequence[Mapping[str, Any]], template: str) -> str | None:
+def version_sensitive(messages: Sequence[DocumentView], template: str) -> str | None:
     """Why this conversation may render differently under another transformers version.
 
     Since 5.24 ``apply_chat_template`` drops message keys whose value is None and copies a

@@ -25,11 +25,12 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import aiohttp
 import msgspec
 
+from kvevents._types import Document
 from kvevents.route._replies import OpenAIError
 
 __all__ = ["Engine", "EngineCounts", "EnginePool", "EngineState", "EngineStats"]
@@ -130,7 +131,7 @@ class Engine:
     def stats(self) -> EngineStats:
         return EngineStats(self.up, self.in_flight, dataclasses.replace(self.counts))
 
-    def view(self) -> dict[str, Any]:
+    def view(self) -> Document:
         """JSON-ready: id, url, state, reason, models, seconds in this state, in flight."""
         return {
             "id": self.id,

@@ -17,11 +17,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvevents._types import Document
 from kvevents.events import StreamKey
 from kvevents.http import Server
-from kvevents.index.decision import LoadBook
-from kvevents.index.prefix import PrefixIndex
-from kvevents.index.router import Router
+from kvevents.index import LoadBook, PrefixIndex, Router
 from kvevents.metrics import StatsCollector
 from kvevents.route._engines import Engine, EnginePool
 from kvevents.route._options import ProxyOptions
@@ -29,7 +28,7 @@ from kvevents.route._plan import IndexPlanner, PlannerOptions
 from kvevents.route._proxy import RouteApp
 from kvevents.route._status import status_pages
 from kvevents.route._tokens import ModelTokenizer
-from kvevents.service.core import IndexService, WorkerRegistration
+from kvevents.service import IndexService, WorkerRegistration
 
 __all__ = ["EngineSpec", "FrontDoor"]
 
@@ -187,7 +186,7 @@ class FrontDoor:
 
     # ------------------------------------------------------------------ views
 
-    def streams_view(self) -> list[dict[str, Any]]:
+    def streams_view(self) -> list[Document]:
         """Each engine target's event stream: state, lag, blocks, why it gets no credit."""
         assert self.service is not None
         health = self.service.stream_health()
@@ -213,11 +212,11 @@ class FrontDoor:
             )
         return out
 
-    def health_details(self) -> dict[str, Any]:
+    def health_details(self) -> Document:
         """``GET /health``'s view of the streams: degraded when one gets no credit."""
         streams = self.streams_view()
         untrusted = [s for s in streams if s["no_credit"] is not None]
-        details: dict[str, Any] = {"streams": streams}
+        details: Document = {"streams": streams}
         if untrusted:
             details["streams_without_credit"] = [s["engine"] for s in untrusted]
             if self.pool.healthy():

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from time import monotonic
 
 from kvevents.events import StreamKey
-from kvevents.index.decision import LoadBook
+from kvevents.index import LoadBook
 
 __all__ = ["InFlight", "InFlightStats", "Ticket"]
 

@@ -1,6 +1,6 @@
 """The proxy's counters and its Prometheus registry (``GET /metrics``).
 
-Totals are typed fields (:class:`ProxyCounts`, :class:`~kvevents.route._engines.EngineCounts`)
+Totals are typed fields (:class:`ProxyCounts`, :class:`~kvevents.route.EngineCounts`)
 turned into metrics by :class:`kvevents.metrics.StatsCollector`; the requests by route,
 engine and status and the time to first token are prometheus-client families.
 """
@@ -29,8 +29,22 @@ __all__ = ["TTFT_BUCKETS", "ProxyCounts", "ProxyMetrics", "ProxyStats"]
 #: Buckets of the time to first token, in seconds: a millisecond in front of a stand-in
 #: engine, tens of milliseconds to seconds on a real one, minutes behind a long queue.
 TTFT_BUCKETS = (
-    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
-)  # fmt: skip
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+)
 
 
 @dataclass

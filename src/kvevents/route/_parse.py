@@ -8,10 +8,10 @@ Only what routing needs is checked here (a JSON object, a string ``model``, a bo
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import msgspec
 
+from kvevents._types import Document
 from kvevents.route._replies import OpenAIError
 from kvevents.route._seam import RouteRequest
 
@@ -21,7 +21,7 @@ __all__ = ["PROMPT_FIELDS", "model_of", "route_request"]
 PROMPT_FIELDS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}
 
 
-def _document(body: bytes) -> dict[str, Any]:
+def _document(body: bytes) -> Document:
     try:
         document = msgspec.json.decode(body)
     except msgspec.DecodeError as exc:

@@ -1,9 +1,9 @@
 """The front door's planner: a request's exact tokens, the index's matches and the front
 door's own view of load in, the engines to try out.
 
-For each chat or completion request (:class:`~kvevents.route._seam.RouteRequest`):
+For each chat or completion request (:class:`~kvevents.route.RouteRequest`):
 
-1. **Tokens.** The served model's :class:`~kvevents.route._tokens.ModelTokenizer` gives the
+1. **Tokens.** The served model's :class:`~kvevents.route.ModelTokenizer` gives the
    prompt's ids as the engine will see them (a large body is tokenized on the tokenizer's
    own thread, which releases the GIL, so other requests' bytes keep moving). What cannot be
    exact in process is asked of **one** engine's ``/tokenize`` (the least loaded); what has
@@ -39,21 +39,20 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from typing import ClassVar, Literal
 
 import aiohttp
 import msgspec
 
+from kvevents._types import Document, DocumentView
 from kvevents.events import StreamKey
-from kvevents.index.decision import Decision
-from kvevents.index.keys import request_keys
-from kvevents.index.prefix import MatchResult
+from kvevents.index import Decision, MatchResult, request_keys
 from kvevents.route._engines import Engine, EnginePool
 from kvevents.route._inflight import InFlight, Ticket
 from kvevents.route._predict import Credit, Predictions
 from kvevents.route._seam import Outcome, Plan, RouteRequest
 from kvevents.route._tokens import ModelTokenizer, Prompt, parse_tokenize_reply, tokenize_request
-from kvevents.service.core import IndexService
+from kvevents.service import IndexService
 
 __all__ = [
     "DEFAULT_ROUTE_POLICY",
@@ -81,7 +80,7 @@ _json = msgspec.json.Encoder()
 class PlannerOptions:
     """How the planner decides.
 
-    ``policy``: the routing policy (:data:`kvevents.index.router.POLICIES`).
+    ``policy``: the routing policy (:data:`kvevents.index.POLICIES`).
     ``block_size``: the engines' block size where their streams have not said (an engine
     routed without events). ``offload_bytes``: bodies at least this large are tokenized on
     the tokenizer thread. ``tokenize_timeout``: seconds for the one ``/tokenize`` call.
@@ -155,7 +154,7 @@ class _Planned:
     keys: dict[str, list[int]]  # engine id -> the prompt's block keys there
     predicted: dict[str, int]  # engine id -> predicted cached tokens
     attempts: dict[str, tuple[Ticket, Credit | None]] = field(default_factory=dict)
-    record: dict[str, Any] = field(default_factory=dict)  # its entry in ``recent``
+    record: Document = field(default_factory=dict)  # its entry in ``recent``
 
 
 @dataclass
@@ -203,7 +202,7 @@ class IndexPlanner:
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvevents-tokenizer")
         self._session: aiohttp.ClientSession | None = None
         #: The last decisions, newest last: what each plan said and what its engine reported.
-        self.recent: deque[dict[str, Any]] = deque(maxlen=RECENT_DECISIONS)
+        self.recent: deque[Document] = deque(maxlen=RECENT_DECISIONS)
         pool.subscribe(self._engine_changed)
 
     # ------------------------------------------------------------------ the seam
@@ -418,7 +417,7 @@ class IndexPlanner:
 
     def _explain(
         self, decision: Decision, prompts: Sequence[Prompt], match: _Matches, planned: _Planned
-    ) -> dict[str, Any]:
+    ) -> Document:
         by_target = {target: engine_id for engine_id, target in planned.targets.items()}
         rows = []
         for row in decision.scores:
@@ -546,7 +545,7 @@ class _Matches:
     indexed: Mapping[StreamKey, int] = field(default_factory=dict)
 
 
-def _headers(explain: Mapping[str, Any]) -> list[tuple[bytes, bytes]]:
+def _headers(explain: DocumentView) -> list[tuple[bytes, bytes]]:
     """The decision for the client: matched blocks per engine (``e0=12, e1=3``), the policy
     and why the winner won (ASCII: engine ids and reasons are made of it; others dropped)."""
     matched = ", ".join(f"{row['engine']}={row['matched_blocks']}" for row in explain["scores"])

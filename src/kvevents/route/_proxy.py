@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from time import perf_counter
 from typing import Any
 
@@ -27,6 +27,7 @@ from prometheus_client import generate_latest
 from starlette.datastructures import State
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from kvevents._types import Document, DocumentView
 from kvevents.http import BadRequest, HttpCounters, Server, read_body
 from kvevents.route._engines import Engine, EnginePool
 from kvevents.route._forward import Exchange, Upstream
@@ -64,7 +65,7 @@ class RouteApp:
         options: ProxyOptions | None = None,
         collectors: Sequence[Any] = (),
         pages: ASGIApp | None = None,
-        health_details: Callable[[], Mapping[str, Any]] | None = None,
+        health_details: Callable[[], DocumentView] | None = None,
     ) -> None:
         self.pool = pool
         self.planner = planner
@@ -107,7 +108,7 @@ class RouteApp:
         elif self.pages is not None:
             await self.pages(scope, receive, send)
         else:
-            self.http_counters.add("not_found")
+            self.http_counters.not_found += 1
             await _refuse(send, OpenAIError(404, f"no such endpoint: {method} {path}"))
 
     # ------------------------------------------------------------------ the OpenAI API
@@ -208,7 +209,7 @@ class RouteApp:
         engines = self.pool.engines
         up = len(self.pool.healthy())
         state = "ok" if up == len(engines) else "degraded" if up else "unavailable"
-        body: dict[str, Any] = {
+        body: Document = {
             "status": state,
             "engines_up": up,
             "engines": [engine.view() for engine in engines],
@@ -255,7 +256,7 @@ def serve(
     options: ProxyOptions | None = None,
     collectors: Sequence[Any] = (),
     pages: ASGIApp | None = None,
-    health_details: Callable[[], Mapping[str, Any]] | None = None,
+    health_details: Callable[[], DocumentView] | None = None,
 ) -> Server:
     """Start the front door over HTTP in the background; returns the started server, whose
     engines have had their first health check. ``server.close()`` stops it."""

@@ -9,10 +9,11 @@ the engine behind it.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import msgspec
 from starlette.types import Send
+
+from kvevents._types import Document
 
 __all__ = ["OpenAIError", "error_body", "error_type", "send_json"]
 
@@ -26,7 +27,7 @@ def error_type(status: int) -> str:
 
 def error_body(
     status: int, message: str, *, param: str | None = None, code: str | None = None
-) -> dict[str, Any]:
+) -> Document:
     """The JSON object of an error (what :attr:`OpenAIError.body` holds)."""
     return {"error": {"message": message, "type": error_type(status), "param": param, "code": code}}
 

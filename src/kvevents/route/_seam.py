@@ -13,7 +13,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
+
+from kvevents._types import Document, DocumentView
 
 if TYPE_CHECKING:
     from kvevents.route._engines import Engine
@@ -33,7 +35,7 @@ class RouteRequest:
 
     path: str
     body: bytes
-    json: Mapping[str, Any]
+    json: DocumentView
     model: str | None
     stream: bool
     headers: Sequence[tuple[bytes, bytes]]
@@ -55,8 +57,8 @@ class Plan:
 
     candidates: Sequence[Engine]
     predicted_cached_tokens: Mapping[str, int]
-    explain: Mapping[str, Any]
-    error: tuple[int, dict[str, Any]] | None = None
+    explain: DocumentView
+    error: tuple[int, Document] | None = None
     headers: Sequence[tuple[bytes, bytes]] = ()
     context: object = None
 

@@ -19,10 +19,11 @@ from __future__ import annotations
 import json
 import re
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from collections.abc import Iterable, Sequence
 
 from tokenizers import Tokenizer
+
+from kvevents._types import DocumentView
 
 __all__ = ["Encoder", "segment_independence"]
 
@@ -45,7 +46,7 @@ MAX_PIECES = 65536
 MAX_CHARS = 16_000_000
 
 
-def _step_reason(step: Mapping[str, Any] | None, kind: str, allowed: set[str]) -> str | None:
+def _step_reason(step: DocumentView | None, kind: str, allowed: set[str]) -> str | None:
     """Why a normalizer or pre-tokenizer step is not piecewise, or None when it is."""
     if step is None:
         return None
@@ -58,7 +59,7 @@ def _step_reason(step: Mapping[str, Any] | None, kind: str, allowed: set[str]) -
     return None if name in allowed else f"{kind} {name}"
 
 
-def _added_reason(added: Sequence[Mapping[str, Any]], normalizer: object) -> str | None:
+def _added_reason(added: Sequence[DocumentView], normalizer: object) -> str | None:
     """Why the added tokens do not split text the way a plain leftmost-longest search does."""
     for token in added:
         for flag in ("lstrip", "rstrip", "single_word"):

@@ -14,11 +14,12 @@ import base64
 import hashlib
 import re
 from importlib import resources
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import msgspec
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from kvevents._types import Document
 from kvevents.route._replies import OpenAIError, send_json
 
 if TYPE_CHECKING:
@@ -43,7 +44,7 @@ def _page() -> tuple[bytes, bytes]:
     return page, policy
 
 
-def status(door: FrontDoor) -> dict[str, Any]:
+def status(door: FrontDoor) -> Document:
     """What ``GET /status`` answers."""
     engines = [engine.view() for engine in door.pool.engines]
     up = sum(1 for engine in door.pool.engines if engine.up)

@@ -33,16 +33,18 @@ than ``chat_template.json``. Pass the engine flags that do change tokens as
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import os
 import sys
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeAlias
 
+from kvevents._types import Document, DocumentView, JSONValue
 from kvevents.errors import TokenizerNotFound
 from kvevents.route._chat import (
     ChatOptions,
@@ -69,10 +71,13 @@ __all__ = [
     "tokenize_request",
 ]
 
+#: A Hugging Face tokenizer (fast or slow): transformers declares no one type for them all.
+HFTokenizer: TypeAlias = Any
+
 Source = Literal["chat", "completion", "tokens", "fallback", "none"]
 
 
-def _import_transformers() -> Any:
+def _import_transformers() -> Any:  # the transformers module (untyped), loaded on first use
     """``transformers``, imported without its "PyTorch was not found" advice.
 
     transformers logs that advice once, on import, unless ``TRANSFORMERS_NO_ADVISORY_WARNINGS``
@@ -117,7 +122,7 @@ class EngineOptions:
     #: ``--chat-template``: the template's text or a file holding it.
     chat_template: str | None = None
     #: ``--default-chat-template-kwargs``.
-    default_chat_template_kwargs: Mapping[str, Any] | None = None
+    default_chat_template_kwargs: DocumentView | None = None
     #: ``--trust-request-chat-template`` (else a request's ``chat_template`` is refused).
     trust_request_chat_template: bool = False
     #: ``--exclude-tools-when-tool-choice-none``.
@@ -149,6 +154,30 @@ class TokenizerStats:
     uncached: str | None
 
 
+@dataclass(slots=True)
+class _SourceCounts:
+    """Prompts answered by source (the first fields of :class:`TokenizerStats`): mutable
+    fields, so that a counter's name is checked by mypy."""
+
+    chat: int = 0
+    completion: int = 0
+    tokens: int = 0
+    fallback: int = 0
+    none: int = 0
+
+    def add(self, source: Source) -> None:
+        if source == "chat":
+            self.chat += 1
+        elif source == "completion":
+            self.completion += 1
+        elif source == "tokens":
+            self.tokens += 1
+        elif source == "fallback":
+            self.fallback += 1
+        else:
+            self.none += 1
+
+
 @dataclass(frozen=True, slots=True)
 class _Limits:
     """``truncate_prompt_tokens``, ``truncation_side`` and the engine's length bounds."""
@@ -159,7 +188,7 @@ class _Limits:
     output_tokens: int
 
     @classmethod
-    def read(cls, body: Mapping[str, Any], *, chat: bool, max_model_len: int | None) -> _Limits:
+    def read(cls, body: DocumentView, *, chat: bool, max_model_len: int | None) -> _Limits:
         """The limits of a request body (chats count ``max_completion_tokens`` first)."""
         keep, side = body.get("truncate_prompt_tokens"), body.get("truncation_side")
         if keep is not None and (type(keep) is not int or keep < -1):
@@ -189,7 +218,7 @@ class _Limits:
         return self.max_model_len if self.output_tokens == 0 else max(0, self.max_model_len - 1)
 
 
-def _load_hf(source: str | Path) -> Any:
+def _load_hf(source: str | Path) -> HFTokenizer:
     """The tokenizer, as vLLM loads it (left truncation side for generation)."""
     auto_tokenizer = _import_transformers().AutoTokenizer
 
@@ -218,7 +247,7 @@ def _cache_hint() -> str:
     return f"not in the local Hugging Face cache {HF_HUB_CACHE} (nothing is downloaded)"
 
 
-def _model_files(tokenizer: Any) -> Path | None:
+def _model_files(tokenizer: HFTokenizer) -> Path | None:
     """The directory the tokenizer came from, when it is one (a cache snapshot included)."""
     path = Path(getattr(tokenizer, "name_or_path", "") or "")
     if path.is_dir():
@@ -249,7 +278,7 @@ def _renderer_reason(directory: Path | None) -> str | None:
     return None
 
 
-def _processor_template(directory: Path | None, tokenizer_template: Any) -> str | None:
+def _processor_template(directory: Path | None, tokenizer_template: JSONValue) -> str | None:
     """A processor's own chat template (``chat_template.json``), when it differs."""
     if directory is None or not (directory / "chat_template.json").is_file():
         return None
@@ -270,7 +299,7 @@ def _engine_template(option: str | None) -> str | None:
         return option
 
 
-def _wrap(tokenizer: Any) -> tuple[list[int], list[int]] | None:
+def _wrap(tokenizer: HFTokenizer) -> tuple[list[int], list[int]] | None:
     """The ids ``add_special_tokens`` puts before and after a text (None: not a fixed wrap)."""
     wraps = set()
     for probe in ("a", "Hello world", " x\n y", "0123"):
@@ -286,7 +315,7 @@ def _wrap(tokenizer: Any) -> tuple[list[int], list[int]] | None:
     return list(prefix), list(suffix)
 
 
-def _encoder(tokenizer: Any) -> Encoder | None:
+def _encoder(tokenizer: HFTokenizer) -> Encoder | None:
     """A cached encoder that agrees with ``tokenizer`` on probes, or None (encode with it)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     wrap = (
@@ -316,7 +345,7 @@ class ModelTokenizer:
     model's tokenizer for them); see the module docstring for what falls back and why."""
 
     def __init__(
-        self, tokenizer: Any, *, model_name: str, options: EngineOptions | None = None
+        self, tokenizer: HFTokenizer, *, model_name: str, options: EngineOptions | None = None
     ) -> None:
         self.model_name = model_name
         self.options = options or EngineOptions()
@@ -330,7 +359,7 @@ class ModelTokenizer:
         self._engine_template = _engine_template(self.options.chat_template)
         self._parameters = frozenset(inspect.signature(tokenizer.apply_chat_template).parameters)
         self._max_chars = max((len(token) for token in tokenizer.get_vocab()), default=1)
-        self._counts = dict.fromkeys(("chat", "completion", "tokens", "fallback", "none"), 0)
+        self._counts = _SourceCounts()
         self._lock = threading.Lock()
 
     @classmethod
@@ -344,7 +373,7 @@ class ModelTokenizer:
         return cls(_load_hf(source), model_name=model_name, options=options)
 
     @property
-    def tokenizer(self) -> Any:
+    def tokenizer(self) -> HFTokenizer:
         """The Hugging Face tokenizer (for reading; changing it changes every answer)."""
         return self._tokenizer
 
@@ -353,7 +382,7 @@ class ModelTokenizer:
         pieces, hits, misses = self._encoder.stats if self._encoder else (0, 0, 0)
         uncached = self._encoder.why_uncached if self._encoder else "not a fast tokenizer"
         with self._lock:
-            counts = dict(self._counts)
+            counts = dataclasses.asdict(self._counts)
         return TokenizerStats(
             **counts, cache_pieces=pieces, cache_hits=hits, cache_misses=misses, uncached=uncached
         )
@@ -378,7 +407,7 @@ class ModelTokenizer:
 
     def _answer(self, prompt: Prompt) -> Prompt:
         with self._lock:
-            self._counts[prompt.source] += 1
+            self._counts.add(prompt.source)
         return prompt
 
     def _no_tokens(self, exc: NoTokens) -> Prompt:
@@ -387,7 +416,7 @@ class ModelTokenizer:
 
     # -- chats --------------------------------------------------------------------------
 
-    def chat(self, body: Mapping[str, Any]) -> Prompt:
+    def chat(self, body: DocumentView) -> Prompt:
         """The prompt of a parsed ``/v1/chat/completions`` body."""
         try:
             reused = _reused_ids(body)
@@ -402,7 +431,7 @@ class ModelTokenizer:
             return self._no_tokens(exc)
         return self._answer(Prompt(ids, "chat"))
 
-    def render(self, body: Mapping[str, Any]) -> tuple[str, ChatOptions]:
+    def render(self, body: DocumentView) -> tuple[str, ChatOptions]:
         """The chat's text as the engine's template renders it (:class:`NoTokens` if not here)."""
         if self._why_not_template:
             raise NoTokens(self._why_not_template)
@@ -448,7 +477,7 @@ class ModelTokenizer:
                 "a request chat_template without --trust-request-chat-template", refused=True
             )
 
-    def _template(self, requested: str | None, tools: Any) -> str:
+    def _template(self, requested: str | None, tools: JSONValue) -> str:
         """The template text the engine uses for this request (vLLM's order of choice)."""
         given = requested or self._engine_template
         if given is None and tools is None and self._processor_template is not None:
@@ -463,7 +492,7 @@ class ModelTokenizer:
 
     # -- completions --------------------------------------------------------------------
 
-    def completion(self, body: Mapping[str, Any]) -> list[Prompt]:
+    def completion(self, body: DocumentView) -> list[Prompt]:
         """The prompts of a parsed ``/v1/completions`` body, one per prompt of a batch.
 
         A body the engine refuses as a whole (no prompt, a mixed batch, ``suffix``, prompt
@@ -580,7 +609,7 @@ _MEDIA_KEYS = (
 )
 
 
-def _has_media(messages: Any) -> bool:
+def _has_media(messages: JSONValue) -> bool:
     """vLLM's test for content it must render (and so not reuse forwarded ids)."""
     for message in messages if isinstance(messages, list) else ():
         content = message.get("content") if isinstance(message, dict) else None
@@ -593,7 +622,7 @@ def _has_media(messages: Any) -> bool:
     return False
 
 
-def _reused_ids(body: Mapping[str, Any]) -> list[int] | None:
+def _reused_ids(body: DocumentView) -> list[int] | None:
     """``kv_transfer_params.prompt_token_ids``, which vLLM runs instead of rendering."""
     params = body.get("kv_transfer_params")
     if not isinstance(params, dict) or params.get("prompt_token_ids") is None or body.get("echo"):
@@ -608,11 +637,11 @@ def _reused_ids(body: Mapping[str, Any]) -> list[int] | None:
     return list(ids)
 
 
-def _is_ids(value: Any) -> bool:
+def _is_ids(value: JSONValue) -> bool:
     return isinstance(value, list) and all(type(x) is int and x >= 0 for x in value)
 
 
-def _completion_items(body: Mapping[str, Any]) -> list[str | list[int]]:
+def _completion_items(body: DocumentView) -> list[str | list[int]]:
     """The prompts of a completion body: strings and token lists (:class:`NoTokens` else)."""
     if body.get("prompt_embeds") is not None:
         raise NoTokens("prompt_embeds: the engine runs embeddings, not tokens", refused=True)
@@ -635,7 +664,7 @@ def _completion_items(body: Mapping[str, Any]) -> list[str | list[int]]:
 # -- the one fallback: an engine's /tokenize --------------------------------------------
 
 
-def _chat_template_kwargs(body: Mapping[str, Any]) -> Any:
+def _chat_template_kwargs(body: DocumentView) -> JSONValue:
     """The kwargs ``/tokenize`` needs to render what the chat endpoint renders.
 
     ``/tokenize`` takes no ``documents`` or ``reasoning_effort``: they go in as the chat
@@ -649,7 +678,7 @@ def _chat_template_kwargs(body: Mapping[str, Any]) -> Any:
 
 
 def tokenize_request(
-    body: Mapping[str, Any],
+    body: DocumentView,
     kind: Literal["chat", "completion"],
     *,
     index: int = 0,
@@ -665,7 +694,7 @@ def tokenize_request(
     """
     if kind == "completion":
         return json.dumps(_completion_tokenize(body, index)).encode()
-    request: dict[str, Any] = {"model": body.get("model"), "messages": body.get("messages")}
+    request: Document = {"model": body.get("model"), "messages": body.get("messages")}
     for name in (
         "add_generation_prompt",
         "continue_final_message",
@@ -686,7 +715,7 @@ def tokenize_request(
     return json.dumps(request).encode()
 
 
-def _completion_tokenize(body: Mapping[str, Any], index: int) -> dict[str, Any]:
+def _completion_tokenize(body: DocumentView, index: int) -> Document:
     prompt = body.get("prompt")
     item = prompt[index] if isinstance(prompt, list) and not _is_ids(prompt) else prompt
     if index and not isinstance(prompt, list):

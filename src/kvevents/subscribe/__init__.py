@@ -5,7 +5,8 @@ The cursor (integers in, actions out), the replay client, the I/O loop, the cour
 carries a cursor's verdicts to a :class:`Sink`, and the queue sink with its outbox are the
 package's parts; :class:`Subscriber` and :class:`AsyncSubscriber` are its face, and
 :class:`Sink` the one seam every feed hands its batches through. Names load on
-first use, so ``kvevents.subscribe.cursor`` and the stream records work without ZeroMQ.
+first use, so the stream records (:class:`StreamSpec`, :class:`StreamStats`...) load without
+ZeroMQ. Its modules are private (``_subscriber``, ``_cursor``, ``_loop``...): import from here.
 """
 
 from __future__ import annotations
@@ -15,53 +16,68 @@ from typing import TYPE_CHECKING
 from kvevents._lazy import lazy_exports
 
 if TYPE_CHECKING:
-    from kvevents.subscribe.sink import Sink
-    from kvevents.subscribe.streams import (
+    from kvevents.subscribe._recv import native_receive
+    from kvevents.subscribe._sink import Sink
+    from kvevents.subscribe._streams import (
         Delivery,
         FeedHealth,
+        FeedState,
         ReplayOptions,
+        ResetReason,
         StreamReset,
         StreamSpec,
+        StreamState,
         StreamStats,
         StreamStatus,
         SubscriberOptions,
         SubscriberStats,
         worker_streams,
     )
-    from kvevents.subscribe.subscriber import AsyncSubscriber, Subscriber
+    from kvevents.subscribe._subscriber import AsyncSubscriber, Subscriber
 
 __all__ = [
     "AsyncSubscriber",
     "Delivery",
     "FeedHealth",
+    "FeedState",
     "ReplayOptions",
+    "ResetReason",
     "Sink",
     "StreamReset",
     "StreamSpec",
+    "StreamState",
     "StreamStats",
     "StreamStatus",
     "Subscriber",
     "SubscriberOptions",
     "SubscriberStats",
+    "native_receive",
     "worker_streams",
 ]
 
 __getattr__, __dir__ = lazy_exports(
     __name__,
     {
-        "kvevents.subscribe.streams": [
+        "kvevents.subscribe._recv": ("native_receive",),
+        "kvevents.subscribe._sink": ("Sink",),
+        "kvevents.subscribe._streams": (
             "Delivery",
             "FeedHealth",
+            "FeedState",
             "ReplayOptions",
+            "ResetReason",
             "StreamReset",
             "StreamSpec",
+            "StreamState",
             "StreamStats",
             "StreamStatus",
             "SubscriberOptions",
             "SubscriberStats",
             "worker_streams",
-        ],
-        "kvevents.subscribe.sink": ["Sink"],
-        "kvevents.subscribe.subscriber": ["AsyncSubscriber", "Subscriber"],
+        ),
+        "kvevents.subscribe._subscriber": (
+            "AsyncSubscriber",
+            "Subscriber",
+        ),
     },
 )

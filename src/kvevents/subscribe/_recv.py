@@ -15,9 +15,9 @@ from typing import Any, TypeAlias
 
 import zmq
 
-from kvevents._libzmq import direct_library
+from kvevents._libzmq import Socket, direct_library
 
-__all__ = ["Burst", "Received", "burst_receiver_for"]
+__all__ = ["Burst", "Received", "burst_receiver_for", "native_receive"]
 
 #: One message: ``(seq, payload)`` for a live batch message (three frames, the second an
 #: 8-byte big-endian sequence), else the list of its frames, for the caller to judge.
@@ -53,7 +53,12 @@ def _native_receiver() -> Any:
     return _receiver
 
 
-def burst_receiver_for(socket: zmq.Socket[Any]) -> Burst:
+def native_receive() -> bool:
+    """Whether sockets' messages are received by the C module (``_zmqrecv``) here, not pyzmq."""
+    return _native_receiver() is not None
+
+
+def burst_receiver_for(socket: Socket) -> Burst:
     """A function receiving the messages waiting on ``socket`` without blocking (see
     :data:`Burst`); a failure other than 'nothing waiting' raises ``zmq.ZMQError`` (pyzmq)
     or ``OSError`` (the C receiver) once no message of the burst is left to return.
@@ -69,7 +74,7 @@ def burst_receiver_for(socket: zmq.Socket[Any]) -> Burst:
     return burst
 
 
-def _pyzmq_burst_receiver(socket: zmq.Socket[Any]) -> Burst:
+def _pyzmq_burst_receiver(socket: Socket) -> Burst:
     recv, more = socket.recv, socket.get
 
     def burst(max_messages: int, max_bytes: int) -> list[Received]:

@@ -12,6 +12,9 @@ Submodules by area (import them directly):
   answer (for engine discovery and the TensorRT-LLM poller);
 - ``kvevents.testing.engine``: a recording sink and a ground-truth consumer for producers;
 - ``kvevents.testing.index``: event builders with properly chained engine hashes;
+- ``kvevents.testing.guardpage``: a page followed by an unreadable one, for tests of C code
+  that reads bytes; ``kvevents.testing.strategies``: Hypothesis strategies of the msgpack and
+  JSON inputs it reads (needs ``hypothesis``);
 - ``kvevents.testing.dynamo``: NVIDIA Dynamo's standalone KV indexer as a test peer;
 - ``kvevents.testing.service``: our own index service in its own process, the same way;
 - ``kvevents.testing.openai_engine``: a fast stand-in OpenAI engine (a ``vllm serve``) that
@@ -26,5 +29,5 @@ Submodules by area (import them directly):
   our HTTP service and NVIDIA Dynamo's indexer.
 
 The simulator's fault injector (a relay that loses a seeded fraction of live messages) is
-``kvevents.sim.faults``.
+``kvevents.sim.LossyRelay``.
 """

@@ -26,6 +26,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvevents._types import Document
+
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
@@ -407,7 +409,7 @@ def build_tokenizer(directory: str | Path) -> Path:
     return directory
 
 
-def _config(vocab_size: int) -> dict[str, Any]:
+def _config(vocab_size: int) -> Document:
     # Tiny Llama: CPU attention wants head_dim 64 (16 is unsupported); the rest is minimal.
     return {
         "hidden_size": 256,

@@ -31,8 +31,8 @@ import sys
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
 
+from kvevents._types import Document
 from kvevents.testing._process import IndexerProcess
 from kvevents.testing.sockets import Deadline
 from kvevents.testing.venvs import peer_pythons
@@ -120,7 +120,7 @@ def _u32le(tokens: Sequence[int]) -> bytes:
     return b"".join(int(t).to_bytes(4, "little") for t in tokens)
 
 
-def dump_block_hashes(dump: dict[str, Any], model_name: str) -> dict[tuple[int, int], set[int]]:
+def dump_block_hashes(dump: Document, model_name: str) -> dict[tuple[int, int], set[int]]:
     """Engine block hashes present in a ``/dump``, per (instance id, dp rank)."""
     held: dict[tuple[int, int], set[int]] = {}
     for key, tree in dump.items():
@@ -227,7 +227,7 @@ class DynamoIndexer(IndexerProcess):
         dp_rank: int = 0,
     ) -> None:
         """Subscribe the indexer to one rank's PUB endpoint (and replay ROUTER)."""
-        body: dict[str, Any] = {
+        body: Document = {
             "instance_id": instance_id,
             "endpoint": endpoint,
             "model_name": self.model_name,
@@ -244,28 +244,28 @@ class DynamoIndexer(IndexerProcess):
         The indexer drops a rank alone only when the body names the routing group too; a
         ``dp_rank`` without it drops the whole instance.
         """
-        body: dict[str, Any] = {"instance_id": instance_id, "model_name": self.model_name}
+        body: Document = {"instance_id": instance_id, "model_name": self.model_name}
         if dp_rank is not None:
             body.update(dp_rank=dp_rank, routing_group="default")
         self.call("POST", "/unregister", body)
 
-    def workers(self) -> list[dict[str, Any]]:
+    def workers(self) -> list[Document]:
         """``GET /workers``: registrations with their listener status."""
-        result: list[dict[str, Any]] = self.call("GET", "/workers")
+        result: list[Document] = self.call("GET", "/workers")
         return result
 
-    def dump(self) -> dict[str, Any]:
+    def dump(self) -> Document:
         """``GET /dump``: every indexed block, as store events per model."""
-        result: dict[str, Any] = self.call("GET", "/dump")
+        result: Document = self.call("GET", "/dump")
         return result
 
-    def query(self, token_ids: Sequence[int]) -> dict[str, Any]:
+    def query(self, token_ids: Sequence[int]) -> Document:
         """``POST /query``: the raw reply (matched tokens per instance and dp rank)."""
         body = {"token_ids": list(token_ids), "model_name": self.model_name}
-        result: dict[str, Any] = self.call("POST", "/query", body)
+        result: Document = self.call("POST", "/query", body)
         return result
 
-    def query_by_hash(self, block_hashes: Sequence[int]) -> dict[str, Any]:
+    def query_by_hash(self, block_hashes: Sequence[int]) -> Document:
         """``POST /query_by_hash`` with Dynamo's own block hashes (:func:`dynamo_block_hashes`).
 
         ``/dump`` prints these hashes as u64 but this endpoint only parses i64, so the upper
@@ -273,7 +273,7 @@ class DynamoIndexer(IndexerProcess):
         """
         signed = [h - 2**64 if h >= 2**63 else h for h in block_hashes]
         body = {"block_hashes": signed, "model_name": self.model_name}
-        result: dict[str, Any] = self.call("POST", "/query_by_hash", body)
+        result: Document = self.call("POST", "/query_by_hash", body)
         return result
 
     def matched_blocks(

@@ -4,7 +4,7 @@
   number, like ``Publisher.publish``.
 - :class:`BlockSets` is the simplest possible consumer: it applies batches per
   ``(rank, medium)`` to plain sets, so a test can compare it to a cache's ground truth.
-- :func:`small_cache` builds a :class:`~kvevents.sim.cache.PrefixCache` sized for tests.
+- :func:`small_cache` builds a :class:`~kvevents.sim.PrefixCache` sized for tests.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
-from kvevents.sim.cache import PrefixCache
+from kvevents.sim import PrefixCache
 
 __all__ = ["BlockSets", "RecordingSink", "small_cache"]
 

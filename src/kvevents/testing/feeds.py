@@ -1,4 +1,4 @@
-"""An in-process feed for an :class:`~kvevents.service.core.IndexService`, driven by a test.
+"""An in-process feed for an :class:`~kvevents.service.IndexService`, driven by a test.
 
 :class:`FakeFeed` has the Subscriber's face as the service drives it (streams added and
 removed, start and close, stats and health) and feeds the service's sink when the test says
@@ -18,13 +18,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvevents.events import KVEventBatch, StreamKey
-from kvevents.index.prefix import PrefixIndex
-from kvevents.service.core import IndexService
-from kvevents.service.feed import WorkerRegistration
-from kvevents.subscribe.sink import Sink
-from kvevents.subscribe.streams import (
+from kvevents.index import PrefixIndex
+from kvevents.service import IndexService, WorkerRegistration
+from kvevents.subscribe import (
     FeedHealth,
     ResetReason,
+    Sink,
     StreamSpec,
     StreamState,
     StreamStats,

@@ -2,9 +2,9 @@
 
 Engines chain their block hashes (a block's hash covers its parent's), and so must test data,
 or parents and removals would not resolve as they do in production. :func:`engine_hashes`
-stands in for an engine's own scheme (:mod:`kvevents.sim.hashing`, the simulated engines' hash:
+stands in for an engine's own scheme (:mod:`kvevents.sim._hashing`, the simulated engines' hash:
 SHA-256 chained over parent and tokens, read as vLLM does or as SGLang and TensorRT-LLM do).
-It is deliberately not :mod:`kvevents.index.keys`, so tests prove that the index does not
+It is deliberately not :mod:`kvevents.index._keys`, so tests prove that the index does not
 depend on engine hashes matching its own.
 """
 
@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Literal
 
 from kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored, Event, KVEventBatch
-from kvevents.sim.hashing import engine_chain_hashes
+from kvevents.sim import engine_chain_hashes
 
 __all__ = [
     "HashStyle",
@@ -34,7 +34,7 @@ def engine_hashes(
     token_ids: Sequence[int], block_size: int, *, style: HashStyle = "vllm", salt: bytes = b""
 ) -> list[int]:
     """An engine-like chained hash for every full block of ``token_ids`` (from token 0):
-    :func:`kvevents.sim.hashing.engine_chain_hashes` in vLLM's (unsigned) or SGLang's (signed) style."""
+    :func:`kvevents.sim.engine_chain_hashes` in vLLM's (unsigned) or SGLang's (signed) style."""
     return engine_chain_hashes(
         token_ids, block_size, salt=salt, style="unsigned" if style == "vllm" else "signed"
     )

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvevents.events import StreamKey
-from kvevents.subscribe.subscriber import Subscriber
+from kvevents.subscribe import Subscriber
 
 __all__ = ["break_stream"]
 

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import zmq
 
 from kvevents.events import KVEventBatch, StreamKey
-from kvevents.subscribe.streams import Delivery, StreamReset, StreamStatus
+from kvevents.subscribe import Delivery, StreamReset, StreamStatus
 from kvevents.testing.fixtures import heartbeat
 from kvevents.testing.sockets import unique_inproc
 from kvevents.wire import (
@@ -35,7 +35,7 @@ from kvevents.wire import (
 )
 
 if TYPE_CHECKING:
-    from kvevents.subscribe.subscriber import Subscriber
+    from kvevents.subscribe import Subscriber
 
 __all__ = ["Collector", "RawPublisher", "ReplayBehaviour"]
 
@@ -231,7 +231,7 @@ class Collector:
     """Drains a subscriber the way a consumer would, for assertions after quiescence.
 
     Per stream it keeps ``(seq, batch)`` in delivery order and drops them on a
-    :class:`~kvevents.subscribe.subscriber.StreamReset`, exactly as an index must; ``resets`` and
+    :class:`~kvevents.subscribe.StreamReset`, exactly as an index must; ``resets`` and
     ``statuses`` keep what was reported.
     """
 

@@ -24,11 +24,12 @@ from typing import IO, Any, Literal
 import msgspec
 import zmq
 
+from kvevents._libzmq import Context, Socket
+from kvevents._types import Document
 from kvevents.config import KVEventsConfig
 from kvevents.errors import PublisherError
 from kvevents.events import KVEventBatch
-from kvevents.publish.publisher import PublisherOptions, ZmqPublisher
-from kvevents.publish.threads import Forwarder
+from kvevents.publish import Forwarder, PublisherOptions, ZmqPublisher
 from kvevents.testing.sockets import Deadline
 from kvevents.wire import ReplayMessage, parse_live, parse_replay_reply, replay_request_frames
 
@@ -50,7 +51,7 @@ __all__ = [
 
 def local_config(**overrides: Any) -> KVEventsConfig:
     """An enabled config bound on ephemeral loopback ports, replay on; fields overridable."""
-    fields: dict[str, Any] = {
+    fields: Document = {
         "enable_kv_cache_events": True,
         "endpoint": "tcp://127.0.0.1:0",
         "replay_endpoint": "tcp://127.0.0.1:0",
@@ -93,10 +94,10 @@ def connectable(endpoint: str) -> str:
 
 
 def connect_subscriber(
-    context: zmq.Context[Any], endpoint: str, topic: bytes = b"", *, rcvhwm: int | None = None
-) -> zmq.Socket[Any]:
+    context: Context, endpoint: str, topic: bytes = b"", *, rcvhwm: int | None = None
+) -> Socket:
     """A SUB socket (linger 0) connected to ``endpoint`` and subscribed to ``topic``."""
-    socket: zmq.Socket[Any] = context.socket(zmq.SUB)
+    socket: Socket = context.socket(zmq.SUB)
     socket.setsockopt(zmq.LINGER, 0)
     if rcvhwm is not None:
         socket.setsockopt(zmq.RCVHWM, rcvhwm)
@@ -111,7 +112,7 @@ def _probe(publisher: ZmqPublisher) -> int:
     return publisher.publish(KVEventBatch(ts=time.time(), events=[]))
 
 
-def wait_subscribed(publisher: ZmqPublisher, socket: zmq.Socket[Any], timeout: float = 10.0) -> int:
+def wait_subscribed(publisher: ZmqPublisher, socket: Socket, timeout: float = 10.0) -> int:
     """Publish probes (empty batches) until ``socket`` receives one; return the last probe's seq.
 
     Every probe in flight is drained from ``socket``, so the next message it receives is the
@@ -165,7 +166,7 @@ class _PausableForwarder(Forwarder):
         super().prepare_stop(linger_ms)
         self.resume("stop")
 
-    def _forward(self, *sockets: zmq.Socket[Any]) -> None:
+    def _forward(self, *sockets: Socket) -> None:
         while True:
             super()._forward(*sockets)
             if self.command != "pause":
@@ -187,7 +188,7 @@ class _PausableForwarder(Forwarder):
 class PausablePublisher(ZmqPublisher):
     """A :class:`ZmqPublisher` whose forwarding tests can pause (see :func:`paused_forwarding`)."""
 
-    def _new_forwarder(self, context: zmq.Context[Any], names: dict[str, str]) -> Forwarder:
+    def _new_forwarder(self, context: Context, names: dict[str, str]) -> Forwarder:
         return _PausableForwarder(
             context,
             endpoints=names,
@@ -245,20 +246,20 @@ def paused_forwarding(publisher: ZmqPublisher) -> Iterator[None]:
 
 
 def replay_dealer(
-    context: zmq.Context[Any],
+    context: Context,
     endpoint: str,
     *,
     rcvhwm: int | None = None,
     rcvbuf: int | None = None,
     source: str | None = None,
-) -> zmq.Socket[Any]:
+) -> Socket:
     """A DEALER (linger 0) connected to a replay ``endpoint``.
 
     ``source``: the local address to connect from (tcp only), e.g. ``127.0.0.2``, so that the
     server sees another peer; ``rcvbuf`` shrinks the kernel's receive buffer, so a client that
     does not read really holds the server's sends back.
     """
-    dealer: zmq.Socket[Any] = context.socket(zmq.DEALER)
+    dealer: Socket = context.socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
     if rcvhwm is not None:
         dealer.setsockopt(zmq.RCVHWM, rcvhwm)
@@ -276,7 +277,7 @@ def replay_dealer(
 
 
 def request_replay(
-    context: zmq.Context[Any],
+    context: Context,
     endpoint: str,
     start_seq: int,
     *,
@@ -300,7 +301,7 @@ def request_replay(
 
 
 def read_replay(
-    dealer: zmq.Socket[Any], *, timeout: float = 10.0, pause: float = 0.0
+    dealer: Socket, *, timeout: float = 10.0, pause: float = 0.0
 ) -> list[ReplayMessage]:
     """Read one whole reply from a DEALER that sent a request: every message, end marker last."""
     deadline = Deadline(timeout)
@@ -355,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
         help="skip decoding: payloads over 20 bytes count, no latency",
     )
     args = parser.parse_args(argv)
-    context: zmq.Context[Any] = zmq.Context()
+    context: Context = zmq.Context()
     socket = connect_subscriber(context, args.endpoint, rcvhwm=0)
     summary = _collect(socket, args.count, args.idle_timeout, args.fast)
     print(json.dumps(summary), flush=True)
@@ -364,9 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _collect(
-    socket: zmq.Socket[Any], count: int, idle_timeout: float, fast: bool = False
-) -> dict[str, Any]:
+def _collect(socket: Socket, count: int, idle_timeout: float, fast: bool = False) -> Document:
     seqs: list[int] = []
     latencies: list[float] = []
     announced = False

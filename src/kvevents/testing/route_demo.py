@@ -16,9 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from kvevents.route._frontdoor import EngineSpec, FrontDoor
-from kvevents.route._plan import PlannerOptions
-from kvevents.route._tokens import ModelTokenizer
+from kvevents.route import EngineSpec, FrontDoor, ModelTokenizer, PlannerOptions
 from kvevents.testing.vllm_server import (
     VllmServer,
     build_chat_model,

@@ -17,8 +17,9 @@ import select
 import subprocess
 import sys
 from collections.abc import Sequence
-from typing import IO, Any
+from typing import IO
 
+from kvevents._types import Document
 from kvevents.events import StreamKey
 from kvevents.testing._process import IndexerProcess
 from kvevents.testing.sockets import Deadline
@@ -113,7 +114,7 @@ class ServiceIndexer(IndexerProcess):
         ranks: int = 1,
     ) -> None:
         """Index a worker: its ranks publish on ``endpoint`` (base port + rank)."""
-        body: dict[str, Any] = {
+        body: Document = {
             "worker_id": str(worker),
             "endpoint": endpoint,
             "block_size": block_size,
@@ -125,24 +126,24 @@ class ServiceIndexer(IndexerProcess):
 
     def unregister(self, worker: int | str, rank: int | None = None) -> None:
         """Forget a worker (or one of its ranks) and everything it held."""
-        body: dict[str, Any] = {"worker_id": str(worker)}
+        body: Document = {"worker_id": str(worker)}
         if rank is not None:
             body["rank"] = rank
         self.call("POST", "/unregister", body)
 
-    def workers(self) -> list[dict[str, Any]]:
+    def workers(self) -> list[Document]:
         """``GET /workers``: registrations with their per-rank index and stream state."""
-        result: list[dict[str, Any]] = self.call("GET", "/workers")["workers"]
+        result: list[Document] = self.call("GET", "/workers")["workers"]
         return result
 
-    def dump(self) -> dict[str, Any]:
+    def dump(self) -> Document:
         """``GET /dump``: every holder's blocks, and the index stats."""
-        result: dict[str, Any] = self.call("GET", "/dump")
+        result: Document = self.call("GET", "/dump")
         return result
 
-    def query(self, token_ids: Sequence[int]) -> dict[str, Any]:
+    def query(self, token_ids: Sequence[int]) -> Document:
         """``POST /query``: the raw reply (matches per holder, and a routing decision)."""
-        result: dict[str, Any] = self.call("POST", "/query", {"token_ids": list(token_ids)})
+        result: Document = self.call("POST", "/query", {"token_ids": list(token_ids)})
         return result
 
     def matched_blocks(

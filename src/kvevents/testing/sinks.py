@@ -1,6 +1,6 @@
-"""A :class:`~kvevents.subscribe.sink.Sink` for tests: it decodes and keeps what it is fed.
+"""A :class:`~kvevents.subscribe.Sink` for tests: it decodes and keeps what it is fed.
 
-Give it to a :class:`~kvevents.subscribe.subscriber.Subscriber` (or any feed) to see exactly
+Give it to a :class:`~kvevents.subscribe.Subscriber` (or any feed) to see exactly
 what reaches the router side, on which thread, and to make the sink fail on chosen batches
 (``fault``) the way a consumer's defect would::
 
@@ -16,13 +16,7 @@ import time
 from collections.abc import Callable
 
 from kvevents.events import AllBlocksCleared
-from kvevents.subscribe.streams import (
-    Delivery,
-    ResetReason,
-    StreamReset,
-    StreamSpec,
-    StreamStatus,
-)
+from kvevents.subscribe import Delivery, ResetReason, StreamReset, StreamSpec, StreamStatus
 from kvevents.wire import Applied, decode_batch
 
 __all__ = ["RecordingSink"]

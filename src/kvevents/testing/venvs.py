@@ -11,8 +11,8 @@ import select
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
+from kvevents._types import Document
 from kvevents.deadline import Deadline
 
 __all__ = ["PeerSilent", "peer_python", "peer_pythons", "read_json_line"]
@@ -22,7 +22,7 @@ class PeerSilent(RuntimeError):
     """A peer process gave no whole reply line: it ``timed out`` or ``exited (rc)``."""
 
 
-def read_json_line(proc: subprocess.Popen[bytes], deadline: Deadline) -> dict[str, Any]:
+def read_json_line(proc: subprocess.Popen[bytes], deadline: Deadline) -> Document:
     """The next JSON line ``proc`` writes to its stdout, waiting until ``deadline`` at most."""
     assert proc.stdout is not None
     fd = proc.stdout.fileno()
@@ -33,7 +33,7 @@ def read_json_line(proc: subprocess.Popen[bytes], deadline: Deadline) -> dict[st
         if not chunk:
             raise PeerSilent("timed out" if not ready else f"exited ({proc.poll()})")
         data += chunk
-    reply: dict[str, Any] = json.loads(data)
+    reply: Document = json.loads(data)
     return reply
 
 

@@ -44,6 +44,7 @@ from types import TracebackType
 from typing import IO, Any
 
 import kvevents
+from kvevents._types import Document
 from kvevents.deadline import Deadline
 from kvevents.testing.venvs import peer_python
 
@@ -254,7 +255,7 @@ class VllmServer:
             args += ["--kv-events-config", json.dumps(self._events_config())]
         return [*args, *self.extra_args]
 
-    def _events_config(self) -> dict[str, Any]:
+    def _events_config(self) -> Document:
         return {
             "enable_kv_cache_events": True,
             "publisher": "zmq",

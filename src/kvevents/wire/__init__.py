@@ -1,24 +1,21 @@
 """The wire: frames of live and replay messages, the tolerant decoder, endpoint string rules.
 
-Pure functions over bytes and strings; nothing here opens a socket or loads ZeroMQ.
+Pure functions over bytes and strings; nothing here opens a socket or loads ZeroMQ. Its modules
+are private (``_frames``, ``_decode``, ``_endpoints``...): import from here.
 """
 
-from kvevents.wire.decode import (
-    DEFAULT_LIMITS,
-    Applied,
-    DecodedBatch,
-    DecodeLimits,
-    PackedStored,
-    SkippedEvent,
-    decode_batch,
-    decode_batch_packed,
-)
-from kvevents.wire.endpoints import (
+from __future__ import annotations
+
+from kvevents.wire._decode import PackedStored, decode_batch, decode_batch_packed
+from kvevents.wire._endpoints import (
+    MAX_IPC_PATH,
+    MAX_PORT,
     Endpoint,
+    layout_error,
     parse_endpoint,
     rank_endpoint,
 )
-from kvevents.wire.frames import (
+from kvevents.wire._frames import (
     END_SEQ,
     LiveMessage,
     ReplayMessage,
@@ -33,10 +30,13 @@ from kvevents.wire.frames import (
     replay_request_frames,
     unpack_seq,
 )
+from kvevents.wire._records import DEFAULT_LIMITS, Applied, DecodedBatch, DecodeLimits, SkippedEvent
 
 __all__ = [
     "DEFAULT_LIMITS",
     "END_SEQ",
+    "MAX_IPC_PATH",
+    "MAX_PORT",
     "Applied",
     "DecodeLimits",
     "DecodedBatch",
@@ -48,6 +48,7 @@ __all__ = [
     "decode_batch",
     "decode_batch_packed",
     "encode_batch",
+    "layout_error",
     "live_frames",
     "pack_seq",
     "parse_endpoint",

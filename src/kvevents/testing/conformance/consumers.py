@@ -17,18 +17,15 @@ from typing import Any
 
 import httpx
 
+from kvevents._types import Document
 from kvevents.events import StreamKey
-from kvevents.index.prefix import PrefixIndex
-from kvevents.service.core import IndexService, WorkerRegistration
-from kvevents.service.feed import subscriber_feed
-from kvevents.subscribe.streams import (
-    StreamSpec,
-    SubscriberOptions,
-)
+from kvevents.index import PrefixIndex
+from kvevents.service import IndexService, WorkerRegistration, subscriber_feed
+from kvevents.subscribe import StreamSpec, SubscriberOptions
 from kvevents.testing.conformance.stage import NotObservable, StreamRegistration, u64
 from kvevents.testing.dynamo import DynamoIndexer, DynamoIndexerError, find_dynamo_python
 from kvevents.testing.service import ServiceIndexer
-from kvevents.wire.endpoints import parse_endpoint
+from kvevents.wire import parse_endpoint
 
 __all__ = ["DynamoConsumer", "KVEventsConsumer", "ServiceConsumer", "dynamo_version"]
 
@@ -43,8 +40,8 @@ def _group(streams: Sequence[StreamRegistration]) -> dict[str, list[StreamRegist
 class KVEventsConsumer:
     """Our subscriber and prefix index in this process, wired as ``kvevents serve`` wires them.
 
-    One :class:`~kvevents.service.core.IndexService` per scenario with its default feed: a
-    :class:`~kvevents.subscribe.subscriber.Subscriber` that feeds it batches on its I/O thread.
+    One :class:`~kvevents.service.IndexService` per scenario with its default feed: a
+    :class:`~kvevents.subscribe.Subscriber` that feeds it batches on its I/O thread.
     ``index_factory`` makes the index (tests pass a deliberately broken one to prove the
     suite can fail).
     """
@@ -285,8 +282,13 @@ class ServiceConsumer:
         for worker, group in _group(streams).items():
             endpoint, replay = _base_endpoints(group)
             wid = self._workers[worker] = f"{self._prefix}-{worker}"
-            body = {"worker_id": wid, "endpoint": endpoint, "replay_endpoint": replay,
-                    "block_size": group[0].block_size, "ranks": [s.rank for s in group]}  # fmt: skip
+            body = {
+                "worker_id": wid,
+                "endpoint": endpoint,
+                "replay_endpoint": replay,
+                "block_size": group[0].block_size,
+                "ranks": [s.rank for s in group],
+            }
             self._call("POST", "/register", body)
 
     def _names(self) -> dict[str, str]:
@@ -310,7 +312,7 @@ class ServiceConsumer:
             for rank, blocks in ranks.items()
         }
 
-    def _ranks(self) -> list[tuple[StreamKey, dict[str, Any]]]:
+    def _ranks(self) -> list[tuple[StreamKey, Document]]:
         names = self._names()
         return [
             ((names[w["worker_id"]], int(row["rank"])), row)

@@ -30,8 +30,9 @@ import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import Literal
 
+from kvevents._types import Document
 from kvevents.events import StreamKey
 from kvevents.testing.conformance.stage import (
     Consumer,
@@ -96,7 +97,7 @@ class Report:
     def failures(self, consumer: str) -> list[ScenarioResult]:
         return [r for r in self.results if r.consumer == consumer and r.outcome == "FAIL"]
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> Document:
         return {
             "consumers": list(self.consumers),
             "scenarios": list(self.scenarios),
@@ -306,8 +307,10 @@ def format_report(report: Report, *, markdown: bool = False, pass_reasons: bool 
     """
     header = ["scenario", *report.consumers]
     done = {(r.consumer, r.scenario): r for r in report.results}
-    rows = [[s, *(_cell(done.get((c, s)), pass_reasons) for c in report.consumers)]
-            for s in report.scenarios]  # fmt: skip
+    rows = [
+        [s, *(_cell(done.get((c, s)), pass_reasons) for c in report.consumers)]
+        for s in report.scenarios
+    ]
     if markdown:
         lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         lines += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in rows]

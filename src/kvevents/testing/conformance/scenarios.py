@@ -36,8 +36,16 @@ def array_payload(events: Sequence[Event], rank: int | None = 0) -> bytes:
 def _array_event(event: Event) -> list[Any]:
     if isinstance(event, BlockStored):
         e = event
-        return ["BlockStored", e.block_hashes, e.parent_block_hash, e.token_ids,
-                e.block_size, e.lora_id, e.medium, e.lora_name]  # fmt: skip
+        return [
+            "BlockStored",
+            e.block_hashes,
+            e.parent_block_hash,
+            e.token_ids,
+            e.block_size,
+            e.lora_id,
+            e.medium,
+            e.lora_name,
+        ]
     if isinstance(event, BlockRemoved):
         return ["BlockRemoved", event.block_hashes, event.medium]
     return ["AllBlocksCleared"]
@@ -55,8 +63,16 @@ def bytes_hash_payload(
     """vLLM with integer hashes off: stores blocks ``start:end`` (and removes blocks
     ``remove``) with 32-byte digests as hashes, in array-era events."""
     d, bs = _digests(prompt), prompt.block_size
-    stored = ["BlockStored", d[start:end], d[start - 1] if start else None,
-              list(prompt.tokens[start * bs : end * bs]), bs, None, "GPU", None]  # fmt: skip
+    stored = [
+        "BlockStored",
+        d[start:end],
+        d[start - 1] if start else None,
+        list(prompt.tokens[start * bs : end * bs]),
+        bs,
+        None,
+        "GPU",
+        None,
+    ]
     events: list[Any] = [stored]
     if remove:
         events.append(["BlockRemoved", [d[i] for i in remove], "GPU"])
@@ -222,42 +238,110 @@ def _many_ranks(stage: Stage) -> None:
 def scenarios() -> list[Scenario]:
     """Every scenario, in the order reports list them."""
     return [
-        Scenario("clean", "stores and removals on two workers, nothing lost",
-                 "exactly what was stored and not removed", (W0, W1), _clean),
-        Scenario("drops", "4 of 7 live batches lost (a child, a removal, two in a row); "
-                 "all in the replay ring", "the full state, recovered by replay", (W0,), _drops),
-        Scenario("duplicates", "batches sent live again after later ones (a store after "
-                 "its removal, a store twice)", "each batch applied once: no resurrected "
-                 "or doubly held blocks", (W0,), _duplicates),
-        Scenario("late-join", "5 batches published before the consumer registers",
-                 "everything from seq 0, by replay", (W0,), _late_join, _late_join_prelude),
-        Scenario("restart", "w0's publisher restarts after 42 batches: seq back to 0, empty "
-                 "ring, 2 old blocks announced again, a new prompt", "w0 holds only the new "
-                 "incarnation's blocks; w1 untouched", (W0, W1), _restart),
-        Scenario("replay-3-frame", "replays answered in 3 frames [b'', seq, payload] (late "
-                 "join and a gap)", "the full state", (W0,), _three_frame, _three_frame_prelude),
-        Scenario("ring-trimmed", "2 batches lost live and trimmed from the replay ring",
-                 "what the surviving batches say, and the loss reported on w0 only",
-                 (W0, W1), _ring_trimmed),
-        Scenario("encoding-switch", "map events, then array-era events with signed hashes, "
-                 "then 32-byte bytes hashes, on one stream", "every block, whatever its "
-                 "encoding (bytes hashes read as their last 8 bytes)", (W0,), _encoding_switch),
-        Scenario("unknown-tag", "an unknown event tag between two good stores in one batch",
-                 "both good stores applied", (W0,), _unknown_tag),
-        Scenario("reordered-parent", "a child store sent before its parent; another "
-                 "parent lost live and replayed after its child", "both prompts whole, "
-                 "at their true positions", (W0,), _reordered_parent),
-        Scenario("block-size-mismatch", "a store of 32-token blocks on a stream "
-                 "registered with 16", "the store rejected, the rest applied, and the "
-                 "rejection exposed", (W0,), _block_size),
-        Scenario("all-cleared", "AllBlocksCleared on w0, then a new store",
-                 "w0 holds only what came after the clear; w1 untouched", (W0, W1),
-                 _all_cleared),
-        Scenario("unknown-removals", "removals of never-stored hashes (signed, u64 max) "
-                 "and a block removed twice", "nothing else changes", (W0,), _unknown_removals),
-        Scenario("many-ranks", "4 ranks of one worker, a prompt on two ranks, removals on "
-                 "two", "each rank holds its own blocks", _RANKS, _many_ranks),
-    ]  # fmt: skip
+        Scenario(
+            "clean",
+            "stores and removals on two workers, nothing lost",
+            "exactly what was stored and not removed",
+            (W0, W1),
+            _clean,
+        ),
+        Scenario(
+            "drops",
+            "4 of 7 live batches lost (a child, a removal, two in a row); all in the replay ring",
+            "the full state, recovered by replay",
+            (W0,),
+            _drops,
+        ),
+        Scenario(
+            "duplicates",
+            "batches sent live again after later ones (a store after its removal, a store twice)",
+            "each batch applied once: no resurrected or doubly held blocks",
+            (W0,),
+            _duplicates,
+        ),
+        Scenario(
+            "late-join",
+            "5 batches published before the consumer registers",
+            "everything from seq 0, by replay",
+            (W0,),
+            _late_join,
+            _late_join_prelude,
+        ),
+        Scenario(
+            "restart",
+            "w0's publisher restarts after 42 batches: seq back to 0, empty "
+            "ring, 2 old blocks announced again, a new prompt",
+            "w0 holds only the new incarnation's blocks; w1 untouched",
+            (W0, W1),
+            _restart,
+        ),
+        Scenario(
+            "replay-3-frame",
+            "replays answered in 3 frames [b'', seq, payload] (late join and a gap)",
+            "the full state",
+            (W0,),
+            _three_frame,
+            _three_frame_prelude,
+        ),
+        Scenario(
+            "ring-trimmed",
+            "2 batches lost live and trimmed from the replay ring",
+            "what the surviving batches say, and the loss reported on w0 only",
+            (W0, W1),
+            _ring_trimmed,
+        ),
+        Scenario(
+            "encoding-switch",
+            "map events, then array-era events with signed hashes, "
+            "then 32-byte bytes hashes, on one stream",
+            "every block, whatever its encoding (bytes hashes read as their last 8 bytes)",
+            (W0,),
+            _encoding_switch,
+        ),
+        Scenario(
+            "unknown-tag",
+            "an unknown event tag between two good stores in one batch",
+            "both good stores applied",
+            (W0,),
+            _unknown_tag,
+        ),
+        Scenario(
+            "reordered-parent",
+            "a child store sent before its parent; another "
+            "parent lost live and replayed after its child",
+            "both prompts whole, at their true positions",
+            (W0,),
+            _reordered_parent,
+        ),
+        Scenario(
+            "block-size-mismatch",
+            "a store of 32-token blocks on a stream registered with 16",
+            "the store rejected, the rest applied, and the rejection exposed",
+            (W0,),
+            _block_size,
+        ),
+        Scenario(
+            "all-cleared",
+            "AllBlocksCleared on w0, then a new store",
+            "w0 holds only what came after the clear; w1 untouched",
+            (W0, W1),
+            _all_cleared,
+        ),
+        Scenario(
+            "unknown-removals",
+            "removals of never-stored hashes (signed, u64 max) and a block removed twice",
+            "nothing else changes",
+            (W0,),
+            _unknown_removals,
+        ),
+        Scenario(
+            "many-ranks",
+            "4 ranks of one worker, a prompt on two ranks, removals on two",
+            "each rank holds its own blocks",
+            _RANKS,
+            _many_ranks,
+        ),
+    ]
 
 
 def scenario_names() -> list[str]:

@@ -1,0 +1,290 @@
+"""Routing policies and explainable decisions (kvevents.index._router)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvevents.index._decision import Load, LoadBook
+from kvevents.index._keys import block_hashes
+from kvevents.index._prefix import PrefixIndex
+from kvevents.index._router import Router, make_policy
+from kvevents.testing.index import batch, store_event
+
+BS = 4
+PROMPT = list(range(100, 132))  # 8 blocks
+
+
+def make_router(policy: str = "prefix_load", **kwargs: object) -> Router:
+    index = PrefixIndex(BS)
+    for worker in ["a", "b", "c"]:
+        index.register_worker(worker, block_size=BS)
+    index.apply("a", 0, batch(store_event(PROMPT, BS, end_block=2)))
+    index.apply("b", 0, batch(store_event(PROMPT, BS, end_block=6)))
+    return Router(index, policy, **kwargs)  # type: ignore[arg-type]
+
+
+def test_longest_prefix_picks_the_most_matched_blocks() -> None:
+    """The worker with the longest cached prefix wins, and the decision says why."""
+    decision = make_router("longest_prefix").route(PROMPT)
+    assert decision.winner == ("b", 0)
+    assert decision.matched == {("a", 0): 2, ("b", 0): 6, ("c", 0): 0}
+    assert [s.score for s in decision.scores] == [2.0, 6.0, 0.0]
+    assert decision.policy == "longest_prefix"
+
+
+def test_longest_prefix_breaks_ties_by_load() -> None:
+    """With equal matches the less loaded target wins."""
+    router = make_router("longest_prefix")
+    router.loads.set("a", queued_blocks=5)
+    router.loads.set("b", active_blocks=1)
+    assert router.route([9] * 8).winner == ("c", 0)
+
+
+def test_prefix_load_trades_cache_hits_against_load() -> None:
+    """A busy worker with the best prefix loses to an idle one once load outweighs reuse."""
+    router = make_router("prefix_load")
+    assert router.route(PROMPT).winner == ("b", 0)
+    router.loads.set("b", queued_blocks=3)
+    decision = router.route(PROMPT)
+    # a: 6 new blocks; b: 2 new + 3 queued = 5; c: 8 new.
+    assert decision.winner == ("b", 0)
+    router.loads.set("b", queued_blocks=5)
+    decision = router.route(PROMPT)
+    assert decision.winner == ("a", 0)
+    terms = {(s.worker_id, s.rank): s.terms for s in decision.scores}
+    assert terms[("b", 0)] == {"new_blocks": 2, "prefill_cost": 7.0, "decode_cost": 0, "cost": 7.0}
+    assert terms[("a", 0)]["cost"] == 6.0
+
+
+def test_prefix_load_counts_active_blocks() -> None:
+    """Decode load (active blocks) adds to the cost one for one."""
+    router = make_router("prefix_load", prefill_weight=2.0)
+    router.loads.set("b", active_blocks=9)
+    decision = router.route(PROMPT)
+    costs = {(s.worker_id, s.rank): -s.score for s in decision.scores}
+    assert costs == {("a", 0): 12.0, ("b", 0): 13.0, ("c", 0): 16.0}
+    assert decision.winner == ("a", 0)
+
+
+def test_prefix_load_breaks_ties_by_matched_blocks_then_at_random() -> None:
+    """Equal costs: more matched blocks wins, then a seeded draw among the tied targets."""
+    router = make_router("prefix_load")
+    router.loads.set("a", queued_blocks=4)  # a: 6 new + 4 queued = 10 = b: 2 new + 8 queued
+    router.loads.set("b", queued_blocks=8)
+    router.loads.set("c", queued_blocks=2)  # c: 8 new + 2 queued = 10, nothing matched
+    assert router.route(PROMPT).winner == ("b", 0)
+    assert router.route([9] * 32).winner == ("c", 0)  # no match anywhere: c is cheapest
+    router.loads.set("c", queued_blocks=4)
+    router.loads.set("b", queued_blocks=4)
+    decision = router.route([9] * 32)  # all equal: drawn among the three
+    assert decision.tied == 3 and decision.winner in {("a", 0), ("b", 0), ("c", 0)}
+    assert "3 targets tie" in decision.reason and "drawn at random" in decision.explain()
+
+
+@pytest.mark.parametrize("policy", ["prefix_load", "longest_prefix", "bounded_prefix"])
+def test_ties_spread_evenly_and_reproducibly(policy: str) -> None:
+    """Over many all-tied decisions each target wins about a third of the time (no hot spot
+    on the first target), and the same seed gives the same sequence of winners."""
+    index = PrefixIndex(BS)
+    for worker in "abc":
+        index.register_worker(worker, block_size=BS)
+
+    def winners(seed: int) -> list[tuple[str, int] | None]:
+        router = Router(index, policy, seed=seed)
+        return [router.route(PROMPT).winner for _ in range(600)]
+
+    first = winners(7)
+    counts = {w: first.count((w, 0)) for w in "abc"}
+    assert all(150 <= n <= 250 for n in counts.values()), counts
+    assert winners(7) == first and winners(8) != first
+
+
+def test_a_single_best_target_is_not_a_tie() -> None:
+    """A decision with one best target reports tied == 1 and says nothing about a draw."""
+    decision = make_router("prefix_load").route(PROMPT)
+    assert decision.tied == 1 and "tied" not in decision.explain()
+    assert decision.to_dict()["tied"] == 1
+
+
+def test_round_robin_cycles_through_targets() -> None:
+    """Round-robin ignores the cache and takes targets in turn."""
+    router = make_router("round_robin")
+    winners = [router.route(PROMPT).winner for _ in range(4)]
+    assert winners == [("a", 0), ("b", 0), ("c", 0), ("a", 0)]
+
+
+def test_random_is_reproducible_with_a_seed() -> None:
+    """Two routers with the same seed make the same choices, spread over the targets."""
+    one, two = make_router("random", seed=7), make_router("random", seed=7)
+    first = [one.route(PROMPT).winner for _ in range(30)]
+    assert first == [two.route(PROMPT).winner for _ in range(30)]
+    assert set(first) == {("a", 0), ("b", 0), ("c", 0)}
+
+
+def test_route_with_precomputed_hashes_equals_tokens() -> None:
+    """Routing on block hashes gives the decision routing on tokens gives."""
+    router = make_router("longest_prefix")
+    by_hashes = router.route(block_hashes=block_hashes(PROMPT, BS))
+    assert by_hashes.matched == router.route(PROMPT).matched
+    with pytest.raises(ValueError, match="exactly one"):
+        router.route()
+
+
+def test_targets_can_be_restricted_and_empty() -> None:
+    """Only the given targets compete; no target means no winner."""
+    router = make_router("longest_prefix")
+    assert router.route(PROMPT, targets=[("a", 0), ("c", 0)]).winner == ("a", 0)
+    assert router.route(PROMPT, targets=[]).winner is None
+
+
+def test_policy_can_be_chosen_per_call() -> None:
+    """A per-call policy overrides the router's default without replacing it."""
+    router = make_router("round_robin")
+    assert router.route(PROMPT, policy="longest_prefix").winner == ("b", 0)
+    assert router.policy.name == "round_robin"
+    with pytest.raises(ValueError, match="unknown routing policy 'best'; known: "):
+        make_policy("best")
+
+
+def test_decision_explains_itself() -> None:
+    """explain() and to_dict() name the winner, matches and load terms of every target."""
+    router = make_router("prefix_load")
+    router.loads.set("a", queued_blocks=1, active_blocks=2)
+    decision = router.route(PROMPT)
+    text = decision.explain()
+    assert text.splitlines()[0] == (
+        "policy prefix_load: winner b/rank0: lowest cost 2 = prefill 2 (2 new blocks) + decode 0"
+    )
+    assert "a/rank0: matched 2/8 blocks, queued 1, active 2" in text
+    assert "<- winner" in text.splitlines()[2]
+    data = decision.to_dict()
+    assert data["winner"] == {"worker_id": "b", "rank": 0}
+    assert data["scores"][0]["queued_blocks"] == 1  # type: ignore[index]
+    assert decision.winner_score is not None and decision.winner_score.matched_blocks == 6
+
+
+def test_load_book_never_goes_negative() -> None:
+    """Loads add up, never drop below zero, and are forgotten with the worker."""
+    loads = LoadBook()
+    loads.add("a", queued_blocks=3)
+    loads.add("a", queued_blocks=-5, active_blocks=2)
+    assert loads.get("a") == Load(0, 2)
+    loads.remove("a")
+    assert loads.snapshot() == {}
+
+
+@pytest.mark.parametrize("policy", ["longest_prefix", "prefix_load"])
+def test_degraded_target_loses_its_prefix_bonus(policy: str) -> None:
+    """An untrusted stream's matched blocks count as zero, and the decision says why."""
+    router = make_router(policy)
+    assert router.route(PROMPT).winner == ("b", 0)
+    router.mark_degraded("b", 0, "unrecoverable loss")
+    decision = router.route(PROMPT)
+    assert decision.winner == ("a", 0)
+    row = {(s.worker_id, s.rank): s for s in decision.scores}[("b", 0)]
+    assert (row.matched_blocks, row.degraded) == (0, "unrecoverable loss")
+    assert "degraded: unrecoverable loss" in decision.explain()
+    assert decision.to_dict()["scores"][1]["degraded"] == "unrecoverable loss"  # type: ignore[index]
+    router.mark_healthy("b")
+    assert router.route(PROMPT).winner == ("b", 0)
+    assert router.degraded == {}
+
+
+def test_degraded_target_stays_routable() -> None:
+    """Degraded is not removed: with no better choice the target can still win."""
+    router = make_router("round_robin")
+    router.mark_degraded("a", 0, "lagging")
+    winners = {router.route(PROMPT).winner for _ in range(3)}
+    assert winners == {("a", 0), ("b", 0), ("c", 0)}
+
+
+def test_decisions_say_in_words_what_decided() -> None:
+    """Each KV-aware decision carries a reason naming the term that decided it."""
+    router = make_router("longest_prefix")
+    assert router.route(PROMPT).reason == "most matched blocks (6)"
+    router.loads.set("a", queued_blocks=5)
+    router.loads.set("b", queued_blocks=2)
+    decision = router.route([9] * 32)  # nothing matched anywhere: c is the least loaded
+    assert decision.winner == ("c", 0)
+    assert decision.reason == "3 targets match 0 blocks: the least loaded (0 blocks)"
+    cost = make_router("prefix_load").route(PROMPT)
+    assert cost.reason == "lowest cost 2 = prefill 2 (2 new blocks) + decode 0"
+    assert cost.to_dict()["reason"] == cost.reason and cost.reason in cost.explain()
+
+
+def test_a_zero_cost_scores_zero_not_minus_zero() -> None:
+    """A target with nothing to compute and no load scores 0, printed "score 0"."""
+    index = PrefixIndex(BS)
+    index.register_worker("a", block_size=BS)
+    decision = Router(index, "prefix_load").route([])
+    assert "score -0" not in decision.explain() and "score 0" in decision.explain()
+
+
+def test_cost_weights_can_be_set_per_decision() -> None:
+    """decide(..., prefill_weight=, load_weight=) overrides the router's weights for one
+    decision: a heavy load weight sends the request away from a loaded cache holder."""
+    router = make_router("prefix_load")
+    router.loads.set("b", queued_blocks=5)  # b: 2 new + 5 queued = 7 > a: 6 new
+    match = router.index.match(PROMPT)
+    assert router.decide(match).winner == ("a", 0)
+    assert router.decide(match, load_weight=0.1).winner == ("b", 0)  # load hardly counts
+    heavy = router.decide(match, load_weight=3.0)
+    assert heavy.winner == ("a", 0) and heavy.winner_score.terms["cost"] == 6.0  # type: ignore[union-attr]
+    assert router.decide(match).winner == ("a", 0)  # the router's own weights are unchanged
+
+
+def test_per_request_weights_keep_a_bounded_set_of_policies() -> None:
+    """Distinct client-chosen weights do not grow the router without bound, and repeated
+    weights reuse one policy, so its tie draws keep spreading."""
+    from kvevents.index import _router as router_module
+
+    router = make_router("prefix_load")
+    match = router.index.match([9] * 32)
+    for i in range(3 * router_module._MAX_POLICIES):
+        router.decide(match, prefill_weight=1.0 + i)
+    assert len(router._policies) <= router_module._MAX_POLICIES
+    winners = {router.decide(match, prefill_weight=0.5).winner for _ in range(60)}
+    assert len(winners) == 3
+
+
+def test_bounded_prefix_follows_the_cache_while_within_the_bound() -> None:
+    """With loads even, the longest prefix wins, and the decision says the bound held."""
+    router = make_router("bounded_prefix")
+    for worker in "abc":
+        router.loads.set(worker, requests=2)
+    decision = router.route(PROMPT)
+    assert decision.winner == ("b", 0)
+    assert decision.winner_score is not None
+    assert decision.winner_score.terms["cap"] == 3  # ceil(1.25 * 7 / 3)
+    assert "within the bound of 3 requests in flight" in decision.reason
+
+
+def test_bounded_prefix_spills_over_when_the_best_target_is_at_the_bound() -> None:
+    """A target at the bound takes no more: the next best prefix within it wins, and the
+    decision names the target it passed over."""
+    router = make_router("bounded_prefix")
+    router.loads.set("a", requests=1)
+    router.loads.set("b", requests=3)
+    router.loads.set("c", requests=1)
+    decision = router.route(PROMPT)
+    assert decision.winner == ("a", 0)  # 2 matched blocks, within ceil(1.25 * 6 / 3) = 3
+    assert "a target matching 6 blocks is at the bound" in decision.reason
+    rows = {(s.worker_id, s.rank): s for s in decision.scores}
+    assert rows[("b", 0)].terms["within_bound"] == 0.0
+
+
+def test_bounded_prefix_breaks_ties_by_requests_in_flight() -> None:
+    """Equal matches: the target with fewer requests in flight wins."""
+    router = make_router("bounded_prefix")
+    router.loads.set("a", requests=2)
+    router.loads.set("b", requests=1)
+    router.loads.set("c", requests=0)
+    assert router.route([9] * 8).winner == ("c", 0)
+
+
+def test_bounded_prefix_slack_is_checked() -> None:
+    """A negative slack would refuse every target: it is a clear error."""
+    from kvevents.index._router import BoundedPrefix
+
+    with pytest.raises(ValueError, match="slack must be >= 0"):
+        BoundedPrefix(slack=-0.1)
