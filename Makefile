@@ -32,18 +32,18 @@ FALLBACK_TESTS := tests/test_index.py tests/test_index_model.py tests/test_route
 	tests/test_index_payloads.py tests/test_index_salt.py
 
 # The C modules again, built with AddressSanitizer and UndefinedBehaviorSanitizer: the tables
-# under their native tests and a longer fuzz pass (a couple of minutes on 2 cores), the
-# receive and the payload-lending send under theirs. ASan must be the first library loaded,
+# and the HTTP JSON scanners under their native tests and a longer fuzz pass (a couple of
+# minutes on 2 cores), the receive and the payload-lending send under theirs. ASan must be the first library loaded,
 # hence LD_PRELOAD; CPython's own allocations are not leak-checked.
 SAN_CC ?= gcc
 SAN_DIR := build/sanitize
 SAN_FLAGS := -g -O1 -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=all
 SANITIZE_TESTS := tests/test_index_native.py tests/test_blocktable.py tests/test_index.py \
-	tests/test_libzmq.py tests/test_publisher_send.py
-SAN_MODULES := index/_blocktable subscribe/_zmqrecv publish/_zerosend
+	tests/test_libzmq.py tests/test_publisher_send.py tests/test_http_scan.py
+SAN_MODULES := index/_blocktable subscribe/_zmqrecv publish/_zerosend http/_jsonscan
 SANITIZE_EXAMPLES ?= 1000
 
-.PHONY: demo test test-pythons bench bench-route bench-route-quick lint venv dynamo vllm sglang promtool browser sanitize clean
+.PHONY: demo demo-route test test-pythons bench bench-route bench-route-quick lint venv dynamo vllm sglang promtool browser sanitize clean
 
 venv: $(STAMP)
 
@@ -110,6 +110,12 @@ browser:
 # 20-60 s) and KVEVENTS_REQUIRE_SGLANG=1.
 demo: $(STAMP)
 	$(VENV)/bin/kvevents demo
+
+# kvevents route in front of two real vLLM CPU engines, a few conversations through the openai
+# client: where each request went, the cached tokens predicted and those the engine reported.
+demo-route: $(STAMP)
+	@$(MAKE) --no-print-directory vllm
+	$(PY) -m kvevents.testing.route_demo
 
 test: $(STAMP)
 	@$(MAKE) --no-print-directory dynamo || echo "warning: ai-dynamo-runtime not installed; interop tests will skip"

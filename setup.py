@@ -1,7 +1,8 @@
 """The optional C accelerators; everything else about the package is in pyproject.toml.
 
-Both extensions are optional: without a compiler the install still succeeds and kvevents runs
-its pure-Python code instead (kvevents.index.table and kvevents.subscribe._recv pick at import).
+Each of the four extensions is optional: without a compiler the install still succeeds and
+kvevents runs its pure-Python code instead (kvevents.index.table, kvevents.subscribe._recv,
+kvevents.publish.send and kvevents.http._scan pick at import).
 """
 
 from setuptools import Extension, setup
@@ -20,5 +21,8 @@ setup(
         Extension(
             "kvevents.publish._zerosend", ["src/kvevents/publish/_zerosend.c"], optional=True
         ),
+        # The JSON scanners of HTTP bodies: a query's token ids packed from the JSON text in
+        # one pass (kvevents.http._scan; reference: _scan_py).
+        Extension("kvevents.http._jsonscan", ["src/kvevents/http/_jsonscan.c"], optional=True),
     ]
 )

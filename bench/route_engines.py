@@ -12,11 +12,7 @@ a one-token request until the clear arrives).
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
-import subprocess
 import threading
 import time
 from collections.abc import Sequence
@@ -36,37 +32,12 @@ RESET_TIMEOUT = 30.0
 
 
 class BenchEngine(VllmServer):
-    """A :class:`VllmServer` that can be killed and restarted on the ports it had."""
-
-    def kill(self) -> None:
-        """SIGKILL the whole process group (API server and engine core), as a crash would."""
-        proc = self._proc
-        if proc is None:
-            return
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(30)
-        self.stop()
+    """A :class:`VllmServer` restarted on the ports it had (routers keep the URL and event
+    endpoints they were given); ``kill()`` is the server's own (SIGKILL to its group)."""
 
     def relaunch(self) -> BenchEngine:
-        """Start again on the same HTTP and event ports; return at once (``wait_ready`` waits).
-
-        ``VllmServer.launch`` picks new free ports each time, which a router configured with
-        the old URL could not follow; the ports stay reserved in this process, so nothing here
-        takes them meanwhile.
-        """
-        if self._proc is not None:
-            raise VllmServerError(f"the server on port {self.port} is already running")
-        self._log = open(self.log_path, "ab")  # noqa: SIM115 (closed in stop)
-        self._launched_at = time.monotonic()
-        self._proc = subprocess.Popen(
-            self.command(),
-            stdin=subprocess.DEVNULL,
-            stdout=self._log,
-            stderr=self._log,
-            env=self._environment(),
-            start_new_session=True,
-        )
+        """Start again on the same HTTP and event ports; return at once (``wait_ready`` waits)."""
+        self.launch(same_ports=True)
         return self
 
 

@@ -8,7 +8,6 @@ being one key, range and type errors) are tested on the C map alone.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import struct
@@ -441,52 +440,6 @@ def test_chain_hashes_needs_xxh3() -> None:
 
 # ------------------------------------------------------------------ token packing
 
-EDGE_JSON = [
-    b"[]",
-    b" \t\n[ \r\n] \n",
-    b"[0]",
-    b"[-0]",
-    b"[4294967295]",
-    b"[4294967296]",
-    b"[99999999999999999999999]",
-    b"[1,2 , 3]",
-    b"[[1]]",
-    b"[1.0]",
-    b"[1e2]",
-    b"[1E2]",
-    b"[-1]",
-    b"[+1]",
-    b"[01]",
-    b"[-01]",
-    b"[1,]",
-    b"[,1]",
-    b"[,]",
-    b"[1 2]",
-    b"[1]x",
-    b"[1] [2]",
-    b"",
-    b"[",
-    b"[1",
-    b"1",
-    b'["1"]',
-    b"[true]",
-    b"[null]",
-    b"{}",
-    b"\xef\xbb\xbf[1]",
-    b"[\x0c1]",
-    b"[-]",
-    b"[1.]",
-    b"[NaN]",
-]
-# The C parser's fast path takes 1-8 digits followed by a separator: the lengths around it, the
-# separators and the ", " layout, in arrays long enough to use it.
-_PAD = b", ".join(b"%d" % n for n in range(1, 12))
-EDGE_JSON += [
-    b"[" + _PAD + b", " + number + tail + b"]"
-    for number in (b"12345678", b"123456789", b"1234567890", b"4294967295", b"4294967296",
-                   b"99999999999", b"0", b"00", b"01", b"-0", b"-1", b"1.0", b"1e3", b"12345678.5")
-    for tail in (b"", b", 7", b" ,7", b",7", b" ")
-]  # fmt: skip
 EDGE_MSGPACK = [
     b"\x90",
     b"",
@@ -518,16 +471,6 @@ EDGE_MSGPACK = [
 ]
 
 
-@pytest.mark.parametrize("raw", EDGE_JSON)
-def test_pack_json_edge_cases(raw: bytes) -> None:
-    """Hand-picked valid and invalid JSON: the C parser answers as the reference does."""
-    want = py_impl.pack_json_tokens(raw)
-    if c_impl is None:
-        pytest.skip(C_MISSING)
-    assert c().pack_json_tokens(raw) == want
-    assert c().pack_json_tokens(msgspec.Raw(raw)) == want
-
-
 @pytest.mark.parametrize("raw", EDGE_MSGPACK)
 def test_pack_msgpack_edge_cases(raw: bytes) -> None:
     """Hand-picked valid and invalid msgpack: the C parser answers as the reference does."""
@@ -540,12 +483,11 @@ def test_pack_msgpack_edge_cases(raw: bytes) -> None:
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_pack_huge_arrays(impl: ModuleType) -> None:
-    """100k tokens in array32 msgpack and in JSON pack to the same little-endian bytes."""
+    """100k tokens in array32 msgpack pack to the same little-endian bytes."""
     tokens = [random.Random(1).getrandbits(32) for _ in range(100_000)]
     want = struct.pack(f"<{len(tokens)}I", *tokens)
     assert impl.pack_msgpack_tokens(msgspec.msgpack.encode(tokens)) == want
-    assert impl.pack_json_tokens(msgspec.json.encode(tokens)) == want
-    assert impl.pack_json_tokens(msgspec.json.encode([*tokens, -1])) is None
+    assert impl.pack_msgpack_tokens(msgspec.msgpack.encode([*tokens, -1])) is None
 
 
 def msgpack_int(v: int, form: str) -> bytes:
@@ -595,95 +537,6 @@ def msgpack_arrays(draw: st.DrawFn) -> bytes:
 def test_pack_msgpack_matches_reference(raw: bytes) -> None:
     """Random msgpack arrays (any int encoding, truncated or extended) and random bytes agree."""
     assert c().pack_msgpack_tokens(raw) == py_impl.pack_msgpack_tokens(raw)
-
-
-json_values = st.recursive(
-    st.one_of(
-        token_values,
-        st.floats(allow_nan=False, allow_infinity=False),
-        st.booleans(),
-        st.none(),
-        st.text(max_size=3),
-    ),
-    lambda inner: st.lists(inner, max_size=4),
-    max_leaves=10,
-)
-
-
-@st.composite
-def json_texts(draw: st.DrawFn) -> bytes:
-    value = draw(st.one_of(st.lists(token_values, max_size=12), st.lists(json_values, max_size=4)))
-    gaps = st.text(alphabet=" \t\r\n", max_size=2)
-    text = json.dumps(value, separators=(draw(gaps) + "," + draw(gaps), ":"))
-    text = draw(gaps) + text + draw(gaps)
-    edit = draw(st.sampled_from(["none", "none", "drop", "insert"]))
-    if edit != "none" and text:
-        at = draw(st.integers(0, len(text) - 1))
-        extra = draw(st.sampled_from(["-", "+", "0", ".", "e", ",", "]", "[", " ", "1"]))
-        text = text[:at] + (extra if edit == "insert" else "") + text[at + 1 :]
-    return text.encode()
-
-
-@needs_c
-@settings(max_examples=EXAMPLES * 2, deadline=None)
-@given(json_texts())
-def test_pack_json_matches_reference(raw: bytes) -> None:
-    """Random JSON (token arrays, nested values, floats, one-character edits) agrees."""
-    assert c().pack_json_tokens(raw) == py_impl.pack_json_tokens(raw)
-
-
-@st.composite
-def json_objects(draw: st.DrawFn) -> bytes:
-    """Query-like JSON objects: token_ids first, last, nested, repeated, absent or odd."""
-    members = draw(
-        st.lists(
-            st.tuples(
-                st.sampled_from(["token_ids", "model_name", "policy", "tok\\u0065n", "x"]),
-                st.one_of(st.lists(token_values, max_size=12), json_values),
-            ),
-            max_size=4,
-        )
-    )
-    gaps = st.text(alphabet=" \t\r\n", max_size=2)
-    parts = [
-        json.dumps(name) + draw(gaps) + ":" + draw(gaps) + json.dumps(value)
-        for name, value in members
-    ]
-    text = draw(gaps) + "{" + draw(gaps) + ("," + draw(gaps)).join(parts) + draw(gaps) + "}"
-    edit = draw(st.sampled_from(["none", "none", "none", "drop", "insert"]))
-    if edit != "none":
-        at = draw(st.integers(0, len(text) - 1))
-        extra = draw(st.sampled_from(["]", "[", '"', "\\", ",", ":", "{", "}", " ", "1"]))
-        text = text[:at] + (extra if edit == "insert" else "") + text[at + 1 :]
-    return text.encode()
-
-
-@needs_c
-@settings(max_examples=EXAMPLES * 2, deadline=None)
-@given(json_objects())
-def test_pack_json_member_matches_reference(body: bytes) -> None:
-    """The member scan agrees with the reference on random objects and one-character edits."""
-    assert c().pack_json_member(body, b"token_ids") == py_impl.pack_json_member(body, b"token_ids")
-
-
-@pytest.mark.parametrize("impl", ["python", "c"])
-def test_pack_json_member_reads_the_first_top_level_member(impl: str) -> None:
-    """The first top-level member with that exact key, with its span; None otherwise."""
-    module = py_impl if impl == "python" else c()
-    body = b'{"a": {"token_ids": [9]}, "s": "token_ids\\"]", "token_ids": [1, 2], "b": 1}'
-    packed, start, end = module.pack_json_member(body, b"token_ids")
-    assert packed == struct.pack("<2I", 1, 2) and body[start:end] == b"[1, 2]"
-    for bad in (
-        b'{"token_ids": [[1]]}',
-        b'{"token_ids": "[1]"}',
-        b'{"token_ids": [1, 2.5]}',
-        b'{"tok\\u0065n_ids": [1]}',
-        b"[1]",
-        b'{"other": [1]}',
-    ):
-        assert module.pack_json_member(bad, b"token_ids") is None, bad
-    # The rest of the body is the caller's to validate: an unclosed object still yields.
-    assert module.pack_json_member(b'{"token_ids": [1] ', b"token_ids") is not None
 
 
 # ------------------------------------------------------------------ selection

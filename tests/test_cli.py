@@ -305,6 +305,7 @@ def test_every_command_has_help_with_examples(command: str) -> None:
         (["listen"], 2, "no stream to read"),
         (["listen", "tcp://*:5557"], 2, "not '*'"),
         (["listen", "--worker", "x:y=tcp://127.0.0.1:5557"], 2, "rank 'y' is not a number"),
+        (["listen", "--worker", "x:²=tcp://127.0.0.1:5557"], 2, "rank '²' is not a number"),
         (["listen", "tcp://127.0.0.1:5557", "--count", "0"], 2, "is not an integer >= 1"),
         (["replay", "tcp://127.0.0.1:5600"], 2, "--from"),
         (["replay", "tcp://127.0.0.1:5600", "--from", "5", "--to", "2"], 2, "before --from 5"),

@@ -20,6 +20,7 @@ from kvevents.cli.config import (
     PublishSettings,
     ServeSettings,
     Settings,
+    apply_settings,
     keys,
     resolve,
 )
@@ -183,7 +184,9 @@ def test_a_file_that_is_not_a_settings_file_is_refused(tmp_path: Path) -> None:
         serve_settings("--config", str(tmp_path / "missing.toml"))
     with pytest.raises(UsageError, match=r"bad\.toml: not valid TOML"):
         serve_settings("--config", write(tmp_path, "[serve\n", "bad.toml"))
-    with pytest.raises(UsageError, match=r"top.toml: 'port': expected a \[serve\] or \[publish\]"):
+    with pytest.raises(
+        UsageError, match=r"top.toml: 'port': expected a \[serve\], \[publish\] or \[route\]"
+    ):
         serve_settings("--config", write(tmp_path, "port = 1\n", "top.toml"))
 
 
@@ -228,3 +231,23 @@ def test_the_documented_example_file_is_valid(tmp_path: Path) -> None:
     assert _registrations(settings)[0].ranks == (0, 1)
     publish = resolve(PublishSettings, "publish", parse("publish", "--config", config), {})
     assert publish.rate == 50.0
+
+
+def test_the_send_timeout_comes_from_a_flag_or_the_file(tmp_path: Path) -> None:
+    """``--send-timeout`` and ``send_timeout`` in [serve] set the HTTP limit of that name
+    (30 s when neither is given); the other limits keep theirs."""
+    from kvevents.cli.serve import _app_options
+
+    def limits(*argv: str) -> Any:
+        return _app_options(
+            apply_settings(ServeSettings, "serve", parse("serve", *argv), {})
+        ).limits
+
+    assert limits().send_timeout == 30.0
+    assert limits("--send-timeout", "2.5").send_timeout == 2.5
+    config = write(tmp_path, "[serve]\nsend_timeout = 4\nheader_timeout = 3\n")
+    from_file = limits("--config", config)
+    assert (from_file.send_timeout, from_file.header_timeout) == (4.0, 3.0)
+    assert limits("--config", config, "--send-timeout", "1").send_timeout == 1.0
+    with pytest.raises(UsageError, match="send_timeout"):
+        serve_settings("--config", write(tmp_path, "[serve]\nsend_timeout = 0\n", "bad.toml"))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import http.server
 import json
 import os
+import re
 import select
 import signal
 import socket
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+import tracemalloc
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
@@ -23,9 +25,10 @@ from kvevents.cli import main
 from kvevents.deadline import Deadline
 from kvevents.errors import DiscoveryError
 from kvevents.events import BlockStored, KVEventBatch
-from kvevents.integrations.discovery import discover, parse_server_info
+from kvevents.integrations.discovery import MAX_ANSWER_BYTES, discover, parse_server_info
 from kvevents.publish.records import PublisherOptions
 from kvevents.service.feed import WorkerRegistration
+from kvevents.testing.hostile_http import HostileHttpServer, dripping, flooding
 from kvevents.testing.publisher import local_config, started_publisher
 
 
@@ -209,6 +212,129 @@ def test_unreachable_and_silent_engines_fail_within_the_timeout() -> None:
         port = silent.getsockname()[1]
     with pytest.raises(DiscoveryError, match="cannot connect"):
         discover(f"http://127.0.0.1:{port}", timeout=2)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "key", "words"),
+    [
+        ("dp_size", 10**8, "kv_events.dp_size", "<= 1024"),
+        ("block_size", 2**70, "kv_events.block_size", "<= 1048576"),
+        (
+            "endpoint_port_base",
+            65000,
+            "kv_events.endpoint_port_base",
+            "65000 + 999 (kv_events.dp_size - 1) exceeds 65535",
+        ),
+        (
+            "replay_endpoint_port_base",
+            65500,
+            "kv_events.replay_endpoint_port_base",
+            "exceeds 65535",
+        ),
+        ("topic", "t" * 257, "kv_events.topic", "over 256 characters"),
+        ("endpoint_host", "h" * 2000, "kv_events.endpoint_host", "over 1012 characters"),
+        ("endpoint_host", "not a host!", "kv_events.endpoint_host", "is not a host"),
+        ("publisher", "p" * 100_000, "kv_events.publisher", "(100002 characters)"),
+    ],
+)
+def test_advertised_fields_have_the_bounds_of_a_registration_over_http(
+    field: str, value: Any, key: str, words: str
+) -> None:
+    """Every advertised field is held to the bound POST /register has (dp_size 10**8 used to
+    build 10**8 ranks: 5.5 GB and 19 s; block_size 2**70 was accepted); the error names the
+    key, and a value megabytes long is shown cut short."""
+    info = {"kv_events": kv_events(**{"dp_size": 1000, field: value})}
+    began = time.monotonic()
+    with pytest.raises(DiscoveryError, match=re.escape(words)) as caught:
+        parse_server_info(info, "http://h:1/server_info")
+    assert time.monotonic() - began < 1.0  # generous: it is a few comparisons
+    assert caught.value.key == key and len(str(caught.value)) < 300
+
+
+def test_the_bounds_are_the_http_registrations() -> None:
+    """One home for the numbers: discovery, the HTTP bodies' bounds and the settings take the
+    same."""
+    from kvevents import bounds
+    from kvevents.service import bounds as fields
+
+    assert (fields.MAX_RANKS, fields.MAX_BLOCK_SIZE) == (bounds.MAX_RANKS, bounds.MAX_BLOCK_SIZE)
+    top = kv_events(dp_size=bounds.MAX_RANKS, block_size=bounds.MAX_BLOCK_SIZE)
+    top["endpoint_port_base"] = 1
+    found = parse_server_info({"kv_events": top}, "http://h:1")
+    assert (found.ranks, found.block_size) == (bounds.MAX_RANKS, bounds.MAX_BLOCK_SIZE)
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n" + b"x-pad: " + b"y" * 10_000,
+        b"HTTP/1.1 200 OK\r\ncontent-length: 100000\r\n\r\n" + b" " * 100_000,
+    ],
+    ids=["headers", "body"],
+)
+def test_a_dripping_engine_is_cut_off_at_the_discovery_deadline(answer: bytes) -> None:
+    """A server sending a byte every 50 ms answers each read in time, and used to hold serve
+    45 s past --discovery-timeout 3; the timeout is now the whole discovery's."""
+    drip = HostileHttpServer(answer)
+    try:
+        began = time.monotonic()
+        with pytest.raises(DiscoveryError, match=r"no answer within 1s"):
+            discover(drip.url, timeout=1.0)
+        took = time.monotonic() - began
+    finally:
+        drip.close()
+    assert 0.9 < took < 2.0, took
+
+
+def test_serve_gives_up_on_a_dripping_engine_at_its_discovery_timeout(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """serve --discovery-timeout 1 stops within about a second on an engine that drips its
+    answer (status 1, one line naming the URL); an --engine id over 256 characters is refused
+    before any request."""
+    drip = dripping()
+    try:
+        began = time.monotonic()
+        status = main(["serve", "--port", "0", "--discovery-timeout", "1", "--engine", drip.url])
+        took = time.monotonic() - began
+    finally:
+        drip.close()
+    err = capsys.readouterr().err.strip()
+    assert status == 1 and took < 2.5
+    assert err == f"kvevents serve: error: {drip.url}/server_info: no answer within 1s"
+    assert main(["serve", "--port", "0", "--engine", f"{'w' * 257}={drip.url}"]) == 2
+    assert "the worker id is over 256 characters" in capsys.readouterr().err
+
+
+def test_an_https_engine_that_never_answers_is_cut_off_too() -> None:
+    """https:// goes through the same deadline (its TLS handshake included)."""
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        began = time.monotonic()
+        with pytest.raises(DiscoveryError, match=r"no answer within 0\.5s"):
+            discover(f"https://127.0.0.1:{silent.getsockname()[1]}", timeout=0.5)
+        assert time.monotonic() - began < 1.5
+
+
+def test_a_huge_answer_is_refused_after_its_limit() -> None:
+    """A 200 MB answer is refused once 4 MiB are read (it used to be read whole: 1.9 GB)."""
+    flood = flooding()
+    tracemalloc.start()
+    try:
+        with pytest.raises(DiscoveryError, match=f"over {MAX_ANSWER_BYTES} bytes"):
+            discover(flood.url, timeout=10)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+        flood.close()
+    assert peak < 3 * MAX_ANSWER_BYTES, peak
+
+
+def test_deeply_nested_json_is_an_error_naming_the_url(engine: Engine) -> None:
+    """100,000 nested arrays used to raise a RecursionError naming nothing; now the URL."""
+    engine.serve("/server_info", b"[" * 100_000 + b"]" * 100_000)
+    with pytest.raises(DiscoveryError, match="nested too deeply") as caught:
+        discover(engine.url)
+    assert str(caught.value).startswith(f"{engine.url}/server_info: ")
 
 
 def test_not_an_http_url() -> None:

@@ -6,20 +6,30 @@ from __future__ import annotations
 import json
 import random
 import socket
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import httpx
 import pytest
 
 from kvevents.errors import LayoutError
+from kvevents.http import (
+    AppOptions,
+    EndpointPolicy,
+    HttpLimits,
+    Server,
+    TokenCheck,
+    load_token,
+    serve,
+)
 from kvevents.index.prefix import PrefixIndex
-from kvevents.service.access import EndpointPolicy, TokenCheck, load_token
 from kvevents.service.core import IndexService, WorkerRegistration
-from kvevents.service.http import AppOptions, HttpLimits, Server, serve
 from kvevents.subscribe.streams import StreamSpec, worker_streams
 from kvevents.testing.index import batch, store_event
+from kvevents.testing.service import ServiceIndexer
 from kvevents.testing.sockets import wait_for
 from test_service import BS, LOCAL, PROMPT, FakeFeed
 
@@ -72,8 +82,12 @@ def test_mutating_endpoints_need_the_token(guarded: tuple[Server, httpx.Client])
     and change nothing; with it they work. Reads stay open."""
     _, client = guarded
     body = {"worker_id": "a", "endpoint": LOCAL, "block_size": BS}
-    for headers in ({}, {"authorization": "Bearer nope"}, {"authorization": TOKEN},
-                    {"authorization": f"Basic {TOKEN}"}):  # fmt: skip
+    for headers in (
+        {},
+        {"authorization": "Bearer nope"},
+        {"authorization": TOKEN},
+        {"authorization": f"Basic {TOKEN}"},
+    ):
         for path in ("/register", "/unregister"):
             reply = client.post(path, json=body, headers=headers)
             assert reply.status_code == 401, (path, headers)
@@ -91,8 +105,14 @@ def test_reads_can_be_closed_too(feed: FakeFeed) -> None:
     """With protect_reads every endpoint needs the token, unknown ones included."""
     options = AppOptions(auth=TokenCheck(TOKEN, protect_reads=True))
     with _serve(feed, options) as running, httpx.Client(base_url=running.url) as client:
-        for method, path in [("POST", "/query"), ("GET", "/workers"), ("GET", "/health"),
-                             ("GET", "/metrics"), ("GET", "/dump"), ("GET", "/nope")]:  # fmt: skip
+        for method, path in [
+            ("POST", "/query"),
+            ("GET", "/workers"),
+            ("GET", "/health"),
+            ("GET", "/metrics"),
+            ("GET", "/dump"),
+            ("GET", "/nope"),
+        ]:
             assert client.request(method, path).status_code == 401, path
         assert client.get("/health", headers=AUTH).status_code == 200
 
@@ -142,16 +162,24 @@ def test_the_default_allow_list_is_loopback_only(guarded: tuple[Server, httpx.Cl
         assert reply.status_code == 403, (body, reply.text)
         assert reply.json()["field"] == field and error in reply.json()["error"], reply.json()
     assert client.get("/workers").json() == {"workers": []}
-    for endpoint in ("tcp://127.0.0.1:5557", "tcp://127.9.9.9:5557", "tcp://[::1]:5557",
-                     "tcp://localhost:5557"):  # fmt: skip
+    for endpoint in (
+        "tcp://127.0.0.1:5557",
+        "tcp://127.9.9.9:5557",
+        "tcp://[::1]:5557",
+        "tcp://localhost:5557",
+    ):
         assert _register(client, "a", endpoint).status_code == 200, endpoint
 
 
 def test_the_allow_list_takes_addresses_cidrs_names_and_ipc() -> None:
     """Entries are matched as networks (an address is a /32 or /128) or literal names."""
     policy = EndpointPolicy(("10.0.0.0/8", "2001:db8::/32", "Engine-A", "ipc"))
-    for endpoint in ("tcp://10.9.8.7:1", "tcp://[2001:db8::5]:1", "tcp://engine-a:1",
-                     "ipc:///run/kv"):  # fmt: skip
+    for endpoint in (
+        "tcp://10.9.8.7:1",
+        "tcp://[2001:db8::5]:1",
+        "tcp://engine-a:1",
+        "ipc:///run/kv",
+    ):
         policy.check("endpoint", endpoint, [0])
     for endpoint in ("tcp://11.0.0.1:1", "tcp://127.0.0.1:1", "tcp://engine-b:1", "inproc://x"):
         with pytest.raises(LayoutError) as refused:
@@ -260,9 +288,24 @@ def _rss() -> int:
 
 
 _NUMBERS = [0, 1, -1, 2**31, 2**32, 2**53 + 1, 2**63, 2**64, 2**70, -(2**70), 1.5, 1e308]
-_KEYS = ["worker_id", "instance_id", "endpoint", "replay_endpoint", "block_size", "ranks",
-         "dp_size", "topic", "model_name", "rank", "dp_rank", "token_ids", "block_hashes",
-         "policy", "lora_name", "lora_id"]  # fmt: skip
+_KEYS = [
+    "worker_id",
+    "instance_id",
+    "endpoint",
+    "replay_endpoint",
+    "block_size",
+    "ranks",
+    "dp_size",
+    "topic",
+    "model_name",
+    "rank",
+    "dp_rank",
+    "token_ids",
+    "block_hashes",
+    "policy",
+    "lora_name",
+    "lora_id",
+]
 
 
 def _value(rng: random.Random, depth: int = 0) -> Any:
@@ -270,8 +313,17 @@ def _value(rng: random.Random, depth: int = 0) -> Any:
     if kind == 0:
         return rng.choice(_NUMBERS)
     if kind == 1:
-        return rng.choice(["", "x" * rng.randrange(2000), "tcp://127.0.0.1:6000", "\u0000",
-                           "tcp://*:0", "ipc://" + "p" * 200, "longest_prefix"])  # fmt: skip
+        return rng.choice(
+            [
+                "",
+                "x" * rng.randrange(2000),
+                "tcp://127.0.0.1:6000",
+                "\u0000",
+                "tcp://*:0",
+                "ipc://" + "p" * 200,
+                "longest_prefix",
+            ]
+        )
     if kind == 2:
         return rng.choice([None, True, False])
     if kind in (3, 4, 5):
@@ -304,9 +356,18 @@ def test_seeded_fuzz_never_gets_a_5xx(guarded: tuple[Server, httpx.Client], feed
     assert service_stats.status_code == 200
     rss_before = _rss()
     rng = random.Random(20261201)
-    routes = [("POST", "/register"), ("POST", "/unregister"), ("POST", "/query"),
-              ("GET", "/dump"), ("GET", "/workers"), ("GET", "/metrics"), ("GET", "/health"),
-              ("PUT", "/query"), ("GET", "/../etc"), ("DELETE", "/register")]  # fmt: skip
+    routes = [
+        ("POST", "/register"),
+        ("POST", "/unregister"),
+        ("POST", "/query"),
+        ("GET", "/dump"),
+        ("GET", "/workers"),
+        ("GET", "/metrics"),
+        ("GET", "/health"),
+        ("PUT", "/query"),
+        ("GET", "/../etc"),
+        ("DELETE", "/register"),
+    ]
     statuses: dict[int, int] = {}
     for _ in range(400):
         method, path = rng.choice(routes)
@@ -348,8 +409,175 @@ def test_every_refusal_is_counted_in_metrics(guarded: tuple[Server, httpx.Client
         for line in client.get("/metrics").text.splitlines()
         if line.startswith("kvevents_http_")
     }
-    for name in ("unauthorized", "forbidden_endpoints", "bad_requests", "not_found",
-                 "bodies_too_large", "body_timeouts", "headers_too_large"):  # fmt: skip
+    for name in (
+        "unauthorized",
+        "forbidden_endpoints",
+        "bad_requests",
+        "not_found",
+        "bodies_too_large",
+        "body_timeouts",
+        "headers_too_large",
+    ):
         assert counts[f"kvevents_http_{name}_total"] == 1.0, (name, counts)
     assert counts["kvevents_http_header_timeouts_total"] >= 1.0
     assert counts["kvevents_http_connections_refused_total"] == 0.0
+
+
+# ----------------------------------------------------------------- a dump nobody reads
+
+
+def test_a_dump_nobody_reads_is_abandoned_after_the_send_timeout(feed: FakeFeed) -> None:
+    """A client that asks for /dump and stops reading holds it (others get 429) only until
+    send_timeout: then its connection is cut off, counted, and the next dump is served."""
+    options = AppOptions(limits=HttpLimits(send_timeout=0.5))
+    with _serve(feed, options) as running, httpx.Client(base_url=running.url) as client:
+        assert _register(client, "w", LOCAL).status_code == 200
+        _hold_blocks(client, feed, 300_000)  # a 12 MB dump: more than socket buffers hold
+        with _connect(running) as stalled:
+            stalled.sendall(b"GET /dump HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert stalled.recv(12, socket.MSG_WAITALL) == b"HTTP/1.1 200"
+            assert client.get("/dump").status_code == 429
+
+            def free() -> bool:
+                return client.get("/dump").status_code == 200
+
+            wait_for(free, 10.0, interval=0.05, what="the unread dump to be abandoned")
+        assert "kvevents_http_send_timeouts_total 1.0" in client.get("/metrics").text
+
+
+def _hold_blocks(client: httpx.Client, feed: FakeFeed, blocks: int) -> None:
+    """Worker "w" holds ``blocks`` blocks, in prefixes of 60,000."""
+    for n in range(blocks // 60_000):
+        first = n * 10**6
+        feed.deliver("w", 0, batch(store_event(range(first, first + 60_000 * BS), BS)), seq=n)
+
+    def held() -> bool:
+        return f"kvevents_index_entries {blocks}.0" in client.get("/metrics").text
+
+    wait_for(held, 30.0, interval=0.05, what=f"{blocks} blocks indexed")
+
+
+# ----------------------------------------------------------------- pipelined floods
+
+# Each flood: FLOOD_CONNECTIONS connections send their requests pipelined, in one write each,
+# and read nothing while GET /health is timed from another connection; then they read every
+# answer. Measured in a service process of its own (RSS is the process's). Before the bounds
+# the /query flood below took the service +530 MB and stalled /health for 6 s.
+FLOOD_CONNECTIONS = 8
+FLOOD_RSS_CEILING = 64 << 20  # RSS growth over a flood
+STALL_CEILING = 1.0  # seconds a GET /health may take during a flood
+PROBE_SECONDS = 1.5  # how long the flooding clients read nothing
+FLOOD_TARGETS = 50  # registered workers: each adds to a query's answer (about 9 KB for 50)
+
+
+def _post(path: str, body: Any) -> bytes:
+    data = json.dumps(body).encode()
+    head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(data)}\r\n\r\n"
+    return head.encode() + data
+
+
+@pytest.fixture(scope="module")
+def flood_servers() -> Iterator[dict[str, ServiceIndexer]]:
+    """A service of each API, each with FLOOD_TARGETS workers registered."""
+    with ServiceIndexer() as ours, ServiceIndexer(args=["--api", "dynamo"]) as dynamo:
+        for n in range(FLOOD_TARGETS):
+            ours.register(f"w{n}", f"tcp://127.0.0.1:{30000 + n}", block_size=BS)
+            body = {
+                "instance_id": n,
+                "endpoint": f"tcp://127.0.0.1:{31000 + n}",
+                "model_name": "m",
+                "block_size": BS,
+            }
+            dynamo.call("POST", "/register", body)
+        yield {"kvevents": ours, "dynamo": dynamo}
+
+
+_FLOODS = {
+    # name: (server, request, bytes sent on each connection, status of every answer)
+    "query": ("kvevents", _post("/query", {"token_ids": [1]}), 250_000, 200),
+    "app": ("kvevents", b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n", 64_000, 200),
+    "register": (
+        "kvevents",
+        _post("/register", {"worker_id": "x", "endpoint": "tcp://10.0.0.1:5557", "block_size": BS}),
+        64_000,
+        403,
+    ),
+    "load": (
+        "kvevents",
+        _post("/load", {"loads": [{"worker_id": "w1", "queued_blocks": 3, "active_blocks": 5}]}),
+        64_000,
+        200,
+    ),
+    "dynamo_query": (
+        "dynamo",
+        _post("/query", {"token_ids": [1], "model_name": "m"}),
+        250_000,
+        200,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(_FLOODS))
+def test_a_pipelined_flood_costs_bounded_memory_and_stalls_nobody(
+    flood_servers: dict[str, ServiceIndexer], name: str
+) -> None:
+    """Requests pipelined by the thousand on several connections whose clients do not read:
+    the service's memory stays under a ceiling, another connection's GET /health is answered
+    promptly throughout, and every request is answered, in order, once the clients read."""
+    server_name, request, size, status = _FLOODS[name]
+    server = flood_servers[server_name]
+    count = size // len(request)
+    rss_before = server.rss_bytes()
+    clients = [_connect_to(server.port) for _ in range(FLOOD_CONNECTIONS)]
+    senders = [threading.Thread(target=c.sendall, args=(request * count,)) for c in clients]
+    try:
+        for sender in senders:
+            sender.start()
+        stall, rss_peak = _probe(server, PROBE_SECONDS)
+        answers = [_statuses(client, count) for client in clients]
+    finally:
+        for sender in senders:
+            sender.join(30.0)
+        for client in clients:
+            client.close()
+    assert stall < STALL_CEILING, f"GET /health took {stall:.2f} s during the flood"
+    growth = rss_peak - rss_before
+    assert growth < FLOOD_RSS_CEILING, f"RSS grew {growth >> 20} MB"
+    assert answers == [[status] * count] * FLOOD_CONNECTIONS
+
+
+def _connect_to(port: int) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=30.0)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+    return sock
+
+
+def _probe(server: ServiceIndexer, seconds: float) -> tuple[float, int]:
+    """(the longest GET /health round trip, the highest RSS) over ``seconds``."""
+    worst, peak = 0.0, server.rss_bytes()
+    deadline = time.monotonic() + seconds
+    with _connect_to(server.port) as sock, sock.makefile("rb") as reader:
+        while time.monotonic() < deadline:
+            began = time.perf_counter()
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert _read_response(reader)[0] == 200
+            worst = max(worst, time.perf_counter() - began)
+            peak = max(peak, server.rss_bytes())
+            time.sleep(0.02)
+    return worst, peak
+
+
+def _statuses(sock: socket.socket, count: int) -> list[int]:
+    with sock.makefile("rb") as reader:
+        return [_read_response(reader)[0] for _ in range(count)]
+
+
+def _read_response(reader: IO[bytes]) -> tuple[int, bytes]:
+    """One response: (status, body); every response here has a content-length."""
+    status = int(reader.readline().split()[1])
+    length = 0
+    while (line := reader.readline().strip()) != b"":
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            length = int(value)
+    return status, reader.read(length)

@@ -1,4 +1,4 @@
-"""``POST /query`` answered on the connection (kvevents.service.protocol): the same answers and
+"""``POST /query`` answered on the connection (kvevents.http._protocol): the same answers and
 refusals as the app's path, kept-alive and pipelined connections, and every limit kept."""
 
 from __future__ import annotations
@@ -14,14 +14,21 @@ import pytest
 import uvicorn
 from uvicorn.server import ServerState
 
+from kvevents.http import (
+    AppOptions,
+    HttpCounters,
+    HttpLimits,
+    LimitedProtocol,
+    Server,
+    TokenCheck,
+    create_app,
+    serve,
+)
+from kvevents.http import _protocol as protocol_module
+from kvevents.http._pieces import PARSE_PIECE, Unparsed
+from kvevents.http._server import _query_handler_of
 from kvevents.index.prefix import PrefixIndex
-from kvevents.service.access import TokenCheck
-from kvevents.service.app import create_app
 from kvevents.service.core import IndexService
-from kvevents.service.http import AppOptions, HttpLimits, Server, serve
-from kvevents.service.limits import HttpCounters
-from kvevents.service.protocol import LimitedProtocol
-from kvevents.service.server import _fast_query_of
 from kvevents.testing.index import batch, store_event
 from kvevents.testing.sockets import wait_for
 from test_hostile_http import _specs
@@ -105,6 +112,46 @@ def test_pipelined_queries_are_answered_in_order_on_one_connection(server: Serve
         assert _response(reader)[0] == 200
 
 
+def test_app_requests_pipelined_among_queries_are_answered_in_order(
+    server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Requests for the app pipelined among queries the protocol answers (which here wait a
+    turn of the event loop each) get their answers in the order they were sent."""
+    monkeypatch.setattr(protocol_module, "TURN_SECONDS", 0.0)
+    health = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+    sent = [_request(QUERY)] * 5 + [health, _request(QUERY), _request(b"{"), health]
+    sent += [_request(QUERY)] * 3
+    with _connect(server) as sock, sock.makefile("rb") as reader:
+        sock.sendall(b"".join(sent))
+        replies = [_response(reader) for _ in sent]
+    kinds = ["health" if "status" in json.loads(body) else s for s, _, body in replies]
+    assert kinds == [200] * 5 + ["health", 200, 400, "health", 200, 200, 200]
+
+
+@pytest.mark.parametrize("path", ["/query", "/register", "/health"])
+def test_an_offer_to_upgrade_is_declined_and_the_request_answered(
+    server: Server, path: str
+) -> None:
+    """A request offering to switch to h2c (``curl --http2`` on plain HTTP) is answered over
+    HTTP/1.1 as if it made no offer, its body intact, and what is pipelined after it too."""
+    offer = (
+        "Connection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\n"
+        "HTTP2-Settings: AAMAAABkAAQCAAAAAAIAAAAA\r\n"
+    )
+    register = {"worker_id": "u", "endpoint": "tcp://127.0.0.1:7000", "block_size": BS}
+    body = json.dumps(register).encode() if path == "/register" else QUERY
+    method = "GET" if path == "/health" else "POST"
+    head = f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n{offer}\r\n"
+    with _connect(server) as sock, sock.makefile("rb") as reader:
+        sock.sendall(head.encode() + body + _request(QUERY))
+        status, headers, reply = _response(reader)
+        assert status == 200, reply
+        assert "upgrade" not in headers and "upgrade" not in headers.get("connection", "")
+        assert _response(reader)[0] == 200
+    if path == "/query":
+        assert json.loads(reply)["scores"] == {"w": {"0": len(PROMPT) // BS}}
+
+
 def test_a_bad_query_says_why(server: Server) -> None:
     """Out-of-range tokens are a 400 naming the token and where it is."""
     with _connect(server) as sock, sock.makefile("rb") as reader:
@@ -182,27 +229,38 @@ def test_answered_queries_feed_the_latency_histogram(server: Server) -> None:
     assert after[bad] - before[bad] == 1
 
 
-class _StalledTransport(asyncio.Transport):
-    """A transport whose peer reads nothing: every write fills the buffer past its mark."""
+class _Transport(asyncio.Transport):
+    """A transport recording what the protocol does to it. ``stalled``: its peer reads
+    nothing, so every write fills the buffer past its mark; :meth:`drain`: the peer read it."""
 
-    def __init__(self, protocol: asyncio.Protocol) -> None:
+    def __init__(self, protocol: asyncio.Protocol, *, stalled: bool = False) -> None:
         super().__init__()
         self.protocol = protocol
+        self.stalled = stalled
         self.written: list[bytes] = []
         self.reading = True
+        self.closed = False
+        self.aborted = False
 
     def get_extra_info(self, name: str, default: Any = None) -> Any:
         return default
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         self.written.append(bytes(data))
-        self.protocol.pause_writing()
+        if self.stalled:
+            self.protocol.pause_writing()
+
+    def drain(self) -> None:
+        self.protocol.resume_writing()
 
     def is_closing(self) -> bool:
-        return False
+        return self.closed or self.aborted
 
     def close(self) -> None:
-        pass
+        self.closed = True
+
+    def abort(self) -> None:
+        self.aborted = True
 
     def pause_reading(self) -> None:
         self.reading = False
@@ -210,24 +268,194 @@ class _StalledTransport(asyncio.Transport):
     def resume_reading(self) -> None:
         self.reading = True
 
+    def statuses(self) -> list[int]:
+        """The status of each response written so far."""
+        return [int(w.split()[1]) for w in self.written if w.startswith(b"HTTP/1.1 ")]
+
+
+async def _connected(
+    app: Any = None,
+    limits: HttpLimits = LIMITS,
+    *,
+    stalled: bool = False,
+    keep_alive: float = 5,
+) -> tuple[LimitedProtocol, _Transport, HttpCounters]:
+    """A protocol on a :class:`_Transport`, for ``app`` (default: the service's, empty)."""
+    if app is None:
+        app = create_app(IndexService(PrefixIndex(), feed=FakeFeed(), stream_specs=_specs))
+    counters = HttpCounters()
+    query = _query_handler_of(app) if hasattr(app, "state") else None  # plain ASGI app: none
+    cls = LimitedProtocol.configured(limits, counters, query)
+    config = uvicorn.Config(
+        app,
+        lifespan="off",
+        log_level="warning",
+        timeout_keep_alive=keep_alive,  # type: ignore[arg-type]
+    )
+    protocol = cls(config=config, server_state=ServerState(), app_state={})
+    transport = _Transport(protocol, stalled=stalled)
+    protocol.connection_made(transport)
+    return protocol, transport, counters
+
+
+async def _turns(count: int = 5) -> None:
+    """Let the event loop run ``count`` times."""
+    for _ in range(count):
+        await asyncio.sleep(0)
+
+
+async def _unfinished_response(scope: Any, receive: Any, send: Any) -> None:
+    """An app that starts its response and never ends it (a long dump, say)."""
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    await asyncio.Event().wait()
+
 
 def test_a_client_that_reads_no_answers_is_read_no_further() -> None:
-    """Once answers back up in the write buffer, the connection stops reading requests, and
-    reads again when the buffer drains: pipelined queries cannot pile answers up unbounded."""
+    """Pipelined queries are answered while the client reads: once an answer fills the write
+    buffer, no more are answered or read until it drains, then they go on in order."""
 
     async def run() -> None:
-        service = IndexService(PrefixIndex(), feed=FakeFeed(), stream_specs=_specs)
-        app = create_app(service)
-        cls = LimitedProtocol.configured(LIMITS, HttpCounters(), _fast_query_of(app))
-        config = uvicorn.Config(app, lifespan="off", log_level="warning")
-        protocol = cls(config=config, server_state=ServerState(), app_state={})
-        transport = _StalledTransport(protocol)
-        protocol.connection_made(transport)
-        protocol.data_received(_request(QUERY) + _request(QUERY))
-        assert len(transport.written) == 2 and transport.written[0].startswith(b"HTTP/1.1 200")
+        protocol, transport, _ = await _connected(stalled=True)
+        protocol.data_received(_request(QUERY) * 3)
+        assert transport.statuses() == [200]
         assert not transport.reading
-        protocol.resume_writing()
+        for answered in (2, 3):
+            transport.drain()
+            await _turns()
+            assert transport.statuses() == [200] * answered
+            assert not transport.reading
+        transport.stalled = False
+        transport.drain()
         assert transport.reading
         protocol.connection_lost(None)
 
     asyncio.run(run())
+
+
+def test_a_pipelined_flood_lets_the_event_loop_run_between_turns(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Pipelined queries are answered a turn of the event loop at a time (here: one a turn),
+    so that other connections' callbacks run in between; all are answered, in order."""
+    monkeypatch.setattr(protocol_module, "TURN_SECONDS", 0.0)
+
+    async def run() -> None:
+        protocol, transport, _ = await _connected()
+        protocol.data_received(_request(QUERY) * 20 + _request(b"[]"))
+        seen: list[int] = []
+        asyncio.get_running_loop().call_soon(lambda: seen.append(len(transport.statuses())))
+        for _ in range(100):
+            if len(transport.statuses()) == 21:
+                break
+            await asyncio.sleep(0)
+        assert seen and seen[0] < 5, seen
+        assert transport.statuses() == [200] * 20 + [400]
+        assert transport.reading
+        protocol.connection_lost(None)
+
+    asyncio.run(run())
+
+
+def test_limits_hold_while_the_app_answers() -> None:
+    """While a response of the app's is still being sent, the next request's headers are
+    bound by the size limit and the deadline too: the connection is cut off (no 431 in the
+    middle of that response), and each is counted."""
+    limits = HttpLimits(max_header_bytes=8 << 10, header_timeout=0.1)
+
+    async def run() -> None:
+        protocol, transport, counters = await _connected(_unfinished_response, limits)
+        protocol.data_received(b"GET /dump HTTP/1.1\r\nHost: x\r\n\r\n")
+        await _turns()
+        assert transport.statuses() == [200]
+        protocol.data_received(b"GET /health HTTP/1.1\r\n")
+        for _ in range(10):
+            protocol.data_received(b"X-Pad: " + b"a" * 1000 + b"\r\n")
+        assert transport.aborted and counters.stats().headers_too_large == 1
+        assert transport.statuses() == [200]
+        protocol.connection_lost(None)
+
+        protocol, transport, counters = await _connected(_unfinished_response, limits)
+        protocol.data_received(b"GET /dump HTTP/1.1\r\nHost: x\r\n\r\n")
+        await _turns()
+        protocol.data_received(b"GET /health HTTP/1.1\r\nX-Pad: ")
+        await asyncio.sleep(0.3)
+        assert transport.aborted and counters.stats().header_timeouts == 1
+        protocol.connection_lost(None)
+
+    asyncio.run(run())
+
+
+def test_a_client_that_stops_reading_is_cut_off_after_the_send_timeout() -> None:
+    """An answer left unread (the write buffer over its mark) for send_timeout aborts the
+    connection and is counted; one read in time does not."""
+    limits = HttpLimits(send_timeout=0.1)
+
+    async def run() -> None:
+        for reads in (False, True):
+            protocol, transport, counters = await _connected(limits=limits, stalled=True)
+            protocol.data_received(_request(QUERY))
+            assert transport.statuses() == [200]
+            if reads:
+                transport.drain()
+            await asyncio.sleep(0.3)
+            assert transport.aborted is not reads
+            assert counters.stats().send_timeouts == (0 if reads else 1)
+            protocol.connection_lost(None)
+
+    asyncio.run(run())
+
+
+def test_a_request_behind_an_answer_is_not_cut_off_by_the_keep_alive_deadline() -> None:
+    """The keep-alive deadline an answer arms does not close the connection while the next
+    request, which came with it, is still sending its body: that body gets body_timeout."""
+    limits = HttpLimits(body_timeout=5.0)
+
+    async def run() -> None:
+        protocol, transport, _ = await _connected(limits=limits, keep_alive=0.05)
+        second = _request(QUERY)
+        protocol.data_received(_request(QUERY) + second[:-10])
+        assert transport.statuses() == [200]
+        await asyncio.sleep(0.3)
+        assert not transport.closed
+        protocol.data_received(second[-10:])
+        assert transport.statuses() == [200, 200]
+        protocol.connection_lost(None)
+
+    asyncio.run(run())
+
+
+def test_reading_resumes_only_when_neither_the_protocol_nor_uvicorn_holds_it() -> None:
+    """uvicorn resuming reads for its request does not end the protocol's hold, and the
+    hold's end does not resume reads uvicorn paused."""
+
+    async def run() -> None:
+        protocol, transport, _ = await _connected()
+        flow = protocol.flow
+        flow.hold(True)
+        flow.resume_reading()
+        assert not transport.reading
+        flow.pause_reading()
+        flow.hold(False)
+        assert not transport.reading
+        flow.resume_reading()
+        assert transport.reading
+        protocol.connection_lost(None)
+
+    asyncio.run(run())
+
+
+def test_bytes_are_parsed_in_pieces() -> None:
+    """A piece is PARSE_PIECE bytes, plus what is left of a declared body; a request head
+    comes alone when the rest does not fit; nothing is lost or repeated."""
+    head = b"POST /query HTTP/1.1\r\nContent-Length: 100000\r\n\r\n"
+    data = head + b"x" * 100_000 + b"y" * (3 * PARSE_PIECE)
+    unparsed = Unparsed()
+    unparsed.add(data)
+    first = unparsed.take(0, between_requests=True)
+    assert bytes(first) == head
+    body = unparsed.take(100_000, between_requests=False)
+    assert len(body) == 100_000 + PARSE_PIECE
+    rest = [unparsed.take(0, between_requests=False) for _ in range(2)]
+    assert [len(piece) for piece in rest] == [PARSE_PIECE, PARSE_PIECE]
+    assert not unparsed
+    assert bytes(first) + bytes(body) + b"".join(map(bytes, rest)) == data

@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvevents.events import BlockStored
+from kvevents.http import QueryReader
 from kvevents.index.keys import (
     ROOT_SEED,
     MMSpan,
@@ -29,7 +30,6 @@ from kvevents.index.keys import (
 )
 from kvevents.index.prefix import PrefixIndex
 from kvevents.service.core import IndexService
-from kvevents.service.query import QueryReader
 from kvevents.wire import PackedStored, decode_batch, decode_batch_packed
 
 BS = 16
@@ -286,7 +286,7 @@ def test_removal_of_a_partial_store_is_not_unknown() -> None:
 
 def test_query_fields_are_in_the_openapi_description() -> None:
     """/openapi.json describes cache_salt and mm_items (derived from QueryBody)."""
-    from kvevents.service.openapi import openapi_document
+    from kvevents.http._openapi import openapi_document
 
     schemas = openapi_document()["components"]["schemas"]
     assert {"cache_salt", "mm_items"} <= set(schemas["QueryBody"]["properties"])
@@ -369,7 +369,7 @@ def test_query_body_takes_cache_salt_and_mm_items() -> None:
 )
 def test_bad_salt_or_items_are_a_400(body: dict[str, Any], error: str) -> None:
     """A bad cache_salt or mm_items is a BadRequest naming the field."""
-    from kvevents.service.schema import BadRequest
+    from kvevents.http import BadRequest
 
     with pytest.raises(BadRequest, match=error):
         QueryReader(service_with()).answer(msgspec.json.encode(body))

@@ -18,12 +18,27 @@ ALLOWED = {
     "subscribe": {"top", "wire", "subscribe"},
     "index": {"top", "wire", "index"},
     "service": {"top", "wire", "subscribe", "index", "service"},
+    # The service's API over HTTP, and the pieces of any HTTP server of the package.
+    "http": {"top", "wire", "subscribe", "index", "service", "http"},
     "sim": {"top", "wire", "publish", "subscribe", "index", "service", "sim"},
     # Our publisher and subscriber inside other programs (engines' plugin systems).
     "integrations": {"top", "wire", "publish", "subscribe", "integrations"},
-    "testing": {"top", "wire", "publish", "subscribe", "index", "service", "sim", "testing"},
+    "testing": {
+        "top",
+        "wire",
+        "publish",
+        "subscribe",
+        "index",
+        "service",
+        "http",
+        "sim",
+        "route",
+        "testing",
+    },
     # Relays and router replicas over NATS JetStream: a subscriber in, an index service out.
     "scaleout": {"top", "wire", "subscribe", "index", "service", "scaleout"},
+    # The front door: exact tokens in process, the proxy, routing on the index service.
+    "route": {"top", "wire", "subscribe", "index", "service", "http", "route"},
     "cli": {
         "top",
         "wire",
@@ -35,6 +50,8 @@ ALLOWED = {
         "testing",
         "integrations",
         "scaleout",
+        "route",
+        "http",
         "cli",
     },
 }

@@ -13,7 +13,7 @@ import kvevents
 
 ROOT = Path(kvevents.__file__).parent
 # Programs run as `python -m ...` by tests and users; their output is their purpose.
-PROGRAMS = {"cli", "testing/publisher.py", "testing/chat_model.py"}
+PROGRAMS = {"cli", "testing/publisher.py", "testing/chat_model.py", "testing/route_demo.py"}
 
 
 def _library_sources() -> list[Path]:

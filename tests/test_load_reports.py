@@ -10,15 +10,14 @@ import httpx
 import msgspec
 import pytest
 
+from kvevents.http import AppOptions, TokenCheck, serve
+from kvevents.http import _openapi as openapi
+from kvevents.http._schema import MAX_LOAD_BLOCKS, MAX_LOAD_ENTRIES
 from kvevents.index.decision import Load, LoadBook
 from kvevents.index.prefix import PrefixIndex
 from kvevents.index.router import Router
-from kvevents.service import openapi
-from kvevents.service.access import TokenCheck
 from kvevents.service.core import IndexService, WorkerRegistration
-from kvevents.service.http import AppOptions, serve
 from kvevents.service.loadreports import LoadLedger, LoadReport
-from kvevents.service.schema import MAX_LOAD_BLOCKS, MAX_LOAD_ENTRIES
 from kvevents.subscribe.streams import (
     Delivery,
     FeedHealth,
@@ -160,7 +159,7 @@ def test_workers_show_the_reported_load_until_it_expires(running: Running) -> No
         return {w["worker_id"]: w["ranks"][0]["load"] for w in workers}
 
     running.load({"worker_id": "a", "queued_blocks": 2, "active_blocks": 9})
-    assert loads() == {"a": {"queued_blocks": 2, "active_blocks": 9}, "b": None}
+    assert loads() == {"a": {"queued_blocks": 2, "active_blocks": 9, "requests": 0}, "b": None}
     running.clock.now += TTL
     assert loads() == {"a": None, "b": None}
 

@@ -17,15 +17,17 @@ import httpx
 import pytest
 
 from kvevents.events import BlockStored, KVEventBatch
+from kvevents.http import serve
 from kvevents.metrics import subscriber_collector
 from kvevents.service.core import IndexService, WorkerRegistration
-from kvevents.service.http import serve
 from kvevents.testing.publisher import started_publisher
 from kvevents.testing.sockets import Deadline
 
 ROOT = Path(__file__).resolve().parent.parent
 ALERTS = ROOT / "deploy" / "prometheus" / "kvevents-alerts.yml"
 ALERT_TESTS = ROOT / "deploy" / "prometheus" / "kvevents-alerts-test.yml"
+ROUTE_ALERTS = ROOT / "deploy" / "prometheus" / "kvevents-route-alerts.yml"
+ROUTE_ALERT_TESTS = ROOT / "deploy" / "prometheus" / "kvevents-route-alerts-test.yml"
 DASHBOARD = ROOT / "deploy" / "grafana" / "kvevents-dashboard.json"
 # Metrics Prometheus itself makes, not the service.
 PROMETHEUS_OWN = {"up"}
@@ -49,9 +51,9 @@ def _dashboard_exprs() -> list[str]:
     return [t["expr"] for p in _dashboard()["panels"] for t in p.get("targets", ())]
 
 
-def _alert_exprs() -> list[str]:
+def _alert_exprs(path: Path = ALERTS) -> list[str]:
     return re.findall(
-        r"^\s+expr: (?:>-\n)?((?:.+\n?)+?)(?=^\s+(?:for|labels):)", ALERTS.read_text(), re.M
+        r"^\s+expr: (?:>-\n)?((?:.+\n?)+?)(?=^\s+(?:for|labels):)", path.read_text(), re.M
     )
 
 
@@ -158,3 +160,37 @@ def test_every_query_names_a_metric_the_service_exposes(scraped: set[str], sourc
     assert exprs
     named = set().union(*(_metric_names(e) for e in exprs)) - PROMETHEUS_OWN
     assert named - scraped == set()
+
+
+def test_the_front_doors_alert_rules_pass_promtools_checks_and_unit_tests() -> None:
+    """promtool accepts the front door's rules and each one's unit test passes (the drift
+    alert fires on 20% mispredictions, not on exact ones nor on too few answers)."""
+    promtool = _promtool()
+    check = subprocess.run([promtool, "check", "rules", str(ROUTE_ALERTS)],
+                           capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert "SUCCESS: 3 rules found" in check.stdout
+    tested = subprocess.run([promtool, "test", "rules", str(ROUTE_ALERT_TESTS)],
+                            capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert tested.returncode == 0, tested.stdout + tested.stderr
+
+
+def test_the_front_doors_alerts_read_metrics_it_exposes(tmp_path: Path) -> None:
+    """Every metric the front door's rules read is one a live front door exports."""
+    from kvevents.route._frontdoor import EngineSpec, FrontDoor
+    from kvevents.route._tokens import ModelTokenizer
+    from kvevents.testing.chat_model import build_tokenizer
+    from kvevents.testing.openai_engine import StandInEngine
+
+    tokenizer = ModelTokenizer.load(build_tokenizer(tmp_path), model_name="tiny")
+    with (
+        StandInEngine(("tiny",)).start() as engine,
+        FrontDoor([EngineSpec(engine.url, "a")], {None: tokenizer}) as front,
+    ):
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+        assert httpx.post(f"{front.url}/v1/chat/completions", json=body).status_code == 200
+        text = httpx.get(f"{front.url}/metrics").text
+    scraped = {re.split(r"[{ ]", line, maxsplit=1)[0] for line in text.splitlines()
+               if line and not line.startswith("#")}  # fmt: skip
+    named = set().union(*(_metric_names(e) for e in _alert_exprs(ROUTE_ALERTS))) - PROMETHEUS_OWN
+    assert named and named - scraped == set()

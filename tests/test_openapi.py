@@ -10,12 +10,10 @@ import msgspec
 import pytest
 from starlette.routing import Route
 
-from kvevents.service import openapi
-from kvevents.service.app import create_app
+from kvevents.http import Status, create_app, serve
+from kvevents.http import _openapi as openapi
+from kvevents.service.bounds import MAX_BLOCK_SIZE, MAX_RANKS
 from kvevents.service.core import IndexService
-from kvevents.service.http import serve
-from kvevents.service.schema import MAX_BLOCK_SIZE, MAX_RANKS
-from kvevents.service.status import Status
 from kvevents.testing.index import batch, store_event
 from test_service import BS, PROMPT, FakeFeed, applied, make_service
 

@@ -81,7 +81,7 @@ def test_prefix_load_breaks_ties_by_matched_blocks_then_at_random() -> None:
     assert "3 targets tie" in decision.reason and "drawn at random" in decision.explain()
 
 
-@pytest.mark.parametrize("policy", ["prefix_load", "longest_prefix"])
+@pytest.mark.parametrize("policy", ["prefix_load", "longest_prefix", "bounded_prefix"])
 def test_ties_spread_evenly_and_reproducibly(policy: str) -> None:
     """Over many all-tied decisions each target wins about a third of the time (no hot spot
     on the first target), and the same seed gives the same sequence of winners."""
@@ -245,3 +245,46 @@ def test_per_request_weights_keep_a_bounded_set_of_policies() -> None:
     assert len(router._policies) <= router_module._MAX_POLICIES
     winners = {router.decide(match, prefill_weight=0.5).winner for _ in range(60)}
     assert len(winners) == 3
+
+
+def test_bounded_prefix_follows_the_cache_while_within_the_bound() -> None:
+    """With loads even, the longest prefix wins, and the decision says the bound held."""
+    router = make_router("bounded_prefix")
+    for worker in "abc":
+        router.loads.set(worker, requests=2)
+    decision = router.route(PROMPT)
+    assert decision.winner == ("b", 0)
+    assert decision.winner_score is not None
+    assert decision.winner_score.terms["cap"] == 3  # ceil(1.25 * 7 / 3)
+    assert "within the bound of 3 requests in flight" in decision.reason
+
+
+def test_bounded_prefix_spills_over_when_the_best_target_is_at_the_bound() -> None:
+    """A target at the bound takes no more: the next best prefix within it wins, and the
+    decision names the target it passed over."""
+    router = make_router("bounded_prefix")
+    router.loads.set("a", requests=1)
+    router.loads.set("b", requests=3)
+    router.loads.set("c", requests=1)
+    decision = router.route(PROMPT)
+    assert decision.winner == ("a", 0)  # 2 matched blocks, within ceil(1.25 * 6 / 3) = 3
+    assert "a target matching 6 blocks is at the bound" in decision.reason
+    rows = {(s.worker_id, s.rank): s for s in decision.scores}
+    assert rows[("b", 0)].terms["within_bound"] == 0.0
+
+
+def test_bounded_prefix_breaks_ties_by_requests_in_flight() -> None:
+    """Equal matches: the target with fewer requests in flight wins."""
+    router = make_router("bounded_prefix")
+    router.loads.set("a", requests=2)
+    router.loads.set("b", requests=1)
+    router.loads.set("c", requests=0)
+    assert router.route([9] * 8).winner == ("c", 0)
+
+
+def test_bounded_prefix_slack_is_checked() -> None:
+    """A negative slack would refuse every target: it is a clear error."""
+    from kvevents.index.router import BoundedPrefix
+
+    with pytest.raises(ValueError, match="slack must be >= 0"):
+        BoundedPrefix(slack=-0.1)

@@ -420,3 +420,35 @@ def test_a_loss_the_relay_cannot_replay_reaches_the_replicas_as_a_record(
             agrees(r1, after)
         finally:
             r1.close()
+
+
+def test_replicas_and_relays_outlive_a_quiet_stream(
+    server: NatsServer, js: JetStreamOptions, engines: Callable[[str], Engine]
+) -> None:
+    """No traffic for 6 s (60 fetch timeouts of 0.1 s, where nats-py 2.16 often returns no
+    message at all), then traffic again: the replicas (a library one and a ``kvevents serve
+    --nats`` process) stayed healthy throughout and applied everything the relay wrote."""
+    a = engines("a")
+    names = ["--nats-stream", js.stream, "--nats-prefix", js.prefix, "--nats-bucket", js.bucket]
+    args = ["--nats", server.url, "--replica-name", "q2", *names]
+    with relay_for(server, [a.registration], js) as relay, ServiceIndexer(args=args) as http:
+        joined(relay, a)
+        r1 = replica(server, js, "q1", fetch_timeout=0.1)
+        try:
+            a.publish(20)
+            agrees(r1, a.truth)
+            quiet_until = time.monotonic() + 6.0
+            while time.monotonic() < quiet_until:
+                assert r1.health().state == "ok", r1.health()
+                status, body = http.send("GET", "/health")
+                assert status == 200, body
+                time.sleep(0.25)
+            a.publish(20)
+            agrees(r1, a.truth)
+            expected = index_digest(a.truth).total
+            wait_until(lambda: http.call("GET", "/digest")["total"] == expected, "serve agrees")
+            assert relay.flush() and r1.stats().applied == relay.stats().batches
+            assert r1.stats().consume_restarts == 0 and r1.health().state == "ok"
+            assert http.send("GET", "/health")[0] == 200
+        finally:
+            r1.close()

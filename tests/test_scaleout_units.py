@@ -291,3 +291,384 @@ def test_a_replica_counts_what_it_cannot_apply() -> None:
     )
     stats = replica.stats()
     assert (stats.malformed, stats.unregistered, stats.undecodable, stats.applied) == (1, 1, 1, 1)
+
+
+# ----------------------------------------------------------------------------- hostile records
+
+
+_REG = WorkerRegistration("w", "tcp://127.0.0.1:5557", 16, (0,))
+
+
+def _payload(step: int) -> bytes:
+    from kvevents.wire import encode_batch
+
+    return encode_batch(typical_batch(step))
+
+
+def _reference(*steps: int) -> PrefixIndex:
+    """An index fed the batches of ``steps`` directly (what a replica must hold)."""
+    index = PrefixIndex()
+    index.register_worker("w", block_size=16)
+    for step in steps:
+        index.apply("w", 0, typical_batch(step))
+    return index
+
+
+def _fed(*steps: int) -> Any:
+    """A replica (never started) fed the registration and batches 0.. of ``steps``."""
+    return _replica_fed(
+        *_records(worker_record("kv", _REG)),
+        *_records(*(batch_record("kv", "w", 0, s, _payload(p)) for s, p in enumerate(steps))),
+    )
+
+
+def _worker_message(body: bytes) -> tuple[dict[str, str], bytes]:
+    _, _, headers = worker_record("kv", _REG)
+    return headers, body
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"worker_id": "w", "ranks": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+        b'{"worker_id": "w", "endpoint": "bogus", "block_size": 16, "ranks": [0]}',
+        b'{"worker_id": "w", "endpoint": "tcp://127.0.0.1:5557", "block_size": 16, '
+        b'"ranks": [1000000000000000000000000000000]}',
+        b'{"worker_id": "w", "endpoint": "tcp://127.0.0.1:65535", "block_size": 16, '
+        b'"ranks": [0, 1]}',
+        b'{"worker_id": "w", "endpoint": "tcp://127.0.0.1:5557", "block_size": 2097152, '
+        b'"ranks": [0]}',
+        b'{"worker_id": "other", "endpoint": "tcp://127.0.0.1:5557", "block_size": 16, '
+        b'"ranks": [0]}',
+    ],
+    ids=["nested-200KB", "endpoint-bogus", "rank-1e30", "port-overflow", "block-2^21", "not-w"],
+)
+def test_a_hostile_worker_record_is_counted_and_skipped(body: bytes) -> None:
+    """A ``worker`` record a replica could not hold (deep JSON, an endpoint that does not
+    parse, a rank past 65535, a block size past 2^20, another worker's body) is malformed:
+    counted, skipped, and the replica still applies and snapshots what comes next."""
+    replica: Any = _fed()
+    replica._apply(*_worker_message(body))
+    replica._apply(*_records(batch_record("kv", "w", 0, 0, _payload(1)))[0])
+    stats = replica.stats()
+    assert (stats.malformed, stats.applied, stats.registrations) == (1, 1, 1)
+    assert replica.digest() == index_digest(_reference(1))
+    assert snap.decode(snap.encode(replica._capture())).seq == 0  # it can always be saved
+
+
+def test_a_batch_for_a_refused_worker_is_unregistered_not_fatal() -> None:
+    """A ``worker`` record with endpoint ``bogus`` and then a batch for it: the record is
+    malformed, the batch unregistered, and nothing raises."""
+    bogus = b'{"worker_id": "x", "endpoint": "bogus", "block_size": 16, "ranks": [0]}'
+    _, _, headers = worker_record("kv", WorkerRegistration("x", "tcp://127.0.0.1:1", 16))
+    replica: Any = _replica_fed(
+        (headers, bogus), *_records(batch_record("kv", "x", 0, 0, _payload(1)))
+    )
+    assert (replica.stats().malformed, replica.stats().unregistered) == (1, 1)
+
+
+@pytest.mark.parametrize(
+    ("reg", "field"),
+    [
+        (WorkerRegistration("w", "bogus", 16), "endpoint"),
+        (WorkerRegistration("w", "tcp://127.0.0.1:5557", 1 << 21), "block_size"),
+        (WorkerRegistration("w", "tcp://127.0.0.1:5557", 16, (10**30,)), "ranks"),
+        (WorkerRegistration("w" * 300, "tcp://127.0.0.1:5557", 16), "worker_id"),
+    ],
+)
+def test_the_relay_does_not_write_a_worker_record_replicas_refuse(
+    reg: WorkerRegistration, field: str
+) -> None:
+    """The relay builds its records through the replicas' own check: a registration past
+    a bound is a RecordError naming the field, never a message every replica refuses."""
+    with pytest.raises(RecordError, match=field):
+        worker_record("kv", reg)
+
+
+def test_a_record_that_raises_anyway_costs_only_itself() -> None:
+    """A record whose application raises (a defect) is counted in apply_errors and logged;
+    the next batch is applied."""
+    replica: Any = _fed()
+    real = replica.service.apply_payload
+    calls = iter([RuntimeError("boom")])
+
+    def flaky(*args: Any) -> Any:
+        error = next(calls, None)
+        if error is not None:
+            raise error
+        return real(*args)
+
+    replica.service.apply_payload = flaky
+    for seq, step in enumerate((1, 2)):
+        replica._apply(*_records(batch_record("kv", "w", 0, seq, _payload(step)))[0])
+    assert (replica.stats().apply_errors, replica.stats().applied) == (1, 1)
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"Kv-Seq": str(1 << 64)}, "Kv-Seq"),
+        ({"Kv-Seq": "9" * 5000}, "Kv-Seq"),
+        ({"Kv-Rank": "65536"}, "Kv-Rank"),
+        ({"Kv-Digest": "x" * 100_000}, "Kv-Digest"),
+        ({"Kv-Worker": "w" * 300}, "Kv-Worker"),
+    ],
+)
+def test_header_numbers_and_digests_are_bounded(change: dict[str, str], field: str) -> None:
+    """Numbers past what an engine or a snapshot can hold, and digests that are not 16 hex
+    digits, are malformed (a snapshot encodes every cursor and registration it applied)."""
+    _, body, headers = batch_record("kv", "w", 0, 1, b"x")
+    with pytest.raises(RecordError) as caught:
+        parse_record({**headers, **change}, body)
+    assert caught.value.field == field
+
+
+# ----------------------------------------------------------------------------- forged sequences
+
+
+def test_an_undecodable_batch_with_a_forged_seq_leaves_the_stream_as_it_was() -> None:
+    """An undecodable payload claiming seq 10^9 is counted; the cursor does not move, so the
+    genuine batches after it are applied, not dropped as stale."""
+    replica: Any = _fed(0, 1, 2)
+    forged = batch_record("kv", "w", 0, 10**9, b"\xc1 not msgpack")
+    replica._apply(*_records(forged)[0])
+    for seq in (3, 4):
+        replica._apply(*_records(batch_record("kv", "w", 0, seq, _payload(seq)))[0])
+    stats = replica.stats()
+    assert (stats.undecodable, stats.stale, stats.applied) == (1, 0, 5)
+    assert replica.digest() == index_digest(_reference(0, 1, 2, 3, 4))
+    assert replica._applier.cursors[("w", 0)].last_seq == 4  # what a snapshot would save
+
+
+def test_a_decodable_batch_with_a_forged_high_seq_does_not_freeze_the_stream() -> None:
+    """A decodable batch at seq 2^40 jumps the cursor ahead; the genuine batch after it goes
+    on below the jump, so the stream is rewound (reset, rebuilt from there) instead of
+    dropping every later batch as stale. The stream is degraded while it waits, whole after."""
+    replica: Any = _fed(0, 1, 2)
+    replica._apply(*_records(batch_record("kv", "w", 0, 1 << 40, _payload(50)))[0])
+    assert replica._applier.degraded()[0] == 1  # batches 3 .. 2^40 - 1 never came
+    for seq in (3, 4, 5):
+        replica._apply(*_records(batch_record("kv", "w", 0, seq, _payload(seq)))[0])
+    stats = replica.stats()
+    assert (stats.rewinds, stats.stale, stats.gaps) == (1, 0, 1)
+    assert replica.digest() == index_digest(_reference(3, 4, 5))
+    assert ("w", 0) not in replica.service.router.degraded
+
+
+def test_a_forged_loss_record_does_not_freeze_the_stream() -> None:
+    """A loss record claiming batches up to 2^50 moves the cursor there; the genuine batches
+    that follow rewind the stream rather than being dropped as stale."""
+    replica: Any = _fed(0, 1)
+    replica._apply(*_records(loss_record("kv", "w", 0, 2, 1 << 50))[0])
+    for seq in (2, 3):
+        replica._apply(*_records(batch_record("kv", "w", 0, seq, _payload(seq)))[0])
+    assert replica.stats().rewinds == 1 and replica.stats().stale == 0
+    assert replica.digest() == index_digest(_reference(2, 3))
+
+
+def test_a_small_jump_ahead_degrades_the_stream_and_costs_only_its_width() -> None:
+    """A batch 3 past the last (no loss record) is applied and degrades the stream: batches
+    2..4 never came. Batches inside a gap no wider than the window are stale (a relay's
+    reorder), and the stream goes on past it."""
+    replica: Any = _fed(0, 1)
+    replica._apply(*_records(batch_record("kv", "w", 0, 5, _payload(5)))[0])
+    assert replica.service.router.degraded[("w", 0)] == "lost seq 2..4"
+    replica._apply(*_records(batch_record("kv", "w", 0, 3, _payload(3)))[0])
+    replica._apply(*_records(batch_record("kv", "w", 0, 6, _payload(6)))[0])
+    stats = replica.stats()
+    assert (stats.gaps, stats.stale, stats.rewinds, stats.applied) == (1, 1, 0, 4)
+    assert replica._applier.degraded()[0] == 1
+
+
+def test_cursor_judges_without_moving() -> None:
+    """judge() is pure: only accept() moves the cursor (a payload refused never moves it)."""
+    cursor = StreamCursor(window=4)
+    cursor.batch(0, "a")
+    assert cursor.judge(10**12, "b") == "gap" and cursor.last_seq == 0
+    cursor.accept(10**12, "b", "gap")
+    assert cursor.gap == (1, 10**12)
+    assert cursor.judge(1, "c") == "rewind" and cursor.last_seq == 10**12
+    assert cursor.judge(10**12 - 2, "d") == "rewind"
+
+
+def test_a_jump_saved_in_a_snapshot_still_rewinds_after_loading() -> None:
+    """A cursor saved while jumped ahead (its gap in the snapshot) rewinds once loaded; a
+    cursor without a gap is saved as before (no field an older replica does not know)."""
+    cursor = StreamCursor(window=4)
+    cursor.batch(0, "a")
+    cursor.batch(1 << 40, "b")
+    state = snap.decode(
+        snap.encode(
+            snap.capture(
+                PrefixIndex(),
+                stream="S",
+                seq=1,
+                replica="r",
+                workers=[],
+                cursors=[cursor.state("w", 0)],
+            )
+        )
+    ).cursors[0]
+    assert StreamCursor.restored(state, 4).judge(1, "c") == "rewind"
+    plain = StreamCursor(window=4)
+    plain.batch(0, "a")
+    assert b"gap" not in snap.encode(
+        snap.capture(
+            PrefixIndex(), stream="S", seq=1, replica="r", workers=[], cursors=[plain.state("w", 0)]
+        )
+    )
+
+
+# ----------------------------------------------------------------------------- the consume loop
+
+
+class _Msg:
+    """A JetStream message as a pull subscription returns it (``seq`` None: its metadata
+    cannot be read)."""
+
+    def __init__(self, seq: int | None, headers: dict[str, str], body: bytes) -> None:
+        self.headers, self.data, self.seq = headers, body, seq
+        self.acked = False
+
+    @property
+    def metadata(self) -> Any:
+        if self.seq is None:
+            raise ValueError("not a JetStream message")
+        return type("M", (), {"sequence": type("S", (), {"stream": self.seq})()})()
+
+    async def ack(self) -> None:
+        self.acked = True
+
+
+class _Pulls:
+    """A pull subscription that answers each fetch from a script, then closes the replica."""
+
+    def __init__(self, replica: Any, script: list[Any]) -> None:
+        self.replica, self.script = replica, list(script)
+
+    async def fetch(self, batch: int = 1, timeout: float = 5.0) -> list[_Msg]:
+        if not self.script:
+            self.replica._closing = True
+            return []
+        step = self.script.pop(0)
+        if isinstance(step, Exception):
+            raise step
+        return list(step)
+
+
+def test_a_fetch_that_returns_nothing_keeps_the_replica_consuming() -> None:
+    """nats-py 2.16 returns [] when the server's timeout (408) comes before its own: the
+    loop waits for the next fetch (it used to die on ``msgs[-1]``, for ever)."""
+    import asyncio
+
+    from kvevents.scaleout.replica import Replica
+
+    replica = Replica("nats://127.0.0.1:1")
+    _, body, headers = worker_record("kv", _REG)
+    _, payload, batch = batch_record("kv", "w", 0, 0, _payload(1))
+    script: list[Any] = [[], [], [_Msg(1, headers, body)], [], [_Msg(2, batch, payload)], []]
+    asyncio.run(asyncio.wait_for(replica._consume(_Pulls(replica, script)), 10))
+    assert replica.stats().applied == 1 and replica.covered_seq == 2
+
+
+def test_a_turn_that_raises_is_counted_and_the_loop_goes_on() -> None:
+    """A fetch that fails, a message without a stream sequence, and a turn that raises (a
+    defect) are each counted; the loop applies the next message."""
+    import asyncio
+
+    from kvevents.scaleout.replica import Replica
+
+    replica: Any = Replica("nats://127.0.0.1:1")
+    real, failures = replica._maybe_snapshot, [RuntimeError("a defect")]
+
+    async def snapshot_once_broken() -> None:
+        if failures:
+            raise failures.pop()
+        await real()
+
+    replica._maybe_snapshot = snapshot_once_broken
+    _, body, headers = worker_record("kv", _REG)
+    _, payload, batch = batch_record("kv", "w", 0, 0, _payload(1))
+    script: list[Any] = [
+        RuntimeError("server restarting"),
+        [_Msg(None, headers, body), _Msg(2, headers, body)],
+        [_Msg(3, batch, payload)],
+    ]
+    asyncio.run(asyncio.wait_for(replica._consume(_Pulls(replica, script)), 10))
+    stats = replica.stats()
+    assert (stats.fetch_errors, stats.malformed, stats.consume_errors) == (1, 1, 1)
+    assert stats.applied == 1 and replica.covered_seq == 3
+
+
+def test_a_turn_that_hangs_makes_the_replica_stalled() -> None:
+    """A fetch that never returns (a hung server) is not ``ok``: after ``stall_after`` the
+    replica's health says stalled, with how long the turn has lasted."""
+    import asyncio
+    import time
+
+    from kvevents.scaleout.jetstream import LoopThread
+    from kvevents.scaleout.replica import Replica, ReplicaOptions
+
+    class Connected:
+        is_connected = True
+
+        async def close(self) -> None:
+            pass
+
+    class Hangs:
+        async def fetch(self, batch: int = 1, timeout: float = 5.0) -> list[_Msg]:
+            await asyncio.sleep(60)
+            return []
+
+    replica: Any = Replica("nats://127.0.0.1:1", options=ReplicaOptions(stall_after=0.3))
+    replica._nc, replica._aio = Connected(), LoopThread("test-stall")
+    try:
+
+        async def spawn() -> None:
+            replica._spawn(replica._consume(Hangs()))
+
+        replica._aio.run(spawn(), 5)
+        assert replica.health().state == "ok"
+        deadline = time.monotonic() + 10
+        while replica.health().state == "ok" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        health = replica.health()
+        assert health.state == "stalled" and "has lasted" in str(health.error)
+        assert health.stalled_for >= 0.3
+    finally:
+        replica.close()
+
+
+# ----------------------------------------------------------------------------- snapshot lists
+
+
+class _Info:
+    def __init__(self, name: str, description: str | None) -> None:
+        self.name, self.description = name, description
+
+
+class _Store:
+    def __init__(self, *infos: _Info) -> None:
+        self.infos = list(infos)
+
+    async def list(self, ignore_deletes: bool = False) -> list[_Info]:
+        return self.infos
+
+
+def test_newest_snapshots_are_those_of_the_stream_asked_for() -> None:
+    """Replicas of two streams sharing a bucket each see their own stream's snapshots only
+    (by the stream their description names, or by the object's name for older ones)."""
+    import asyncio
+    import json
+
+    from kvevents.scaleout.retention import newest_snapshots
+
+    store = _Store(
+        _Info("A.r1", json.dumps({"seq": 900, "stream": "A"})),
+        _Info("B.r1", json.dumps({"seq": 50, "stream": "B"})),
+        _Info("B.old", json.dumps({"seq": 40})),  # saved before descriptions named a stream
+        _Info("A.old", json.dumps({"seq": 30})),
+        _Info("junk", "[" * 10_000),
+    )
+    assert asyncio.run(newest_snapshots(store, "B")) == [("B.r1", 50), ("B.old", 40)]
+    assert asyncio.run(newest_snapshots(store, "A")) == [("A.r1", 900), ("A.old", 30)]

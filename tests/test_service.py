@@ -16,19 +16,18 @@ import pytest
 
 from kvevents.errors import DecodeError, StreamAddError
 from kvevents.events import AllBlocksCleared, KVEventBatch
-from kvevents.index import table
-from kvevents.index._table_py import pack_json_member, pack_json_tokens
+from kvevents.http import HttpStats, Server, serve
+from kvevents.http import _app as service_app
+from kvevents.http import _dump as service_dump
+from kvevents.http import _query as service_query
+from kvevents.http import _scan as scan
+from kvevents.http._scan_py import pack_json_member, pack_json_tokens
 from kvevents.index.keys import block_hashes
 from kvevents.index.prefix import IndexStats, PrefixIndex
 from kvevents.index.router import DEFAULT_POLICY
 from kvevents.metrics import field_docs
-from kvevents.service import app as service_app
 from kvevents.service import core as service_core
-from kvevents.service import dump as service_dump
-from kvevents.service import query as service_query
 from kvevents.service.core import IndexService, ServiceStats, WorkerRegistration
-from kvevents.service.http import Server, serve
-from kvevents.service.limits import HttpStats
 from kvevents.subscribe.streams import (
     Delivery,
     FeedHealth,
@@ -294,7 +293,7 @@ def lean(
     request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, feed: FakeFeed
 ) -> Iterator[tuple[httpx.Client, IndexService]]:
     """A server whose lean /query decodes token_ids as a list, or packs them from the JSON
-    text (what it does when the native block table is there)."""
+    text (what it does when the native JSON scanner is there)."""
     packers = (pack_json_tokens, pack_json_member) if request.param == "json" else (None, None)
     monkeypatch.setattr(service_query, "json_packers", lambda: packers)
     service = make_service(feed)
@@ -306,10 +305,10 @@ def lean(
 
 
 def test_lean_query_packs_json_only_with_native_primitives(monkeypatch: pytest.MonkeyPatch) -> None:
-    """token_ids are packed from the JSON text by a native block table, never the Python one."""
-    monkeypatch.setattr(table, "IMPLEMENTATION", "c")
-    assert service_query.json_packers() == (table.pack_json_tokens, table.pack_json_member)
-    monkeypatch.setattr(table, "IMPLEMENTATION", "python")
+    """token_ids are packed from the JSON text by the native scanner, never the Python one."""
+    monkeypatch.setattr(scan, "IMPLEMENTATION", "c")
+    assert service_query.json_packers() == (scan.pack_json_tokens, scan.pack_json_member)
+    monkeypatch.setattr(scan, "IMPLEMENTATION", "python")
     assert service_query.json_packers() == (None, None)
 
 

@@ -7,10 +7,9 @@ import httpx
 import pytest
 
 from kvevents.events import BlockStored
+from kvevents.http import QueryReader, serve
 from kvevents.index.prefix import PrefixIndex
 from kvevents.service.core import IndexService, WorkerRegistration
-from kvevents.service.http import serve
-from kvevents.service.query import QueryReader
 from kvevents.testing.index import batch
 from test_service import FakeFeed, applied
 

@@ -10,12 +10,12 @@ from typing import Any
 import httpx
 import pytest
 
-from kvevents.index._table_py import pack_json_member
+from kvevents.http import AppOptions, serve
+from kvevents.http._dynamo import DynamoQueryReader, dynamo_scores
+from kvevents.http._scan_py import pack_json_member
 from kvevents.index.prefix import PrefixIndex
 from kvevents.index.records import HolderKey, MatchResult
-from kvevents.service.core import IndexService
-from kvevents.service.dynamo import DynamoQueryReader, dynamo_scores
-from kvevents.service.http import AppOptions, serve
+from kvevents.service.core import IndexService, WorkerRegistration
 from kvevents.testing.index import batch, store_event
 from test_service import BS, PROMPT, FakeFeed, applied
 
@@ -185,6 +185,23 @@ def test_hostile_bodies_are_4xx_json_errors(
     reply = client.post(path, content=body)
     assert 400 <= reply.status_code < 500, reply.text
     assert reply.json()["error"]
+
+
+def test_workers_shows_ids_that_are_not_u64s_as_they_are(
+    served: tuple[httpx.Client, IndexService],
+) -> None:
+    """/workers shows an id registered under our own name (a --worker or a state file) as a
+    number only when it is a u64 written the usual way; "²", an Arabic-Indic one, "007" and
+    2**64 stay as they are, never a 500 or another instance's number."""
+    client, service = served
+    ids = ["42", "\u00b2", "\u0661", "007", str(2**64)]
+    for n, worker in enumerate(ids):
+        endpoint = f"tcp://127.0.0.1:{7600 + n}"
+        service.register(WorkerRegistration(worker, endpoint, BS, model_name="A"))
+    reply = client.get("/workers")
+    assert reply.status_code == 200, reply.text
+    assert sorted(map(str, (w["instance_id"] for w in reply.json()))) == sorted(ids)
+    assert {w["instance_id"] for w in reply.json()} >= {42, "\u00b2", "\u0661", "007"}
 
 
 def test_the_one_pass_packer_answers_as_the_full_decode(

@@ -10,10 +10,10 @@ import httpx
 import pytest
 
 from kvevents.errors import RegistrationConflict, StreamAddError
+from kvevents.http import serve
 from kvevents.index.prefix import PrefixIndex
 from kvevents.service.core import IndexService, WorkerRegistration
 from kvevents.service.feed import OwnEndpoints
-from kvevents.service.http import serve
 from kvevents.service.state import StateFile
 from kvevents.subscribe.streams import StreamSpec
 from kvevents.testing.index import batch, remove_event, store_event

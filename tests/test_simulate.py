@@ -14,10 +14,10 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from kvevents.http import Server, create_app
 from kvevents.index.router import DEFAULT_POLICY
 from kvevents.publish.publisher import PublisherOptions, create_publisher
 from kvevents.service.core import IndexService
-from kvevents.service.http import Server, create_app
 from kvevents.sim.cluster import Cluster, ClusterConfig
 from kvevents.sim.engine import SimulatedEngine
 from kvevents.sim.faults import DropRule

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -14,6 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kvevents.http import serve
 from kvevents.index.prefix import PrefixIndex
 from kvevents.service.core import IndexService, WorkerRegistration
 from kvevents.service.state import StateFile, StateFileError
@@ -111,6 +115,71 @@ def test_a_corrupt_state_file_is_an_error_naming_it(tmp_path: Path, content: byt
     assert str(path) in str(caught.value) and "remove it" in str(caught.value)
 
 
+class Gate:
+    """A restore's ``check`` that stops it before worker ``at`` until :meth:`open`."""
+
+    def __init__(self, at: str) -> None:
+        self.at = at
+        self.reached = threading.Event()
+        self._open = threading.Event()
+
+    def __call__(self, spec: StreamSpec) -> None:
+        if spec.worker_id == self.at:
+            self.reached.set()
+            assert self._open.wait(10), "the test never opened the gate"
+
+    def open(self) -> None:
+        self._open.set()
+
+
+def many_workers(n: int) -> list[WorkerRegistration]:
+    return [WorkerRegistration(f"w{i}", f"tcp://127.0.0.1:{20000 + i}", 16) for i in range(n)]
+
+
+def test_a_restore_writes_nothing_and_health_says_starting_until_it_ends(tmp_path: Path) -> None:
+    """Restoring the file's workers never rewrites it (a kill half-way used to leave only those
+    restored so far); /health is 503 "starting" with the progress until the restore ends."""
+    path = tmp_path / "state.json"
+    StateFile(path).save(many_workers(10))
+    before = path.stat()
+    service = service_with(StateFile(path))
+    gate = Gate("w4")
+    restoring = threading.Thread(target=service.restore, args=(StateFile(path).load(), gate))
+    with serve(service=service) as server:
+        restoring.start()
+        assert gate.reached.wait(10)
+        answer = httpx.get(f"{server.url}/health", timeout=10)
+        assert answer.status_code == 503
+        assert answer.json()["status"] == "starting"
+        assert "4 of 10 workers registered" in answer.json()["error"]
+        gate.open()
+        restoring.join(10)
+        assert httpx.get(f"{server.url}/health", timeout=10).json()["status"] == "ok"
+    after = path.stat()
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+    assert len(service.workers()) == 10 and service.stats().state_writes == 0
+
+
+def test_a_change_during_the_restore_is_written_once_at_its_end(tmp_path: Path) -> None:
+    """An HTTP registration made while the restore runs is held, then written once with every
+    restored worker; it wins over the file's registration of the same worker."""
+    path = tmp_path / "state.json"
+    StateFile(path).save(many_workers(10))
+    service = service_with(StateFile(path))
+    gate = Gate("w3")
+    restoring = threading.Thread(target=service.restore, args=(StateFile(path).load(), gate))
+    restoring.start()
+    assert gate.reached.wait(10)
+    newer = WorkerRegistration("w7", "tcp://127.0.0.1:30007", 32)
+    service.register(newer)
+    assert StateFile(path).load() == many_workers(10)  # not written half-way
+    gate.open()
+    restoring.join(10)
+    saved = {reg.worker_id: reg for reg in StateFile(path).load()}
+    assert len(saved) == 10 and saved["w7"] == newer
+    assert newer in service.workers() and service.stats().state_writes == 1
+
+
 class Serve:
     """``kvevents serve`` in a subprocess; its URL from the line it prints when ready."""
 
@@ -192,3 +261,33 @@ def test_a_saved_worker_the_allow_list_now_refuses_is_skipped_with_a_warning(
         status, err = proc.stop()
     assert status == 0
     assert "warning: state file: worker 'far' not restored" in err
+
+
+def _started_in(path: Path) -> float:
+    """Seconds ``kvevents serve --state-file path`` takes to say it serves."""
+    began = time.monotonic()
+    with serving("--state-file", str(path)) as (proc, _):
+        took = time.monotonic() - began
+        proc.stop()
+    return took
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+def test_a_state_file_survives_a_kill_at_random_points_of_the_start(
+    tmp_path: Path, sig: signal.Signals
+) -> None:
+    """serve killed (or stopped) at random moments of its start, restore included, leaves the
+    state file holding every one of its 1,000 workers, and no temporary file."""
+    path = tmp_path / "state.json"
+    workers = many_workers(1000)
+    StateFile(path).save(workers)
+    window = _started_in(path)
+    seed = random.randrange(1 << 32)
+    moments = sorted(random.Random(seed).uniform(0.1, window) for _ in range(3))
+    for moment in moments:
+        proc = Serve("--state-file", str(path))
+        time.sleep(moment)
+        proc.popen.send_signal(sig)
+        proc.popen.communicate(timeout=30)
+        assert StateFile(path).load() == workers, f"killed at {moment:.2f}s (seed {seed})"
+        assert os.listdir(tmp_path) == ["state.json"]

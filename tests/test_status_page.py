@@ -11,6 +11,7 @@ import signal
 import struct
 import subprocess
 import time
+import typing
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,12 +20,12 @@ import httpx
 import pytest
 
 from kvevents.events import BlockStored, KVEventBatch
+from kvevents.http import AppOptions, TokenCheck, serve
+from kvevents.http._status import page_html, status
 from kvevents.index.decision import Decision, Load, TargetScore
-from kvevents.service.access import TokenCheck
 from kvevents.service.core import IndexService, WorkerRegistration
 from kvevents.service.decisions import DecisionLog
-from kvevents.service.http import AppOptions, serve
-from kvevents.service.status import status
+from kvevents.subscribe.streams import FeedState
 from kvevents.testing.index import batch, store_event
 from kvevents.testing.publisher import started_publisher
 from kvevents.testing.service import ServiceIndexer
@@ -160,6 +161,19 @@ def test_the_page_is_self_contained_and_its_script_is_the_only_one_allowed() -> 
     policy = page.headers["content-security-policy"]
     assert f"script-src 'sha256-{digest}'" in policy and "default-src 'none'" in policy
     assert "connect-src 'self'" in policy and page.headers["x-content-type-options"] == "nosniff"
+
+
+def test_every_health_the_page_shows_has_a_badge_colour_of_its_own() -> None:
+    """Each feed state /status reports (ok, degraded, stalled, dead) has a badge rule of the
+    page's stylesheet, and degraded's colour is neither ok's nor that of an unknown state."""
+    page = page_html().decode()
+    colours = {
+        name: colour
+        for selectors, colour in re.findall(r"([.\w, -]+)\{ background: var\(--(\w+)\); \}", page)
+        for name in re.findall(r"\.([\w-]+)", selectors)
+    }
+    assert set(typing.get_args(FeedState)) <= colours.keys(), colours
+    assert colours["degraded"] not in {colours["ok"], colours["unknown"]}
 
 
 def test_with_auth_reads_the_page_and_its_json_need_the_token(

@@ -10,6 +10,8 @@ import http.server
 import json
 import queue
 import threading
+import time
+import tracemalloc
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
@@ -19,10 +21,16 @@ from kvevents.config import KVEventsConfig
 from kvevents.errors import PublisherError
 from kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvevents.index.prefix import HolderKey, PrefixIndex
-from kvevents.integrations.tensorrt_llm import TensorRTLLMBridge, http_poll, map_event
+from kvevents.integrations.tensorrt_llm import (
+    DEFAULT_MAX_POLL_BYTES,
+    TensorRTLLMBridge,
+    http_poll,
+    map_event,
+)
 from kvevents.metrics import stats_samples
 from kvevents.publish.records import PublisherOptions
 from kvevents.subscribe import Delivery, StreamSpec, Subscriber
+from kvevents.testing.hostile_http import dripping, flooding
 from kvevents.testing.sockets import Deadline
 
 BS = 4
@@ -364,9 +372,10 @@ def test_end_to_end_our_subscriber_and_index_match_the_tokens(llm: FakeLLM) -> N
 
 class _Events(http.server.BaseHTTPRequestHandler):
     answers: ClassVar[list[Any]] = []
+    raw: ClassVar[bytes | None] = None  # an answer sent as is, when set
 
     def do_POST(self) -> None:
-        body = json.dumps(self.answers.pop(0) if self.answers else []).encode()
+        body = self.raw or json.dumps(self.answers.pop(0) if self.answers else []).encode()
         self.send_response(200 if self.path == "/kv_cache_events" else 404)
         self.send_header("content-type", "application/json")
         self.send_header("content-length", str(len(body)))
@@ -393,6 +402,97 @@ def test_http_poll_reads_trtllm_serve_kv_cache_events() -> None:
         server.shutdown()
         server.server_close()
         thread.join(5)
+
+
+def test_http_poll_of_a_dripping_server_fails_at_its_deadline_and_is_counted() -> None:
+    """A server dripping its answer a byte at a time used to hold a poll for good (0 polls, 0
+    errors in 8 s); now each poll fails at request_timeout, naming the URL, and is counted."""
+    with dripping() as drip:
+        poll = http_poll(drip.url, request_timeout=0.5)
+        began = time.monotonic()
+        with pytest.raises(OSError, match=rf"POST {drip.url}/kv_cache_events: no answer within"):
+            poll(0.0)
+        assert time.monotonic() - began < 1.5
+        bridge = TensorRTLLMBridge(poll, config(), poll_timeout=0.01)
+        with bridge:
+            deadline = Deadline(10.0)
+            while bridge.stats().poll_errors < 2:
+                assert not deadline.expired, bridge.stats()
+                time.sleep(0.05)
+            began = time.monotonic()
+        assert time.monotonic() - began < 3.0  # close(): the poll under way ends at its deadline
+    stats = bridge.stats()
+    assert stats.polls == 0 and stats.last_error is not None
+    assert "no answer within 0.5s" in stats.last_error
+
+
+def test_http_poll_refuses_an_answer_over_its_limit() -> None:
+    """A 200 MB answer is refused once max_bytes are read (it used to be read whole: 1.88 GB
+    at the peak); the default limit is 64 MiB."""
+    assert DEFAULT_MAX_POLL_BYTES == 64 << 20
+    limit = 4 << 20
+    with flooding() as flood:
+        poll = http_poll(flood.url, max_bytes=limit)
+        tracemalloc.start()
+        try:
+            with pytest.raises(OSError, match=f"over {limit} bytes"):
+                poll(0.0)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+    assert peak < 3 * limit, peak
+
+
+@pytest.mark.parametrize(
+    ("answer", "words"),
+    [
+        (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+        (b'{"a": 1}', "a JSON dict, not a list"),
+        (b"<html>", "not JSON"),
+    ],
+)
+def test_http_poll_answers_that_are_not_a_list_name_the_url(answer: bytes, words: str) -> None:
+    """Deep nesting, an object or not JSON at all is a ValueError naming the URL and why."""
+    _Events.raw = answer
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Events)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05})
+    thread.start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        with pytest.raises(ValueError, match=f"POST {url}/kv_cache_events: .*{words}"):
+            http_poll(url)(0.0)
+    finally:
+        _Events.raw = None
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+def test_close_returns_while_a_poll_hangs() -> None:
+    """close() waits poll_timeout + 2 s for a poll under way, not for ever (a hung engine kept
+    it waiting past 15 s); what the hung poll returns later is not published."""
+    release = threading.Event()
+    entered = threading.Event()
+
+    def hanging(timeout: float) -> list[Any]:
+        entered.set()
+        release.wait(30)
+        return [created(0)]
+
+    bridge = TensorRTLLMBridge(hanging, config(), poll_timeout=0.01)
+    bridge.start()
+    try:
+        assert entered.wait(10)
+        began = time.monotonic()
+        bridge.close()
+        assert time.monotonic() - began < 4.0
+    finally:
+        release.set()
+    deadline = Deadline(10.0)
+    while bridge._pump.locked():  # the hung poll returns, finds the bridge closed
+        assert not deadline.expired
+        time.sleep(0.01)
+    assert bridge.stats().polls == 0 and bridge.publisher_stats()[0].next_seq == 0
 
 
 def test_bridge_counters_are_metrics(bridge: TensorRTLLMBridge, llm: FakeLLM) -> None:

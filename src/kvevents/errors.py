@@ -17,6 +17,8 @@
     │                                     (.url, .key, .reason)
     ├── RegistrationConflict (also ValueError)  a rank added on its own does not fit its
     │                                     worker's registration (.worker_id, .rank, .field)
+    ├── TokenizerNotFound (also LookupError)  a model's tokenizer is neither in a directory
+    │                                     nor in the local Hugging Face cache (.source)
     └── SyncTimeout (also TimeoutError)   a simulated cluster's index did not catch up (.lagging)
 
 Invalid configuration raises ``pydantic.ValidationError`` (a ``ValueError``) naming the field.
@@ -39,6 +41,7 @@ __all__ = [
     "SubscriberClosed",
     "SubscriberError",
     "SyncTimeout",
+    "TokenizerNotFound",
     "TraceError",
 ]
 
@@ -135,6 +138,16 @@ class RegistrationConflict(KVEventsError, ValueError):
         self.field = field
         self.existing = existing
         self.requested = requested
+
+
+class TokenizerNotFound(KVEventsError, LookupError):
+    """No tokenizer could be loaded from ``source`` (a directory or a model id already in the
+    local Hugging Face cache: nothing is downloaded); ``reason`` says what was tried."""
+
+    def __init__(self, source: str, reason: str) -> None:
+        super().__init__(f"no tokenizer for {source!r}: {reason}")
+        self.source = source
+        self.reason = reason
 
 
 class TraceError(KVEventsError, ValueError):

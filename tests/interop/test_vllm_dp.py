@@ -1,6 +1,7 @@
 """Two data parallel ranks of a real vLLM server: one stream per rank, hits predicted per rank.
 
-vLLM's OpenAI server (``VllmServer``: the same tiny model, ``--data-parallel-size 2``) runs one
+vLLM's OpenAI server (``kvevents.testing.vllm_server.VllmServer``: the same tiny model,
+``--data-parallel-size 2``) runs one
 engine per rank, and rank r publishes on the base ports + r. Our ``Subscriber`` +
 ``PrefixIndex`` and ``kvevents serve`` (registered with ``ranks: 2``) follow both. Each request
 is sent to a chosen rank (``X-data-parallel-rank``) and its ``cached_tokens`` compared with
@@ -16,18 +17,19 @@ from __future__ import annotations
 
 import random
 import shutil
+import subprocess
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import pytest
-from vllm_peer import expected_hit, scratch_dir
-from vllm_server import VllmServer
+from vllm_peer import SCRIPT, STARTUP_TIMEOUT, expected_hit, scratch_dir
 
 from kvevents.deadline import Deadline
 from kvevents.index.prefix import PrefixIndex
 from kvevents.subscribe import Delivery, Subscriber
 from kvevents.subscribe.streams import worker_streams
 from kvevents.testing.service import ServiceIndexer
+from kvevents.testing.vllm_server import VllmServer
 
 pytestmark = [pytest.mark.interop, pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -74,9 +76,16 @@ class DataParallel:
             name: expected_hit(blocks, len(prompt), BLOCK)
             for name, blocks in self.predicted(prompt, rank).items()
         }
-        actual = self.server.generate(prompt, rank)
+        actual = generate(self.server, prompt, rank)
         assert self.holds(prompt, rank, timeout=20.0), f"rank {rank}'s stores never arrived"
         return actual, predicted
+
+
+def generate(server: VllmServer, prompt: Sequence[int], rank: int) -> int:
+    """``cached_tokens`` of one prompt (one output token) run on data parallel ``rank``."""
+    body = {"model": server.model, "prompt": list(prompt), "max_tokens": 1}
+    reply = server.post_json("/v1/completions", body, headers={"X-data-parallel-rank": str(rank)})
+    return int(reply["usage"]["prompt_tokens_details"]["cached_tokens"])
 
 
 def tokens(rng: random.Random, n: int) -> list[int]:
@@ -85,23 +94,28 @@ def tokens(rng: random.Random, n: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def dp(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[DataParallel]:
-    server = VllmServer(vllm_python, scratch_dir("kvd-"), tmp_path_factory.mktemp("model"))
+    model_dir, logs = tmp_path_factory.mktemp("model"), scratch_dir("kvd-")
+    build = [vllm_python, str(SCRIPT), "--build-model", str(model_dir)]
+    subprocess.run(build, check=True, timeout=STARTUP_TIMEOUT, capture_output=True)
+    server = VllmServer(
+        vllm_python, model_dir, block_size=BLOCK, num_blocks=16, ranks=RANKS, log_dir=logs
+    )
     try:
         server.start()
-        streams = worker_streams(WORKER, server.endpoint, server.replay_endpoint, ranks=RANKS)
+        endpoint, replay = server.event_endpoint(), server.replay_endpoint()
+        streams = worker_streams(WORKER, endpoint, replay, ranks=RANKS)
         index = PrefixIndex(block_size=BLOCK)
         index.register_worker(WORKER, block_size=BLOCK, ranks=RANKS)
         with Subscriber(streams) as subscriber, ServiceIndexer() as service:
             service.register(
-                WORKER, server.endpoint, block_size=BLOCK,
-                replay_endpoint=server.replay_endpoint, ranks=RANKS,
-            )  # fmt: skip
+                WORKER, endpoint, block_size=BLOCK, replay_endpoint=replay, ranks=RANKS
+            )
             running = DataParallel(server, index, subscriber, service)
             _prime(running)
             yield running
     finally:
         server.stop()
-        shutil.rmtree(server.directory, ignore_errors=True)
+        shutil.rmtree(logs, ignore_errors=True)
 
 
 def _prime(dp: DataParallel) -> None:
@@ -110,7 +124,7 @@ def _prime(dp: DataParallel) -> None:
     for rank in range(RANKS):
         for _ in range(5):
             primer = tokens(rng, BLOCK + 1)
-            dp.server.generate(primer, rank)
+            generate(dp.server, primer, rank)
             if dp.holds(primer, rank, timeout=3.0):
                 break
         else:
@@ -120,7 +134,7 @@ def _prime(dp: DataParallel) -> None:
 def test_each_rank_publishes_its_own_stream(dp: DataParallel) -> None:
     """A prompt run on rank 1 is indexed on rank 1 only, from batches stamped with rank 1."""
     prompt = tokens(random.Random("dp-own"), 2 * BLOCK + 3)
-    dp.server.generate(prompt, 1)
+    generate(dp.server, prompt, 1)
     assert dp.holds(prompt, 1, timeout=20.0)
     assert dp.predicted(prompt, 0) == {"index": 0, "service": 0}
     assert dp.stamps == {(0, 0), (1, 1)}, "stream r carries batches stamped data_parallel_rank r"

@@ -27,6 +27,7 @@ COMMANDS = (
     "publish",
     "simulate",
     "serve",
+    "route",
     "relay",
     "keys",
     "conformance",
@@ -45,6 +46,9 @@ EXTRAS = {
     "prometheus_client": "metrics",
     "rich": "cli",
     "nats": "nats",
+    "aiohttp": "route",
+    "transformers": "route",
+    "tokenizers": "route",
 }
 
 
@@ -56,6 +60,7 @@ NEEDS = {
     "demo": ("index", "cli"),
     "conformance": ("index",),
     "relay": ("nats",),
+    "route": ("route",),
 }
 EXTRA_PACKAGES = {
     "index": ("xxhash",),
@@ -63,6 +68,7 @@ EXTRA_PACKAGES = {
     "cli": ("rich",),
     "metrics": ("prometheus_client",),
     "nats": ("nats",),
+    "route": ("xxhash", "starlette", "uvicorn", "prometheus_client", "aiohttp", "transformers"),
 }
 
 

@@ -30,7 +30,9 @@ from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from kvevents.bounds import MAX_BLOCK_SIZE, MAX_NAME_LENGTH, MAX_RANK, MAX_RANKS
 from kvevents.cli.common import UsageError
+from kvevents.files import read_bounded
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -41,10 +43,12 @@ __all__ = [
     "CONFIG_ENV",
     "PolicyName",
     "PublishSettings",
+    "RouteSettings",
     "ServeSettings",
     "Settings",
     "WorkerEntry",
     "apply_settings",
+    "engine_names",
     "env_prefix",
     "resolve",
     "track_given",
@@ -52,20 +56,22 @@ __all__ = [
 
 #: The environment variable naming the config file when ``--config`` is not given.
 CONFIG_ENV = "KVEVENTS_CONFIG"
+#: The largest settings file read (a few KB is a big one).
+MAX_CONFIG_BYTES = 1 << 20
 #: Where :func:`track_given` records the flags given on the command line (dest: option).
 GIVEN = "given_flags"
 
 #: The router's policies (``kvevents.index.router.POLICIES``, held equal by a test: the
 #: parser must build without the index, which needs the service extra).
-PolicyName = Literal["longest_prefix", "prefix_load", "round_robin", "random"]
+PolicyName = Literal["longest_prefix", "prefix_load", "bounded_prefix", "round_robin", "random"]
 
 Port = Annotated[int, Field(ge=0, le=65535)]
 Positive = Annotated[int, Field(ge=1)]
 Seconds = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 Weight = Annotated[float, Field(ge=0, allow_inf_nan=False)]
-BlockSize = Annotated[int, Field(ge=1, le=1 << 20)]
-RankCount = Annotated[int, Field(ge=1, le=1024)]
-RankList = Annotated[list[Annotated[int, Field(ge=0, le=65535)]], Field(min_length=1)]
+BlockSize = Annotated[int, Field(ge=1, le=MAX_BLOCK_SIZE)]
+RankCount = Annotated[int, Field(ge=1, le=MAX_RANKS)]
+RankList = Annotated[list[Annotated[int, Field(ge=0, le=MAX_RANK)]], Field(min_length=1)]
 Text = Annotated[str, Field(min_length=1)]
 
 
@@ -80,7 +86,7 @@ class Settings(BaseModel):
 class WorkerEntry(Settings):
     """A worker ``kvevents serve`` indexes from the start (base endpoints: rank r on port + r)."""
 
-    id: Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[^:=,]+$")]
+    id: Annotated[str, Field(min_length=1, max_length=MAX_NAME_LENGTH, pattern=r"^[^:=,]+$")]
     endpoint: Text
     replay_endpoint: Text | None = None
     ranks: RankCount | RankList | None = None  #: a count or rank numbers; default: ``ranks``
@@ -136,11 +142,14 @@ class ServeSettings(Settings):
     state_file: Text | None = None
     auth_token_file: Text | None = None
     auth_reads: bool = False
+    #: Serve without a token on a host other than loopback (refused otherwise).
+    allow_unauthenticated: bool = False
     allow_endpoint_host: list[Text] = []
     max_body_bytes: Positive = 8 << 20
     header_timeout: Seconds = 10.0
     body_timeout: Seconds = 30.0
     max_connections: Positive = 256
+    send_timeout: Seconds = 30.0
     curve_server_key: Text | None = None
     curve_secret: Text | None = None
     # A router replica fed from NATS JetStream (docs/scale-out.md); None: from ZeroMQ.
@@ -168,6 +177,83 @@ class ServeSettings(Settings):
                 raise ValueError(f"workers: worker id {entry.id!r} is given twice")
             seen.add(entry.id)
         return self
+
+
+class RouteSettings(Settings):
+    """``kvevents route``: listening, the engines and their streams, tokenizers, routing."""
+
+    paths: ClassVar[frozenset[str]] = frozenset()
+
+    host: Text = "127.0.0.1"
+    port: Port = 8000
+    #: ``[NAME=]URL``: an engine's OpenAI server (NAME: its id; default: the URL).
+    engines: list[Text] = []
+    #: ``ENGINE=tcp://HOST:PORT``: an engine's KV event stream (its base endpoint: rank r on
+    #: port + r); ENGINE is its NAME or URL. An engine without one is routed on load alone.
+    kv_events: list[Text] = []
+    #: ``ENGINE=tcp://HOST:PORT``: the engine's replay endpoint (base, as ``kv_events``).
+    kv_replay: list[Text] = []
+    #: ``ENGINE=N``: the engine's data parallel ranks (each routed to on its own).
+    dp_size: list[Text] = []
+    #: ``ENGINE=N``: an engine's block size where it is not ``block_size`` (engines serving
+    #: other models may page their caches otherwise).
+    engine_block_size: list[Text] = []
+    topic: str = ""
+    #: ``[MODEL=]SOURCE``: a served model's tokenizer and chat template, a directory or a
+    #: model id in the local Hugging Face cache (without MODEL: every model without its own).
+    tokenizers: list[Text] = []
+    block_size: BlockSize = 16
+    policy: PolicyName = "bounded_prefix"
+    health_interval: Seconds = 2.0
+    health_timeout: Seconds = 1.0
+    connect_timeout: Seconds = 2.0
+    first_byte_timeout: Seconds = 600.0
+    idle_timeout: Seconds = 300.0
+    stale_after: Seconds = 5.0
+    prediction_grace: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 2.0
+    max_body_bytes: Positive = 8 << 20
+    header_timeout: Seconds = 10.0
+    body_timeout: Seconds = 30.0
+    max_connections: Positive = 256
+    #: The engines' own flags that change prompts' tokens (see docs/route.md).
+    chat_template: Text | None = None
+    max_model_len: Positive | None = None
+    trust_request_chat_template: bool = False
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: Text | None = None
+    # The index from the JetStream replicas' stream (docs/scale-out.md); None: from the engines.
+    nats: Text | None = None
+    replica_name: Text = "route"
+    nats_stream: Text = "KVEVENTS"
+    nats_prefix: Text = "kvevents"
+    nats_bucket: Text = "kvevents-snapshots"
+
+    @model_validator(mode="after")
+    def _named_engines(self) -> RouteSettings:
+        names = engine_names(self.engines)
+        for key in ("kv_events", "kv_replay", "dp_size", "engine_block_size"):
+            for entry in getattr(self, key):
+                engine, sep, value = entry.rpartition("=")
+                if not sep or not engine or not value:
+                    raise ValueError(f"{key}: {entry!r}: expected ENGINE=VALUE")
+                if engine not in names:
+                    raise ValueError(f"{key}: {entry!r}: no --engine {engine!r} (NAME or URL)")
+        return self
+
+
+def engine_names(entries: list[str]) -> dict[str, tuple[str, str]]:
+    """``[NAME=]URL`` entries by the name and by the URL they may be named with: (name, url)."""
+    out: dict[str, tuple[str, str]] = {}
+    for entry in entries:
+        name, sep, url = entry.partition("=")
+        if not sep:
+            name, url = entry.rstrip("/"), entry
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"engines: {entry!r}: expected [NAME=]http://HOST:PORT")
+        if name in out:
+            raise ValueError(f"engines: {name!r} is given twice")
+        out[name] = out[url.rstrip("/")] = (name, url)
+    return out
 
 
 class PublishSettings(Settings):
@@ -287,20 +373,25 @@ def _validated(
 
 def _read_toml(path: Path) -> dict[str, Any]:
     try:
-        with path.open("rb") as f:
-            document: dict[str, Any] = tomllib.load(f)
-            return document
+        text = read_bounded(path, MAX_CONFIG_BYTES, "settings file").decode()
+        document: dict[str, Any] = tomllib.loads(text)
     except OSError as exc:
         raise UsageError(f"--config {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        why = f"not UTF-8 text ({exc.reason} at byte {exc.start})"
+        raise UsageError(f"{path}: not valid TOML: {why}") from None
     except tomllib.TOMLDecodeError as exc:
         raise UsageError(f"{path}: not valid TOML: {exc}") from None
+    except RecursionError:
+        raise UsageError(f"{path}: not valid TOML: nested too deeply") from None
+    return document
 
 
 def _file_layer(model: type[S], command: str, path: Path) -> dict[str, Any]:
     document = _read_toml(path)
     for key, value in document.items():
-        if not isinstance(value, dict) or key not in ("serve", "publish"):
-            raise UsageError(f"{path}: {key!r}: expected a [serve] or [publish] table")
+        if not isinstance(value, dict) or key not in ("serve", "publish", "route"):
+            raise UsageError(f"{path}: {key!r}: expected a [serve], [publish] or [route] table")
     table = dict(document.get(command, {}))
     for key in model.paths & table.keys():
         if isinstance(table[key], str) and table[key]:

@@ -106,8 +106,12 @@ def new_replica(args: argparse.Namespace, **service_options: Any) -> Any:
 
 def start_replica(replica: Any) -> None:
     """Start ``replica``; a NATS server that cannot be reached is a one-line error."""
+    from kvevents.scaleout.jetstream import StreamConfigError
+
     try:
         replica.start()
+    except StreamConfigError as exc:  # names the stream, what conflicts and the fix
+        raise UsageError(f"--nats-stream {replica.js_options.stream}: {exc}") from None
     except Exception as exc:  # the client's own errors: no servers, a refused stream
         raise UsageError(f"--nats {replica.url}: cannot start the replica ({exc!r})") from None
 
@@ -121,6 +125,7 @@ def replica_collector(replica: Any) -> Any:
 def _registrations(args: argparse.Namespace) -> list[Any]:
     from kvevents.cli.config import _worker_from_flag
     from kvevents.errors import LayoutError
+    from kvevents.scaleout.records import check_registration
     from kvevents.service.feed import WorkerRegistration, default_stream_specs
 
     regs = []
@@ -130,6 +135,7 @@ def _registrations(args: argparse.Namespace) -> list[Any]:
             reg = WorkerRegistration(entry["id"], entry["endpoint"], args.block_size,
                                      tuple(range(args.ranks)), entry["replay_endpoint"])  # fmt: skip
             default_stream_specs(reg)
+            check_registration(reg)  # what replicas accept: the bounds of POST /register
         except (ValueError, LayoutError) as exc:
             raise UsageError(f"--worker: {exc}") from None
         regs.append(reg)
@@ -138,6 +144,7 @@ def _registrations(args: argparse.Namespace) -> list[Any]:
 
 def run(args: argparse.Namespace) -> int:
     from kvevents.cli.common import stop_on_sigterm
+    from kvevents.scaleout.jetstream import StreamConfigError
     from kvevents.scaleout.relay import Relay
 
     regs = _registrations(args)
@@ -145,6 +152,9 @@ def run(args: argparse.Namespace) -> int:
     with stop_on_sigterm():
         try:
             relay.start()
+        except StreamConfigError as exc:  # names the stream, what conflicts and the fix
+            relay.close()
+            raise UsageError(f"--nats-stream {args.nats_stream}: {exc}") from None
         except Exception as exc:  # the client's own errors: no servers, a refused stream
             relay.close()
             raise UsageError(f"--nats {args.nats}: cannot start the relay ({exc!r})") from None

@@ -1,4 +1,5 @@
-"""``kvevents serve``: the index HTTP service (``kvevents.service.core``) over a live subscriber."""
+"""``kvevents serve``: the index service (``kvevents.service.core``) over a live subscriber,
+and its HTTP API (``kvevents.http``)."""
 
 from __future__ import annotations
 
@@ -20,9 +21,10 @@ from kvevents.cli.secure import add_client_options, client_curve
 EXAMPLES = """examples:
   kvevents serve
       the index on http://127.0.0.1:8090; workers register with POST /register
-  kvevents serve --host 0.0.0.0 --port 8090 --block-size 16 \\
+  KVEVENTS_AUTH_TOKEN=s3cret kvevents serve --host 0.0.0.0 --port 8090 --block-size 16 \\
       --worker a=tcp://10.0.0.5:5557,tcp://10.0.0.5:5600 --ranks 2
-      and index worker "a" (ranks 0-1) from the start
+      on every interface (a token is required there, or --allow-unauthenticated), and
+      index worker "a" (ranks 0-1) from the start
   kvevents serve --engine sg1=http://10.0.0.5:30000 --engine http://10.0.0.6:30000
       index two SGLang servers from what their /server_info advertises (every DP rank,
       replay, block size, topic); the second is named "10.0.0.6:30000"
@@ -45,7 +47,10 @@ EXAMPLES = """examples:
 endpoints: POST /register /unregister /load /query, GET /dump /workers /metrics /health
 /digest (see docs/service.md). A line "serving on URL" goes to stdout once it accepts connections.
 Registrations over HTTP may name loopback endpoints only unless --allow-endpoint-host says
-otherwise (--worker options are yours and are not checked); see docs/security.md.
+otherwise (--worker options are yours and are not checked). Without a token anyone who
+reaches the port may register workers (up to the subscriber's 8,192 sockets, 15 metric series
+each), so a --host other than loopback needs one or --allow-unauthenticated; see
+docs/security.md.
 """
 
 
@@ -92,8 +97,12 @@ def _add_engine_options(p: Any) -> None:
     p.add_argument("--engine", dest="engines", action="append", default=_d("engines"),
                    metavar="[ID=]URL", help="register an engine's advertised streams (SGLang's /server_info) at "
                    "start, named ID (default: the URL's host:port); repeatable")  # fmt: skip
-    p.add_argument("--discovery-timeout", type=positive_float, default=_d("discovery_timeout"),
-                   help="seconds to wait for an engine's /server_info (default 5)")  # fmt: skip
+    p.add_argument(
+        "--discovery-timeout",
+        type=positive_float,
+        default=_d("discovery_timeout"),
+        help="seconds an engine's /server_info may take in all: connect, headers, body (default 5)",
+    )
 
 
 def _add_router_options(p: Any) -> None:
@@ -113,9 +122,20 @@ def _add_router_options(p: Any) -> None:
 
 
 def _add_access_options(p: Any) -> None:
-    p.add_argument("--auth-token-file", metavar="FILE",
-                   help="bearer token for /register, /unregister and /load (default: "
-                   "$KVEVENTS_AUTH_TOKEN; neither: no authentication)")  # fmt: skip
+    p.add_argument(
+        "--auth-token-file",
+        metavar="FILE",
+        help="bearer token for /register, /unregister and /load (default: $KVEVENTS_AUTH_TOKEN; "
+        "neither: no authentication, and anyone who reaches the port may register workers: "
+        "thousands of streams and metric series; refused on a --host other than loopback "
+        "unless --allow-unauthenticated)",
+    )
+    p.add_argument(
+        "--allow-unauthenticated",
+        action="store_true",
+        help="serve on a --host other than loopback without a token (behind a proxy or "
+        "firewall that does the authentication)",
+    )
     p.add_argument("--auth-reads", action="store_true",
                    help="require the token on the read-only endpoints too")  # fmt: skip
     p.add_argument("--allow-endpoint-host", action="append", default=[], metavar="HOST",
@@ -132,22 +152,69 @@ def _add_limit_options(p: Any) -> None:
                    help="seconds a request has to send its body (408 after)")  # fmt: skip
     p.add_argument("--max-connections", type=positive_int, default=_d("max_connections"),
                    help="open HTTP connections; more are closed at once")  # fmt: skip
+    p.add_argument(
+        "--send-timeout",
+        type=positive_float,
+        default=_d("send_timeout"),
+        help="seconds a response may wait for a client that reads nothing; its connection is "
+        "closed after",
+    )
 
 
 def _app_options(args: argparse.Namespace) -> Any:
-    from kvevents.service.access import DEFAULT_ALLOWED_HOSTS, load_token
-    from kvevents.service.http import AppOptions, EndpointPolicy, HttpLimits, TokenCheck
+    from kvevents.http import (
+        DEFAULT_ALLOWED_HOSTS,
+        AppOptions,
+        EndpointPolicy,
+        HttpLimits,
+        TokenCheck,
+    )
 
-    try:
-        token = load_token(args.auth_token_file)
-    except (OSError, ValueError) as exc:
-        raise UsageError(f"--auth-token-file: {exc}") from None
+    token = _token(args.auth_token_file)
+    if token is None and not args.allow_unauthenticated:
+        _refuse_exposed(args.host)
     if args.auth_reads and token is None:
         raise UsageError("--auth-reads needs a token (--auth-token-file or $KVEVENTS_AUTH_TOKEN)")
     hosts = tuple(args.allow_endpoint_host) or DEFAULT_ALLOWED_HOSTS
-    limits = HttpLimits(args.max_body_bytes, args.header_timeout, args.body_timeout,
-                        args.max_connections)  # fmt: skip
+    limits = HttpLimits(
+        max_body_bytes=args.max_body_bytes,
+        header_timeout=args.header_timeout,
+        body_timeout=args.body_timeout,
+        max_connections=args.max_connections,
+        send_timeout=args.send_timeout,
+    )
     return AppOptions(TokenCheck(token, args.auth_reads), EndpointPolicy(hosts), limits, args.api)
+
+
+def _token(path: str | None) -> str | None:
+    """The bearer token (None: no authentication); a warning when others may read its file."""
+    from kvevents.http import exposed_mode, load_token
+
+    try:
+        token = load_token(path)
+        mode = None if path is None else exposed_mode(path)
+    except OSError as exc:
+        raise UsageError(f"--auth-token-file {path}: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        raise UsageError(f"--auth-token-file: {exc}") from None
+    if mode is not None:
+        why = f"may be read by others than its owner (mode {mode:04o}): chmod 600 {path}"
+        print(f"kvevents serve: warning: --auth-token-file {path} {why}", file=sys.stderr)
+    return token
+
+
+def _refuse_exposed(host: str) -> None:
+    """UsageError unless ``host`` is loopback: without a token, anyone who reaches the port
+    may register (and unregister) workers; on loopback that is a local process only."""
+    from kvevents.http import is_loopback
+
+    if not is_loopback(host):
+        raise UsageError(
+            f"--host {host} is not a loopback address and no token is set: anyone who can "
+            "reach the port could register and unregister workers and report loads. Set a token "
+            "(--auth-token-file FILE or $KVEVENTS_AUTH_TOKEN), or give "
+            "--allow-unauthenticated to serve without one"
+        )
 
 
 def _registrations(settings: ServeSettings) -> list[Any]:
@@ -170,6 +237,7 @@ def _registrations(settings: ServeSettings) -> list[Any]:
 def _engine_registrations(settings: ServeSettings, taken: set[str]) -> list[Any]:
     """One registration per ``--engine``, from what it advertises; a DiscoveryError (the URL
     and why: unreachable, no KV events, a bad field) stops the start (exit status 1)."""
+    from kvevents.bounds import MAX_NAME_LENGTH
     from kvevents.integrations.discovery import discover, engine_option
     from kvevents.service.core import WorkerRegistration
 
@@ -178,6 +246,8 @@ def _engine_registrations(settings: ServeSettings, taken: set[str]) -> list[Any]
         worker, url = engine_option(text)
         if worker in taken:
             raise UsageError(f"worker {worker!r} is given twice")
+        if len(worker) > MAX_NAME_LENGTH:  # the bound of a worker id over HTTP
+            raise UsageError(f"--engine: the worker id is over {MAX_NAME_LENGTH} characters")
         taken.add(worker)
         engine = discover(url, timeout=settings.discovery_timeout)
         replay = "" if engine.replay_endpoint is None else f", replay {engine.replay_endpoint}"
@@ -196,24 +266,23 @@ def _state(settings: ServeSettings) -> tuple[Any, list[Any]]:
     state = StateFile(settings.state_file)
     saved = state.load()  # StateFileError (a ValueError) names the file: exit status 1
     state.check_writable()
+    state.remove_stale_temporaries()  # of a serve killed while it wrote
     return state, saved
 
 
 def _restore(service: Any, saved: list[Any], policy: Any) -> None:
     """Register the state file's workers again, as if over HTTP: the endpoint policy of now
-    applies. One refused is skipped with a warning (and leaves the file at the next change)."""
-    from kvevents.errors import LayoutError, StreamAddError
+    applies. One refused is skipped with a warning (and leaves the file at the next change).
+    The file is not written meanwhile, and /health says "starting" until the end."""
 
-    for reg in saved:
-        try:
-            for spec in service.stream_specs(reg):  # each rank's own endpoints too
-                for name in ("endpoint", "replay_endpoint"):
-                    if getattr(spec, name) is not None:
-                        policy.check(name, getattr(spec, name), (0,))
-            service.register(reg, persist=True)
-        except (LayoutError, StreamAddError) as exc:
-            print(f"kvevents serve: warning: state file: worker {reg.worker_id!r} not restored: "
-                  f"{exc}", file=sys.stderr, flush=True)  # fmt: skip
+    def check(spec: Any) -> None:  # each rank's own endpoints too
+        for name in ("endpoint", "replay_endpoint"):
+            if getattr(spec, name) is not None:
+                policy.check(name, getattr(spec, name), (0,))
+
+    for reg, exc in service.restore(saved, check):
+        why = f"state file: worker {reg.worker_id!r} not restored: {exc}"
+        print(f"kvevents serve: warning: {why}", file=sys.stderr, flush=True)
 
 
 def _service(settings: ServeSettings, args: argparse.Namespace, state: Any) -> Any:
@@ -245,23 +314,22 @@ def _replica(settings: ServeSettings, args: argparse.Namespace, regs: list[Any])
     return new_replica(args, index=index, router=router, load_ttl=settings.load_ttl)
 
 
-def _routes(service: Any, replica: Any) -> list[Any]:
-    from kvevents.scaleout.http import digest_route
-
+def _digest_extra(replica: Any) -> Any:
+    """A replica's ``covered_seq`` in ``GET /digest``; nothing more for a plain service."""
     if replica is None:
-        return [digest_route(service)]
-    return [digest_route(service, lambda: {"covered_seq": replica.covered_seq})]
+        return None
+    return lambda: {"covered_seq": replica.covered_seq}
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvevents.http import serve
     from kvevents.metrics import subscriber_collector
-    from kvevents.service.http import serve
 
     args = apply_settings(ServeSettings, "serve", args)
     settings: ServeSettings = args.settings
     regs = _registrations(settings)
+    app_options = _app_options(args)  # before discovery: a refused start waits for no engine
     regs += _engine_registrations(settings, {reg.worker_id for reg in regs})
-    app_options = _app_options(args)
     state, saved = _state(settings)
     replica = _replica(settings, args, regs) if args.nats else None
     service = _service(settings, args, state) if replica is None else replica.service
@@ -270,8 +338,14 @@ def run(args: argparse.Namespace) -> int:
     with stop_on_sigterm():
         if replica is not None:
             start_replica(replica)  # the snapshot is loaded before the first query is answered
-        server = serve(settings.host, settings.port, service=service, options=app_options,
-                       collectors=collectors, routes=_routes(service, replica))  # fmt: skip
+        server = serve(
+            settings.host,
+            settings.port,
+            service=service,
+            options=app_options,
+            collectors=collectors,
+            digest_extra=_digest_extra(replica),
+        )
         try:
             _restore(service, saved, app_options.endpoints.with_forbidden_port(server.port))
             for reg in regs:

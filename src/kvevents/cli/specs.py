@@ -23,7 +23,7 @@ def _split_id(text: str, spec: str) -> tuple[str, int | None]:
         raise UsageError(f"--worker {spec!r}: the worker id is empty")
     if not sep:
         return worker, None
-    if not rank_text.isdigit():
+    if not (rank_text.isascii() and rank_text.isdigit()):  # isdigit alone takes "²"
         raise UsageError(f"--worker {spec!r}: rank {rank_text!r} is not a number >= 0")
     return worker, int(rank_text)
 

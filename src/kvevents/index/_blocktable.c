@@ -1014,150 +1014,22 @@ msgpack_pack(const unsigned char *p, const unsigned char *end)
     return out;
 }
 
-static inline const unsigned char *
-json_ws(const unsigned char *p, const unsigned char *end)
-{
-    while (p < end && (*p == ' ' || *p == '\n' || *p == '\r' || *p == '\t'))
-        p++;
-    return p;
-}
-
-/* One JSON integer in 0 .. 2**32-1 at *pp ("-0" reads as 0, like the reference's decoder). */
-static int
-json_token(const unsigned char **pp, const unsigned char *end, uint32_t *out)
-{
-    const unsigned char *p = *pp;
-    int minus = 0;
-    uint64_t v = 0;
-    if (p < end && *p == '-') {
-        minus = 1;
-        p++;
-    }
-    if (p >= end || *p < '0' || *p > '9')
-        return 0;
-    if (*p == '0') {
-        p++;
-    }
-    else {
-        while (p < end && *p >= '0' && *p <= '9') {
-            v = v * 10 + (uint64_t)(*p - '0');
-            if (v > UINT32_MAX)
-                return 0;
-            p++;
-        }
-    }
-    if (p < end && ((*p >= '0' && *p <= '9') || *p == '.' || *p == 'e' || *p == 'E'))
-        return 0; /* a leading zero, or a float */
-    if (minus && v != 0)
-        return 0;
-    *out = (uint32_t)v;
-    *pp = p;
-    return 1;
-}
-
-/* The usual token: 1 to 8 digits without a leading zero (so it cannot overflow) followed by a
- * separator, with more than 10 bytes left to look ahead; 0 when it does not apply. */
-static inline int
-json_short_token(const unsigned char **pp, const unsigned char *end, uint32_t *out)
-{
-    const unsigned char *p = *pp, *q;
-    unsigned d;
-    uint32_t v;
-    if (end - p <= 10 || (d = (unsigned)(p[0] - '1')) >= 9)
-        return 0;
-    v = d + 1;
-    for (q = p + 1; (d = (unsigned)(*q - '0')) < 10 && q - p < 8; q++)
-        v = v * 10 + d;
-    if (*q != ',' && *q != ']' && *q != ' ')
-        return 0;
-    *out = v;
-    *pp = q;
-    return 1;
-}
-
-/* The tokens of a non-empty array, from its first token on, into dst (count in *count): the
- * end of the array (just past its ']'), or NULL if it is not an array of such ints. */
-static const unsigned char *
-json_array_tokens(const unsigned char *p, const unsigned char *end, unsigned char *dst,
-                  Py_ssize_t *count)
-{
-    for (;;) {
-        uint32_t v;
-        if (json_short_token(&p, end, &v)) {
-            put_u32le(dst + 4 * (*count)++, v);
-            /* ", " then the next number, the usual layout: room to look was checked above */
-            if (p[0] == ',' && p[1] == ' ' && (unsigned)(p[2] - '0') < 10) {
-                p += 2;
-                continue;
-            }
-        }
-        else if (json_token(&p, end, &v))
-            put_u32le(dst + 4 * (*count)++, v);
-        else
-            return NULL;
-        p = json_ws(p, end);
-        if (p < end && *p == ',') {
-            p = json_ws(p + 1, end);
-            continue;
-        }
-        return p < end && *p == ']' ? p + 1 : NULL;
-    }
-}
-
-/* The packed tokens of a JSON array of ints spanning [p, end); NULL if it is not one. */
-static PyObject *
-json_pack(const unsigned char *p, const unsigned char *end)
-{
-    Py_ssize_t count = 0;
-    PyObject *out;
-    unsigned char *dst;
-    p = json_ws(p, end);
-    if (p >= end || *p != '[')
-        return NULL;
-    p = json_ws(p + 1, end);
-    /* n tokens take at least 2n + 1 bytes: "[" digit ("," digit)* "]" */
-    out = PyBytes_FromStringAndSize(NULL, ((end - p) / 2 + 1) * 4);
-    if (out == NULL)
-        return NULL;
-    dst = (unsigned char *)PyBytes_AS_STRING(out);
-    if (p < end && *p == ']')
-        p++;
-    else
-        p = json_array_tokens(p, end, dst, &count);
-    if (p == NULL || json_ws(p, end) != end) {
-        Py_DECREF(out);
-        return NULL;
-    }
-    if (_PyBytes_Resize(&out, count * 4) < 0)
-        return NULL;
-    return out;
-}
-
 static const char *const raw_names[] = {"raw"};
 
 typedef PyObject *(*packer)(const unsigned char *, const unsigned char *);
 
 static PyObject *
-pack_tokens(const char *fname, packer pack, int text_ok, PyObject *const *args,
-            Py_ssize_t nargs, PyObject *kwnames)
+pack_tokens(const char *fname, packer pack, PyObject *const *args, Py_ssize_t nargs,
+            PyObject *kwnames)
 {
     PyObject *raw, *out;
     Py_buffer view;
     if (parse_args(fname, args, nargs, kwnames, raw_names, 1, 1, &raw) < 0)
         return NULL;
-    if (text_ok && PyUnicode_Check(raw)) {
-        Py_ssize_t size;
-        const char *text = PyUnicode_AsUTF8AndSize(raw, &size);
-        if (text == NULL)
-            return NULL;
-        out = pack((const unsigned char *)text, (const unsigned char *)text + size);
-    }
-    else {
-        if (PyObject_GetBuffer(raw, &view, PyBUF_SIMPLE) < 0)
-            return NULL;
-        out = pack(view.buf, (const unsigned char *)view.buf + view.len);
-        PyBuffer_Release(&view);
-    }
+    if (PyObject_GetBuffer(raw, &view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    out = pack(view.buf, (const unsigned char *)view.buf + view.len);
+    PyBuffer_Release(&view);
     if (out == NULL) {
         if (PyErr_Occurred())
             return NULL;
@@ -1170,149 +1042,7 @@ static PyObject *
 pack_msgpack_tokens(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs,
                     PyObject *kwnames)
 {
-    return pack_tokens("pack_msgpack_tokens", msgpack_pack, 0, args, nargs, kwnames);
-}
-
-static PyObject *
-pack_json_tokens(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs,
-                 PyObject *kwnames)
-{
-    return pack_tokens("pack_json_tokens", json_pack, 1, args, nargs, kwnames);
-}
-
-/* ---------------------------------------------------------------- JSON member */
-
-/* The end of the JSON string starting at p (a '"'), just past its closing quote; NULL if it
- * does not end within [p, end). */
-static const unsigned char *
-json_skip_string(const unsigned char *p, const unsigned char *end)
-{
-    for (p++; p < end; p++) {
-        if (*p == '\\')
-            p++;
-        else if (*p == '"')
-            return p + 1;
-    }
-    return NULL;
-}
-
-/* The end of the JSON value starting at p, scanned structurally (strings, nesting); the value
- * itself is not validated. NULL if it does not end within [p, end). */
-static const unsigned char *
-json_skip_value(const unsigned char *p, const unsigned char *end)
-{
-    Py_ssize_t depth = 0;
-    if (p >= end)
-        return NULL;
-    if (*p != '{' && *p != '[' && *p != '"') {
-        while (p < end && *p != ',' && *p != '}' && *p != ']' && *p != ' ' && *p != '\n' &&
-               *p != '\r' && *p != '\t')
-            p++;
-        return p;
-    }
-    while (p < end) {
-        unsigned char c = *p;
-        if (c == '"') {
-            p = json_skip_string(p, end);
-            if (p == NULL)
-                return NULL;
-            if (depth == 0)
-                return p;
-            continue;
-        }
-        if (c == '{' || c == '[')
-            depth++;
-        else if (c == '}' || c == ']') {
-            if (--depth == 0)
-                return p + 1;
-        }
-        p++;
-    }
-    return NULL;
-}
-
-static const char *const member_names[] = {"body", "key"};
-
-/* The value of the first top-level member `key` of the JSON object in [p, end), scanned
- * structurally; NULL when the body is not an object this scan reads or the key is absent. */
-static const unsigned char *
-json_member(const unsigned char *p, const unsigned char *end, const Py_buffer *key)
-{
-    p = json_ws(p, end);
-    if (p >= end || *p != '{')
-        return NULL;
-    p = json_ws(p + 1, end);
-    while (p < end && *p == '"') {
-        const unsigned char *name = p + 1, *name_end = json_skip_string(p, end), *value;
-        if (name_end == NULL)
-            return NULL;
-        p = json_ws(name_end, end);
-        if (p >= end || *p != ':')
-            return NULL;
-        value = json_ws(p + 1, end);
-        if (name_end - 1 - name == key->len && memcmp(name, key->buf, (size_t)key->len) == 0)
-            return value;
-        p = json_skip_value(value, end);
-        if (p == NULL)
-            return NULL;
-        p = json_ws(p, end);
-        if (p >= end || *p != ',')
-            return NULL;
-        p = json_ws(p + 1, end);
-    }
-    return NULL;
-}
-
-/* (packed, start, end) of the flat int array at `value` (offsets from `start`), None when
- * there is none; NULL on error. */
-static PyObject *
-member_tokens(const unsigned char *start, const unsigned char *value, const unsigned char *end)
-{
-    const unsigned char *close;
-    PyObject *packed;
-    if (value == NULL || value >= end || *value != '[')
-        Py_RETURN_NONE;
-    /* A flat array of ints holds no ']' but its last: find it fast, then let the packer
-     * check that the span is such an array. */
-    close = memchr(value, ']', (size_t)(end - value));
-    if (close == NULL)
-        Py_RETURN_NONE;
-    packed = json_pack(value, close + 1);
-    if (packed == NULL) {
-        if (PyErr_Occurred())
-            return NULL;
-        Py_RETURN_NONE;
-    }
-    return Py_BuildValue("(Nnn)", packed, (Py_ssize_t)(value - start),
-                         (Py_ssize_t)(close + 1 - start));
-}
-
-/* pack_json_member(body, key): the packed tokens of the top-level member `key` of a JSON
- * object, with the byte span of its value: (packed, start, end). None when the body is not an
- * object this scan can read, the key does not appear unescaped, or its value is not a flat
- * array of ints in 0 .. 2**32-1. Only the first such member is read; the caller decodes the
- * rest of the body itself (and so sees a repeated key). */
-static PyObject *
-pack_json_member(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs,
-                 PyObject *kwnames)
-{
-    PyObject *a[2], *result;
-    Py_buffer body, key;
-    const unsigned char *start, *end;
-    if (parse_args("pack_json_member", args, nargs, kwnames, member_names, 2, 2, a) < 0)
-        return NULL;
-    if (PyObject_GetBuffer(a[0], &body, PyBUF_SIMPLE) < 0)
-        return NULL;
-    if (PyObject_GetBuffer(a[1], &key, PyBUF_SIMPLE) < 0) {
-        PyBuffer_Release(&body);
-        return NULL;
-    }
-    start = body.buf;
-    end = start + body.len;
-    result = member_tokens(start, json_member(start, end, &key), end);
-    PyBuffer_Release(&key);
-    PyBuffer_Release(&body);
-    return result;
+    return pack_tokens("pack_msgpack_tokens", msgpack_pack, args, nargs, kwnames);
 }
 
 /* ---------------------------------------------------------------- storing a chain */
@@ -1922,11 +1652,6 @@ static PyMethodDef module_methods[] = {
      "chain_hashes(packed, block_size, seed): chained xxh3 of full blocks, 60 bits each."},
     {"pack_msgpack_tokens", FASTCALL(pack_msgpack_tokens),
      "pack_msgpack_tokens(raw): a msgpack array of uint32 ints as packed uint32 LE, or None."},
-    {"pack_json_tokens", FASTCALL(pack_json_tokens),
-     "pack_json_tokens(raw): a JSON array of uint32 ints as packed uint32 LE, or None."},
-    {"pack_json_member", FASTCALL(pack_json_member),
-     "pack_json_member(body, key): (packed tokens, start, end) of a top-level int array "
-     "member of a JSON object, or None."},
     {"store_chain", FASTCALL(store_chain),
      "store_chain(blocks, engine, bit, engine_hashes, ours): store fresh blocks of a holder."},
     {"store_run", FASTCALL(store_run),

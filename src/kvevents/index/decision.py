@@ -19,6 +19,7 @@ class Load(NamedTuple):
 
     queued_blocks: int = 0  #: prefill blocks waiting or being computed
     active_blocks: int = 0  #: blocks held by running (decoding) requests
+    requests: int = 0  #: requests in flight (sent and not yet answered), where known
 
 
 class TargetScore(NamedTuple):
@@ -124,21 +125,31 @@ class LoadBook:
         *,
         queued_blocks: int | None = None,
         active_blocks: int | None = None,
+        requests: int | None = None,
     ) -> None:
-        """Replace one or both terms of a target's load."""
+        """Replace some terms of a target's load (the others are kept)."""
         old = self.get(worker_id, rank)
         self._loads[(worker_id, rank)] = Load(
             old.queued_blocks if queued_blocks is None else queued_blocks,
             old.active_blocks if active_blocks is None else active_blocks,
+            old.requests if requests is None else requests,
         )
 
     def add(
-        self, worker_id: str, rank: int = 0, *, queued_blocks: int = 0, active_blocks: int = 0
+        self,
+        worker_id: str,
+        rank: int = 0,
+        *,
+        queued_blocks: int = 0,
+        active_blocks: int = 0,
+        requests: int = 0,
     ) -> None:
         """Add to (or, with negative numbers, take from) a target's load; never below 0."""
         old = self.get(worker_id, rank)
         self._loads[(worker_id, rank)] = Load(
-            max(0, old.queued_blocks + queued_blocks), max(0, old.active_blocks + active_blocks)
+            max(0, old.queued_blocks + queued_blocks),
+            max(0, old.active_blocks + active_blocks),
+            max(0, old.requests + requests),
         )
 
     def remove(self, worker_id: str, rank: int | None = None) -> None:

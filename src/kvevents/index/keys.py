@@ -64,6 +64,7 @@ __all__ = [
     "mix_extras",
     "pack_tokens",
     "request_extras",
+    "request_keys",
     "root_seed",
     "split_digests",
 ]
@@ -241,3 +242,23 @@ def request_extras(
             extra.append(cache_salt)
         out.append(extra or None)
     return out
+
+
+def request_keys(
+    token_ids: Sequence[int],
+    block_size: int,
+    *,
+    lora: str | int | None = None,
+    cache_salt: str | None = None,
+    mm: Sequence[MMSpan] = (),
+) -> list[int]:
+    """The keys of a request's full blocks, as the index keys the engine's own stores of
+    them: LoRA in the root seed, the salt and multimodal items as extras (vLLM's way)."""
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    packed = pack_tokens(token_ids)
+    extras = request_extras(len(packed) // (4 * block_size), block_size, cache_salt, mm)
+    seed = root_seed(lora)
+    if extras is None:
+        return chain_hashes(packed, block_size, seed)
+    return chain_keys(packed, block_size, seed, extras)

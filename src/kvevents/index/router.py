@@ -15,6 +15,13 @@ Policies:
   plus the decode load (KV blocks held by running requests). Ties go to the target with more
   matched blocks, then to a seeded random choice (never to the first target: that makes the
   lowest-numbered engine a hot spot whenever the cluster is idle).
+- ``bounded_prefix``: longest prefix among the targets whose requests in flight stay within
+  a bound, ``(1 + slack)`` times the mean over the targets (this request counted): affinity
+  decides while it costs no imbalance beyond the slack, and a hot prefix spills over to the
+  next target instead of piling onto one until its cache thrashes (consistent hashing with
+  bounded loads, with the cache's prefix as the affinity). Ties: fewer requests in flight,
+  then fewer load blocks, then a seeded random choice. It needs a load book that counts
+  requests in flight (the front door keeps one).
 - ``round_robin`` and ``random`` (seeded): baselines that ignore the cache.
 
 Degraded targets. A target whose event stream is not trustworthy (the subscriber reported an
@@ -28,6 +35,7 @@ reports) keeps them in a :class:`LoadBook`.
 
 from __future__ import annotations
 
+import math
 import random as _random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -35,6 +43,7 @@ from typing import Protocol
 
 from kvevents.index.decision import (
     Decision,
+    Load,
     LoadBook,
     RouteInputs,
     Target,
@@ -47,6 +56,7 @@ from kvevents.index.prefix import MatchResult, PrefixIndex
 __all__ = [
     "DEFAULT_POLICY",
     "POLICIES",
+    "BoundedPrefix",
     "LongestPrefix",
     "Policy",
     "PrefixLoad",
@@ -177,7 +187,7 @@ class PrefixLoad:
         for i, (target, m, r, load, why) in enumerate(
             zip(targets, inputs.matched, inputs.request_blocks, inputs.loads, degraded, strict=True)
         ):
-            queued, active = load
+            queued, active = load.queued_blocks, load.active_blocks
             new = r - m if r > m else 0
             prefill = weight * (new + load_weight * queued)
             decode = load_weight * active
@@ -210,6 +220,73 @@ def _cost_reason(terms: Mapping[str, float], tied: int) -> str:
         f"({terms['new_blocks']:g} new blocks) + decode {terms['decode_cost']:g}"
     )
     return f"{why}; {tied} targets tie: drawn at random" if tied > 1 else why
+
+
+@dataclass
+class BoundedPrefix:
+    """Longest prefix among the targets within the load bound (module docstring); ties:
+    fewer requests in flight, fewer load blocks, then a seeded random choice."""
+
+    slack: float = 0.25
+    seed: int = 0
+    name: str = "bounded_prefix"
+    _rng: _random.Random = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.slack < 0:
+            raise ValueError(f"slack must be >= 0, got {self.slack}")
+        self._rng = _random.Random(self.seed)
+
+    def cap(self, loads: Sequence[Load]) -> int:
+        """The most requests in flight a target may have with this request on it."""
+        total = sum(load.requests for load in loads) + 1
+        return max(1, math.ceil((1.0 + self.slack) * total / max(1, len(loads)) - 1e-9))
+
+    def choose(self, inputs: RouteInputs) -> Decision:
+        loads = inputs.loads
+        cap = self.cap(loads)
+        within = [load.requests + 1 <= cap for load in loads]
+        keys = [
+            (float(ok), float(m) if ok else 0.0, -float(ld.requests), -_blocks(ld))
+            for ok, m, ld in zip(within, inputs.matched, loads, strict=True)
+        ]
+        terms = [
+            {
+                "matched_blocks": float(m),
+                "requests": float(ld.requests),
+                "cap": float(cap),
+                "within_bound": float(ok),
+            }
+            for ok, m, ld in zip(within, inputs.matched, loads, strict=True)
+        ]
+        scores = [k[1] if k[0] else -1.0 for k in keys]
+        winner, tied = _best(keys, self._rng)
+        reason = _bounded_reason(inputs, keys, winner, tied, cap)
+        return _decision(self.name, inputs, scores, terms, winner, tied, reason)
+
+
+def _blocks(load: Load) -> float:
+    return float(load.queued_blocks + load.active_blocks)
+
+
+def _bounded_reason(
+    inputs: RouteInputs,
+    keys: Sequence[tuple[float, float, float, float]],
+    winner: int | None,
+    tied: int,
+    cap: int,
+) -> str:
+    """What decided a bounded-prefix choice, in words."""
+    if winner is None:
+        return "no target"
+    matched = keys[winner][1]
+    best_anywhere = max(inputs.matched, default=0)
+    why = f"most matched blocks ({matched:g}) within the bound of {cap} requests in flight"
+    if best_anywhere > matched:
+        why += f"; a target matching {best_anywhere} blocks is at the bound"
+    if tied > 1:
+        why += f"; {tied} targets tie: drawn at random"
+    return why
 
 
 @dataclass
@@ -251,6 +328,7 @@ POLICIES: dict[str, Callable[..., Policy]] = {
     "prefix_load": lambda prefill_weight=1.0, seed=0, load_weight=1.0, **_: PrefixLoad(
         prefill_weight, seed, load_weight
     ),
+    "bounded_prefix": lambda seed=0, slack=0.25, **_: BoundedPrefix(slack, seed),
     "round_robin": lambda **_: RoundRobin(),
     "random": lambda seed=0, **_: RandomChoice(seed),
 }

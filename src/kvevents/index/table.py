@@ -24,8 +24,6 @@ __all__ = [
     "chain_walk",
     "drop_holder",
     "extend",
-    "pack_json_member",
-    "pack_json_tokens",
     "pack_msgpack_tokens",
     "remove_blocks",
     "store_chain",
@@ -83,8 +81,6 @@ if TYPE_CHECKING:
         chain_walk,
         drop_holder,
         extend,
-        pack_json_member,
-        pack_json_tokens,
         pack_msgpack_tokens,
         remove_blocks,
         store_chain,
@@ -98,8 +94,6 @@ else:
     chain_walk = _impl.chain_walk
     drop_holder = _impl.drop_holder
     extend = _impl.extend
-    pack_json_member = _impl.pack_json_member
-    pack_json_tokens = _impl.pack_json_tokens
     pack_msgpack_tokens = _impl.pack_msgpack_tokens
     remove_blocks = _impl.remove_blocks
     store_chain = _impl.store_chain

@@ -20,26 +20,38 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import urllib.error
 import urllib.parse
-import urllib.request
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from kvevents.errors import DiscoveryError
+from kvevents.bounds import MAX_BLOCK_SIZE, MAX_ENDPOINT_LENGTH, MAX_NAME_LENGTH, MAX_RANKS
+from kvevents.deadline import Deadline
+from kvevents.errors import DiscoveryError, LayoutError
+from kvevents.integrations._fetch import FetchError, fetch
 from kvevents.subscribe.streams import StreamSpec, worker_streams
+from kvevents.wire.endpoints import MAX_PORT, parse_endpoint
 
 if TYPE_CHECKING:
     from kvevents.security import CurveClient
 
-__all__ = ["EngineEndpoints", "discover", "engine_option", "parse_server_info"]
+__all__ = [
+    "MAX_ANSWER_BYTES",
+    "EngineEndpoints",
+    "discover",
+    "engine_option",
+    "parse_server_info",
+]
 
 #: Paths tried in order: SGLang's current one, then the name older releases answer.
 INFO_PATHS = ("/server_info", "/get_server_info")
 _WILDCARDS = frozenset({"", "*", "0.0.0.0", "::", "[::]"})
 #: Publisher names whose streams are kvevents' wire: SGLang's own, and kvevents' plugin.
 PUBLISHERS = ("zmq", "kvevents")
-_MAX_BODY = 4 * 2**20  # a server_info is a few KB; more is not a server_info
+#: The largest answer read: a server_info is a few KB; more is not a server_info.
+MAX_ANSWER_BYTES = 4 * 2**20
+_ACCEPT = {"accept": "application/json"}
+# The longest endpoint host: an endpoint (``tcp://HOST:PORT``) is bounded as over HTTP.
+_MAX_HOST = MAX_ENDPOINT_LENGTH - len("tcp://:65535")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,12 +98,14 @@ def discover(url: str, *, timeout: float = 5.0) -> EngineEndpoints:
     """The KV event endpoints of the engine serving at ``url`` (``http://HOST:PORT``).
 
     Reads ``/server_info`` (``/get_server_info`` when that is a 404); a URL whose path already
-    names the page is read as given. Raises :class:`DiscoveryError` naming the URL and, for a
-    missing or invalid field, the key.
+    names the page is read as given. ``timeout`` is the whole discovery's: both pages, each
+    with its connect, headers, redirects and body (at most :data:`MAX_ANSWER_BYTES`). Raises
+    :class:`DiscoveryError` naming the URL and, for a missing or invalid field, the key.
     """
+    deadline = Deadline(timeout)
     for target in _targets(url):
         try:
-            info = _fetch(target, timeout)
+            info = _fetch(target, deadline, timeout)
         except _NotFound:
             continue
         return parse_server_info(info, target)
@@ -120,29 +134,21 @@ def _targets(url: str) -> list[str]:
     return [base + path for path in INFO_PATHS]
 
 
-def _fetch(url: str, timeout: float) -> Any:
-    request = urllib.request.Request(url, headers={"accept": "application/json"})
+def _fetch(url: str, deadline: Deadline, timeout: float) -> Any:
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            body = response.read(_MAX_BODY + 1)
-    except urllib.error.HTTPError as exc:
-        if exc.code == 404:
+        body = fetch(url, timeout=deadline.remaining(), max_bytes=MAX_ANSWER_BYTES, headers=_ACCEPT)
+    except FetchError as exc:
+        if exc.status == 404:
             raise _NotFound from None
-        raise DiscoveryError(url, f"HTTP {exc.code} {exc.reason}") from None
-    except urllib.error.URLError as exc:
-        if isinstance(exc.reason, TimeoutError):
+        if deadline.expired:  # the whole discovery's time, not this page's share of it
             raise DiscoveryError(url, f"no answer within {timeout:g}s") from None
-        raise DiscoveryError(url, f"cannot connect: {exc.reason}") from None
-    except TimeoutError:
-        raise DiscoveryError(url, f"no answer within {timeout:g}s") from None
-    except OSError as exc:
-        raise DiscoveryError(url, f"cannot read the answer: {exc}") from None
-    if len(body) > _MAX_BODY:
-        raise DiscoveryError(url, f"the answer is over {_MAX_BODY} bytes")
+        raise DiscoveryError(url, exc.reason) from None
     try:
         return json.loads(body)
     except ValueError as exc:
         raise DiscoveryError(url, f"the answer is not JSON ({exc})") from None
+    except RecursionError:
+        raise DiscoveryError(url, "the answer is not JSON: nested too deeply") from None
 
 
 def parse_server_info(info: Any, url: str) -> EngineEndpoints:
@@ -164,20 +170,29 @@ def parse_server_info(info: Any, url: str) -> EngineEndpoints:
     if publisher not in PUBLISHERS:
         raise DiscoveryError(
             url,
-            f"kv_events.publisher is {publisher!r}, not one of {', '.join(map(repr, PUBLISHERS))}",
+            f"kv_events.publisher is {_shown(publisher)}, not one of "
+            f"{', '.join(map(repr, PUBLISHERS))}",
             key="kv_events.publisher",
         )
     host = _host(kv, "endpoint_host", url)
-    replay_port = _port(kv, "replay_endpoint_port_base", url, required=False)
     replay_host = _host(kv, "replay_endpoint_host", url) if "replay_endpoint_host" in kv else host
+    ranks = _count(kv, "dp_size", url, MAX_RANKS)
+    port = _base_port(kv, "endpoint_port_base", url, ranks)
+    replay_port = _base_port(kv, "replay_endpoint_port_base", url, ranks, required=False)
     return EngineEndpoints(
         url=url,
-        endpoint=f"tcp://{host}:{_port(kv, 'endpoint_port_base', url)}",
+        endpoint=f"tcp://{host}:{port}",
         replay_endpoint=None if replay_port is None else f"tcp://{replay_host}:{replay_port}",
         topic=_topic(kv, url),
-        block_size=_positive(kv, "block_size", url),
-        ranks=_positive(kv, "dp_size", url),
+        block_size=_count(kv, "block_size", url, MAX_BLOCK_SIZE),
+        ranks=ranks,
     )
+
+
+def _shown(value: Any) -> str:
+    """``value`` as an error shows it: its repr, cut short (an answer may be megabytes)."""
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:60]}... ({len(text)} characters)"
 
 
 def _required(kv: Mapping[str, Any], key: str, url: str) -> Any:
@@ -190,31 +205,55 @@ def _host(kv: Mapping[str, Any], key: str, url: str) -> str:
     host = _required(kv, key, url)
     if not isinstance(host, str):
         raise DiscoveryError(url, f"kv_events.{key} is not a string", key=f"kv_events.{key}")
+    if len(host) > _MAX_HOST:
+        raise DiscoveryError(
+            url, f"kv_events.{key} is over {_MAX_HOST} characters", key=f"kv_events.{key}"
+        )
     if host.strip() in _WILDCARDS:
         # A bind address: dial the host the engine was reached at.
         host = urllib.parse.urlsplit(url).hostname or ""
     host = host.strip()
     if ":" in host and not host.startswith("["):
-        return f"[{host}]"  # an IPv6 address in an endpoint needs its brackets
+        host = f"[{host}]"  # an IPv6 address in an endpoint needs its brackets
+    try:
+        parse_endpoint(f"tcp://{host}:1")
+    except LayoutError as exc:
+        raise DiscoveryError(
+            url, f"kv_events.{key} = {_shown(host)} is not a host ({exc})", key=f"kv_events.{key}"
+        ) from None
     return host
 
 
-def _port(kv: Mapping[str, Any], key: str, url: str, *, required: bool = True) -> int | None:
+def _base_port(
+    kv: Mapping[str, Any], key: str, url: str, ranks: int, *, required: bool = True
+) -> int | None:
+    """The base port at ``key``; rank r publishes on it + r, so every rank's must be a port."""
     if not required and kv.get(key) is None:
         return None
     port = _required(kv, key, url)
-    if type(port) is not int or not 1 <= port <= 65535:
+    if type(port) is not int or not 1 <= port <= MAX_PORT:
         raise DiscoveryError(
-            url, f"kv_events.{key} = {port!r} is not a port in 1..65535", key=f"kv_events.{key}"
+            url,
+            f"kv_events.{key} = {_shown(port)} is not a port in 1..{MAX_PORT}",
+            key=f"kv_events.{key}",
+        )
+    if port + ranks - 1 > MAX_PORT:
+        raise DiscoveryError(
+            url,
+            f"kv_events.{key} = {port} + {ranks - 1} (kv_events.dp_size - 1) exceeds {MAX_PORT}",
+            key=f"kv_events.{key}",
         )
     return port
 
 
-def _positive(kv: Mapping[str, Any], key: str, url: str) -> int:
+def _count(kv: Mapping[str, Any], key: str, url: str, top: int) -> int:
+    """The integer at ``key``, in 1..``top`` (the bound a registration over HTTP has)."""
     value = _required(kv, key, url)
-    if type(value) is not int or value < 1:
+    if type(value) is not int or not 1 <= value <= top:
         raise DiscoveryError(
-            url, f"kv_events.{key} = {value!r} is not an integer >= 1", key=f"kv_events.{key}"
+            url,
+            f"kv_events.{key} = {_shown(value)} is not an integer >= 1 and <= {top}",
+            key=f"kv_events.{key}",
         )
     return value
 
@@ -223,4 +262,8 @@ def _topic(kv: Mapping[str, Any], url: str) -> str:
     topic = kv.get("topic", "")
     if not isinstance(topic, str):
         raise DiscoveryError(url, "kv_events.topic is not a string", key="kv_events.topic")
+    if len(topic) > MAX_NAME_LENGTH:
+        raise DiscoveryError(
+            url, f"kv_events.topic is over {MAX_NAME_LENGTH} characters", key="kv_events.topic"
+        )
     return topic

@@ -32,7 +32,6 @@ import json
 import logging
 import threading
 import time
-import urllib.request
 from collections.abc import Callable, Mapping
 from types import TracebackType
 from typing import Any, Literal, TypeAlias
@@ -40,12 +39,14 @@ from typing import Any, Literal, TypeAlias
 from kvevents.config import KVEventsConfig
 from kvevents.errors import PublisherError
 from kvevents.events import UNSET, AllBlocksCleared, BlockRemoved, BlockStored, Event, KVEventBatch
+from kvevents.integrations._fetch import FetchError, fetch
 from kvevents.metrics import StatsCollector, publisher_collector
 from kvevents.publish.publisher import Publisher, create_publisher
 from kvevents.publish.records import PublisherOptions, PublisherStats, ShutdownReport
 from kvevents.ratelimit import RateLimitedWarning
 
 __all__ = [
+    "DEFAULT_MAX_POLL_BYTES",
     "MEDIA",
     "BridgeStats",
     "Mapped",
@@ -68,7 +69,12 @@ BridgeState: TypeAlias = Literal["new", "started", "closed"]
 _KINDS: tuple[EventKind, ...] = ("created", "stored", "removed", "updated")
 _U64 = 1 << 64
 _I64_MIN = -(1 << 63)
-_JOIN_TIMEOUT = 10.0
+#: How long close() waits for a poll under way to end; after that the poll thread is left to
+#: end on its own (a daemon: what it returns is not published once the bridge is closed).
+_CLOSE_GRACE = 2.0
+#: The largest answer :func:`http_poll` reads by default: a poll every 0.1-0.2 s drains far
+#: less (a stored event of 1,024 tokens is about 50 KB of the serializer's JSON).
+DEFAULT_MAX_POLL_BYTES = 64 << 20
 
 
 class _Malformed(ValueError):
@@ -362,12 +368,16 @@ class TensorRTLLMBridge:
         return {p.rank: (p.endpoint, p.replay_endpoint) for p in self.publishers}
 
     def close(self, timeout: float | None = None) -> list[ShutdownReport]:
-        """Stop polling (the current poll finishes), publish what is queued, close (idempotent)."""
+        """Stop polling, publish what is queued, close (idempotent). A poll under way gets
+        ``poll_timeout`` plus 2 s to end; one that hangs longer is not waited for, and what
+        it returns is dropped."""
         self._stop.set()
         thread, self._thread = self._thread, None
         if thread is not None:
-            thread.join(self.poll_timeout + _JOIN_TIMEOUT)
-        with self._pump, self._lock:
+            thread.join(self.poll_timeout + _CLOSE_GRACE)
+        # The counters' lock, not the pump: a hung poll holds the pump; no batch is published
+        # after this (publishing happens under this lock, once the state says started).
+        with self._lock:
             self._state = "closed"
         return [publisher.shutdown(timeout) for publisher in self.publishers]
 
@@ -482,19 +492,42 @@ class TensorRTLLMBridge:
         return [bridge, publisher_collector(self.publishers)]
 
 
-def http_poll(base_url: str, *, request_timeout: float = 10.0) -> Poll:
+def http_poll(
+    base_url: str, *, request_timeout: float = 10.0, max_bytes: int = DEFAULT_MAX_POLL_BYTES
+) -> Poll:
     """A poll function over ``trtllm-serve``'s ``POST /kv_cache_events`` (each call drains the
     events queued since the previous one). An empty answer returned early waits out the poll
-    timeout, so the bridge's thread never spins on an idle engine."""
+    timeout, so the bridge's thread never spins on an idle engine.
+
+    ``request_timeout`` is each call's whole exchange (connect, headers, body), ``max_bytes``
+    its largest answer: a call past either raises ``OSError`` naming the URL and why (the
+    bridge counts it in ``poll_errors``), and the events of an answer refused for its size are
+    lost (the engine drained them; ``missed_events`` shows the gap at the next poll).
+    """
     url = base_url.rstrip("/") + "/kv_cache_events"
 
     def poll(timeout: float) -> list[Any]:
         began = time.monotonic()
-        request = urllib.request.Request(url, data=b"", method="POST")
-        with urllib.request.urlopen(request, timeout=request_timeout) as response:
-            entries = json.loads(response.read())
+        entries = _read_entries(url, request_timeout, max_bytes)
         if not entries:
             time.sleep(max(0.0, timeout - (time.monotonic() - began)))
-        return entries  # type: ignore[no-any-return]
+        return entries
 
     return poll
+
+
+def _read_entries(url: str, request_timeout: float, max_bytes: int) -> list[Any]:
+    """The JSON list ``POST url`` answers; OSError or ValueError naming the URL otherwise."""
+    try:
+        body = fetch(url, timeout=request_timeout, max_bytes=max_bytes, data=b"")
+    except FetchError as exc:
+        raise OSError(f"POST {url}: {exc.reason}") from None
+    try:
+        entries = json.loads(body)
+    except RecursionError:
+        raise ValueError(f"POST {url}: the answer is not JSON: nested too deeply") from None
+    except ValueError as exc:
+        raise ValueError(f"POST {url}: the answer is not JSON ({exc})") from None
+    if not isinstance(entries, list):
+        raise ValueError(f"POST {url}: the answer is a JSON {type(entries).__name__}, not a list")
+    return entries

@@ -1,10 +1,12 @@
 """Scale-out over NATS JetStream: relays write the engines' streams into one JetStream
 stream, router replicas consume it, snapshots let a new replica start warm.
 
-- :mod:`.records`: subjects, headers and message ids (pure);
-- :mod:`.cursor`: a replica's per-stream rules for copies and restarts (pure);
+- :mod:`.records`: subjects, headers and message ids, each record checked whole (pure);
+- :mod:`.cursor`: a replica's per-stream rules for copies, restarts, gaps and forged
+  sequences (pure);
 - :mod:`.relay`: :class:`Relay`, ZeroMQ streams in, JetStream out;
-- :mod:`.replica`: :class:`Replica`, JetStream in, an index service out;
+- :mod:`.replica`: :class:`Replica`, JetStream in, an index service out; :mod:`.apply`, its
+  records applied to the service, none fatal;
 - :mod:`.snapshot` and :mod:`.retention`: a replica's saved index, and trimming the stream.
 
 The NATS client (``nats-py``) is the ``nats`` extra; see docs/scale-out.md.

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import threading
 from collections.abc import Coroutine
@@ -18,7 +19,7 @@ from typing import Any, TypeVar
 from kvevents.ratelimit import RateLimitedWarning
 from kvevents.scaleout.records import DEFAULT_PREFIX, DEFAULT_STREAM
 
-__all__ = ["JetStreamOptions", "LoopThread", "connect", "ensure_stream"]
+__all__ = ["JetStreamOptions", "LoopThread", "StreamConfigError", "connect", "ensure_stream"]
 
 T = TypeVar("T")
 
@@ -109,16 +110,32 @@ async def connect(url: str, options: JetStreamOptions, name: str) -> Any:
     return nc
 
 
-async def ensure_stream(js: Any, options: JetStreamOptions) -> None:
-    """Create the stream unless it exists (a relay or a replica may start first)."""
-    from nats.js.api import RetentionPolicy, StorageType, StreamConfig
+class StreamConfigError(ValueError):
+    """The JetStream stream cannot be used as configured; the message names the stream, its
+    subjects, what conflicts, and the fix."""
+
+
+async def ensure_stream(js: Any, options: JetStreamOptions, *, writes: bool = False) -> None:
+    """Create the stream unless it exists (a relay or a replica may start first).
+
+    ``writes``: the caller publishes to ``<prefix>.>`` (a relay), so an existing stream must
+    store those subjects. StreamConfigError when the stream cannot be created or used.
+    """
     from nats.js.errors import NotFoundError
 
     try:
-        await js.stream_info(options.stream)
-        return
+        info = await js.stream_info(options.stream)
     except NotFoundError:
-        pass
+        await _add_stream(js, options)
+        return
+    if writes:
+        _check_subjects(options, list(info.config.subjects or []))
+
+
+async def _add_stream(js: Any, options: JetStreamOptions) -> None:
+    from nats.js.api import RetentionPolicy, StorageType, StreamConfig
+    from nats.js.errors import BadRequestError, NotFoundError
+
     config = StreamConfig(
         name=options.stream,
         subjects=[f"{options.prefix}.>"],
@@ -128,4 +145,67 @@ async def ensure_stream(js: Any, options: JetStreamOptions) -> None:
         max_age=options.max_age or None,
         num_replicas=options.replicas,
     )
-    await js.add_stream(config)
+    try:
+        await js.add_stream(config)
+    except BadRequestError as exc:
+        with contextlib.suppress(NotFoundError):
+            await js.stream_info(options.stream)
+            return  # another relay or replica created it meanwhile
+        raise StreamConfigError(await _refusal(js, options, exc)) from None
+
+
+async def _refusal(js: Any, options: JetStreamOptions, exc: Any) -> str:
+    """Why the server refused to create the stream, with the streams that hold its subjects."""
+    ours = f"{options.prefix}.>"
+    said = getattr(exc, "description", None) or repr(exc)
+    head = f"cannot create JetStream stream {options.stream!r} for subjects {ours!r} ({said})"
+    try:
+        streams = await js.streams_info()
+    except Exception:  # the refusal is the news; the list only helps
+        return head
+    holders = [
+        (s.config.name, list(s.config.subjects or []))
+        for s in streams
+        if any(subjects_overlap(ours, other) for other in s.config.subjects or [])
+    ]
+    if not holders:
+        return head
+    name, subjects = holders[0]
+    return (
+        f"{head}: stream {name!r} already holds subjects {subjects} (a subject belongs to one "
+        f"stream); give every relay and replica of this index the same stream name "
+        f"(--nats-stream {name}), or give this index another prefix (--nats-prefix)"
+    )
+
+
+def _check_subjects(options: JetStreamOptions, subjects: list[str]) -> None:
+    samples = (f"{options.prefix}.ev.w.0", f"{options.prefix}.reg.w")
+    if all(any(subject_matches(s, pattern) for pattern in subjects) for s in samples):
+        return
+    raise StreamConfigError(
+        f"JetStream stream {options.stream!r} stores subjects {subjects}, not "
+        f"'{options.prefix}.>': what a relay writes there would not be kept; use the prefix "
+        "the stream was created with (--nats-prefix), or another stream (--nats-stream)"
+    )
+
+
+def subject_matches(subject: str, pattern: str) -> bool:
+    """True when the literal ``subject`` matches the NATS ``pattern`` (``*``, ``>``)."""
+    tokens, wanted = subject.split("."), pattern.split(".")
+    for i, token in enumerate(wanted):
+        if token == ">":
+            return len(tokens) > i
+        if i >= len(tokens) or token not in ("*", tokens[i]):
+            return False
+    return len(tokens) == len(wanted)
+
+
+def subjects_overlap(a: str, b: str) -> bool:
+    """True when some subject matches both NATS patterns ``a`` and ``b``."""
+    left, right = a.split("."), b.split(".")
+    for x, y in zip(left, right, strict=False):
+        if ">" in (x, y):
+            return True
+        if x != y and "*" not in (x, y):
+            return False
+    return len(left) == len(right)

@@ -157,13 +157,16 @@ class Relay:
     async def _connect(self) -> None:
         self._nc = await connect(self.url, self.js_options, self.options.name)
         self._js = self._nc.jetstream()
-        await ensure_stream(self._js, self.js_options)
+        await ensure_stream(self._js, self.js_options, writes=True)
         self._wake = asyncio.Event()
 
     def add_worker(self, reg: WorkerRegistration) -> list[StreamSpec]:
-        """Write ``reg`` to the stream and read its ranks; ``LayoutError`` on bad endpoints."""
+        """Write ``reg`` to the stream and read its ranks; ``LayoutError`` on bad endpoints,
+        :class:`~kvevents.scaleout.records.RecordError` (naming the field and the rule) for a
+        registration a replica would refuse (the bounds of ``POST /register``)."""
         specs = default_stream_specs(reg)
-        self._enqueue(worker_record(self.js_options.prefix, reg))
+        record = worker_record(self.js_options.prefix, reg)
+        self._enqueue(record)
         for spec in specs:
             self._subscriber.add_stream(spec)
         return specs

@@ -5,14 +5,21 @@ its stream, creates its durable consumer at the sequence after it, and from then
 messages in order, applies them through the service (the same index, router and HTTP API as
 with ZeroMQ), and acknowledges the last of each fetch. Every ``snapshot_batches`` applied
 messages or ``snapshot_interval`` seconds it saves a snapshot and trims the stream below what
-every live replica has acknowledged and the newest snapshot covers
+every live replica has acknowledged and that snapshot covers
 (:mod:`kvevents.scaleout.retention`).
 
 The consumer is the replica's bookmark for retention, not for resuming: the index lives in
 memory, so a restarted replica starts again from the newest snapshot and recreates its
 consumer there. Messages are applied on the replica's event loop thread, one at a time under
-the service's lock; snapshots are taken between fetches, so a snapshot's sequence is exactly
-what its index holds.
+the service's lock (:mod:`kvevents.scaleout.apply`); snapshots are taken between fetches, so a
+snapshot's sequence is exactly what its index holds.
+
+Nothing stops the consume loop for good: a message it cannot apply is counted and skipped, a
+turn that raises is counted and logged and the loop goes on, a loop that ends anyway is
+counted, logged and started again (on a consumer recreated where the replica was), and a
+consumer the server lost is recreated. ``health()`` says which: ``dead`` while the loop is
+not running, ``stalled`` while it cannot fetch, ``degraded`` while some streams are known
+incomplete (their matches are not trusted in routing).
 """
 
 from __future__ import annotations
@@ -25,29 +32,23 @@ import logging
 import time
 from typing import Any
 
-from kvevents.errors import DecodeError, LayoutError
-from kvevents.index.digest import IndexDigest
+from kvevents.index.digest import IndexDigest, holders_digest
+from kvevents.ratelimit import RateLimitedWarning
 from kvevents.scaleout import snapshot as snap
-from kvevents.scaleout.cursor import StreamCursor
-from kvevents.scaleout.digest import service_digest
+from kvevents.scaleout.apply import RecordApplier
 from kvevents.scaleout.jetstream import JetStreamOptions, LoopThread, connect, ensure_stream
-from kvevents.scaleout.records import RecordError, RelayRecord, parse_record
 from kvevents.scaleout.replica_records import JetStreamFeed, ReplicaOptions, ReplicaStats
 from kvevents.scaleout.retention import newest_snapshots, trim
 from kvevents.service.core import IndexService
-from kvevents.service.feed import WorkerRegistration
-from kvevents.subscribe.streams import (
-    FeedHealth,
-    StreamKey,
-    StreamReset,
-    StreamSpec,
-    StreamStatus,
-)
-from kvevents.wire.endpoints import rank_endpoint
+from kvevents.subscribe.streams import FeedHealth
 
 __all__ = ["Replica", "ReplicaOptions", "ReplicaStats"]
 
 log = logging.getLogger("kvevents.scaleout.replica")
+# A server restarting fails every fetch (5 a second): one line per 10 s, with a count.
+_warn = RateLimitedWarning(log, 10.0)
+# Seconds between fetches that failed, and after a turn of the loop that raised.
+_RETRY_DELAY = 0.2
 
 
 class Replica:
@@ -64,37 +65,42 @@ class Replica:
         self.url = url
         self.js_options = jetstream or JetStreamOptions()
         self.options = options or ReplicaOptions()
-        self.service = service or self.new_service()
-        self._cursors: dict[StreamKey, StreamCursor] = {}
-        self._specs: dict[StreamKey, StreamSpec] = {}
         self._counts = {f.name: 0 for f in dataclasses.fields(ReplicaStats)}
+        self._applier = RecordApplier(self._counts, self.options.window, self.options.name)
+        self.service = service or self.new_service()
         self._aio: LoopThread | None = None
         self._nc: Any = None
         self._js: Any = None
         self._store: Any = None
-        self._task: Any = None
+        self._task: asyncio.Task[None] | None = None
+        self._psub: Any = None  # the pull subscription the consume loop fetches from
         self._closing = False
         self._since_snapshot = 0
         self._snapshot_at = time.monotonic()
-        self._registering = False
+        self._turned_at = time.monotonic()
+        #: Why fetches fail now (None: they do not); why the consume loop last ended.
+        self._failing: str | None = None
+        self._ended: str | None = None
+        #: Messages trimmed unread at start, when no stream was known to degrade for them.
+        self._hole: str | None = None
+
+    @property
+    def service(self) -> IndexService:
+        """The index service this replica feeds (set it before :meth:`start`)."""
+        return self._applier.service
+
+    @service.setter
+    def service(self, service: IndexService) -> None:
+        self._applier.service = service
 
     def new_service(self, **kwargs: Any) -> IndexService:
         """An index service this replica can feed (``kwargs`` go to IndexService)."""
-        return IndexService(feed=JetStreamFeed(self.health), pushes=True,
-                            stream_specs=self._stream_specs, **kwargs)  # fmt: skip
-
-    def _stream_specs(self, reg: WorkerRegistration) -> list[StreamSpec]:
-        """No streams: the relay reads the engines. A registration from anywhere but the
-        stream (``POST /register``) is refused, naming where workers are registered."""
-        if not self._registering:
-            raise LayoutError(
-                "this service is a replica fed by NATS JetStream: register workers with the "
-                "relay (kvevents relay)",
-                endpoint=reg.endpoint,
-                rank=None,
-                rule="replica",
-            )
-        return []
+        return IndexService(
+            feed=JetStreamFeed(self.health),
+            pushes=True,
+            stream_specs=self._applier.stream_specs,
+            **kwargs,
+        )
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -115,7 +121,7 @@ class Replica:
         await ensure_stream(self._js, self.js_options)
         self._store = await _object_store(self._js, self.js_options)
         psub = await self._subscribe()
-        self._task = asyncio.get_running_loop().create_task(self._consume(psub))
+        self._spawn(self._consume(psub))
 
     async def _subscribe(self) -> Any:
         """Load the newest snapshot and bind a fresh consumer after it; when the stream was
@@ -123,28 +129,70 @@ class Replica:
         for _ in range(5):
             loaded, start = await self._newest_snapshot()
             await self._recreate_consumer(start)
-            first = (await self._js.stream_info(self.js_options.stream)).state.first_seq
+            first = await self._first_seq()
             if first <= start or loaded is None:
                 break
-        if first > start:
-            self._counts["start_gap"] = first - start
-            log.error("replica %s: the stream starts at %d, after the snapshot's %d: %d "
-                      "message(s) lost", self.options.name, first, start - 1, first - start)  # fmt: skip
         if loaded is not None:
             self._load(loaded)
+        self._note_hole(start, first)
+        return await self._bind()
+
+    async def _rebind(self) -> Any:
+        """A consumer again where this replica was (the server lost it, or the loop ended)."""
+        start = self._counts["covered_seq"] + 1
+        await self._recreate_consumer(start)
+        self._note_hole(start, await self._first_seq())
+        self._counts["rebinds"] += 1
+        log.warning("replica %s: consumer recreated at seq %d", self.options.name, start)
+        return await self._bind()
+
+    async def _bind(self) -> Any:
         return await self._js.pull_subscribe_bind(
             durable=self.options.name, stream=self.js_options.stream
         )
 
+    async def _first_seq(self) -> int:
+        return int((await self._js.stream_info(self.js_options.stream)).state.first_seq)
+
+    def _note_hole(self, start: int, first: int) -> None:
+        """Messages ``start`` .. ``first - 1`` were trimmed before this replica read them:
+        count them, say so, and degrade every stream they may have belonged to."""
+        if first <= start:
+            return
+        self._counts["start_gap"] += first - start
+        marked = self._applier.mark_hole(start, first)
+        if not marked:
+            self._hole = f"messages {start}..{first - 1} of the stream were trimmed unread"
+        log.error(
+            "replica %s: the stream starts at seq %d, after %d: %d message(s) lost unread, "
+            "%d stream(s) degraded; a replica started after a newer snapshot is saved "
+            "will not miss them",
+            self.options.name,
+            first,
+            start - 1,
+            first - start,
+            marked,
+        )
+
     async def _newest_snapshot(self) -> tuple[snap.Snapshot | None, int]:
-        """The newest readable snapshot and the sequence to start after it (1: none)."""
-        for name, _seq in await newest_snapshots(self._store):
+        """The newest readable snapshot of this stream and the sequence after it (1: none)."""
+        stream = self.js_options.stream
+        for name, _seq in await newest_snapshots(self._store, stream):
             try:
                 result = await self._store.get(name)
                 loaded = snap.decode(result.data, name)
-                return loaded, loaded.seq + 1
             except Exception as exc:  # replaced or unreadable: the next newest will do
                 log.warning("replica %s: snapshot %s not loaded: %s", self.options.name, name, exc)
+                continue
+            if loaded.stream == stream:
+                return loaded, loaded.seq + 1
+            log.warning(
+                "replica %s: snapshot %s is of stream %r, not %r: not loaded",
+                self.options.name,
+                name,
+                loaded.stream,
+                stream,
+            )
         return None, 1
 
     async def _recreate_consumer(self, start: int) -> None:
@@ -165,27 +213,25 @@ class Replica:
         await self._js.add_consumer(stream, config)
 
     def _load(self, loaded: snap.Snapshot) -> None:
-        service = self.service
-        for reg in loaded.workers():
-            self._register_worker(reg)
-        with service.lock:
-            snap.restore(service.index, loaded)
-        for state in loaded.cursors:
-            key = (state.worker_id, state.rank)
-            self._cursors[key] = StreamCursor.restored(state, self.options.window)
-            if state.degraded is not None:
-                service.router.mark_degraded(*key, state.degraded)
+        self._applier.load(loaded)
+        with self.service.lock:
+            snap.restore(self.service.index, loaded)
         self._counts["loaded_seq"] = self._counts["covered_seq"] = loaded.seq
-        log.info("replica %s: loaded snapshot of seq %d (%d blocks)", self.options.name,
-                 loaded.seq, loaded.blocks)  # fmt: skip
+        log.info(
+            "replica %s: loaded snapshot of seq %d (%d blocks)",
+            self.options.name,
+            loaded.seq,
+            loaded.blocks,
+        )
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop applying and disconnect (the consumer stays until it is inactive)."""
         self._closing = True
         if self._aio is None:
             return
-        if self._task is not None:
-            self._aio.loop.call_soon_threadsafe(self._task.cancel)
+        task = self._task
+        if task is not None:
+            self._aio.loop.call_soon_threadsafe(task.cancel)
         try:
             self._aio.run(self._disconnect(), timeout)
         except Exception:
@@ -196,6 +242,7 @@ class Replica:
 
     async def _disconnect(self) -> None:
         if self._task is not None:
+            self._task.cancel()  # a restart may have replaced the one close() cancelled
             await asyncio.gather(self._task, return_exceptions=True)
         if self._nc is not None:
             await self._nc.close()
@@ -206,126 +253,118 @@ class Replica:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # ----------------------------------------------------------------- consuming
+    # ----------------------------------------------------------------- the consume loop
+
+    def _spawn(self, coro: Any) -> None:
+        """Run ``coro`` as the consume task (on the loop's thread), watched."""
+        self._turned_at = time.monotonic()
+        task = asyncio.get_running_loop().create_task(coro)
+        task.add_done_callback(self._consume_ended)
+        self._task = task
+
+    def _consume_ended(self, task: asyncio.Task[None]) -> None:
+        """The consume task ended: unless the replica is closing, say so loudly, count it,
+        and start it again after ``restart_delay`` on a consumer where the replica was."""
+        if self._closing:
+            return
+        self._counts["consume_restarts"] += 1
+        self._ended = "cancelled" if task.cancelled() else repr(task.exception())
+        log.error(
+            "replica %s: the consume loop ended (%s); starting it again in %.1f s",
+            self.options.name,
+            self._ended,
+            self.options.restart_delay,
+        )
+        task.get_loop().call_later(self.options.restart_delay, self._restart)
+
+    def _restart(self) -> None:
+        if not self._closing:
+            self._spawn(self._resume())
+
+    async def _resume(self) -> None:
+        if self._psub is not None:  # the ended loop's: its consumer is about to be replaced
+            with contextlib.suppress(Exception):
+                await self._psub.unsubscribe()
+        await self._consume(await self._rebind())
 
     async def _consume(self, psub: Any) -> None:
-        from nats.errors import TimeoutError as NatsTimeout
-
         while not self._closing:
+            self._psub = psub
             try:
-                msgs = await psub.fetch(batch=self.options.fetch, timeout=0.5)
-            except (NatsTimeout, asyncio.TimeoutError):
-                await self._maybe_snapshot()
-                continue
+                psub = await self._turn(psub)
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # the server restarting: the client reconnects
-                log.info("replica %s: fetch failed (%r); again", self.options.name, exc)
-                await asyncio.sleep(0.2)
-                continue
-            for msg in msgs:
-                self._apply(msg.headers, msg.data)
-            self._counts["covered_seq"] = msgs[-1].metadata.sequence.stream
+            except Exception as exc:  # a defect: counted and logged, the loop goes on
+                self._counts["consume_errors"] += 1
+                _warn("turn", "replica %s: consume loop: %r; it goes on", self.options.name, exc)
+                await asyncio.sleep(_RETRY_DELAY)
+
+    async def _turn(self, psub: Any) -> Any:
+        """One fetch: apply what came, acknowledge it, snapshot when due. The subscription
+        to fetch from next (a new one when the consumer was recreated)."""
+        self._turned_at = time.monotonic()
+        psub, msgs = await self._fetch(psub)
+        for msg in msgs:
+            self._apply_message(msg)
+        if msgs:  # nats-py returns [] when the server's timeout comes before its own
             self._since_snapshot += len(msgs)
             await self._ack(msgs[-1])
-            await self._maybe_snapshot()
+        await self._maybe_snapshot()
+        return psub
+
+    def _apply_message(self, msg: Any) -> None:
+        try:
+            seq = msg.metadata.sequence.stream
+        except Exception as exc:  # no stream sequence: nowhere to place it
+            self._counts["malformed"] += 1
+            _warn("metadata", "replica %s: message skipped: %r", self.options.name, exc)
+            return
+        self._applier.apply(msg.headers, msg.data, seq)
+        self._counts["covered_seq"] = seq
+
+    async def _fetch(self, psub: Any) -> tuple[Any, list[Any]]:
+        from nats.errors import TimeoutError as NatsTimeout
+
+        try:
+            msgs = await psub.fetch(batch=self.options.fetch, timeout=self.options.fetch_timeout)
+        except (NatsTimeout, asyncio.TimeoutError):
+            msgs = []
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the server restarting (the client reconnects), or lost us
+            self._counts["fetch_errors"] += 1
+            self._failing = repr(exc)
+            _warn("fetch", "replica %s: fetch failed (%r); again", self.options.name, exc)
+            await asyncio.sleep(_RETRY_DELAY)
+            return await self._bound(psub), []
+        self._failing = None
+        return psub, list(msgs)
+
+    async def _bound(self, psub: Any) -> Any:
+        """``psub``, or a new subscription when the server no longer has the consumer (it
+        deleted it after ``inactive_threshold`` without fetches, or someone did)."""
+        from nats.js.errors import NotFoundError
+
+        if self._nc is None or not self._nc.is_connected:
+            return psub
+        try:
+            await self._js.consumer_info(self.js_options.stream, self.options.name)
+            return psub
+        except NotFoundError:
+            pass
+        with contextlib.suppress(Exception):
+            await psub.unsubscribe()
+        return await self._rebind()
 
     async def _ack(self, msg: Any) -> None:
         try:
             await msg.ack()  # acknowledges every message before it too (AckPolicy.ALL)
         except Exception as exc:  # redelivered later: the cursors drop the copies
-            log.info("replica %s: ack failed (%r)", self.options.name, exc)
+            _warn("ack", "replica %s: ack failed (%r)", self.options.name, exc)
 
-    def _apply(self, headers: dict[str, str] | None, body: bytes) -> None:
-        try:
-            record = parse_record(headers, body)
-        except RecordError as exc:
-            self._counts["malformed"] += 1
-            log.debug("replica %s: message skipped: %s", self.options.name, exc)
-            return
-        if record.kind == "worker":
-            self._register(record)
-            return
-        spec = self._spec(record.key)
-        if spec is None:
-            self._counts["unregistered"] += 1
-            return
-        cursor = self._cursors.get(record.key)
-        if cursor is None:
-            cursor = self._cursors[record.key] = StreamCursor(self.options.window)
-        _APPLY[record.kind](self, spec, cursor, record)
-
-    def _register(self, record: RelayRecord) -> None:
-        try:
-            reg = record.registration()
-        except RecordError:
-            self._counts["malformed"] += 1
-            return
-        current = {r.worker_id: r for r in self.service.workers()}.get(reg.worker_id)
-        same = current is not None and (current.block_size, current.ranks) == (
-            reg.block_size,
-            reg.ranks,
-        )
-        if same:
-            return  # a relay restarted: the same registration again keeps the blocks
-        self._register_worker(reg)
-        for rank in reg.ranks:
-            self._specs.pop((reg.worker_id, rank), None)
-        self._counts["registrations"] += 1
-
-    def _register_worker(self, reg: WorkerRegistration) -> None:
-        self._registering = True
-        try:
-            self.service.register(reg, persist=False)
-        finally:
-            self._registering = False
-
-    def _spec(self, key: StreamKey) -> StreamSpec | None:
-        spec = self._specs.get(key)
-        if spec is not None:
-            return spec
-        reg = {r.worker_id: r for r in self.service.workers()}.get(key[0])
-        if reg is None or key[1] not in reg.ranks:
-            return None
-        spec = StreamSpec(key[0], key[1], rank_endpoint(reg.endpoint, key[1]))
-        self._specs[key] = spec
-        return spec
-
-    def _batch(self, spec: StreamSpec, cursor: StreamCursor, record: RelayRecord) -> None:
-        verdict = cursor.batch(record.seq, record.digest)
-        if verdict == "duplicate" or verdict == "stale":
-            self._counts["duplicates" if verdict == "duplicate" else "stale"] += 1
-            return
-        if verdict == "restart":
-            self._reset(spec)
-        try:
-            self.service.apply_payload(spec, record.seq, record.body)
-        except DecodeError:
-            self._counts["undecodable"] += 1
-            return
-        self._counts["applied"] += 1
-
-    def _reset_record(self, spec: StreamSpec, cursor: StreamCursor, record: RelayRecord) -> None:
-        if cursor.reset(record.seq, record.digest):
-            self._reset(spec)
-
-    def _reset(self, spec: StreamSpec) -> None:
-        self.service.consume(StreamReset(spec, "restart"))
-        self.service.on_status(StreamStatus(spec, "live"))
-        self._counts["restarts"] += 1
-
-    def _loss(self, spec: StreamSpec, cursor: StreamCursor, record: RelayRecord) -> None:
-        if not cursor.loss(record.seq, record.end):
-            return
-        self._counts["losses"] += 1
-        self.service.on_status(StreamStatus(spec, "incomplete", (record.seq, record.end)))
-        if record.seq > 0:
-            cursor.degraded = f"lost seq {record.seq}..{record.end - 1}"
-
-    def _live(self, spec: StreamSpec, cursor: StreamCursor, record: RelayRecord) -> None:
-        if cursor.degraded is not None and record.seq >= cursor.last_seq:
-            cursor.degraded = None
-            self.service.on_status(StreamStatus(spec, "live"))
+    def _apply(self, headers: dict[str, str] | None, body: bytes, seq: int = 0) -> None:
+        """Apply one message as the consume loop does (tests feed records through here)."""
+        self._applier.apply(headers, body, seq)
 
     # ----------------------------------------------------------------- snapshots
 
@@ -341,36 +380,48 @@ class Replica:
 
     async def save_snapshot(self) -> int | None:
         """Save a snapshot of what is applied now, then trim; its sequence (None: failed)."""
-        taken = self._capture()
         self._since_snapshot = 0
         self._snapshot_at = time.monotonic()
-        data = snap.encode(taken)
-        name = f"{self.js_options.stream}.{self.options.name}"
+        seq = self._counts["covered_seq"]
+        try:
+            data = snap.encode(self._capture())
+        except Exception:  # nothing applied should make this fail: say it loudly
+            self._counts["snapshot_errors"] += 1
+            log.exception("replica %s: snapshot of seq %d not taken", self.options.name, seq)
+            return None
         from nats.js.api import ObjectMeta
 
-        meta = ObjectMeta(description=json.dumps({"seq": taken.seq, "blocks": taken.blocks}))
+        about = {"seq": seq, "stream": self.js_options.stream}
+        meta = ObjectMeta(description=json.dumps(about))
         try:
-            await self._store.put(name, data, meta=meta)
+            await self._store.put(f"{self.js_options.stream}.{self.options.name}", data, meta=meta)
         except Exception:
             self._counts["snapshot_errors"] += 1
-            log.exception("replica %s: snapshot of seq %d not saved", self.options.name, taken.seq)
+            log.exception("replica %s: snapshot of seq %d not saved", self.options.name, seq)
             return None
         self._counts["snapshots"] += 1
-        if self.options.trim and await trim(self._js, self._store, self.js_options):
-            self._counts["trims"] += 1
-        return taken.seq
+        await self._trim(seq)
+        return seq
+
+    async def _trim(self, saved_seq: int) -> None:
+        if not self.options.trim:
+            return
+        try:
+            if await trim(self._js, self.js_options, saved_seq):
+                self._counts["trims"] += 1
+        except Exception as exc:  # the next snapshot trims again
+            self._counts["trim_errors"] += 1
+            _warn("trim", "replica %s: trim failed (%r)", self.options.name, exc)
 
     def _capture(self) -> snap.Snapshot:
         service = self.service
-        workers = service.workers()
-        cursors = [c.state(*key) for key, c in self._cursors.items()]
         return snap.capture(
             service.index,
             stream=self.js_options.stream,
             seq=self._counts["covered_seq"],
             replica=self.options.name,
-            workers=workers,
-            cursors=cursors,
+            workers=service.workers(),
+            cursors=self._applier.states(),
             hold=lambda: service.lock,
         )
 
@@ -383,10 +434,12 @@ class Replica:
 
     def digest(self) -> IndexDigest:
         """The digest of the replica's index (:func:`kvevents.index.digest.index_digest`)."""
-        return service_digest(self.service)
+        return holders_digest(self.service.holders(), self.service.holder_blocks)
 
     def stats(self) -> ReplicaStats:
-        return ReplicaStats(**self._counts)
+        counts = dict(self._counts)
+        counts["degraded_streams"] = self._applier.degraded()[0]
+        return ReplicaStats(**counts)
 
     @property
     def covered_seq(self) -> int:
@@ -394,21 +447,33 @@ class Replica:
         return self._counts["covered_seq"]
 
     def health(self) -> FeedHealth:
-        if self._aio is None or self._task is None:
+        """``dead`` while the consume loop is not running, ``stalled`` while it cannot
+        fetch or one turn lasts over ``stall_after``, ``degraded`` while streams are known
+        incomplete, else ``ok``."""
+        task = self._task
+        if self._aio is None or task is None:
             return FeedHealth("dead", False, 0.0, "the replica is not running")
-        if self._task.done():
-            return FeedHealth("dead", False, 0.0, "the replica stopped consuming")
-        connected = self._nc is not None and self._nc.is_connected
-        return FeedHealth("ok" if connected else "stalled", True, 0.0,
-                          None if connected else "reconnecting to NATS")  # fmt: skip
+        if task.done():
+            why = f"the replica stopped consuming ({self._ended}); starting it again"
+            return FeedHealth("dead", False, 0.0, why)
+        if self._nc is None or not self._nc.is_connected:
+            return FeedHealth("stalled", True, 0.0, "reconnecting to NATS")
+        turn = time.monotonic() - self._turned_at
+        if turn > self.options.stall_after:
+            return FeedHealth(
+                "stalled", True, turn, f"one turn of the consume loop has lasted {turn:.0f} s"
+            )
+        if self._failing is not None:
+            return FeedHealth("stalled", True, 0.0, f"fetching fails: {self._failing}")
+        return self._integrity()
 
-
-_APPLY = {
-    "batch": Replica._batch,
-    "reset": Replica._reset_record,
-    "loss": Replica._loss,
-    "live": Replica._live,
-}
+    def _integrity(self) -> FeedHealth:
+        count, example = self._applier.degraded()
+        if example is not None:
+            return FeedHealth("degraded", True, 0.0, f"{count} stream(s) degraded; {example}")
+        if self._hole is not None:
+            return FeedHealth("degraded", True, 0.0, self._hole)
+        return FeedHealth("ok", True, 0.0)
 
 
 async def _object_store(js: Any, options: JetStreamOptions) -> Any:

@@ -1,11 +1,13 @@
-"""Trimming the stream: only below what the newest snapshot covers and every live replica
+"""Trimming the stream: only below what a snapshot just saved covers and every live replica
 has acknowledged.
 
 A message may go once a replica starting now would not need it (it loads the newest
 snapshot, and reads from the sequence after it) and no running replica still has to apply it
 (each one's durable consumer acknowledges what it applied; the server deletes the consumer of
-a replica that stopped fetching after ``inactive_threshold``). So the stream is purged below
-``min(newest snapshot, every consumer's acknowledged floor) + 1``.
+a replica that stopped fetching after ``inactive_threshold``). So after saving a snapshot a
+replica purges the stream below ``min(that snapshot, every consumer's acknowledged floor) + 1``:
+its own snapshot, just written whole, never another one's description it has not read (the
+newest may be unreadable, or of another stream sharing the bucket).
 
 No lock is taken. Each replica computes that bound from what the server says now, and a
 purge below a bound only removes what a later, higher bound would remove too: two replicas
@@ -27,8 +29,13 @@ __all__ = ["newest_snapshots", "trim", "trim_point"]
 log = logging.getLogger("kvevents.scaleout.retention")
 
 
-async def newest_snapshots(store: Any) -> list[tuple[str, int]]:
-    """Snapshots in the bucket as ``(name, seq)``, newest first (empty when none)."""
+async def newest_snapshots(store: Any, stream: str) -> list[tuple[str, int]]:
+    """Snapshots of ``stream`` in the bucket as ``(name, seq)``, newest first (empty when none).
+
+    Replicas of several streams may share a bucket: a snapshot is ``stream``'s when its
+    description names it or, for one saved before descriptions named their stream, when its
+    object is ``<stream>.<replica>`` (stream and replica names hold no ``.``).
+    """
     from nats.js.errors import NotFoundError
 
     try:
@@ -37,12 +44,24 @@ async def newest_snapshots(store: Any) -> list[tuple[str, int]]:
         return []
     found = []
     for info in infos:
-        try:
-            seq = int(json.loads(info.description or "{}")["seq"])
-        except (ValueError, KeyError, TypeError):
+        described = _described(info.description)
+        if described is None:
             continue  # not ours
-        found.append((info.name, seq))
+        seq, owner = described
+        if (owner or str(info.name).split(".", 1)[0]) == stream:
+            found.append((info.name, seq))
     return sorted(found, key=lambda item: -item[1])
+
+
+def _described(description: str | None) -> tuple[int, str | None] | None:
+    """The ``(seq, stream)`` a snapshot's description gives, None if it is not one."""
+    try:
+        about = json.loads(description or "{}")
+        seq = int(about["seq"])
+        owner = about.get("stream")
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
+        return None
+    return seq, owner if isinstance(owner, str) else None
 
 
 def trim_point(snapshot_seq: int, ack_floors: list[int]) -> int:
@@ -50,13 +69,11 @@ def trim_point(snapshot_seq: int, ack_floors: list[int]) -> int:
     return min([snapshot_seq, *ack_floors]) + 1
 
 
-async def trim(js: Any, store: Any, options: JetStreamOptions) -> bool:
-    """Purge the stream below :func:`trim_point`; True when something was purged."""
-    snapshots = await newest_snapshots(store)
-    if not snapshots:
-        return False
+async def trim(js: Any, options: JetStreamOptions, saved_seq: int) -> bool:
+    """Purge the stream below :func:`trim_point` of ``saved_seq`` (the snapshot this replica
+    just saved); True when something was purged."""
     floors = [c.ack_floor.stream_seq or 0 for c in await js.consumers_info(options.stream)]
-    keep = trim_point(snapshots[0][1], floors)
+    keep = trim_point(saved_seq, floors)
     first = (await js.stream_info(options.stream)).state.first_seq
     if keep <= first:
         return False

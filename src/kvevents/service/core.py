@@ -9,7 +9,7 @@ degraded in routing until it is whole again. Queries take the same lock as the f
 The feed protocol, the records and the default feed are in :mod:`kvevents.service.feed`
 (re-exported here); registrations are kept by :mod:`.workers` and the read views are in
 :mod:`.views`, both bases of the service; the HTTP API over the service (``kvevents serve``)
-is :mod:`kvevents.service.http`.
+is the layer above, :mod:`kvevents.http`.
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from kvevents.errors import DecodeError
+from kvevents.index.decision import Decision, Target
 from kvevents.index.keys import MMSpan
-from kvevents.index.prefix import PrefixIndex
+from kvevents.index.prefix import MatchResult, PrefixIndex, StreamInfo
 from kvevents.index.router import DEFAULT_POLICY, Router
 from kvevents.service.answers import Shape, answer, scoped
 from kvevents.service.decisions import DecisionLog
@@ -295,6 +296,42 @@ class IndexService(ServiceWorkers, ServiceViews):
             self._counts["queries"] += 1
         self.decisions.record(decision)
         return shape(match, decision)
+
+    def match(
+        self,
+        token_ids: Sequence[int | str],
+        *,
+        lora: str | int | None = None,
+        cache_salt: str | None = None,
+        mm: Sequence[MMSpan] = (),
+    ) -> MatchResult:
+        """The index's matches of a request's tokens (:meth:`PrefixIndex.match`, under the
+        lock); :meth:`decide` turns one into a decision."""
+        with self.lock:
+            return self.index.match(token_ids, lora=lora, cache_salt=cache_salt, mm=mm)
+
+    def decide(
+        self, match: MatchResult, *, targets: Sequence[Target], policy: str | None = None
+    ) -> Decision:
+        """A routing decision among ``targets`` from ``match`` (one of :meth:`match`, or the
+        caller's own view of it: the front door adds its predicted blocks), recorded for the
+        status page like every query's."""
+        with self.lock:
+            self._counts["loads_expired"] += self._loads.expire()
+            decision = self.router.decide(match, targets=targets, policy=policy)
+            self._counts["queries"] += 1
+        self.decisions.record(decision)
+        return decision
+
+    def stream_infos(self) -> list[StreamInfo]:
+        """Every stream as the index sees it (blocks per tier, batches applied), under the lock."""
+        with self.lock:
+            return self.index.streams()
+
+    def block_size(self, worker_id: str, rank: int) -> int | None:
+        """The block size a stream is keyed by (registered or adopted), None if unknown."""
+        with self.lock:
+            return self.index.stream_block_size(worker_id, rank)
 
     def stats(self) -> ServiceStats:
         return ServiceStats(**self._counts)

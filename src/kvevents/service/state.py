@@ -2,7 +2,9 @@
 
 Workers registered over HTTP are written here after every change, atomically (a temporary
 file in the same directory, flushed to disk, renamed over the old one): a crash leaves the old
-file or the new one, never half of one. At start the service reads it and registers them again.
+file or the new one, never half of one (and a temporary file, removed at the next start). At
+start the service reads it and registers them again, writing nothing until all are
+(``IndexService.restore``).
 
 A file that cannot be read or is not a state file is an error naming the file: the service
 does not start. Moving it aside and starting empty would look healthy while every worker that
@@ -13,6 +15,7 @@ or remove it to start empty). A missing file is a first start: nothing to restor
 from __future__ import annotations
 
 import contextlib
+import glob
 import logging
 import os
 import tempfile
@@ -22,10 +25,12 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from kvevents.files import read_bounded
+from kvevents.service.bounds import MAX_RANKS, BlockSize, EndpointText, Name, Rank, Text
 from kvevents.service.feed import OwnEndpoints, WorkerRegistration
-from kvevents.service.schema import MAX_RANKS, BlockSize, EndpointText, Name, Rank, Text
 
 __all__ = [
+    "MAX_STATE_BYTES",
     "Persisted",
     "StateFile",
     "StateFileError",
@@ -34,6 +39,10 @@ __all__ = [
 ]
 
 log = logging.getLogger("kvevents.service.state")
+
+#: The largest state file read. 8,192 workers (the subscriber's socket limit) with every
+#: string at its bound take about 25 MB; more is not a state file this service wrote.
+MAX_STATE_BYTES = 64 << 20
 
 
 class StateFileError(ValueError):
@@ -82,7 +91,7 @@ class StateFile:
     def load(self) -> list[WorkerRegistration]:
         """The saved registrations ([] when the file does not exist); StateFileError otherwise."""
         try:
-            data = self.path.read_bytes()
+            data = read_bounded(self.path, MAX_STATE_BYTES, "state file")
         except FileNotFoundError:
             return []
         except OSError as exc:
@@ -99,7 +108,7 @@ class StateFile:
         """Replace the file with ``regs``, atomically; OSError if it cannot be written."""
         payload = encode_registrations(regs)
         directory = self.path.parent
-        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=directory)
+        fd, tmp = tempfile.mkstemp(prefix=self._temporary_prefix, suffix=".tmp", dir=directory)
         try:
             with os.fdopen(fd, "wb") as out:
                 out.write(payload + b"\n")
@@ -111,6 +120,21 @@ class StateFile:
                 os.unlink(tmp)
             raise
         _sync_directory(directory)
+
+    def remove_stale_temporaries(self) -> int:
+        """Remove the temporary files a killed writer left next to the file (how many). Call
+        it at start, before this process writes: one service per state file, so no write of
+        anyone else's is under way."""
+        removed = 0
+        for stale in self.path.parent.glob(f"{glob.escape(self._temporary_prefix)}*.tmp"):
+            with contextlib.suppress(OSError):
+                stale.unlink()
+                removed += 1
+        return removed
+
+    @property
+    def _temporary_prefix(self) -> str:
+        return f".{self.path.name}."
 
     def check_writable(self) -> None:
         """StateFileError unless the file's directory takes a new file (checked at start,
@@ -128,6 +152,35 @@ class Persisted:
     def __init__(self, state: StateFile | None) -> None:
         self.state = state
         self._ids: set[str] = set()
+        #: (registered so far, to register) while a restore runs (:meth:`begin_restore`), else None.
+        self.restore_progress: tuple[int, int] | None = None
+        self._owed = False  # a write was asked for during the restore
+
+    def begin_restore(self, total: int) -> None:
+        """Hold every write until :meth:`end_restore`: the file already holds the workers
+        being registered again, and a write half-way would hold only those restored so far
+        (a kill then loses the rest for good)."""
+        self.restore_progress = (0, total)
+        self._owed = False
+
+    def restored_one(self) -> None:
+        """Count one registration of the restore done (or refused)."""
+        if self.restore_progress is not None:
+            done, total = self.restore_progress
+            self.restore_progress = (done + 1, total)
+
+    def end_restore(self) -> bool:
+        """End the restore; whether a change made meanwhile (over HTTP) is owed a write."""
+        owed, self._owed = self._owed, False
+        self.restore_progress = None
+        return owed and self.state is not None
+
+    def defer(self) -> bool:
+        """Whether a write asked for now waits for the restore's end (then it is owed)."""
+        if self.restore_progress is None:
+            return False
+        self._owed = True
+        return True
 
     def registered(self, worker_id: str, persist: bool) -> bool:
         """Note a registration; whether the file must be written again."""

@@ -18,6 +18,7 @@ from kvevents.index.prefix import HolderKey, IndexStats, PrefixIndex
 from kvevents.index.router import Router
 from kvevents.service.feed import Feed, WorkerRegistration
 from kvevents.service.loadreports import LoadLedger
+from kvevents.service.state import Persisted
 from kvevents.subscribe.streams import FeedHealth, StreamKey, StreamStats
 
 __all__ = ["ServiceViews", "builtins"]
@@ -33,6 +34,7 @@ class ServiceViews:
     _loads: LoadLedger
     _counts: dict[str, int]
     _consumer_error: str | None
+    _persisted: Persisted
 
     @property
     def feed(self) -> Feed:
@@ -43,10 +45,15 @@ class ServiceViews:
             return self.index.stats()
 
     def health(self) -> FeedHealth:
-        """Whether the feed is serving: the feed's own health, or ``"dead"`` when the
-        service's consumer thread stopped on a feed error."""
+        """Whether the feed is serving: the feed's own health, ``"dead"`` when the service's
+        consumer thread stopped on a feed error, ``"starting"`` while it registers the workers
+        of its state file again (serving only some of them would look healthy)."""
         if self._consumer_error is not None:
             return FeedHealth("dead", False, 0.0, self._consumer_error)
+        progress = self._persisted.restore_progress
+        if progress is not None:
+            why = f"restoring the state file: {progress[0]} of {progress[1]} workers registered"
+            return FeedHealth("starting", True, 0.0, why)
         return self.feed.health()
 
     def stream_health(self) -> dict[StreamKey, StreamStats]:

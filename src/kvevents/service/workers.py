@@ -12,7 +12,7 @@ import contextlib
 import threading
 from collections.abc import Callable, Sequence
 
-from kvevents.errors import RegistrationConflict, StreamAddError, SubscriberError
+from kvevents.errors import LayoutError, RegistrationConflict, StreamAddError, SubscriberError
 from kvevents.index.decision import Target
 from kvevents.index.prefix import PrefixIndex
 from kvevents.index.router import Router
@@ -62,8 +62,52 @@ class ServiceWorkers:
             self._replace(reg, specs, persist)
         return specs
 
-    def _replace(self, reg: WorkerRegistration, specs: list[StreamSpec], persist: bool) -> None:
-        """:meth:`register` with ``_changes`` held."""
+    def restore(
+        self,
+        regs: Sequence[WorkerRegistration],
+        check: Callable[[StreamSpec], None] | None = None,
+    ) -> list[tuple[WorkerRegistration, Exception]]:
+        """Register a state file's workers again (persisted, as over HTTP), without writing
+        the file for them: it holds them already, and a write half-way would hold only those
+        registered so far. A change made meanwhile (over HTTP) is written once, at the end;
+        it wins over the file's registration of the same worker. ``health()`` says
+        ``starting`` until the end.
+
+        ``check`` raises ``LayoutError`` for a stream to refuse (the endpoint policy of now);
+        its worker is then not registered. The workers refused (``LayoutError``,
+        ``StreamAddError``) are returned with why; they leave the file at its next write.
+        """
+        refused: list[tuple[WorkerRegistration, Exception]] = []
+        self._persisted.begin_restore(len(regs))
+        try:
+            for reg in regs:
+                try:
+                    self._restore_one(reg, check)
+                except (LayoutError, StreamAddError) as exc:
+                    refused.append((reg, exc))
+                self._persisted.restored_one()
+        finally:
+            with self._changes:
+                if self._persisted.end_restore():
+                    self._save()
+        return refused
+
+    def _restore_one(
+        self, reg: WorkerRegistration, check: Callable[[StreamSpec], None] | None
+    ) -> None:
+        specs = self._stream_specs(reg)
+        if check is not None:
+            for spec in specs:
+                check(spec)
+        with self._changes:
+            if reg.worker_id not in self._workers:  # else registered over HTTP meanwhile
+                self._replace(reg, specs, persist=True, save=False)
+
+    def _replace(
+        self, reg: WorkerRegistration, specs: list[StreamSpec], persist: bool, save: bool = True
+    ) -> None:
+        """:meth:`register` with ``_changes`` held (``save``: write the state file if it
+        keeps the worker; a restore's own registrations are in it already)."""
         old = self._workers.get(reg.worker_id)
         if old is not None:
             self._drop(old, None)
@@ -74,12 +118,12 @@ class ServiceWorkers:
             if old is not None:
                 self._add(old, self._stream_specs(old))
             raise
-        self._registered(reg.worker_id, persist)
+        self._registered(reg.worker_id, persist, save)
 
-    def _registered(self, worker_id: str, persist: bool) -> None:
+    def _registered(self, worker_id: str, persist: bool, save: bool = True) -> None:
         """Count a registration made and write the state file if it is kept there."""
         self._counts["registrations"] += 1
-        if self._persisted.registered(worker_id, persist):
+        if self._persisted.registered(worker_id, persist) and save:
             self._save()
 
     def add_rank(
@@ -212,7 +256,10 @@ class ServiceWorkers:
 
     def _save(self) -> None:
         """Write the state file (call with ``_changes`` held). A failed write is counted, not
-        raised: the change itself was made, and the next one writes the whole state again."""
+        raised: the change itself was made, and the next one writes the whole state again.
+        During a restore the write waits for its end (:meth:`restore`)."""
+        if self._persisted.defer():
+            return
         written = self._persisted.write(self._workers)
         self._counts["state_writes" if written else "state_write_errors"] += 1
 

@@ -50,8 +50,10 @@ StreamKey: TypeAlias = tuple[str, int]
 StreamState: TypeAlias = Literal[CursorState, "failed"]
 #: Why a :class:`StreamReset` was sent.
 ResetReason: TypeAlias = Literal["restart", "removed"]
-#: The I/O thread's health: serving, stuck on work for too long, or not running.
-FeedState: TypeAlias = Literal["ok", "stalled", "dead"]
+#: The feed's health: serving, serving with some streams known incomplete (a router replica's
+#: feed), stuck on work for too long, or not running; ``starting`` is the index service's
+#: alone: it is still registering the workers of its state file (``IndexService.restore``).
+FeedState: TypeAlias = Literal["ok", "degraded", "stalled", "dead", "starting"]
 
 
 #: The largest message a subscriber accepts by default (``SubscriberOptions.max_message_size``):
@@ -317,7 +319,9 @@ class FeedHealth:
     ``state``: ``"ok"``; ``"stalled"`` when the thread has been inside one turn of work for
     more than ``SubscriberOptions.stall_after`` seconds (most often: the outbox is full
     because the consumer is not reading); ``"dead"`` when the thread is not running (not
-    started, closed, or died: ``error`` says why). ``alive``: the thread is running.
+    started, closed, or died: ``error`` says why). A router replica's feed
+    (:meth:`kvevents.scaleout.Replica.health`) may also say ``"degraded"``: serving, with some
+    streams known incomplete (``error`` names one). ``alive``: the thread is running.
     ``stalled_for``: seconds the current turn has lasted while it had work; 0.0 when idle.
     """
 

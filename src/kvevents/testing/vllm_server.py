@@ -273,12 +273,14 @@ class VllmServer:
             **self.extra_env,
         }
 
-    def launch(self) -> VllmServer:
-        """Start the process on free ports; return at once (``wait_ready`` waits)."""
+    def launch(self, *, same_ports: bool = False) -> VllmServer:
+        """Start the process on free ports (``same_ports``: on the ports of its last run, as
+        an engine restarted in place); return at once (``wait_ready`` waits)."""
         if self._proc is not None:
             raise VllmServerError(f"the server on port {self.port} is already running")
-        self.port = free_port()
-        self.event_port, self.replay_port = free_port(self.ranks), free_port(self.ranks)
+        if not (same_ports and self.port):
+            self.port = free_port()
+            self.event_port, self.replay_port = free_port(self.ranks), free_port(self.ranks)
         if self.log_dir is None and self._own_log_dir is None:
             self._own_log_dir = tempfile.TemporaryDirectory(prefix="kvevents-vllm-")
         self._log = open(self.log_path, "ab")  # noqa: SIM115 (closed in stop)
@@ -354,6 +356,20 @@ class VllmServer:
             raise VllmServerError(f"GET /metrics -> HTTP {status}")
         return parse_metrics(reply.decode())
 
+    def sample(self, name: str, **labels: str) -> float:
+        """One metric of ``/metrics``, summed over the samples carrying ``labels``."""
+        status, reply = self.request("GET", "/metrics")
+        if status != 200:
+            raise VllmServerError(f"GET /metrics -> HTTP {status}")
+        wanted = [f'{key}="{value}"' for key, value in labels.items()]
+        total = 0.0
+        for line in reply.decode().splitlines():
+            head, _, value = line.rpartition(" ")
+            if head.split("{", 1)[0] == name and all(w in head for w in wanted):
+                with contextlib.suppress(ValueError):
+                    total += float(value)
+        return total
+
     def prefix_cache(self) -> tuple[float, float]:
         """(``vllm:prefix_cache_queries_total``, ``vllm:prefix_cache_hits_total``), in tokens."""
         values = self.metrics()
@@ -386,6 +402,17 @@ class VllmServer:
                 proc.wait(_STOP_TIMEOUT)
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)  # children it left behind, if any
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def kill(self) -> None:
+        """Kill the server and its engine at once (SIGKILL to its group): a crash, not a stop."""
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(_STOP_TIMEOUT)
         if self._log is not None:
             self._log.close()
             self._log = None

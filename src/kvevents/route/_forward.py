@@ -1,0 +1,507 @@
+"""One client request forwarded: its attempts on the engines, and the answer passed through.
+
+The body goes to the engine as the client sent it; the headers too, except the hop-by-hop
+ones, ``Host`` (the engine's) and ``Content-Length`` (recomputed over the same bytes). The
+answer comes back as the engine sent it: its status, its headers (minus hop-by-hop ones and
+``Date``/``Server``, which the proxy's server writes itself), its body chunk by chunk, read
+from the engine only as fast as the client takes it; plus ``x-kvevents-engine`` and, for a
+planned request, ``x-kvevents-predicted-cached-tokens``.
+
+An attempt that fails before anything was sent to the client (no connection, the connection
+lost, a 5xx) is retried on the next engine; an engine that refused the connection or
+answered a 5xx is marked down. After the first byte nothing is retried: an answer cut off
+(the engine gone, silent for ``idle_timeout``, over ``max_response_bytes``) closes the
+client's connection, so the client sees it incomplete. A client that goes away cancels the
+attempt and closes its connection to the engine, which makes vLLM abort the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from time import perf_counter
+from typing import Literal
+
+import aiohttp
+from starlette.types import Receive, Scope, Send
+from yarl import URL
+
+from kvevents.http import ABORT
+from kvevents.route._engines import Engine, EnginePool
+from kvevents.route._metrics import ProxyCounts, ProxyMetrics
+from kvevents.route._options import ProxyOptions
+from kvevents.route._replies import OpenAIError, send_json
+from kvevents.route._seam import Outcome, OutcomeKind, Plan, Planner
+from kvevents.route._sse import ChunkReader, SseUsage
+from kvevents.route._usage import BodyUsage, Usage
+
+__all__ = ["RANK_HEADER", "Exchange", "Upstream", "request_headers", "response_headers"]
+
+log = logging.getLogger("kvevents.route.proxy")
+
+HOP_BY_HOP = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"proxy-connection",
+    }
+)
+# Not forwarded to the engine: aiohttp writes the engine's Host and the body's length, and
+# the client's Expect was answered by the proxy's server.
+_NOT_FORWARDED = HOP_BY_HOP | {b"host", b"content-length", b"expect"}
+# Not returned to the client: uvicorn writes its own Date and Server.
+_NOT_RETURNED = HOP_BY_HOP | {b"date", b"server"}
+_URL_CACHE_SIZE = 1024
+#: The header vLLM's OpenAI server reads to run a request on one data parallel rank.
+RANK_HEADER = "x-data-parallel-rank"
+
+
+def _named_by_connection(headers: Iterable[tuple[bytes, bytes]]) -> set[bytes]:
+    """The header names a ``Connection`` header lists: hop-by-hop too (RFC 9110, 7.6.1)."""
+    return {
+        token.strip().lower()
+        for name, value in headers
+        if name.lower() == b"connection"
+        for token in value.split(b",")
+    }
+
+
+def request_headers(raw: Sequence[tuple[bytes, bytes]]) -> list[tuple[str, str]]:
+    """The client's headers to send on (latin-1 both ways: the bytes come back unchanged)."""
+    dropped = _NOT_FORWARDED | _named_by_connection(raw)
+    return [(k.decode("latin-1"), v.decode("latin-1")) for k, v in raw if k not in dropped]
+
+
+def response_headers(raw: Sequence[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """The engine's headers to return (names as the engine spelled them)."""
+    dropped = _NOT_RETURNED | _named_by_connection(raw)
+    return [(k, v) for k, v in raw if k.lower() not in dropped]
+
+
+class Upstream:
+    """What every exchange shares: the engines, the planner, the connections to the engines
+    (:meth:`open` on the server's loop, :meth:`aclose`), the options and the counters."""
+
+    def __init__(
+        self,
+        pool: EnginePool,
+        planner: Planner,
+        options: ProxyOptions,
+        counts: ProxyCounts,
+        metrics: ProxyMetrics,
+    ) -> None:
+        self.pool = pool
+        self.planner = planner
+        self.options = options
+        self.counts = counts
+        self.metrics = metrics
+        self.in_flight = 0
+        self._session: aiohttp.ClientSession | None = None
+        self._urls: dict[tuple[str, str], URL] = {}
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        assert self._session is not None, "the proxy's lifespan has not started"
+        return self._session
+
+    def open(self) -> aiohttp.ClientSession:
+        """The session to the engines: a keep-alive pool per engine, no cookies kept (one
+        client's cookies must never reach another's request), no body decoded or header
+        added (bytes pass unchanged), no environment proxies."""
+        options = self.options
+        connector = aiohttp.TCPConnector(
+            limit=0, limit_per_host=0, keepalive_timeout=options.keepalive_timeout
+        )
+        timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=options.connect_timeout, sock_read=options.first_byte_timeout
+        )
+        self._session = aiohttp.ClientSession(
+            connector=connector,
+            timeout=timeout,
+            cookie_jar=aiohttp.DummyCookieJar(),
+            auto_decompress=False,
+            skip_auto_headers=("Accept", "Accept-Encoding", "User-Agent", "Content-Type"),
+            trust_env=False,
+        )
+        return self._session
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    def url(self, engine: Engine, target: str) -> URL:
+        """``target`` (path and query as the client sent them) on ``engine``, not re-encoded."""
+        key = (engine.url, target)
+        url = self._urls.get(key)
+        if url is None:
+            if len(self._urls) >= _URL_CACHE_SIZE:
+                self._urls.clear()
+            url = self._urls[key] = URL(engine.url + target, encoded=True)
+        return url
+
+
+#: How an attempt failed: an outcome kind, or an answer over the size limit.
+FailureKind = Literal["connect_error", "http_error", "timeout", "reset", "too_large"]
+
+
+class _Failed(Exception):
+    """An attempt that failed: ``kind``, why, the engine's status if it answered."""
+
+    def __init__(self, kind: FailureKind, reason: str, status: int | None = None) -> None:
+        super().__init__(reason)
+        self.kind = kind
+        self.reason = reason
+        self.status = status
+
+
+@dataclass
+class _Attempt:
+    """Where one attempt stands (what its :class:`Outcome` reports)."""
+
+    engine: Engine
+    kind: OutcomeKind = "ok"
+    status: int | None = None
+    first_byte: float | None = None
+    usage: Usage | None = None
+
+
+def _target(scope: Scope) -> str:
+    raw: bytes = scope.get("raw_path") or scope["path"].encode()
+    query: bytes = scope.get("query_string", b"")
+    return (raw + b"?" + query if query else raw).decode("latin-1")
+
+
+def _uncancel(task: asyncio.Task[object] | None) -> None:
+    if sys.version_info >= (3, 11) and task is not None:
+        task.uncancel()  # our own cancel (the client left), consumed: the task ends normally
+
+
+class Exchange:
+    """One client request: tried on engines in order until one answers (:meth:`run`), under
+    a watch for the client going away (:meth:`guarded`).
+
+    ``status`` and ``engine``: what the client got (None: nothing yet); ``gone``: the
+    client went away first.
+    """
+
+    def __init__(
+        self,
+        upstream: Upstream,
+        scope: Scope,
+        send: Send,
+        body: bytes,
+        began: float,
+        *,
+        model: str | None = None,
+        plan: Plan | None = None,
+    ) -> None:
+        self.up = upstream
+        self._send = send
+        self._method: str = scope["method"]
+        self._target = _target(scope)
+        self._headers = request_headers(scope["headers"])
+        self._body = body
+        self.began = began
+        self.model = model
+        self.plan = plan
+        self.status: int | None = None
+        self.engine: Engine | None = None
+        self.gone = False
+        self._complete = False  # the answer has ended: a disconnect now is no cancel
+        # Closes the client's connection mid-answer (kvevents.http.ABORT).
+        abort = scope.get("extensions", {}).get(ABORT, {})
+        self._abort: Callable[[], None] | None = abort.get("close")
+
+    # ------------------------------------------------------------------ the client's side
+
+    async def guarded(self, receive: Receive, work: Awaitable[None]) -> None:
+        """Run ``work``, cancelled if the client disconnects before it is done."""
+        task = asyncio.current_task()
+        watcher = asyncio.get_running_loop().create_task(self._watch(receive, task))
+        try:
+            await work
+        except asyncio.CancelledError:
+            if not self.gone:
+                raise
+            _uncancel(task)
+            self.up.counts.client_disconnects += 1
+        finally:
+            self._complete = True
+            watcher.cancel()
+
+    async def _watch(self, receive: Receive, task: asyncio.Task[object] | None) -> None:
+        # The body is read: the next message is http.disconnect, when the client leaves or
+        # when the answer is complete.
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        if not self._complete and task is not None:
+            self.gone = True
+            task.cancel()
+
+    async def refuse(self, error: OpenAIError) -> None:
+        """Answer ``error`` (nothing else was sent)."""
+        await self.refuse_with(error.status, error.payload)
+
+    async def refuse_with(self, status: int, payload: bytes) -> None:
+        """Answer ``status`` with the JSON ``payload`` (nothing else was sent)."""
+        self.status = status
+        self._complete = True
+        await send_json(self._send, status, payload)
+
+    # ------------------------------------------------------------------ the engines' side
+
+    async def run(self, engines: Iterable[Engine]) -> None:
+        """Try ``engines`` in order (skipping any down by then), then the pool's other healthy
+        engines serving the model; answer 503 or 502 when none could answer."""
+        failures: list[str] = []
+        tried: list[Engine] = []
+        for engine in self._order(engines, tried):
+            if tried:
+                self.up.counts.retries += 1
+            tried.append(engine)
+            if await self._attempt(engine, failures):
+                return
+        await self._give_up(failures)
+
+    def _order(self, first: Iterable[Engine], tried: list[Engine]) -> Iterator[Engine]:
+        for engine in first:
+            if engine.up and engine not in tried:
+                yield engine
+        for engine in self.up.pool.healthy(self.model):
+            if engine not in tried:
+                yield engine
+
+    async def _give_up(self, failures: list[str]) -> None:
+        counts = self.up.counts
+        if failures:
+            counts.upstream_failures += 1
+            message = f"no engine could answer: {'; '.join(failures)}"
+            log.warning("%s %s: %s", self._method, self._target, message)
+            await self.refuse(OpenAIError(502, message, code="upstream_error"))
+            return
+        counts.no_engine += 1
+        error = self.up.pool.unavailable(self.model)
+        await self.refuse(error or OpenAIError(503, "no healthy engine", code="no_healthy_engine"))
+
+    async def _attempt(self, engine: Engine, failures: list[str]) -> bool:
+        """One attempt on ``engine``; True when the client got its answer (or a final error)."""
+        attempt = self._begin(engine)
+        response: aiohttp.ClientResponse | None = None
+        try:
+            response = await self._open(engine)
+            await self._relay(attempt, response)
+            return True
+        except _Failed as failed:
+            return await self._failed(attempt, failed, failures)
+        except asyncio.CancelledError:
+            if self.gone:
+                attempt.kind = "client_gone"
+                engine.counts.client_gone += 1
+            raise
+        finally:
+            if response is not None:
+                # A complete answer's connection is already back in the pool; any other is
+                # closed, so the engine sees its client go.
+                response.release() if attempt.kind == "ok" else response.close()
+            self._end(attempt)
+
+    def _begin(self, engine: Engine) -> _Attempt:
+        engine.in_flight += 1
+        engine.counts.requests += 1
+        if self.plan is not None:
+            self._tell_planner("started", self.up.planner.started, self.plan, engine)
+        return _Attempt(engine)
+
+    def _end(self, attempt: _Attempt) -> None:
+        engine = attempt.engine
+        engine.in_flight -= 1
+        if self.plan is None:
+            return
+        usage = attempt.usage
+        outcome = Outcome(
+            status=attempt.status,
+            kind=attempt.kind,
+            prompt_tokens=None if usage is None else usage.prompt_tokens,
+            cached_tokens=None if usage is None else usage.cached_tokens,
+            first_byte_s=None if attempt.first_byte is None else attempt.first_byte - self.began,
+            total_s=perf_counter() - self.began,
+        )
+        self._tell_planner("finished", self.up.planner.finished, self.plan, engine, outcome)
+
+    def _tell_planner(self, what: str, call: Callable[..., object], *args: object) -> None:
+        try:
+            call(*args)
+        except Exception:  # a planner's bug must not fail a request that is being answered
+            self.up.counts.planner_errors += 1
+            log.exception("the planner's %s() failed", what)
+
+    async def _open(self, engine: Engine) -> aiohttp.ClientResponse:
+        """The engine's response headers, or :class:`_Failed`."""
+        body = self._body if self._body or self._method not in ("GET", "HEAD") else None
+        try:
+            response = await self.up.session.request(
+                self._method,
+                self.up.url(engine, self._target),
+                data=body,
+                headers=self._headers if engine.rank is None else self._ranked(engine.rank),
+                allow_redirects=False,
+            )
+        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
+            raise _Failed("connect_error", f"cannot connect ({_describe(exc)})") from None
+        except asyncio.TimeoutError:
+            wait = self.up.options.first_byte_timeout
+            raise _Failed("timeout", f"no answer within {wait:g} s") from None
+        except aiohttp.ClientError as exc:
+            raise _Failed(
+                "reset", f"connection lost before the answer ({_describe(exc)})"
+            ) from None
+        if response.status >= 500:
+            response.close()
+            raise _Failed("http_error", f"answered {response.status}", response.status)
+        return response
+
+    def _ranked(self, rank: int) -> list[tuple[str, str]]:
+        """The headers, asking a data parallel engine for ``rank`` (vLLM's header for it;
+        a client's own rank header is replaced: the planner chose the rank)."""
+        rest = [(k, v) for k, v in self._headers if k.lower() != RANK_HEADER]
+        return [*rest, (RANK_HEADER, str(rank))]
+
+    async def _failed(self, attempt: _Attempt, failed: _Failed, failures: list[str]) -> bool:
+        """Count and report a failed attempt; True when it ends the request (not retried)."""
+        engine, counts = attempt.engine, attempt.engine.counts
+        attempt.status = failed.status
+        failures.append(f"{engine.id}: {failed.reason}")
+        if failed.kind == "connect_error" or failed.kind == "http_error":
+            attempt.kind = failed.kind
+            if failed.kind == "connect_error":
+                counts.connect_errors += 1
+            else:
+                counts.http_errors += 1
+            self.up.pool.mark_down(engine, f"{self._method} {self._target}: {failed.reason}")
+            return False
+        if failed.kind == "reset":
+            attempt.kind = "reset"
+            counts.resets += 1
+            return False
+        # A timeout (the engine may still be working: another would only double the load) or
+        # an answer over the size limit (another engine would send the same): not retried.
+        self.up.counts.upstream_failures += 1
+        log.warning("%s %s on %s: %s", self._method, self._target, engine.id, failed.reason)
+        if failed.kind == "timeout":
+            attempt.kind = "timeout"
+            counts.timeouts += 1
+            await self.refuse(OpenAIError(504, failed.reason, code="upstream_timeout"))
+        else:
+            attempt.kind = "reset"
+            counts.too_large += 1
+            await self.refuse(OpenAIError(502, failed.reason, code="upstream_too_large"))
+        return True
+
+    # ------------------------------------------------------------------ the answer
+
+    async def _relay(self, attempt: _Attempt, response: aiohttp.ClientResponse) -> None:
+        """Pass the answer on; a failure after its first byte cuts the client off."""
+        attempt.status = response.status
+        stream = response.content_type == "text/event-stream"
+        limit = None if stream else self.up.options.max_response_bytes
+        declared = response.content_length
+        if limit is not None and declared is not None and declared > limit:
+            raise _Failed("too_large", f"its answer of {declared} bytes is over {limit}")
+        connection = response.connection
+        if connection is not None and connection.protocol is not None:
+            # From here on, the bound is the silence between two reads of the body, timed
+            # from now (aiohttp stops that timer while it holds reading for a slow client).
+            connection.protocol.read_timeout = self.up.options.idle_timeout
+            connection.protocol.start_timeout()
+        await self._start(attempt.engine, response)
+        attempt.kind = "reset"  # until the body ends
+        try:
+            await self._pass_body(attempt, response, stream, limit)
+        except (_Failed, asyncio.TimeoutError, aiohttp.ClientError) as exc:
+            self._cut(attempt, exc)
+
+    async def _start(self, engine: Engine, response: aiohttp.ClientResponse) -> None:
+        headers = response_headers(response.raw_headers)
+        headers.append((b"x-kvevents-engine", engine.id.encode()))
+        if self.plan is not None:
+            predicted = self.plan.predicted_cached_tokens.get(engine.id, 0)
+            headers.append((b"x-kvevents-predicted-cached-tokens", b"%d" % predicted))
+            headers.extend(self.plan.headers)
+        self.status, self.engine = response.status, engine
+        await self._send(
+            {"type": "http.response.start", "status": response.status, "headers": headers}
+        )
+
+    async def _pass_body(
+        self, attempt: _Attempt, response: aiohttp.ClientResponse, stream: bool, limit: int | None
+    ) -> None:
+        chunked = response.headers.get("Transfer-Encoding", "").lower() == "chunked"
+        reader = ChunkReader(response.content, chunked)
+        usage = _usage_reader(response, stream)
+        send, size, last = self._send, 0, False
+        while not last:
+            piece, last = await reader.read()
+            if attempt.first_byte is None:
+                self._first_byte(attempt, stream)
+            size += len(piece)
+            if limit is not None and size > limit:
+                raise _Failed("too_large", f"its answer is over {limit} bytes")
+            if usage is not None and piece:
+                usage.feed(piece)
+            self._complete = last
+            await send({"type": "http.response.body", "body": piece, "more_body": not last})
+        attempt.kind = "ok"
+        attempt.usage = None if usage is None else usage.result()
+
+    def _first_byte(self, attempt: _Attempt, stream: bool) -> None:
+        attempt.first_byte = now = perf_counter()
+        if stream:
+            self.up.metrics.ttft.labels(attempt.engine.id).observe(now - self.began)
+        if self.plan is not None:
+            self._tell_planner("answering", self.up.planner.answering, self.plan, attempt.engine)
+
+    def _cut(self, attempt: _Attempt, exc: BaseException) -> None:
+        """The answer broke after it began: count it, say so once, close the client's
+        connection (so it sees the answer incomplete; without the server's abort, returning
+        an unfinished response closes it too)."""
+        if self._abort is not None:
+            self._abort()
+        counts = attempt.engine.counts
+        if isinstance(exc, _Failed):
+            counts.too_large += 1
+            reason = exc.reason
+        elif isinstance(exc, asyncio.TimeoutError):
+            attempt.kind = "timeout"
+            counts.timeouts += 1
+            reason = f"silent for {self.up.options.idle_timeout:g} s"
+        else:
+            counts.resets += 1
+            reason = f"connection lost ({_describe(exc)})"
+        self.up.counts.truncated += 1
+        log.warning(
+            "%s %s: the answer from %s was cut off: %s",
+            self._method,
+            self._target,
+            attempt.engine.id,
+            reason,
+        )
+
+
+def _usage_reader(response: aiohttp.ClientResponse, stream: bool) -> SseUsage | BodyUsage | None:
+    if stream:
+        return SseUsage()
+    return BodyUsage() if response.content_type == "application/json" else None
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

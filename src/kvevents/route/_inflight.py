@@ -1,0 +1,84 @@
+"""What the front door has in flight on each target: its own view of load. Pure: no sockets.
+
+Every request is sent by the front door, so it knows each target's load better than any
+report could: requests in flight, the prefill still to compute there (the blocks it did not
+expect cached, until the first byte comes back), and the blocks held by requests past their
+first token. :class:`InFlight` keeps these in the router's :class:`LoadBook`, where every
+policy reads them. Not thread-safe: the front door calls it on its event loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from time import monotonic
+
+from kvevents.index.decision import LoadBook, Target
+
+__all__ = ["InFlight", "InFlightStats", "Ticket"]
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One request on one target, from when it is sent to when its answer ends."""
+
+    target: Target
+    request_blocks: int  #: the prompt's full blocks
+    new_blocks: int  #: of those, the blocks the target was not expected to hold
+    sent_at: float
+    first_byte_at: float | None = None
+    done: bool = field(default=False, repr=False)
+
+
+@dataclass(frozen=True)
+class InFlightStats:
+    """Requests sent, answered (their first byte) and ended, over every target."""
+
+    sent: int = 0
+    first_bytes: int = 0
+    ended: int = 0
+
+
+class InFlight:
+    """Loads in ``book``, moved by each request's :meth:`sent`, :meth:`first_byte` and
+    :meth:`ended`; the clock (monotonic seconds by default) stamps tickets."""
+
+    def __init__(self, book: LoadBook, clock: Callable[[], float] = monotonic) -> None:
+        self.book = book
+        self._clock = clock
+        self._sent = self._first_bytes = self._ended = 0
+
+    def sent(self, target: Target, request_blocks: int, new_blocks: int) -> Ticket:
+        """Count a request sent: one more in flight, its new blocks queued for prefill."""
+        new = max(0, min(new_blocks, request_blocks))
+        self.book.add(*target, queued_blocks=new, requests=1)
+        self._sent += 1
+        return Ticket(target, request_blocks, new, self._clock())
+
+    def first_byte(self, ticket: Ticket) -> None:
+        """Its prefill is done: its blocks move from queued to active (idempotent)."""
+        if ticket.first_byte_at is not None or ticket.done:
+            return
+        ticket.first_byte_at = self._clock()
+        self.book.add(
+            *ticket.target, queued_blocks=-ticket.new_blocks, active_blocks=ticket.request_blocks
+        )
+        self._first_bytes += 1
+
+    def ended(self, ticket: Ticket) -> None:
+        """Its answer ended (or failed): it leaves the target's load (idempotent)."""
+        if ticket.done:
+            return
+        ticket.done = True
+        if ticket.first_byte_at is None:
+            self.book.add(*ticket.target, queued_blocks=-ticket.new_blocks, requests=-1)
+        else:
+            self.book.add(*ticket.target, active_blocks=-ticket.request_blocks, requests=-1)
+        self._ended += 1
+
+    def forget(self, worker_id: str, rank: int | None = None) -> None:
+        """Drop a target's load (its engine is gone; tickets still open end harmlessly)."""
+        self.book.remove(worker_id, rank)
+
+    def stats(self) -> InFlightStats:
+        return InFlightStats(self._sent, self._first_bytes, self._ended)

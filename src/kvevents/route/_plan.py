@@ -1,0 +1,587 @@
+"""The front door's planner: a request's exact tokens, the index's matches and the front
+door's own view of load in, the engines to try out.
+
+For each chat or completion request (:class:`~kvevents.route._seam.RouteRequest`):
+
+1. **Tokens.** The served model's :class:`~kvevents.route._tokens.ModelTokenizer` gives the
+   prompt's ids as the engine will see them (a large body is tokenized on the tokenizer's
+   own thread, which releases the GIL, so other requests' bytes keep moving). What cannot be
+   exact in process is asked of **one** engine's ``/tokenize`` (the least loaded); what has
+   no ids at all (refused, embeddings) and multimodal requests are routed on load alone, with
+   no cache credit: an item the router cannot key is a miss, never a false hit.
+2. **Keys.** The engine's keys: the request's ``cache_salt``, and the LoRA adapter a
+   ``model`` names (the engines list adapters in ``GET /v1/models`` with their base model as
+   ``parent``; their prompts use the base model's tokenizer).
+3. **Matches.** The index's matched blocks per target, each raised to the blocks predicted
+   there (:mod:`kvevents.route._predict`: prompts sent and not yet announced). A target whose
+   events stopped (an answered request was not followed by a batch from its stream within
+   ``stale_after`` seconds), or whose stream the subscriber reported incomplete, gets no
+   credit: routing there goes on load alone, and the planner says so (a log line, its stats,
+   ``/health``).
+4. **Decision.** The index service's router, with the policy, over the healthy engines
+   serving the model, on the loads the front door keeps itself (:mod:`kvevents.route.
+   _inflight`: requests in flight, their prefill still queued, the blocks past their first
+   token). The candidates are the targets by score, best first; each one's predicted cached
+   tokens are what vLLM would serve from the matched blocks (never the prompt's last token).
+
+When an attempt starts, its load is charged and its prompt's blocks credited to that
+target; when its answer begins, its prefill is done; when it ends, its load goes, its credit
+lasts a grace period (or goes at once if the attempt failed), and the engine's reported
+``cached_tokens`` is compared with the prediction.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal
+
+import aiohttp
+import msgspec
+
+from kvevents.index.decision import Decision, Target
+from kvevents.index.keys import request_keys
+from kvevents.index.prefix import MatchResult
+from kvevents.route._engines import Engine, EnginePool
+from kvevents.route._inflight import InFlight, Ticket
+from kvevents.route._predict import Credit, Predictions
+from kvevents.route._seam import Outcome, Plan, RouteRequest
+from kvevents.route._tokens import ModelTokenizer, Prompt, parse_tokenize_reply, tokenize_request
+from kvevents.service.core import IndexService
+
+__all__ = [
+    "DEFAULT_ROUTE_POLICY",
+    "IndexPlanner",
+    "PlannerCounts",
+    "PlannerLevels",
+    "PlannerOptions",
+    "PlannerStats",
+]
+
+log = logging.getLogger("kvevents.route.plan")
+
+#: The front door's policy unless told otherwise (docs/route.md says how it was chosen).
+DEFAULT_ROUTE_POLICY = "bounded_prefix"
+_CHAT = "/v1/chat/completions"
+#: Decisions kept for the status page.
+RECENT_DECISIONS = 50
+#: Bytes of a decision header at most: with many engines the matched list would grow past
+#: what proxies in between accept in a header (8 KiB is a common limit for all of them).
+_HEADER_LIMIT = 2048
+_json = msgspec.json.Encoder()
+
+
+@dataclass(frozen=True)
+class PlannerOptions:
+    """How the planner decides.
+
+    ``policy``: the routing policy (:data:`kvevents.index.router.POLICIES`).
+    ``block_size``: the engines' block size where their streams have not said (an engine
+    routed without events). ``offload_bytes``: bodies at least this large are tokenized on
+    the tokenizer thread. ``tokenize_timeout``: seconds for the one ``/tokenize`` call.
+    ``stale_after``: seconds after an answered request by which its engine's events must
+    have reached the index (else its stream is stale and gets no cache credit until they
+    come). ``grace``: seconds a request's predicted blocks outlive it.
+    """
+
+    policy: str = DEFAULT_ROUTE_POLICY
+    block_size: int = 16
+    offload_bytes: int = 16 << 10
+    tokenize_timeout: float = 5.0
+    stale_after: float = 5.0
+    grace: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.offload_bytes < 0:
+            raise ValueError("block_size must be >= 1 and offload_bytes >= 0")
+        if not (self.tokenize_timeout > 0 and self.stale_after > 0 and self.grace >= 0):
+            raise ValueError("tokenize_timeout and stale_after must be > 0, grace >= 0")
+
+
+@dataclass
+class PlannerCounts:
+    """What the planner did (``kvevents_route_planner_*`` metrics)."""
+
+    planned: int = 0  #: requests planned
+    tokens_chat: int = 0  #: prompts rendered and encoded in process (chats)
+    tokens_completion: int = 0  #: prompts encoded in process (completion text)
+    tokens_given: int = 0  #: prompts given as token ids
+    tokens_fallback: int = 0  #: prompts whose ids came from one engine's /tokenize
+    tokens_none: int = 0  #: prompts routed with no ids (refused, embeddings, /tokenize failed)
+    multimodal: int = 0  #: requests with media parts: routed with no cache credit
+    tokenize_calls: int = 0  #: /tokenize calls made (one engine each)
+    tokenize_errors: int = 0  #: /tokenize calls that failed
+    compared: int = 0  #: answers whose usage reported cached tokens to compare
+    exact: int = 0  #: of those, predicted == reported
+    over: int = 0  #: predicted more than the engine reported
+    under: int = 0  #: predicted less than the engine reported
+    predicted_tokens: int = 0  #: predicted cached tokens of the compared answers
+    reported_tokens: int = 0  #: cached tokens the engines reported for them
+    prompt_tokens: int = 0  #: prompt tokens the engines reported for them
+    stale_marks: int = 0  #: times a stream was found stale (its events stopped coming)
+
+
+@dataclass(frozen=True)
+class PlannerLevels:
+    """The planner's levels now (``kvevents_route_planner_*`` gauges)."""
+
+    GAUGES: ClassVar[frozenset[str]] = frozenset({"stale_streams", "predicted_keys"})
+
+    stale_streams: int  #: streams getting no cache credit because their events stopped
+    predicted_keys: int  #: block keys credited to engines by requests in flight or just ended
+
+
+@dataclass(frozen=True)
+class PlannerStats:
+    """The planner now: its levels and a copy of its counts."""
+
+    levels: PlannerLevels
+    counts: PlannerCounts
+
+
+@dataclass(eq=False)
+class _Planned:
+    """One request's plan, as the planner keeps it (the plan's ``context``)."""
+
+    targets: dict[str, Target]  # engine id -> its target
+    request_blocks: dict[str, int]  # engine id -> the prompt's full blocks there
+    matched: dict[str, int]  # engine id -> blocks trusted there (index or predicted)
+    keys: dict[str, list[int]]  # engine id -> the prompt's block keys there
+    predicted: dict[str, int]  # engine id -> predicted cached tokens
+    attempts: dict[str, tuple[Ticket, Credit | None]] = field(default_factory=dict)
+    record: dict[str, Any] = field(default_factory=dict)  # its entry in ``recent``
+
+
+@dataclass
+class _Watch:
+    """A stream expected to show a batch: by ``deadline``, more than ``batches`` applied."""
+
+    deadline: float
+    batches: int
+
+
+class IndexPlanner:
+    """The front door's planner (module docstring) over ``service`` and ``pool``.
+
+    ``tokenizers``: model name -> its tokenizer (LoRA adapters use their base model's; a
+    tokenizer under None serves any model without one of its own). ``targets``: engine id ->
+    its (worker, rank) in the index (each engine of the pool has one). ``block_sizes``: the
+    targets whose block size is not ``options.block_size``. ``inflight`` keeps its loads in
+    the book of the service's router.
+    """
+
+    def __init__(
+        self,
+        service: IndexService,
+        pool: EnginePool,
+        tokenizers: Mapping[str | None, ModelTokenizer],
+        targets: Mapping[str, Target],
+        *,
+        options: PlannerOptions | None = None,
+        block_sizes: Mapping[Target, int] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.service = service
+        self.block_sizes = dict(block_sizes or {})
+        self.pool = pool
+        self.tokenizers = dict(tokenizers)
+        self.targets = dict(targets)
+        self.options = options if options is not None else PlannerOptions()
+        self.inflight = InFlight(service.router.loads, clock)
+        self.predictions = Predictions(grace=self.options.grace, clock=clock)
+        self.counts = PlannerCounts()
+        self.stale: dict[Target, str] = {}
+        self._watch: dict[Target, _Watch] = {}
+        self._clock = clock
+        self._checked = 0.0
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvevents-tokenizer")
+        self._session: aiohttp.ClientSession | None = None
+        #: The last decisions, newest last: what each plan said and what its engine reported.
+        self.recent: deque[dict[str, Any]] = deque(maxlen=RECENT_DECISIONS)
+        pool.subscribe(self._engine_changed)
+
+    # ------------------------------------------------------------------ the seam
+
+    async def plan(self, request: RouteRequest) -> Plan:
+        self.counts.planned += 1
+        engines = self.pool.healthy(request.model)
+        error = self.pool.unavailable(request.model)
+        if error is not None:
+            return Plan((), {}, {"reason": str(error)}, error=(error.status, error.body))
+        self._check_streams()
+        prompts = await self._prompts(request, engines)
+        lora = self._lora(request.model, engines)
+        salt = request.json.get("cache_salt")
+        salt = salt if isinstance(salt, str) and salt else None
+        return self._decide(engines, prompts, lora, salt)
+
+    def started(self, plan: Plan, engine: Engine) -> None:
+        planned = plan.context
+        if not isinstance(planned, _Planned) or engine.id not in self.targets:
+            return
+        target = self.targets[engine.id]
+        blocks = planned.request_blocks.get(engine.id, 0)
+        matched = planned.matched.get(engine.id, 0)
+        ticket = self.inflight.sent(target, blocks, blocks - matched)
+        keys = planned.keys.get(engine.id)
+        credit = self.predictions.credit(target, keys) if keys else None
+        planned.attempts[engine.id] = (ticket, credit)
+
+    def answering(self, plan: Plan, engine: Engine) -> None:
+        planned = plan.context
+        if isinstance(planned, _Planned) and engine.id in planned.attempts:
+            self.inflight.first_byte(planned.attempts[engine.id][0])
+
+    def finished(self, plan: Plan, engine: Engine, outcome: Outcome) -> None:
+        planned = plan.context
+        if not isinstance(planned, _Planned) or engine.id not in planned.attempts:
+            return
+        ticket, credit = planned.attempts.pop(engine.id)
+        self.inflight.ended(ticket)
+        answered = outcome.first_byte_s is not None
+        if credit is not None:
+            self.predictions.settle(credit, stored=answered)
+        if answered and outcome.kind == "ok":
+            self._expect_events(ticket.target)
+        planned.record.update(sent_to=engine.id, status=outcome.status, outcome=outcome.kind)
+        if outcome.cached_tokens is not None:
+            planned.record["reported_cached_tokens"] = outcome.cached_tokens
+            self._compare(planned.predicted.get(engine.id, 0), outcome)
+
+    # ------------------------------------------------------------------ tokens
+
+    async def _prompts(self, request: RouteRequest, engines: Sequence[Engine]) -> list[Prompt]:
+        tokenizer = self._tokenizer(request.model, engines)
+        if tokenizer is None:
+            return [Prompt(None, "none", f"no tokenizer for model {request.model!r}")]
+        chat = request.path == _CHAT
+        if len(request.body) >= self.options.offload_bytes:
+            loop = asyncio.get_running_loop()
+            prompts = await loop.run_in_executor(self._thread, _tokens, tokenizer, request, chat)
+        else:
+            prompts = _tokens(tokenizer, request, chat)
+        resolved = [await self._resolved(p, i, request, engines) for i, p in enumerate(prompts)]
+        for prompt in resolved:
+            self._count_source(prompt)
+        return resolved
+
+    def _tokenizer(self, model: str | None, engines: Sequence[Engine]) -> ModelTokenizer | None:
+        found = self.tokenizers.get(model)
+        if found is None and model is not None:
+            parent = _parent(model, engines)
+            found = self.tokenizers.get(parent) if parent is not None else None
+        return found if found is not None else self.tokenizers.get(None)
+
+    async def _resolved(
+        self, prompt: Prompt, index: int, request: RouteRequest, engines: Sequence[Engine]
+    ) -> Prompt:
+        """``prompt``, with its ids from one engine's /tokenize when it needs them (not for a
+        multimodal one: its ids would not make the engine's keys, so it gets no credit)."""
+        if prompt.source != "fallback" or prompt.multimodal or not engines:
+            return prompt
+        kind: Literal["chat", "completion"] = "chat" if request.path == _CHAT else "completion"
+        try:
+            body = tokenize_request(request.json, kind, index=index)
+        except ValueError as exc:
+            return Prompt(None, "none", str(exc), multimodal=prompt.multimodal)
+        engine = min(engines, key=lambda e: e.in_flight)  # one engine, the least loaded
+        ids = await self._tokenize(engine, body)
+        if ids is None:
+            return Prompt(None, "none", f"/tokenize on {engine.id} failed", prompt.multimodal)
+        return Prompt(ids, "fallback", prompt.why, multimodal=prompt.multimodal)
+
+    async def _tokenize(self, engine: Engine, body: bytes) -> list[int] | None:
+        self.counts.tokenize_calls += 1
+        timeout = aiohttp.ClientTimeout(total=self.options.tokenize_timeout)
+        headers = {"content-type": "application/json"}
+        try:
+            async with self._client().post(
+                engine.url + "/tokenize", data=body, headers=headers, timeout=timeout
+            ) as response:
+                data = await response.read()
+            return parse_tokenize_reply(data)
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+            self.counts.tokenize_errors += 1
+            log.warning("/tokenize on %s failed: %s", engine.id, exc)
+            return None
+
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(trust_env=False)
+        return self._session
+
+    def _count_source(self, prompt: Prompt) -> None:
+        counts = self.counts
+        if prompt.multimodal:
+            counts.multimodal += 1
+        if prompt.token_ids is None:
+            counts.tokens_none += 1
+        elif prompt.source == "chat":
+            counts.tokens_chat += 1
+        elif prompt.source == "completion":
+            counts.tokens_completion += 1
+        elif prompt.source == "tokens":
+            counts.tokens_given += 1
+        else:
+            counts.tokens_fallback += 1
+
+    def _lora(self, model: str | None, engines: Sequence[Engine]) -> str | None:
+        """The LoRA adapter ``model`` names (the engines list it with a parent model)."""
+        if model is None:
+            return None
+        parent = _parent(model, engines)
+        return model if parent is not None and parent != model else None
+
+    # ------------------------------------------------------------------ the decision
+
+    def _decide(
+        self,
+        engines: Sequence[Engine],
+        prompts: Sequence[Prompt],
+        lora: str | None,
+        salt: str | None,
+    ) -> Plan:
+        mine = [e for e in engines if e.id in self.targets]
+        targets = {e.id: self.targets[e.id] for e in mine}
+        prompt = prompts[0] if prompts else Prompt(None, "none", "no prompt")
+        ids = None if prompt.multimodal else prompt.token_ids
+        match = self._match(ids, list(targets.values()), lora, salt)
+        decision = self.service.decide(
+            match.result, targets=list(targets.values()), policy=self.options.policy
+        )
+        order = _by_score(decision, mine, targets)
+        planned = _Planned(targets, {}, {}, {}, {})
+        for engine in mine:
+            self._fill(planned, engine, decision, match, len(ids) if ids is not None else 0)
+        explain = self._explain(decision, prompts, match, planned)
+        log.debug("plan: %s", explain)
+        planned.record = {"time": time.time(), **explain}
+        self.recent.append(planned.record)
+        return Plan(
+            order, dict(planned.predicted), explain, headers=_headers(explain), context=planned
+        )
+
+    def _match(
+        self, ids: Sequence[int] | None, targets: list[Target], lora: str | None, salt: str | None
+    ) -> _Matches:
+        if ids is None:
+            return _Matches(MatchResult(0, {}), {}, {})
+        result = self.service.match(ids, lora=lora, cache_salt=salt)
+        keys: dict[int, list[int]] = {}
+        predicted: dict[Target, int] = {}
+        streams = dict(result.streams)
+        sizes = dict(result.request_blocks)
+        for target in targets:
+            size = self._block_size(target)
+            sizes.setdefault(size, len(ids) // size)
+            if size not in keys:
+                keys[size] = request_keys(ids, size, lora=lora, cache_salt=salt)
+            credited = self.predictions.prefix(target, keys[size])
+            predicted[target] = credited
+            if target in self.stale:
+                streams.pop(target, None)
+                credited = 0
+            if credited > streams.get(target, 0):
+                streams[target] = credited
+        merged = MatchResult(result.request_tokens or len(ids), sizes, result.holders, streams)
+        return _Matches(merged, keys, predicted, result.streams)
+
+    def _block_size(self, target: Target) -> int:
+        """The target's block size: as given for its engine, else its stream's, else the
+        engines' default."""
+        given = self.block_sizes.get(target)
+        return given or self.service.block_size(*target) or self.options.block_size
+
+    def _fill(
+        self, planned: _Planned, engine: Engine, decision: Decision, match: _Matches, tokens: int
+    ) -> None:
+        target = planned.targets[engine.id]
+        size = self._block_size(target)
+        blocks = tokens // size
+        trusted = decision.matched.get(target, 0)  # a degraded stream's matches count 0 there
+        planned.request_blocks[engine.id] = blocks
+        planned.matched[engine.id] = trusted
+        planned.keys[engine.id] = match.keys.get(size, [])
+        # vLLM computes a prompt's last token whatever is cached: at most len - 1 tokens hit.
+        hit = min(trusted, (tokens - 1) // size) if tokens else 0
+        planned.predicted[engine.id] = hit * size
+
+    def _explain(
+        self, decision: Decision, prompts: Sequence[Prompt], match: _Matches, planned: _Planned
+    ) -> dict[str, Any]:
+        by_target = {target: engine_id for engine_id, target in planned.targets.items()}
+        rows = []
+        for row in decision.scores:
+            target = (row.worker_id, row.rank)
+            engine_id = by_target.get(target, row.worker_id)
+            rows.append(
+                {
+                    "engine": engine_id,
+                    "matched_blocks": row.matched_blocks,
+                    "indexed_blocks": match.indexed.get(target, 0),
+                    "predicted_blocks": match.predicted.get(target, 0),
+                    "request_blocks": row.request_blocks,
+                    "requests": row.load.requests,
+                    "terms": dict(row.terms),
+                    "degraded": row.degraded or self.stale.get(target),
+                    "predicted_cached_tokens": planned.predicted.get(engine_id, 0),
+                }
+            )
+        winner = decision.winner
+        first = prompts[0] if prompts else None
+        return {
+            "policy": decision.policy,
+            "winner": None if winner is None else by_target.get(winner, winner[0]),
+            "reason": decision.reason,
+            "tokens": {
+                "source": None if first is None else first.source,
+                "count": 0 if first is None or first.token_ids is None else len(first.token_ids),
+                "why": None if first is None else first.why,
+                "prompts": len(prompts),
+            },
+            "scores": rows,
+        }
+
+    # ------------------------------------------------------------------ what the engines said
+
+    def _compare(self, predicted: int, outcome: Outcome) -> None:
+        reported = outcome.cached_tokens or 0
+        counts = self.counts
+        counts.compared += 1
+        counts.predicted_tokens += predicted
+        counts.reported_tokens += reported
+        counts.prompt_tokens += outcome.prompt_tokens or 0
+        if predicted == reported:
+            counts.exact += 1
+        elif predicted > reported:
+            counts.over += 1
+        else:
+            counts.under += 1
+
+    def _expect_events(self, target: Target) -> None:
+        """An answered request: its engine stored blocks, so its stream must show a batch
+        within ``stale_after`` (kept from the first such request until one arrives)."""
+        if target in self._watch or not self._has_stream(target):
+            return
+        batches = self._batches().get(target, 0)
+        self._watch[target] = _Watch(self._clock() + self.options.stale_after, batches)
+
+    def _check_streams(self) -> None:
+        """Streams watched for events: cleared when a batch came, stale when none did in time
+        (checked at most every half second, from the event loop)."""
+        now = self._clock()
+        if now - self._checked < 0.5 or not (self._watch or self.stale):
+            return
+        self._checked = now
+        batches = self._batches()
+        for target, watch in list(self._watch.items()):
+            if batches.get(target, 0) > watch.batches:
+                del self._watch[target]
+                self._fresh(target)
+            elif now >= watch.deadline:
+                self._mark_stale(target, watch)
+        for target in [t for t in self.stale if t not in self._watch]:
+            self._fresh(target)
+
+    def _mark_stale(self, target: Target, watch: _Watch) -> None:
+        if target in self.stale:
+            return
+        why = f"no events within {self.options.stale_after:g} s of an answered request"
+        self.stale[target] = why
+        self.counts.stale_marks += 1
+        self.predictions.forget(*target)
+        log.warning(
+            "worker %s rank %d: %s; routed on load alone until its events come", *target, why
+        )
+
+    def _fresh(self, target: Target) -> None:
+        if self.stale.pop(target, None) is not None:
+            log.warning("worker %s rank %d: its events come again", *target)
+
+    def _has_stream(self, target: Target) -> bool:
+        return any(reg.worker_id == target[0] for reg in self.service.workers())
+
+    def _batches(self) -> dict[Target, int]:
+        return {(s.worker_id, s.rank): s.batches for s in self.service.stream_infos()}
+
+    def _engine_changed(self, engine: Engine) -> None:
+        """An engine that went down loses its predicted blocks (it may come back empty)."""
+        target = self.targets.get(engine.id)
+        if target is not None and not engine.up:
+            self.predictions.forget(*target)
+            self.inflight.forget(*target)
+            self._watch.pop(target, None)
+
+    # ------------------------------------------------------------------ stats
+
+    def stats(self) -> PlannerStats:
+        levels = PlannerLevels(len(self.stale), self.predictions.stats().keys_held)
+        return PlannerStats(levels, PlannerCounts(**vars(self.counts)))
+
+    async def aclose(self) -> None:
+        """Close the /tokenize connections and the tokenizer thread."""
+        if self._session is not None:
+            await self._session.close()
+        self._thread.shutdown(wait=False)
+
+
+@dataclass(frozen=True)
+class _Matches:
+    """A request's matches: the merged result, its keys per block size, the blocks credited
+    by predictions and those the index alone matched, per target."""
+
+    result: MatchResult
+    keys: Mapping[int, list[int]]
+    predicted: Mapping[Target, int]
+    indexed: Mapping[Target, int] = field(default_factory=dict)
+
+
+def _headers(explain: Mapping[str, Any]) -> list[tuple[bytes, bytes]]:
+    """The decision for the client: matched blocks per engine (``e0=12, e1=3``), the policy
+    and why the winner won (ASCII: engine ids and reasons are made of it; others dropped)."""
+    matched = ", ".join(f"{row['engine']}={row['matched_blocks']}" for row in explain["scores"])
+    out = []
+    for name, text in (
+        (b"x-kvevents-matched-blocks", matched),
+        (b"x-kvevents-policy", str(explain["policy"])),
+        (b"x-kvevents-reason", str(explain["reason"])),
+    ):
+        value = text.encode("ascii", "ignore").replace(b"\r", b" ").replace(b"\n", b" ")
+        out.append((name, value[:_HEADER_LIMIT]))
+    return out
+
+
+def _tokens(tokenizer: ModelTokenizer, request: RouteRequest, chat: bool) -> list[Prompt]:
+    if chat:
+        return [tokenizer.chat(request.json)]
+    return tokenizer.completion(request.json)
+
+
+def _parent(model: str, engines: Sequence[Engine]) -> str | None:
+    """The base model of ``model`` as an engine lists it (``parent``), else None."""
+    for engine in engines:
+        for card in engine.cards:
+            entry = msgspec.json.decode(card)
+            if isinstance(entry, dict) and entry.get("id") == model:
+                parent = entry.get("parent")
+                return parent if isinstance(parent, str) else None
+    return None
+
+
+def _by_score(
+    decision: Decision, engines: Sequence[Engine], targets: Mapping[str, Target]
+) -> list[Engine]:
+    """The engines best first: the winner, then by score (a stable order for equal ones)."""
+    score = {(s.worker_id, s.rank): s.score for s in decision.scores}
+    winner = decision.winner
+
+    def key(engine: Engine) -> tuple[bool, float]:
+        target = targets[engine.id]
+        return (target != winner, -score.get(target, 0.0))
+
+    return sorted(engines, key=key)

@@ -1,0 +1,627 @@
+"""A stand-in OpenAI-compatible engine: fast, scriptable to misbehave, recording what it got.
+
+:class:`StandInEngine` answers like a ``vllm serve`` on its own thread and event loop:
+``GET /health``, ``GET /v1/models``, ``POST /v1/chat/completions`` and ``/v1/completions``
+(streamed as server-sent events, one HTTP chunk per event, with the ``usage`` event when
+``stream_options.include_usage`` is set, or as one JSON body), and any other path with a JSON
+echo naming the engine. Its :class:`Behaviour` scripts the answers: a status, a delay before
+the headers (``math.inf``: it never answers), a drip between pieces, huge answers, a
+connection closed mid-answer, a failing ``/health``. It records each request exactly as
+received (:class:`Received`: method, target, headers as spelled, body bytes) and counts the
+requests whose client closed the connection before their answer ended (:attr:`aborted`).
+
+Written on asyncio's protocol API with httptools (uvicorn's parser), so that it costs a
+benchmark little: a small answer is written from the parser's callback, without a task.
+Answers are deterministic (ids included), so a direct answer and a proxied one can be
+compared byte for byte.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import socket
+import threading
+from collections import deque
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from time import monotonic
+from typing import Any, cast
+
+import httptools
+import msgspec
+
+from kvevents.testing.sockets import wait_for
+
+__all__ = ["Behaviour", "Received", "StandInEngine"]
+
+_SYNC_LIMIT = 1 << 20  # answers up to this size are written at once, from the parser callback
+_decoder = msgspec.json.Decoder()
+_encoder = msgspec.json.Encoder()
+_REASONS = {200: b"OK", 400: b"Bad Request", 404: b"Not Found", 500: b"Internal Server Error"}
+
+
+@dataclass(frozen=True)
+class Behaviour:
+    """How the engine answers (swap the engine's :attr:`StandInEngine.behaviour` any time).
+
+    ``status``: of completion answers (>= 400: an OpenAI error body). ``delay``: seconds
+    before the response headers (``math.inf``: never). ``tokens``: pieces of an answer's text
+    (one SSE event each when streamed); ``token_bytes``: each piece padded to this size (0:
+    ``"tok<i> "``). ``token_delay``: seconds between pieces; ``torn``: each piece is written
+    in two halves a moment apart (one HTTP chunk across two TCP segments). ``close_after``: close the
+    connection after this many pieces; ``hang_up``: close it as soon as a completion request
+    arrives, answering nothing. ``length``: a non-streamed answer says its
+    content-length (False: chunked). ``prompt_tokens``, ``cached_tokens``: the usage
+    reported (``cached_tokens`` None: no ``prompt_tokens_details``, as vLLM without
+    ``--enable-prompt-tokens-details``). ``health_status``, ``health_delay``: of ``/health``.
+    """
+
+    status: int = 200
+    delay: float = 0.0
+    tokens: int = 4
+    token_bytes: int = 0
+    token_delay: float = 0.0
+    torn: bool = False
+    close_after: int | None = None
+    hang_up: bool = False
+    length: bool = True
+    prompt_tokens: int = 8
+    cached_tokens: int | None = None
+    health_status: int = 200
+    health_delay: float = 0.0
+
+    def piece(self, i: int) -> str:
+        text = f"tok{i} "
+        return text + "x" * (self.token_bytes - len(text)) if self.token_bytes > len(text) else text
+
+    @property
+    def quick(self) -> bool:
+        """Whether an answer can be written at once from the parser's callback."""
+        return (
+            self.delay == 0
+            and self.token_delay == 0
+            and not self.torn
+            and self.close_after is None
+            and self.tokens * max(self.token_bytes, 8) <= _SYNC_LIMIT
+        )
+
+
+@dataclass(frozen=True)
+class Received:
+    """One request as it arrived: ``target`` is the path and query as sent, ``headers`` the
+    header lines in order with names as the client spelled them."""
+
+    method: str
+    target: str
+    headers: tuple[tuple[bytes, bytes], ...]
+    body: bytes
+    at: float = field(default_factory=monotonic)
+
+    def header(self, name: str) -> bytes | None:
+        """The first value of header ``name`` (case-insensitive), if any."""
+        wanted = name.lower().encode()
+        return next((v for k, v in self.headers if k.lower() == wanted), None)
+
+
+@dataclass(frozen=True)
+class _Completion:
+    """What a completion request asks for, as the answer needs it."""
+
+    path: str
+    model: str
+    stream: bool
+    include_usage: bool
+
+    @property
+    def chat(self) -> bool:
+        return self.path == "/v1/chat/completions"
+
+
+class _Answers:
+    """The bytes of answers, built from string templates (this is the benchmark's hot path)."""
+
+    def __init__(self, completion: _Completion, behaviour: Behaviour) -> None:
+        self.c = completion
+        self.b = behaviour
+        kind = "chat.completion" if completion.chat else "text_completion"
+        rid = "chatcmpl-stand-in" if completion.chat else "cmpl-stand-in"
+        model = _encoder.encode(completion.model).decode()
+        chunk_kind = kind + ".chunk" if completion.chat else kind
+        opening = '{{"id":"{}","object":"{}","created":0,"model":{},"choices":['
+        self._whole_head = opening.format(rid, kind, model)
+        self._event_head = opening.format(rid, chunk_kind, model)
+
+    def _usage(self) -> str:
+        b = self.b
+        details = "null" if b.cached_tokens is None else f'{{"cached_tokens":{b.cached_tokens}}}'
+        total = b.prompt_tokens + b.tokens
+        return (
+            f'"usage":{{"prompt_tokens":{b.prompt_tokens},"total_tokens":{total},'
+            f'"completion_tokens":{b.tokens},"prompt_tokens_details":{details}}}'
+        )
+
+    def whole(self) -> tuple[bytes, Iterator[bytes], bytes]:
+        """(prefix, pieces, suffix) of a non-streamed answer; the pieces made as they go."""
+        field_ = '"message":{"role":"assistant","content":"' if self.c.chat else '"text":"'
+        close = '"}' if self.c.chat else '"'
+        prefix = f'{self._whole_head}{{"index":0,{field_}'.encode()
+        pieces = (self.b.piece(i).encode() for i in range(self.b.tokens))
+        suffix = f'{close},"logprobs":null,"finish_reason":"stop"}}],{self._usage()}}}'.encode()
+        return prefix, pieces, suffix
+
+    def whole_length(self) -> int:
+        prefix, pieces, suffix = self.whole()
+        return len(prefix) + sum(map(len, pieces)) + len(suffix)
+
+    def event(self, choice: str) -> bytes:
+        return f"data: {self._event_head}{choice}]}}\n\n".encode()
+
+    def events(self) -> tuple[Iterator[bytes], list[bytes]]:
+        """(the opening event and one per piece, made as they go; the events after them)."""
+        chat = self.c.chat
+        opening = []
+        if chat:
+            opening.append(self.event(_choice('"delta":{"role":"assistant","content":""}')))
+        pieces = (
+            self.event(_choice(_content(chat, self.b.piece(i)))) for i in range(self.b.tokens)
+        )
+        closing = [self.event(_choice('"delta":{}' if chat else '"text":""', '"stop"'))]
+        if self.c.include_usage:
+            closing.append(f"data: {self._event_head}],{self._usage()}}}\n\n".encode())
+        closing.append(b"data: [DONE]\n\n")
+        return itertools.chain(opening, pieces), closing
+
+
+def _choice(body: str, finish: str = "null") -> str:
+    return f'{{"index":0,{body},"logprobs":null,"finish_reason":{finish}}}'
+
+
+def _content(chat: bool, text: str) -> str:
+    return f'"delta":{{"content":"{text}"}}' if chat else f'"text":"{text}"'
+
+
+def _head(status: int, headers: Sequence[tuple[str, str]]) -> bytes:
+    lines = [b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b"Status"))]
+    lines += [f"{k}: {v}\r\n".encode() for k, v in headers]
+    return b"".join([*lines, b"\r\n"])
+
+
+def _json_answer(status: int, payload: bytes, extra: Sequence[tuple[str, str]] = ()) -> bytes:
+    headers = [
+        ("content-type", "application/json"),
+        ("content-length", str(len(payload))),
+        *extra,
+    ]
+    return _head(status, headers) + payload
+
+
+def _chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+class _Connection(asyncio.Protocol):
+    """One client connection: requests parsed by httptools and answered in order."""
+
+    def __init__(self, engine: StandInEngine) -> None:
+        self.engine = engine
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpRequestParser(self)
+        self._url = b""
+        self._headers: list[tuple[bytes, bytes]] = []
+        self._body: list[bytes] = []
+        self._queue: deque[tuple[Received, bool]] = deque()
+        self._task: asyncio.Task[None] | None = None
+        self._writable: asyncio.Future[None] | None = None
+        self._closed_here = False  # the engine closed it (a script's close_after), not the client
+        self._abort_counted = False
+
+    # ------------------------------------------------------------------ asyncio callbacks
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports are not asyncio.Transport subclasses, though they are one.
+        self.transport = cast(asyncio.Transport, transport)
+        self.engine.connections += 1
+        self.engine.open_connections.add(self)
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            self._write(_json_answer(400, b'{"error": "bad request"}', [("connection", "close")]))
+            self._close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.engine.open_connections.discard(self)
+        if self._task is not None and not self._task.done():
+            self._count_abort()
+            self._task.cancel()
+        self._unblock()
+
+    def _count_abort(self) -> None:
+        """Count the request being answered as abandoned by its client (once)."""
+        if not self._closed_here and not self._abort_counted:
+            self._abort_counted = True
+            self.engine.count_abort()
+
+    def pause_writing(self) -> None:
+        self._writable = asyncio.get_running_loop().create_future()
+
+    def resume_writing(self) -> None:
+        self._unblock()
+
+    # ------------------------------------------------------------------ httptools callbacks
+
+    def on_message_begin(self) -> None:
+        self._url, self._headers, self._body = b"", [], []
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._headers.append((name, value))
+
+    def on_body(self, body: bytes) -> None:
+        self._body.append(body)
+
+    def on_message_complete(self) -> None:
+        method = self.parser.get_method().decode()
+        request = Received(
+            method, self._url.decode("latin-1"), tuple(self._headers), b"".join(self._body)
+        )
+        self.engine.record(request)
+        self._queue.append((request, self.parser.should_keep_alive()))
+        if self._task is None or self._task.done():
+            self._next()
+
+    # ------------------------------------------------------------------ answering
+
+    def _next(self) -> None:
+        while self._queue and self.transport is not None and not self.transport.is_closing():
+            request, keep_alive = self._queue.popleft()
+            script = self.engine.script(request)
+            if script is None:  # hang up: no answer at all
+                self._close()
+                return
+            if isinstance(script, bytes):
+                self._write(script)
+                if not keep_alive:
+                    self._close()
+                continue
+            self._task = asyncio.get_running_loop().create_task(self._run(script, keep_alive))
+            return
+
+    async def _run(self, script: Any, keep_alive: bool) -> None:
+        try:
+            await script(self)
+        except ConnectionError:  # found the connection closed while writing
+            self._count_abort()
+            return
+        except asyncio.CancelledError:  # the connection was lost (counted there)
+            return
+        if not keep_alive:
+            self._close()
+        else:
+            self._next()
+
+    def _write(self, data: bytes) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(data)
+            self.engine.bytes_sent += len(data)
+
+    async def write(self, data: bytes) -> None:
+        """Write ``data`` once the transport can take it (the client reads it)."""
+        while self._writable is not None and not self._writable.done():
+            await self._writable
+        if self.transport is None or self.transport.is_closing():
+            raise ConnectionResetError("the client closed the connection")
+        self._write(data)
+
+    def _unblock(self) -> None:
+        if self._writable is not None and not self._writable.done():
+            self._writable.set_result(None)
+
+    def _close(self) -> None:
+        self._closed_here = True
+        if self.transport is not None:
+            self.transport.close()
+
+
+class StandInEngine:
+    """A stand-in engine serving ``models`` on ``host``:``port`` (0: a free port, bound now).
+
+    :meth:`start` runs it on a thread of its own; :meth:`close` stops it. ``name`` (default:
+    its URL) appears in echo answers and in its ``x-stand-in-engine`` header. ``adapters``:
+    LoRA adapter -> base model, listed by ``GET /v1/models`` with their ``parent``.
+    ``tokenize``: the ids ``POST /tokenize`` answers (None: it is echoed). ``keep``: how
+    many requests :meth:`received` remembers. The counters (``requests``, ``aborted``,
+    ``connections``, ``bytes_sent``) are read from any thread.
+    """
+
+    def __init__(
+        self,
+        models: Sequence[str] = ("stand-in",),
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        behaviour: Behaviour | None = None,
+        name: str | None = None,
+        keep: int = 10_000,
+        adapters: Mapping[str, str] | None = None,
+        tokenize: Sequence[int] | None = None,
+    ) -> None:
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind((host, port))
+        self._sock.listen(1024)
+        self.port: int = self._sock.getsockname()[1]
+        self.url = f"http://{host}:{self.port}"
+        self.name = name or self.url
+        self.models = tuple(models)
+        self.adapters = dict(adapters or {})
+        self.tokenize = None if tokenize is None else list(tokenize)
+        self.behaviour = behaviour or Behaviour()
+        self.requests = 0
+        self.aborted = 0
+        self.connections = 0
+        self.bytes_sent = 0
+        self._received: deque[Received] = deque(maxlen=keep)
+        self.open_connections: set[_Connection] = set()  # touched on the engine's loop only
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._server: asyncio.AbstractServer | None = None
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self, timeout: float = 10.0) -> StandInEngine:
+        self._thread = threading.Thread(target=self._serve, name="stand-in-engine", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            raise TimeoutError(f"the stand-in engine on {self.url} did not start in {timeout} s")
+        return self
+
+    def _serve(self) -> None:
+        loop = _new_loop()
+        self._loop = loop
+        asyncio.set_event_loop(loop)
+        self._server = loop.run_until_complete(
+            loop.create_server(lambda: _Connection(self), sock=self._sock)
+        )
+        loop.call_soon(self._ready.set)
+        try:
+            loop.run_forever()
+        finally:
+            loop.close()
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop serving and close every connection."""
+        loop, thread = self._loop, self._thread
+        if loop is None or thread is None:
+            self._sock.close()
+            return
+        future = asyncio.run_coroutine_threadsafe(self._shutdown(), loop)
+        future.result(timeout)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout)
+        self._loop = self._thread = None
+
+    async def _shutdown(self) -> None:
+        assert self._server is not None
+        self._server.close()
+        for conn in list(self.open_connections):
+            conn._close()
+        for task in asyncio.all_tasks():
+            if task is not asyncio.current_task():
+                task.cancel()
+
+    def __enter__(self) -> StandInEngine:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ records
+
+    def record(self, request: Received) -> None:
+        with self._lock:
+            self.requests += 1
+            self._received.append(request)
+
+    def count_abort(self) -> None:
+        with self._lock:
+            self.aborted += 1
+
+    def received(self, path: str | None = None) -> list[Received]:
+        """The requests remembered, oldest first (those to ``path`` only, when given)."""
+        with self._lock:
+            found = list(self._received)
+        return [r for r in found if path is None or r.target.split("?")[0] == path]
+
+    def wait_aborted(self, count: int = 1, timeout: float = 10.0) -> int:
+        """Wait until ``count`` requests were abandoned by their client; returns how many."""
+        return wait_for(lambda: self.aborted >= count and self.aborted, timeout, what="aborts")
+
+    # ------------------------------------------------------------------ answers
+
+    def script(self, request: Received) -> Any:
+        """The answer to ``request``: its bytes, a coroutine function writing it, or None
+        (hang up)."""
+        path = request.target.split("?")[0]
+        behaviour = self.behaviour
+        if request.method == "GET" and path == "/health":
+            return self._health(behaviour)
+        if request.method == "GET" and path == "/v1/models":
+            return self._json(200, self._model_list())
+        if request.method == "POST" and path in ("/v1/chat/completions", "/v1/completions"):
+            return self._completion(path, request.body, behaviour)
+        if request.method == "POST" and path == "/tokenize" and self.tokenize is not None:
+            reply = {"tokens": self.tokenize, "count": len(self.tokenize), "max_model_len": 4096}
+            return self._json(200, _encoder.encode(reply))
+        echo = {"engine": self.name, "method": request.method, "target": request.target}
+        return self._json(200, _encoder.encode({**echo, "body_bytes": len(request.body)}))
+
+    def _json(self, status: int, payload: bytes) -> bytes:
+        return _json_answer(status, payload, [("x-stand-in-engine", self.name)])
+
+    def _model_list(self) -> bytes:
+        cards = [
+            {"id": m, "object": "model", "created": 0, "owned_by": "stand-in", "root": m}
+            for m in self.models
+        ]
+        cards += [  # LoRA adapters as vLLM lists them: their base model as parent
+            {
+                "id": a,
+                "object": "model",
+                "created": 0,
+                "owned_by": "stand-in",
+                "root": a,
+                "parent": base,
+            }
+            for a, base in self.adapters.items()
+        ]
+        return _encoder.encode({"object": "list", "data": cards})
+
+    def _health(self, behaviour: Behaviour) -> Any:
+        answer = _json_answer(behaviour.health_status, b"")
+        if behaviour.health_delay == 0:
+            return answer
+
+        async def late(conn: _Connection) -> None:
+            await _sleep(behaviour.health_delay)
+            await conn.write(answer)
+
+        return late
+
+    def _completion(self, path: str, body: bytes, behaviour: Behaviour) -> Any:
+        try:
+            completion = _parse_completion(path, body)
+        except (msgspec.DecodeError, ValueError) as exc:
+            return self._json(400, _error_body(400, f"stand-in: {exc}"))
+        answers = _Answers(completion, behaviour)
+        if behaviour.hang_up:
+            return None
+        if behaviour.status >= 400:
+            failure = self._json(
+                behaviour.status, _error_body(behaviour.status, "stand-in failure")
+            )
+            return failure if behaviour.delay == 0 else _delayed(behaviour.delay, failure)
+        if behaviour.quick:
+            return self._stream_bytes(answers) if completion.stream else self._whole_bytes(answers)
+        return _Script(self, answers)
+
+    def _stream_bytes(self, answers: _Answers) -> bytes:
+        pieces, closing = answers.events()
+        head = _head(200, self._stream_headers())
+        body = b"".join(_chunk(e) for e in itertools.chain(pieces, closing))
+        return head + body + b"0\r\n\r\n"
+
+    def _whole_bytes(self, answers: _Answers) -> bytes:
+        prefix, pieces, suffix = answers.whole()
+        return self._json(200, prefix + b"".join(pieces) + suffix)
+
+    def _stream_headers(self) -> list[tuple[str, str]]:
+        return [
+            ("content-type", "text/event-stream; charset=utf-8"),
+            ("transfer-encoding", "chunked"),
+            ("x-stand-in-engine", self.name),
+        ]
+
+    def whole_headers(self, length: int | None) -> list[tuple[str, str]]:
+        framing = ("content-length", str(length)) if length is not None else None
+        return [
+            ("content-type", "application/json"),
+            framing or ("transfer-encoding", "chunked"),
+            ("x-stand-in-engine", self.name),
+        ]
+
+
+class _Script:
+    """An answer written over time: delays, drips, huge bodies, a close mid-answer."""
+
+    def __init__(self, engine: StandInEngine, answers: _Answers) -> None:
+        self.engine = engine
+        self.answers = answers
+        self.b = answers.b
+
+    async def __call__(self, conn: _Connection) -> None:
+        await _sleep(self.b.delay)
+        if self.answers.c.stream:
+            await self._stream(conn)
+        else:
+            await self._whole(conn)
+
+    async def _pieces(self, conn: _Connection, pieces: Iterable[bytes], frame: bool) -> bool:
+        """Write ``pieces`` (as chunks when ``frame``); False if the script closed the
+        connection after ``close_after`` of them."""
+        for i, piece in enumerate(pieces):
+            if self.b.close_after is not None and i >= self.b.close_after:
+                conn._close()
+                return False
+            data = _chunk(piece) if frame else piece
+            if self.b.torn:
+                await conn.write(data[: len(data) // 2])
+                await asyncio.sleep(0.001)
+                data = data[len(data) // 2 :]
+            await conn.write(data)
+            if self.b.token_delay:
+                await _sleep(self.b.token_delay)
+        return True
+
+    async def _stream(self, conn: _Connection) -> None:
+        opening_and_pieces, closing = self.answers.events()
+        await conn.write(_head(200, self.engine._stream_headers()))
+        if await self._pieces(conn, opening_and_pieces, frame=True):
+            await conn.write(b"".join(_chunk(e) for e in closing) + b"0\r\n\r\n")
+
+    async def _whole(self, conn: _Connection) -> None:
+        prefix, pieces, suffix = self.answers.whole()
+        chunked = not self.b.length
+        length = None if chunked else self.answers.whole_length()
+        head = _head(200, self.engine.whole_headers(length))
+        await conn.write(head + (_chunk(prefix) if chunked else prefix))
+        if await self._pieces(conn, pieces, frame=chunked):
+            await conn.write(_chunk(suffix) + b"0\r\n\r\n" if chunked else suffix)
+
+
+def _parse_completion(path: str, body: bytes) -> _Completion:
+    document = _decoder.decode(body)
+    if not isinstance(document, dict):
+        raise ValueError("the body must be a JSON object")
+    options = document.get("stream_options") or {}
+    return _Completion(
+        path=path,
+        model=str(document.get("model") or "stand-in"),
+        stream=bool(document.get("stream")),
+        include_usage=bool(isinstance(options, dict) and options.get("include_usage")),
+    )
+
+
+def _error_body(status: int, message: str) -> bytes:
+    error = {"message": message, "type": "BadRequestError", "param": None, "code": status}
+    return _encoder.encode({"error": error})
+
+
+def _delayed(seconds: float, answer: bytes) -> Any:
+    async def late(conn: _Connection) -> None:
+        await _sleep(seconds)
+        await conn.write(answer)
+
+    return late
+
+
+async def _sleep(seconds: float) -> None:
+    if seconds == math.inf:
+        await asyncio.get_running_loop().create_future()  # never: until the connection goes
+    elif seconds > 0:
+        await asyncio.sleep(seconds)
+
+
+def _new_loop() -> asyncio.AbstractEventLoop:
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is in the route extra
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()

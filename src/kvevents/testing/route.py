@@ -1,0 +1,198 @@
+"""Test doubles for the front door: a stand-in planner, and a proxy in front of stand-in engines.
+
+:class:`RoundRobinPlanner` plans as a router without an index would: the healthy engines
+serving the model, in turn, no predicted cache. It records every call the proxy makes
+(``plans``, ``started``, ``finished``), so a test can assert what the planner was told.
+:func:`running_proxy` starts :class:`kvevents.route.RouteApp` on a server thread in front
+of given engine URLs and stops it afterwards (:class:`RunningProxy`). :class:`RouteProcess`
+runs ``kvevents route`` itself in a subprocess.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvevents.http import Server
+from kvevents.route import (
+    Engine,
+    EnginePool,
+    Outcome,
+    Plan,
+    Planner,
+    ProxyOptions,
+    RouteApp,
+    RouteRequest,
+)
+
+__all__ = ["RoundRobinPlanner", "RouteProcess", "RunningProxy", "running_proxy"]
+
+
+class RoundRobinPlanner:
+    """The healthy engines serving the request's model, starting one further each time
+    (``rotate=False``: always in pool order).
+
+    ``predicted``: engine id -> the predicted cached tokens to report (default none).
+    ``plans``, ``sent`` (each ``started``), ``answered`` (each ``answering``), ``ended`` (each
+    ``finished``): what the proxy
+    asked and told, in order.
+    """
+
+    def __init__(
+        self,
+        pool: EnginePool,
+        predicted: Mapping[str, int] | None = None,
+        *,
+        rotate: bool = True,
+    ) -> None:
+        self.pool = pool
+        self.rotate = rotate
+        self.predicted = dict(predicted or {})
+        self.plans: list[RouteRequest] = []
+        self.sent: list[tuple[Plan, Engine]] = []
+        self.answered: list[tuple[Plan, Engine]] = []
+        self.ended: list[tuple[Plan, Engine, Outcome]] = []
+        self._turn = 0
+        self._lock = threading.Lock()
+
+    async def plan(self, request: RouteRequest) -> Plan:
+        with self._lock:
+            self.plans.append(request)
+        error = self.pool.unavailable(request.model)
+        if error is not None:
+            return Plan((), {}, {"reason": str(error)}, error=(error.status, error.body))
+        engines = self.pool.healthy(request.model)
+        if self.rotate:
+            self._turn = (self._turn + 1) % len(engines)
+        order = engines[self._turn :] + engines[: self._turn]
+        explain = {"policy": "round_robin", "winner": order[0].id}
+        return Plan(order, dict(self.predicted), explain)
+
+    def started(self, plan: Plan, engine: Engine) -> None:
+        with self._lock:
+            self.sent.append((plan, engine))
+
+    def answering(self, plan: Plan, engine: Engine) -> None:
+        with self._lock:
+            self.answered.append((plan, engine))
+
+    def finished(self, plan: Plan, engine: Engine, outcome: Outcome) -> None:
+        with self._lock:
+            self.ended.append((plan, engine, outcome))
+
+    def outcomes(self) -> list[Outcome]:
+        """The outcomes reported so far, oldest first."""
+        with self._lock:
+            return [outcome for _, _, outcome in self.ended]
+
+
+@dataclass(frozen=True)
+class RunningProxy:
+    """A front door started by :func:`running_proxy`: its server, app, pool and planner."""
+
+    server: Server
+    app: RouteApp
+    pool: EnginePool
+    planner: Any
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    @property
+    def port(self) -> int:
+        return self.server.port
+
+    def engine(self, url: str) -> Engine:
+        """The pool's record of the engine at ``url``."""
+        found = self.pool.get(url)
+        if found is None:
+            raise KeyError(f"no engine {url} in the pool")
+        return found
+
+
+@contextlib.contextmanager
+def running_proxy(
+    urls: Sequence[str],
+    *,
+    options: ProxyOptions | None = None,
+    interval: float = 0.5,
+    timeout: float = 1.0,
+    planner: Callable[[EnginePool], Planner] = RoundRobinPlanner,
+    **app_options: Any,
+) -> Iterator[RunningProxy]:
+    """A started front door over ``urls`` (health checks every ``interval`` s, each bounded
+    by ``timeout``), its planner made by ``planner(pool)``; stopped on exit."""
+    pool = EnginePool(urls, interval=interval, timeout=timeout)
+    made = planner(pool)
+    app = RouteApp(pool, made, options=options, **app_options)
+    server = Server(app, limits=app.options.limits).start()
+    try:
+        yield RunningProxy(server, app, pool, made)
+    finally:
+        server.close()
+
+
+class RouteProcess:
+    """``kvevents route`` (or any command printing ``serving on URL``) in a subprocess.
+
+    :meth:`start` returns once it printed its URL (bounded by ``timeout``); :meth:`stop`
+    sends SIGTERM and returns the exit status (SIGKILL after ``timeout``). ``err`` holds its
+    standard error once stopped.
+    """
+
+    def __init__(self, args: Sequence[str], *, env: Mapping[str, str] | None = None) -> None:
+        self.args = [sys.executable, "-m", "kvevents.cli", *args]
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.url = ""
+        self.err = ""
+        self._proc: subprocess.Popen[str] | None = None
+
+    def start(self, timeout: float = 60.0) -> RouteProcess:
+        self._proc = subprocess.Popen(
+            self.args,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=self.env,
+            start_new_session=True,
+        )
+        line: list[str] = []
+        reader = threading.Thread(target=lambda: line.append(self._first_line()), daemon=True)
+        reader.start()
+        reader.join(timeout)
+        if not line or not line[0].startswith("serving on "):
+            status = self.stop()
+            raise RuntimeError(f"{' '.join(self.args)} did not start (exit {status}): {self.err}")
+        self.url = line[0].removeprefix("serving on ").strip()
+        return self
+
+    def _first_line(self) -> str:
+        assert self._proc is not None and self._proc.stdout is not None
+        return self._proc.stdout.readline()
+
+    def stop(self, timeout: float = 30.0) -> int:
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return 0
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        try:
+            _, self.err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            _, self.err = proc.communicate(timeout=timeout)
+        return proc.returncode
+
+    def __enter__(self) -> RouteProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,269 @@
+"""The front door's planner in front of stand-in engines: predicted blocks, the load bound,
+multimodal and fallback prompts, LoRA keys, stale streams, engines going away."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from kvevents.config import KVEventsConfig
+from kvevents.events import KVEventBatch
+from kvevents.publish import create_publisher
+from kvevents.route._frontdoor import EngineSpec, FrontDoor
+from kvevents.route._plan import PlannerOptions
+from kvevents.route._tokens import ModelTokenizer
+from kvevents.testing.openai_engine import Behaviour, StandInEngine
+from kvevents.testing.sockets import wait_for
+
+MODEL = "tiny"
+BLOCK = 16
+SYSTEM = "You answer questions about the kvevents front door, briefly and exactly. " * 8
+
+Door = Callable[..., FrontDoor]
+
+
+@pytest.fixture
+def tokenizer(chat_model_tokenizer: Path) -> ModelTokenizer:
+    return ModelTokenizer.load(chat_model_tokenizer, model_name=MODEL)
+
+
+@pytest.fixture
+def door(tokenizer: ModelTokenizer) -> Iterator[Door]:
+    """A factory of started front doors over stand-in engines (or specs), closed after."""
+    with contextlib.ExitStack() as stack:
+
+        def make(*engines: StandInEngine | EngineSpec, **options: Any) -> FrontDoor:
+            specs = [
+                e if isinstance(e, EngineSpec) else EngineSpec(e.url, f"e{i}")
+                for i, e in enumerate(engines)
+            ]
+            planner = PlannerOptions(block_size=BLOCK, **options)
+            front = FrontDoor(
+                specs, {None: tokenizer}, planner_options=planner, health_interval=0.2
+            )
+            return stack.enter_context(front)
+
+        yield make
+
+
+@pytest.fixture
+def engines() -> Iterator[Callable[..., StandInEngine]]:
+    made: list[StandInEngine] = []
+
+    def make(**options: Any) -> StandInEngine:
+        engine = StandInEngine((MODEL,), **options).start()
+        made.append(engine)
+        return engine
+
+    yield make
+    for engine in made:
+        engine.close()
+
+
+def ask(front: FrontDoor, user: str, **extra: Any) -> httpx.Response:
+    body = {"model": MODEL, "messages": [{"role": "system", "content": SYSTEM},
+                                         {"role": "user", "content": user}], **extra}  # fmt: skip
+    return httpx.post(f"{front.url}/v1/chat/completions", json=body, timeout=30)
+
+
+def predicted(response: httpx.Response) -> int:
+    return int(response.headers["x-kvevents-predicted-cached-tokens"])
+
+
+def in_background(
+    call: Callable[[], httpx.Response],
+) -> tuple[threading.Thread, list[httpx.Response]]:
+    out: list[httpx.Response] = []
+    thread = threading.Thread(target=lambda: out.append(call()))
+    thread.start()
+    return thread, out
+
+
+def test_a_burst_sharing_a_new_prefix_lands_where_the_first_was_sent(
+    door: Door, engines: Callable[..., StandInEngine]
+) -> None:
+    """Before any engine announced the prefix, the blocks of a request in flight are
+    credited to its engine: the requests after it follow it there, predicted as cached."""
+    slow = Behaviour(delay=0.6)
+    pool = [engines(behaviour=slow) for _ in range(3)]
+    front = door(*pool, policy="longest_prefix")
+    first, answers = in_background(lambda: ask(front, "first question"))
+    wait_for(lambda: sum(len(e.received("/v1/chat/completions")) for e in pool) == 1, 5)
+    followers = [in_background(lambda i=i: ask(front, f"question {i}")) for i in range(3)]
+    for thread, _ in [(first, answers), *followers]:
+        thread.join(10)
+    replies = answers + [r for _, out in followers for r in out]
+    assert len({r.headers["x-kvevents-engine"] for r in replies}) == 1
+    assert predicted(replies[0]) == 0
+    assert all(predicted(r) > 0 for r in replies[1:])
+    assert all(r.status_code == 200 for r in replies)
+
+
+def test_predicted_blocks_expire_after_the_grace_period(
+    door: Door, engines: Callable[..., StandInEngine]
+) -> None:
+    """An answered request's blocks stay predicted for ``grace`` seconds only: the index of
+    the engine's own events speaks for them after that (none here: no credit)."""
+    front = door(engines(), engines(), grace=0.3)
+    assert predicted(ask(front, "once")) == 0
+    assert predicted(ask(front, "twice")) > 0
+    predictions = front.planner.predictions
+
+    def expired() -> bool:
+        predictions.expire()
+        return predictions.stats().keys_held == 0
+
+    wait_for(expired, 5)
+    assert predicted(ask(front, "after the grace")) == 0
+
+
+def test_the_load_bound_spills_a_hot_prefix_over_to_other_engines(
+    door: Door, engines: Callable[..., StandInEngine]
+) -> None:
+    """bounded_prefix: concurrent requests sharing a prefix follow it while the engine is
+    within the bound of requests in flight, then go to the others."""
+    slow = Behaviour(delay=0.8)
+    pool = [engines(behaviour=slow) for _ in range(2)]
+    front = door(*pool, policy="bounded_prefix")
+    started = []
+    for i in range(4):
+        started.append(in_background(lambda i=i: ask(front, f"hot {i}")))
+        wait_for(lambda n=i + 1: sum(len(e.received()) for e in pool) >= n + 2, 5)  # + health
+    for thread, _ in started:
+        thread.join(10)
+    per_engine = [len(e.received("/v1/chat/completions")) for e in pool]
+    assert sorted(per_engine) == [2, 2]
+
+
+def test_a_multimodal_request_gets_no_credit_and_no_tokenize_call(
+    door: Door, engines: Callable[..., StandInEngine]
+) -> None:
+    """An image the router cannot key is a miss, never a false hit: predicted 0, no
+    /tokenize call, counted."""
+    pool = [engines(tokenize=[1, 2, 3]) for _ in range(2)]
+    front = door(*pool)
+    ask(front, "warm up")
+    body = {"model": MODEL, "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": [
+        {"type": "text", "text": "what is this?"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}  # fmt: skip
+    reply = httpx.post(f"{front.url}/v1/chat/completions", json=body, timeout=30)
+    assert reply.status_code == 200 and predicted(reply) == 0
+    assert sum(len(e.received("/tokenize")) for e in pool) == 0
+    assert front.planner.stats().counts.multimodal == 1
+
+
+def test_a_prompt_that_needs_the_engine_asks_one_engine_once(
+    door: Door, engines: Callable[..., StandInEngine]
+) -> None:
+    """What cannot be exact in process costs one /tokenize call to one engine (never one
+    per engine), and its ids are routed on like any others."""
+    ids = list(range(100, 100 + 5 * BLOCK))
+    pool = [engines(tokenize=ids) for _ in range(3)]
+    front = door(*pool)
+    for _ in range(2):
+        reply = ask(front, "coerced", add_generation_prompt="yes")  # pydantic would coerce it
+        assert reply.status_code == 200
+    assert sum(len(e.received("/tokenize")) for e in pool) == 2
+    counts = front.planner.stats().counts
+    assert (counts.tokens_fallback, counts.tokenize_calls, counts.tokenize_errors) == (2, 2, 0)
+    assert predicted(reply) == 4 * BLOCK  # the first's blocks, credited; never the last token's
+
+
+def test_a_lora_adapter_is_keyed_apart_from_its_base_model(
+    door: Door, engines: Callable[..., StandInEngine]
+) -> None:
+    """A model listed with a parent is a LoRA adapter: tokenized as its base model, and its
+    blocks keyed apart (the base model's do not count for it)."""
+    pool = [engines(adapters={"tiny-lora": MODEL}) for _ in range(2)]
+    front = door(*pool)
+    ask(front, "base")
+    lora = ask(front, "base", model="tiny-lora")
+    assert lora.status_code == 200 and predicted(lora) == 0
+    assert predicted(ask(front, "base", model="tiny-lora")) > 0
+
+
+def test_a_stream_whose_events_stop_loses_its_credit_and_health_says_so(
+    door: Door, engines: Callable[..., StandInEngine]
+) -> None:
+    """An answered request not followed by a batch from the engine's stream within
+    stale_after: that stream gets no credit, /health says degraded naming it; a batch
+    brings it back."""
+    config = KVEventsConfig(
+        enable_kv_cache_events=True,
+        endpoint="tcp://127.0.0.1:0",
+        replay_endpoint="tcp://127.0.0.1:0",
+    )
+    with create_publisher(config) as publisher:
+        engine = engines()
+        spec = EngineSpec(engine.url, "e0", publisher.endpoint, publisher.replay_endpoint)
+        front = door(spec, stale_after=0.3)
+        publisher.publish(KVEventBatch(ts=time.time(), events=[]))
+        assert front.service is not None
+        wait_for(lambda: any(s.batches for s in front.service.stream_infos()), 10)
+        ask(front, "is anyone listening")
+        deadline = time.monotonic() + 5
+        while not front.planner.stale and time.monotonic() < deadline:
+            ask(front, "still there?")
+            time.sleep(0.1)
+        health = httpx.get(f"{front.url}/health").json()
+        assert health["status"] == "degraded" and health["streams_without_credit"] == ["e0"]
+        assert front.planner.stats().counts.stale_marks == 1
+        publisher.publish(KVEventBatch(ts=time.time(), events=[]))
+        wait_for(lambda: ask(front, "back") is not None and not front.planner.stale, 10)
+        assert httpx.get(f"{front.url}/health").json()["status"] == "ok"
+
+
+def test_an_engine_that_goes_down_loses_its_predicted_blocks(
+    door: Door, engines: Callable[..., StandInEngine]
+) -> None:
+    """A down engine may come back with an empty cache: its credit goes at once."""
+    pool = [engines(), engines()]
+    front = door(*pool)
+    reply = ask(front, "before")
+    assert front.planner.predictions.stats().keys_held > 0
+    chosen = int(reply.headers["x-kvevents-engine"].removeprefix("e"))
+    pool[chosen].close()
+    engine = front.pool.engines[chosen]
+    wait_for(lambda: not engine.up, 5)
+    assert front.planner.predictions.stats().keys_held == 0
+
+
+def test_the_status_page_and_its_json_show_engines_streams_and_decisions(
+    door: Door, engines: Callable[..., StandInEngine]
+) -> None:
+    """GET / is the page (its script allowed by hash); /status has the engines, streams and
+    the last decisions with what the engines reported."""
+    front = door(engines(behaviour=Behaviour(cached_tokens=0)))
+    ask(front, "status please")
+    page = httpx.get(f"{front.url}/")
+    assert page.status_code == 200 and "sha256-" in page.headers["content-security-policy"]
+    status = httpx.get(f"{front.url}/status").json()
+    assert [e["id"] for e in status["engines"]] == ["e0"]
+    decision = status["decisions"][0]
+    assert decision["winner"] == "e0" and decision["reported_cached_tokens"] == 0
+    assert decision["tokens"]["source"] == "chat" and decision["tokens"]["count"] > 0
+    assert status["planner"]["counts"]["compared"] == 1
+
+
+def test_each_answer_says_how_it_was_decided(
+    door: Door, engines: Callable[..., StandInEngine]
+) -> None:
+    """The response headers explain the decision: matched blocks per engine, the policy and
+    why the winner won."""
+    front = door(engines(), engines(), policy="longest_prefix")
+    ask(front, "explain yourself")
+    reply = ask(front, "explain yourself")
+    winner = reply.headers["x-kvevents-engine"]
+    matched = dict(
+        part.split("=") for part in reply.headers["x-kvevents-matched-blocks"].split(", ")
+    )
+    assert set(matched) == {"e0", "e1"} and int(matched[winner]) > 0
+    assert reply.headers["x-kvevents-policy"] == "longest_prefix"
+    assert reply.headers["x-kvevents-reason"].startswith("most matched blocks")

@@ -1,0 +1,142 @@
+"""Predicted blocks and the front door's in-flight ledger: what they credit, and for how long."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvevents.index.decision import Load, LoadBook
+from kvevents.route._inflight import InFlight
+from kvevents.route._predict import Predictions
+
+A = ("a", 0)
+B = ("b", 0)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_credit_counts_for_its_target_only_and_from_the_first_key() -> None:
+    """Credited keys match on their target as a prefix; another target matches nothing."""
+    predictions = Predictions(clock=Clock())
+    predictions.credit(A, [1, 2, 3])
+    assert predictions.prefix(A, [1, 2, 3, 4]) == 3
+    assert predictions.prefix(A, [1, 2]) == 2
+    assert predictions.prefix(A, [9, 1, 2]) == 0
+    assert predictions.prefix(B, [1, 2, 3]) == 0
+
+
+def test_a_credit_lasts_grace_seconds_after_its_request_ends() -> None:
+    """An answered request's blocks stay predicted for the grace period, then go."""
+    clock = Clock()
+    predictions = Predictions(grace=2.0, ttl=60.0, clock=clock)
+    credit = predictions.credit(A, [1, 2])
+    clock.now += 30
+    assert predictions.expire() == 0 and predictions.prefix(A, [1, 2]) == 2
+    predictions.settle(credit, stored=True)
+    clock.now += 1.9
+    assert predictions.expire() == 0 and predictions.prefix(A, [1, 2]) == 2
+    clock.now += 0.2
+    assert predictions.expire() == 1
+    assert predictions.prefix(A, [1, 2]) == 0
+    assert predictions.stats().keys_held == 0
+
+
+def test_an_unanswered_request_keeps_its_credit_at_most_ttl_seconds() -> None:
+    """A request that never ends does not pin its prediction for ever."""
+    clock = Clock()
+    predictions = Predictions(ttl=10.0, clock=clock)
+    predictions.credit(A, [1])
+    clock.now += 10.0
+    assert predictions.expire() == 1
+    assert predictions.prefix(A, [1]) == 0
+
+
+def test_a_failed_request_takes_its_credit_back_at_once() -> None:
+    """No engine cached what a failed request would have: nothing stays predicted."""
+    predictions = Predictions(clock=Clock())
+    credit = predictions.credit(A, [1, 2])
+    predictions.settle(credit, stored=False)
+    assert predictions.prefix(A, [1, 2]) == 0
+    assert predictions.stats().withdrawn == 1
+    predictions.settle(credit, stored=True)  # a second settle changes nothing
+    assert predictions.prefix(A, [1, 2]) == 0
+
+
+def test_shared_keys_stay_while_any_credit_holds_them() -> None:
+    """Two requests sharing a prefix: the prefix is predicted until both credits are gone."""
+    clock = Clock()
+    predictions = Predictions(grace=1.0, clock=clock)
+    first = predictions.credit(A, [1, 2, 3])
+    second = predictions.credit(A, [1, 2, 7])
+    predictions.settle(first, stored=False)
+    assert predictions.prefix(A, [1, 2, 3]) == 2
+    assert predictions.prefix(A, [1, 2, 7]) == 3
+    predictions.settle(second, stored=False)
+    assert predictions.prefix(A, [1, 2, 7]) == 0
+    assert predictions.stats().keys_held == 0
+
+
+def test_forget_drops_a_workers_credits_and_later_settles_are_harmless() -> None:
+    """An engine that went away (or cleared its cache) is credited nothing any more."""
+    clock = Clock()
+    predictions = Predictions(clock=clock)
+    credit = predictions.credit(A, [1, 2])
+    predictions.credit(B, [1, 2])
+    predictions.forget("a")
+    assert predictions.prefix(A, [1, 2]) == 0
+    assert predictions.prefix(B, [1, 2]) == 2
+    predictions.settle(credit, stored=False)
+    assert predictions.stats().keys_held == 2
+
+
+def test_the_keys_held_are_bounded_and_the_soonest_to_expire_go_first() -> None:
+    """Past max_keys, the credit that would expire first is dropped to make room."""
+    clock = Clock()
+    predictions = Predictions(grace=1.0, ttl=100.0, max_keys=4, clock=clock)
+    old = predictions.credit(A, [1, 2])
+    predictions.settle(old, stored=True)  # expires first
+    predictions.credit(B, [3, 4])
+    predictions.credit(A, [5, 6])
+    assert predictions.stats().keys_held == 4
+    assert predictions.prefix(A, [1, 2]) == 0
+    assert predictions.prefix(B, [3, 4]) == 2 and predictions.prefix(A, [5, 6]) == 2
+
+
+def test_bad_bounds_are_refused_naming_them() -> None:
+    """A negative grace, a ttl of zero or no room for keys is a clear error."""
+    with pytest.raises(ValueError, match="grace must be >= 0"):
+        Predictions(grace=-1)
+    with pytest.raises(ValueError, match="ttl > 0"):
+        Predictions(ttl=0)
+
+
+def test_in_flight_moves_a_request_from_queued_to_active_to_gone() -> None:
+    """Sent: its new blocks are queued; first byte: its blocks are active; ended: gone."""
+    book = LoadBook()
+    inflight = InFlight(book, clock=Clock())
+    ticket = inflight.sent(A, request_blocks=10, new_blocks=4)
+    assert book.get(*A) == Load(queued_blocks=4, active_blocks=0, requests=1)
+    inflight.first_byte(ticket)
+    inflight.first_byte(ticket)
+    assert book.get(*A) == Load(queued_blocks=0, active_blocks=10, requests=1)
+    inflight.ended(ticket)
+    inflight.ended(ticket)
+    assert book.get(*A) == Load()
+    assert inflight.stats().ended == 1
+
+
+def test_a_request_that_fails_before_its_first_byte_leaves_no_load_behind() -> None:
+    """A connect error ends a ticket that never saw a byte: its queued blocks go too."""
+    book = LoadBook()
+    inflight = InFlight(book, clock=Clock())
+    first = inflight.sent(A, request_blocks=8, new_blocks=8)
+    second = inflight.sent(A, request_blocks=8, new_blocks=2)
+    inflight.ended(first)
+    assert book.get(*A) == Load(queued_blocks=2, active_blocks=0, requests=1)
+    inflight.ended(second)
+    assert book.get(*A) == Load()
