@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from kvevents.sim.closedloop import run_conversations
+from kvevents.sim.closedloop import LoadView, run_conversations
 from kvevents.sim.cluster import ClusterConfig
 from kvevents.sim.records import Request
 from kvevents.sim.simulate import SimulationConfig
@@ -89,6 +89,32 @@ def test_own_in_flight_load_spreads_a_burst_the_engines_have_not_seen() -> None:
         conversations, "prefix_load", _config(4), concurrency=4, load_view="inflight"
     )
     assert sorted(run.report.per_target.values()) == [1, 1, 1, 1]
+
+
+def test_own_view_credits_the_blocks_of_requests_in_flight_to_their_engine() -> None:
+    """With the router's own view, as the front door does, a burst sharing a prefix no engine
+    has stored yet follows the first request sent (its predicted blocks); the engines' true
+    view has nothing cached yet and spreads the burst by load."""
+    conversations = _conversations(4, 1, apps=1)
+    own = run_conversations(
+        conversations, "longest_prefix", _config(4), concurrency=4, load_view="inflight"
+    )
+    true = run_conversations(
+        conversations, "longest_prefix", _config(4), concurrency=4, load_view="engine"
+    )
+    assert max(own.report.per_target.values()) == 4
+    assert max(true.report.per_target.values()) < 4
+
+
+@pytest.mark.parametrize("view", ["engine", "inflight"])
+def test_bounded_prefix_is_given_requests_in_flight(view: LoadView) -> None:
+    """bounded_prefix sees each engine's requests in flight, in both views: a burst sharing
+    one prefix spills over to other engines instead of all landing on the first."""
+    conversations = _conversations(6, 1, apps=1)
+    run = run_conversations(
+        conversations, "bounded_prefix", _config(3), concurrency=6, load_view=view
+    )
+    assert max(run.report.per_target.values()) <= 3
 
 
 def test_bad_arguments_are_refused_by_name() -> None:

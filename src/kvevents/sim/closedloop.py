@@ -13,11 +13,13 @@ simulated engines see the real prefixes; their answers are the simulator's own t
 later prompt contains (as a real answer, detokenized and re-tokenized, often is not either).
 
 ``load_view`` says what load the router is given: ``"engine"`` is what
-:class:`PolicyRun` gives it today, every engine's true queued and active blocks at the instant
-of the decision (no real router has that); ``"inflight"`` is what a front door can know by
-itself: the requests it sent and that have not finished, per target, their prompt blocks not
-matched at the decision (as queued prefill) and their prompt blocks (as held), both until
-they end.
+:class:`PolicyRun` gives it today, every engine's true queued and active blocks and requests
+at the instant of the decision (no real router has that); ``"inflight"`` is what a front door
+(``kvevents route``) knows by itself: the requests it sent and that have not finished, per
+target, their count, their prompt blocks not matched at the decision (as queued prefill) and
+their prompt blocks (as held), all until they end. With it, as the front door does, the
+prompt blocks of a request in flight are credited to its target at once (predicted blocks):
+the requests right behind it find them there before the engine has stored anything.
 """
 
 from __future__ import annotations
@@ -26,10 +28,11 @@ import heapq
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from kvevents.index.decision import Target
+from kvevents.index import MatchResult
 from kvevents.sim.cluster import Cluster
 from kvevents.sim.records import Request, RequestRecord
 from kvevents.sim.simulate import PolicyReport, PolicyRun, SimulationConfig
@@ -52,6 +55,16 @@ class _InFlight:
     target: Target
     new_blocks: int  # prompt blocks to prefill (prompt minus matched at the decision)
     held_blocks: int  # blocks the request holds while it runs
+    token_ids: Sequence[int] = ()  # its prompt (its full blocks are predicted on target)
+
+
+def _common_blocks(a: Sequence[int], b: Sequence[int], size: int) -> int:
+    """Full blocks of ``size`` tokens that ``a`` and ``b`` share from their start."""
+    blocks = min(len(a), len(b)) // size
+    for i in range(blocks):
+        if a[i * size : (i + 1) * size] != b[i * size : (i + 1) * size]:
+            return i
+    return blocks
 
 
 class _ClosedLoopRun(PolicyRun):
@@ -70,13 +83,39 @@ class _ClosedLoopRun(PolicyRun):
             return
         queued: dict[Target, int] = dict.fromkeys(self._targets, 0)
         active: dict[Target, int] = dict.fromkeys(self._targets, 0)
+        requests: dict[Target, int] = dict.fromkeys(self._targets, 0)
         for request in self.in_flight.values():
             queued[request.target] += request.new_blocks
             active[request.target] += request.held_blocks
+            requests[request.target] += 1
         for target in self._targets:
             self.router.loads.set(
-                target[0], target[1], queued_blocks=queued[target], active_blocks=active[target]
+                target[0],
+                target[1],
+                queued_blocks=queued[target],
+                active_blocks=active[target],
+                requests=requests[target],
             )
+
+    def route(self, request: Request) -> Target | None:
+        if self.load_view == "engine" or not self._uses_load:
+            return super().route(request)
+        self._update_loads()
+        match = self.router.index.match(request.token_ids)
+        self.last_decision = self.router.decide(
+            self._with_predicted(match, request.token_ids), targets=self._targets
+        )
+        return self.last_decision.winner
+
+    def _with_predicted(self, match: MatchResult, token_ids: Sequence[int]) -> MatchResult:
+        """``match`` with each target raised to the blocks its requests in flight predict."""
+        size = self.cluster.config.block_size
+        streams = dict(match.streams)
+        for flight in self.in_flight.values():
+            shared = _common_blocks(token_ids, flight.token_ids, size)
+            if shared > streams.get(flight.target, 0):
+                streams[flight.target] = shared
+        return replace(match, streams=streams)
 
     def sent(self, request: Request, target: Target) -> None:
         """Book ``request`` as in flight on ``target`` (the decision's matched blocks known)."""
@@ -84,7 +123,9 @@ class _ClosedLoopRun(PolicyRun):
         blocks = math.ceil(len(request.token_ids) / size)
         decision = self.last_decision
         matched = decision.matched.get(target, 0) if decision is not None else 0
-        self.in_flight[request.request_id] = _InFlight(target, max(0, blocks - matched), blocks)
+        self.in_flight[request.request_id] = _InFlight(
+            target, max(0, blocks - matched), blocks, request.token_ids
+        )
 
 
 @dataclass
