@@ -129,7 +129,11 @@ class Settings:
             engines = int(os.environ.get("KVEVENTS_BENCH_ROUTE_ENGINES", "2"))
             return cls(engines, True, QUICK_CHAT, None, False)
         engines = int(os.environ.get("KVEVENTS_BENCH_ROUTE_ENGINES", "3"))
-        return cls(engines, False, ChatShape(), MooncakeShape(), True)
+        # KVEVENTS_BENCH_ROUTE_WORKLOADS=chat and KVEVENTS_BENCH_ROUTE_FAULTS=0: a shorter run.
+        workloads = os.environ.get("KVEVENTS_BENCH_ROUTE_WORKLOADS", "chat,mooncake")
+        mooncake = MooncakeShape() if "mooncake" in workloads else None
+        faults = os.environ.get("KVEVENTS_BENCH_ROUTE_FAULTS", "1") != "0"
+        return cls(engines, False, ChatShape(), mooncake, faults)
 
     def engine_blocks(self) -> int:
         """Each engine's cache: 1/N of the chat working set (the pooled engine holds it all)."""
@@ -422,9 +426,21 @@ def fault_run(settings: Settings, rig: Rig, chat: list[Outcome]) -> ClientRun:
     )
 
 
+def chosen(entries: list[Router], wanted: str | None) -> list[Router]:
+    """The entries whose name contains one of ``wanted``'s comma-separated words (all without
+    it): ``KVEVENTS_BENCH_ROUTE_ROUTERS=kvevents,pooled`` runs only those (a shorter run)."""
+    if not wanted:
+        return entries
+    words = [w.strip() for w in wanted.split(",") if w.strip()]
+    return [e for e in entries if any(w in e.name for w in words)]
+
+
 def measure_all(settings: Settings, rig: Rig, runs: dict[str, ClientRun]) -> list[Outcome]:
     """Every router on every workload, then the fault runs."""
-    entries = routers(WORK / "venvs", quick=settings.quick)
+    entries = chosen(
+        routers(WORK / "venvs", quick=settings.quick),
+        os.environ.get("KVEVENTS_BENCH_ROUTE_ROUTERS"),
+    )
     outcomes = [
         rig.measure(router, name, run)
         for name, run in runs.items()

@@ -248,11 +248,12 @@ def kvevents_route_unavailable() -> str | None:
 
 
 def kvevents_policies() -> tuple[str, list[str]]:
-    """The default policy and the others (``kvevents.index.router``)."""
-    from kvevents.index import router
+    """``kvevents route``'s default policy (its settings') and the index's others."""
+    from kvevents.cli.config import RouteSettings
+    from kvevents.index.router import POLICIES
 
-    default = getattr(router, "DEFAULT_POLICY", "longest_prefix")
-    return default, [name for name in router.POLICIES if name != default]
+    default = str(RouteSettings.model_fields["policy"].default)
+    return default, [name for name in POLICIES if name != default]
 
 
 def routers(venv_root: Path, *, quick: bool) -> list[Router]:

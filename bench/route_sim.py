@@ -24,13 +24,13 @@ from pathlib import Path
 from typing import Any
 
 from harness import Row
-from kvevents.index.router import DEFAULT_POLICY, POLICIES
+from kvevents.index.router import POLICIES
 from kvevents.sim.closedloop import LoadView, run_conversations
 from kvevents.sim.cluster import ClusterConfig
 from kvevents.sim.records import Request
 from kvevents.sim.simulate import PolicyReport, SimulationConfig
 from route_client import read_records, sent_messages
-from route_peers import slug
+from route_peers import kvevents_policies, slug
 from route_report import Outcome
 
 
@@ -120,7 +120,7 @@ def _pair_policy(router: str) -> tuple[str, int, bool] | None:
     if router == "vllm-router round_robin":
         return "round_robin", 0, False
     if router == "kvevents route (default)":
-        return DEFAULT_POLICY, 0, False
+        return kvevents_policies()[0], 0, False
     if router.startswith("kvevents route "):
         return router.split()[-1], 0, False
     if router.startswith("stand-in (kvevents serve "):
