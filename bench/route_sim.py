@@ -17,9 +17,10 @@ the round-robin run's prompts with both load views (the engines' true load, as
 
 from __future__ import annotations
 
+import statistics
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -100,7 +101,14 @@ def real_prompts(out: Path, renderer: Renderer, answer_tokens: int) -> Prompts:
 
 
 def simulate(
-    prompts: Prompts, shape: SimShape, policy: str, *, workers: int, blocks: int, view: LoadView
+    prompts: Prompts,
+    shape: SimShape,
+    policy: str,
+    *,
+    workers: int,
+    blocks: int,
+    view: LoadView,
+    speeds: Sequence[float] = (),
 ) -> PolicyReport:
     return run_conversations(
         prompts.conversations,
@@ -108,7 +116,24 @@ def simulate(
         shape.config(workers, blocks),
         concurrency=shape.concurrency,
         load_view=view,
+        speeds=speeds,
     ).report
+
+
+def engine_speeds(outcome: Outcome, engines: int) -> list[float]:
+    """Each engine's step time relative to the mean, from a real run whose answers said where
+    they went (``x-kvevents-engine``): the median time from first token to last per engine.
+    Engines sharing this machine's two cores with each other and with other work do not run
+    equally fast, and which is slow changes from run to run. Empty when unknown."""
+    decode: dict[str, list[float]] = defaultdict(list)
+    for r in outcome.ok:
+        if r.engine and r.ttft_ms is not None:
+            decode[r.engine].append(max(1e-3, (r.end_s - r.start_s) - r.ttft_ms / 1000))
+    if len(decode) != engines:
+        return []
+    medians = [statistics.median(v) for v in decode.values()]
+    mean = sum(medians) / len(medians)
+    return [m / mean for m in medians]
 
 
 def _pair_policy(router: str) -> tuple[str, int, bool] | None:
@@ -154,6 +179,21 @@ def sim_rows(
         blocks = shape.blocks * (shape.engines if pooled else 1)
         report = simulate(prompts, shape, policy, workers=workers, blocks=blocks, view="inflight")
         rows += _pair_rows(section, outcome, report, prompts, policy)
+        speeds = engine_speeds(outcome, shape.engines) if workers > 1 else []
+        if speeds:
+            timed = simulate(
+                prompts,
+                shape,
+                policy,
+                workers=workers,
+                blocks=blocks,
+                view="inflight",
+                speeds=speeds,
+            )
+            label = "/".join(f"{v:.2f}" for v in speeds)
+            rows += _pair_rows(
+                section, outcome, timed, replace(prompts, mismatched=0), f"{policy}, speeds {label}"
+            )
     if base is not None:
         rows += _policy_rows(section, base, shape)
     return rows

@@ -117,9 +117,35 @@ def test_bounded_prefix_is_given_requests_in_flight(view: LoadView) -> None:
     assert max(run.report.per_target.values()) <= 3
 
 
+def test_a_slower_engine_keeps_requests_in_flight_longer_and_serves_fewer() -> None:
+    """``speeds``: an engine three times slower than the others holds its requests longer, so
+    a policy bounding requests in flight sends it fewer (round robin, blind to load, not)."""
+    conversations = _conversations(24, 3, apps=3)
+    bounded = {
+        speeds: run_conversations(
+            conversations,
+            "bounded_prefix",
+            _config(3),
+            concurrency=6,
+            load_view="inflight",
+            speeds=speeds,
+        ).report.per_target
+        for speeds in ((), (3.0, 1.0, 1.0))
+    }
+    even, slow = (sorted(b.items()) for b in bounded.values())
+    assert slow[0][1] < even[0][1] and slow[0][1] < min(n for _, n in slow[1:])
+    blind = run_conversations(
+        conversations, "round_robin", _config(3), concurrency=6, speeds=(3.0, 1.0, 1.0)
+    )
+    assert sorted(blind.report.per_target.values()) == [24, 24, 24]
+
+
 def test_bad_arguments_are_refused_by_name() -> None:
-    """A non-positive concurrency or an unknown load view is a ValueError naming it."""
+    """A non-positive concurrency, an unknown load view or speeds not one per worker is a
+    ValueError naming it."""
     with pytest.raises(ValueError, match="concurrency"):
         run_conversations([], "round_robin", _config(1), concurrency=0)
     with pytest.raises(ValueError, match="load_view"):
         run_conversations([], "round_robin", _config(1), concurrency=1, load_view="psychic")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="speeds"):
+        run_conversations([], "round_robin", _config(2), concurrency=1, speeds=(1.0,))

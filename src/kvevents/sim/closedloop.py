@@ -31,8 +31,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from kvevents.index.decision import Target
 from kvevents.index import MatchResult
+from kvevents.index.decision import Target
 from kvevents.sim.cluster import Cluster
 from kvevents.sim.records import Request, RequestRecord
 from kvevents.sim.simulate import PolicyReport, PolicyRun, SimulationConfig
@@ -176,18 +176,24 @@ def run_conversations(
     *,
     concurrency: int,
     load_view: LoadView = "engine",
+    speeds: Sequence[float] = (),
 ) -> ConversationsRun:
     """Every turn of ``conversations`` through a fresh cluster, closed-loop at ``concurrency``.
 
     Request ids must be unique; a conversation's turns are sent in order, each once the
     previous one has finished. Engines advance in virtual time, the least advanced busy one
-    first, so every answer is seen at the moment it ends.
+    first, so every answer is seen at the moment it ends. ``speeds``: each engine's step
+    time as a multiple of the configured one, in worker order (engines sharing a machine do
+    not run equally fast; a slower one keeps its requests in flight longer, which a policy
+    bounding requests in flight answers by sending elsewhere); none: all equal.
     """
     if concurrency <= 0:
         raise ValueError(f"concurrency must be positive, got {concurrency}")
     if load_view not in ("engine", "inflight"):
         raise ValueError(f"load_view must be 'engine' or 'inflight', got {load_view!r}")
     config = config or SimulationConfig()
+    if speeds and (len(speeds) != config.cluster.workers or min(speeds) <= 0):
+        raise ValueError(f"speeds must be one positive factor per worker, got {list(speeds)}")
     began = time.monotonic()
     where = {
         request.request_id: (c, t)
@@ -195,6 +201,12 @@ def run_conversations(
         for t, request in enumerate(turns)
     }
     with Cluster(config.cluster) as cluster:
+        for engine, factor in zip(cluster.engines.values(), speeds, strict=False):
+            engine.config = replace(
+                engine.config,
+                step_base_s=engine.config.step_base_s * factor,
+                step_token_s=engine.config.step_token_s * factor,
+            )
         run = _ClosedLoopRun(cluster, policy, config, load_view)
         client = _Client(conversations, concurrency)
         seen = dict.fromkeys(cluster.engines, 0)
