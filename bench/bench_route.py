@@ -46,9 +46,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from harness import Row
 from kvevents.deadline import Deadline
-from kvevents.testing.vllm_server import build_chat_model, find_vllm_python, vllm_unavailable
+from kvevents.testing.vllm_server import (
+    VllmServerError,
+    build_chat_model,
+    find_vllm_python,
+    vllm_unavailable,
+)
 from route_client import (
-    CLIENT_TIMEOUT,
+    CLIENT_GRACE,
     Client,
     ClientRun,
     aiperf_argv,
@@ -308,16 +313,17 @@ class Rig:
     # ------------------------------------------------------------------ the fault run
 
     def fault(self, router: Router, run: ClientRun) -> Outcome:
-        """``router`` while its first engine is killed (SIGKILL) :data:`FAULT_PHASE` s in and
-        relaunched on the same ports so as to be back at twice that (one restart earlier: the
-        restart timed before the fault runs); the client is stopped :data:`FAULT_PHASE` s
-        after the engine is back, however long the restart took."""
+        """``router`` while its first engine is killed (SIGKILL) :data:`FAULT_PHASE` s after
+        the client's traffic began and relaunched on the same ports so as to be back at twice
+        that (one restart earlier: the restart timed before the fault runs). The client runs
+        for ``run.duration`` s of traffic and ends by itself (aiperf's own benchmark duration),
+        however long the restart took."""
         out = self.run_dir / "fault" / slug(router.name)
         out.mkdir(parents=True, exist_ok=True)
         reason = self.unavailable(router)
         if reason:
             return Outcome(router.name, "fault", reason)
-        assert self.cluster is not None
+        assert self.cluster is not None and run.duration is not None
         engines = list(self.cluster.engines)
         self.cluster.reset(self.cluster.all)
         before = self.cluster.snapshots(engines)
@@ -329,9 +335,10 @@ class Rig:
                 aiperf_argv(self.aiperf, process.url, self.tokenizer, run, out), out, self.env
             )
             try:
-                figures, victim_before, at_ready = self._kill_and_restart(engines[0], client)
-            finally:
+                figures, victim_before, at_ready = self._kill_and_restart(engines, client, before)
+            except BaseException:
                 client.stop()
+                raise
             seconds = client.wait()
             metrics = self._router_metrics(process, out)
         except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
@@ -343,9 +350,7 @@ class Rig:
         after = self.cluster.snapshots(engines)
         deltas = [a - b for a, b in zip(after, before, strict=True)]
         deltas[0] = (victim_before - before[0]) + after[0]  # its counters restarted from zero
-        # Requests the stop itself cut short are the rig's doing, not the router's: left out.
-        cut = client.stopped_at or math.inf
-        records = [r for r in read_records(out) if r.error is None or r.end_s < cut]
+        records = read_records(out)
         back = client.started + figures.ready_at
         figures.after_restart = [r for r in records if r.start_s >= back]
         figures.victim_requests_after = round(after[0].requests - at_ready.requests)
@@ -360,20 +365,35 @@ class Rig:
             fault=figures,
         )
 
+    def _traffic_began(
+        self, engines: list[BenchEngine], before: list[Snapshot], client: Client
+    ) -> float:
+        """Seconds after the client's start at which an engine first saw a prompt (aiperf
+        takes a while to configure itself before it sends anything)."""
+        deadline = Deadline(300)
+        while client.running() and not deadline.expired:
+            with contextlib.suppress(OSError, VllmServerError):
+                now = self.cluster.snapshots(engines) if self.cluster else []
+                if any(n.queries > b.queries for n, b in zip(now, before, strict=True)):
+                    return client.elapsed()
+            time.sleep(0.5)
+        raise RuntimeError("the client sent nothing in 300 s")
+
     def _kill_and_restart(
-        self, victim: BenchEngine, client: Client
+        self, engines: list[BenchEngine], client: Client, before: list[Snapshot]
     ) -> tuple[FaultFigures, Snapshot, Snapshot]:
-        client.sleep_until(FAULT_PHASE)
+        victim = engines[0]
+        began = self._traffic_began(engines, before, client)
+        client.sleep_until(began + FAULT_PHASE)
         victim_before = snapshot(victim)
         victim.kill()
         killed = client.elapsed()
-        client.sleep_until(max(killed + 5, 2 * FAULT_PHASE - self.restart_estimate))
+        client.sleep_until(max(killed + 5, began + 2 * FAULT_PHASE - self.restart_estimate))
         victim.relaunch()
         restarted = client.elapsed()
         victim.wait_ready(Deadline(300))
         ready = client.elapsed()
         at_ready = snapshot(victim)
-        client.sleep_until(ready + FAULT_PHASE)
         return FaultFigures(killed, restarted, ready, victim.url), victim_before, at_ready
 
     def time_restart(self) -> float:
@@ -409,7 +429,9 @@ def fault_run(settings: Settings, rig: Rig, chat: list[Outcome]) -> ClientRun:
     """
     restart = rig.time_restart() * FAULT_RESTART_MARGIN
     rig.restart_estimate = restart
-    longest = 3 * FAULT_PHASE + 2 * restart
+    # Traffic for three phases, and half a restart more in case it comes back late.
+    duration = 3 * FAULT_PHASE + restart / 2
+    longest = duration + CLIENT_GRACE
     timed = [o for o in chat if o.status == "ok" and o.seconds]
     rate = max((len(o.records) / o.seconds for o in timed), default=5.0)
     conversations = math.ceil(2 * rate * longest / settings.chat.turns)
@@ -422,7 +444,7 @@ def fault_run(settings: Settings, rig: Rig, chat: list[Outcome]) -> ClientRun:
         file=sys.stderr,
     )
     return ClientRun(
-        path, "multi_turn", shape.requests, shape.concurrency, BLOCK_SIZE, duration=CLIENT_TIMEOUT
+        path, "multi_turn", shape.requests, shape.concurrency, BLOCK_SIZE, duration=duration
     )
 
 

@@ -39,6 +39,8 @@ from typing import Any
 from route_engines import MODEL_NAME
 
 CLIENT_TIMEOUT = 1800.0
+#: Seconds aiperf waits for requests in flight when its benchmark duration ends.
+CLIENT_GRACE = 30.0
 
 
 ALIAS = "local/chat"
@@ -114,7 +116,8 @@ def aiperf_argv(aiperf: Path, url: str, tokenizer: str, run: ClientRun, out: Pat
     if run.duration is None:
         argv += ["--request-count", str(run.requests)]
     else:
-        argv += ["--benchmark-duration", str(run.duration), "--benchmark-grace-period", "60"]
+        argv += ["--benchmark-duration", f"{run.duration:.0f}"]
+        argv += ["--benchmark-grace-period", f"{CLIENT_GRACE:.0f}"]
     if run.http_trace:
         argv.append("--export-http-trace")
     if run.dataset_type == "mooncake_trace":

@@ -16,7 +16,6 @@ counters, the rows for bench/RESULTS.md, and the run's JSON summary.
 
 from __future__ import annotations
 
-import re
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -97,23 +96,19 @@ class FaultFigures:
 
 
 def prediction_agreement(metrics_text: str) -> tuple[float, float] | None:
-    """(exact predictions, predictions) from ``kvevents route``'s /metrics, or None.
+    """(exact predictions, predictions compared) from ``kvevents route``'s /metrics, or None.
 
-    The hook for the front door's live proof: it counts each request's predicted cached
-    tokens against the engine's reported ones. Read here from a counter family
-    ``kvevents_route_predictions_total`` with an ``outcome`` label (``exact`` among others);
-    rename here when the front door's metric lands under another name.
+    The front door's own count (``kvevents_route_planner_exact_total`` of
+    ``kvevents_route_planner_compared_total``): each answer's predicted cached tokens against
+    the ``cached_tokens`` the engine reported in it.
     """
-    total = exact = 0.0
-    pattern = re.compile(r"^kvevents_route_predictions_total\{([^}]*)\}\s+([0-9.eE+-]+)$")
+    values: dict[str, float] = {}
     for line in metrics_text.splitlines():
-        match = pattern.match(line)
-        if match is None:
-            continue
-        value = float(match.group(2))
-        total += value
-        exact += value if 'outcome="exact"' in match.group(1) else 0.0
-    return (exact, total) if total else None
+        name, _, value = line.partition(" ")
+        if name in ("kvevents_route_planner_exact_total", "kvevents_route_planner_compared_total"):
+            values[name] = float(value)
+    total = values.get("kvevents_route_planner_compared_total", 0.0)
+    return (values.get("kvevents_route_planner_exact_total", 0.0), total) if total else None
 
 
 def _pct(value: float | None) -> float:

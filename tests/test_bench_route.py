@@ -175,11 +175,12 @@ def test_a_router_that_did_not_run_is_one_row_saying_why() -> None:
 
 
 def test_prediction_agreement_reads_the_front_doors_counters() -> None:
-    """exact / all predictions from the outcome-labelled counter; None without it."""
+    """exact of compared predictions from kvevents route's planner counters; None without."""
     text = (
-        "# TYPE kvevents_route_predictions_total counter\n"
-        'kvevents_route_predictions_total{outcome="exact"} 98\n'
-        'kvevents_route_predictions_total{outcome="over"} 2\n'
+        "# TYPE kvevents_route_planner_compared_total counter\n"
+        "kvevents_route_planner_compared_total 100.0\n"
+        "kvevents_route_planner_exact_total 98.0\n"
+        "kvevents_route_planner_exact_keys 5.0\n"
     )
     assert prediction_agreement(text) == (98.0, 100.0)
     assert prediction_agreement("vllm:num_requests_running 0\n") is None
