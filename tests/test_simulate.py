@@ -123,7 +123,7 @@ def test_bounded_prefix_is_given_requests_in_flight_and_spills_a_hot_prefix() ->
     prefix = list(range(1000, 1000 + 8 * 16))
     with Cluster(config.cluster) as cluster:
         run = PolicyRun(cluster, "bounded_prefix", config)
-        warm = run.submit(Request("warm", prefix + [1], 1), 0.0)
+        warm = run.submit(Request("warm", [*prefix, 1], 1), 0.0)
         run.drain()
         burst = [run.submit(Request(f"b{i}", [*prefix, 2 + i], 8), 1.0) for i in range(4)]
         loads = [s.load.requests for s in run.last_decision.scores] if run.last_decision else []
