@@ -132,7 +132,8 @@ class Settings:
         quick = os.environ.get("KVEVENTS_BENCH_ROUTE_QUICK") == "1" if quick is None else quick
         if quick:
             engines = int(os.environ.get("KVEVENTS_BENCH_ROUTE_ENGINES", "2"))
-            return cls(engines, True, QUICK_CHAT, None, False)
+            faults = os.environ.get("KVEVENTS_BENCH_ROUTE_FAULTS") == "1"
+            return cls(engines, True, QUICK_CHAT, None, faults)
         engines = int(os.environ.get("KVEVENTS_BENCH_ROUTE_ENGINES", "3"))
         # KVEVENTS_BENCH_ROUTE_WORKLOADS=chat and KVEVENTS_BENCH_ROUTE_FAULTS=0: a shorter run.
         workloads = os.environ.get("KVEVENTS_BENCH_ROUTE_WORKLOADS", "chat,mooncake")

@@ -123,6 +123,13 @@ class EventWatch(threading.Thread):
         self.join(5)
 
 
+def _port_taken(engine: BenchEngine) -> bool:
+    try:
+        return "Address already in use" in engine.log_path.read_text(errors="replace")
+    except OSError:
+        return False
+
+
 @dataclass
 class Cluster:
     """``engines`` serving the router runs, and ``pooled``: one engine with all their cache."""
@@ -135,8 +142,16 @@ class Cluster:
     def all(self) -> list[BenchEngine]:
         return [*self.engines, *([self.pooled] if self.pooled else [])]
 
-    def start(self) -> Cluster:
-        start_servers(self.all)
+    def start(self, attempts: int = 3) -> Cluster:
+        """Every engine up; an engine whose free port another process took meanwhile (the
+        machine is shared: "Address already in use" in its log) is started again on new ones."""
+        for attempt in range(attempts):
+            try:
+                start_servers(self.all)
+                break
+            except VllmServerError:
+                if attempt == attempts - 1 or not any(_port_taken(e) for e in self.all):
+                    raise
         self.watch = EventWatch([engine.event_endpoint() for engine in self.all])
         self.watch.start()
         return self
