@@ -223,11 +223,9 @@ class Rig:
 
     def unavailable(self, router: Router) -> str | None:
         """Why ``router`` cannot run here (not installed, not built yet), or None."""
-        if router.kind in ("kvevents", "standin"):
+        if router.kind == "kvevents":
             if self._route_status is False:
                 self._route_status = kvevents_route_unavailable()
-            if router.kind == "standin":
-                return None if self._route_status else "not run: kvevents route is available"
             return f"not available yet ({self._route_status})" if self._route_status else None
         if router.target == "pooled" and (self.cluster is None or self.cluster.pooled is None):
             return "no pooled engine in this run"
@@ -464,12 +462,7 @@ def measure_all(settings: Settings, rig: Rig, runs: dict[str, ClientRun]) -> lis
         routers(WORK / "venvs", quick=settings.quick),
         os.environ.get("KVEVENTS_BENCH_ROUTE_ROUTERS"),
     )
-    outcomes = [
-        rig.measure(router, name, run)
-        for name, run in runs.items()
-        for router in entries
-        if router.kind != "standin" or name == "chat"
-    ]
+    outcomes = [rig.measure(router, name, run) for name, run in runs.items() for router in entries]
     if settings.faults:
         run = fault_run(settings, rig, [o for o in outcomes if o.workload == "chat"])
         for router in entries:

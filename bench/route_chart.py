@@ -18,7 +18,6 @@ _ROW_H, _LABEL_W, _PLOT_W, _NOTE_W = 20, 250, 360, 260
 _COLOURS = {
     "reference": "#999999",
     "kvevents": "#009E73",
-    "standin": "#CC79A7",
     "peer": "#0072B2",
 }
 
@@ -26,8 +25,6 @@ _COLOURS = {
 def _kind(case: str) -> str:
     if case.startswith(("pooled", "one engine")):
         return "reference"
-    if case.startswith("stand-in"):
-        return "standin"
     return "kvevents" if case.startswith("kvevents") else "peer"
 
 

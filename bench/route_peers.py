@@ -212,23 +212,6 @@ def kvevents_route_command(policy: str | None) -> Command:
     return command
 
 
-def _standin(policy: str) -> Command:
-    """The rig's stand-in (``route_standin.py``): ``kvevents serve``'s decision, a thin proxy."""
-
-    def command(launch: Launch) -> list[str]:
-        script = Path(__file__).resolve().parent / "route_standin.py"
-        args = [sys.executable, str(script), "--port", str(launch.port)]
-        args += ["--model-dir", str(launch.model_dir), "--policy", policy]
-        for engine in launch.engines:
-            args += [
-                "--engine",
-                f"{engine.url},{engine.event_endpoint()},{engine.replay_endpoint()}",
-            ]
-        return args
-
-    return command
-
-
 def kvevents_route_unavailable() -> str | None:
     """None when ``kvevents route --help`` works in this interpreter, else why not."""
     try:
@@ -277,11 +260,6 @@ def routers(venv_root: Path, *, quick: bool) -> list[Router]:
             entries.append(
                 Router(f"kvevents route {policy}", "kvevents", kvevents_route_command(policy))
             )
-        # Until kvevents route lands, the index's policies on real engines behind the rig's
-        # thin proxy (chat only), so the simulator has something real to be held to.
-        for policy in ("longest_prefix", "prefix_load"):
-            name = f"stand-in (kvevents serve {policy})"
-            entries.append(Router(name, "standin", _standin(policy)))
     return entries
 
 

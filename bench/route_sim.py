@@ -148,8 +148,6 @@ def _pair_policy(router: str) -> tuple[str, int, bool] | None:
         return kvevents_policies()[0], 0, False
     if router.startswith("kvevents route "):
         return router.split()[-1], 0, False
-    if router.startswith("stand-in (kvevents serve "):
-        return router.split()[-1].rstrip(")"), 0, False
     return None
 
 
