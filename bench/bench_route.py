@@ -16,16 +16,22 @@ The rig of issue #25 (docs/benchmarks.md, "The front door against every peer"):
 - **Routers** (:mod:`route_peers`): vLLM Router 0.1.17 (``round_robin``, ``kv_aware``,
   ``cache_aware``), SGLang router 0.3.2 ``cache_aware``, each in a venv the benchmark installs
   (a peer that does not install is reported so); the references (the pooled engine; one engine
-  of the cluster serving everything, the floor); ``kvevents route`` (its default policy and
-  every other) once ``python -m kvevents route --help`` works.
-- **Fault run** per router: one engine killed (SIGKILL) a third of the way through the chat
-  workload and restarted on the same ports two thirds in.
+  of the cluster serving everything, the floor); ``kvevents route`` from this checkout, its
+  default policy and every other (the cache-blind ``round_robin`` and ``random`` on the chat
+  workload only).
+- **Fault run** per peer and for ``kvevents route``'s default: the chat workload, one engine
+  killed (SIGKILL) :data:`FAULT_PHASE` s after the first request and restarted on the same
+  ports, the client running a phase past the restart.
 - **Simulator** (:mod:`route_sim`): the prompts the engines saw, replayed closed-loop through
   the simulated cluster of the same shape, next to the real figures per policy.
 
 ``KVEVENTS_BENCH_ROUTE_QUICK=1`` (or ``python bench/bench_route.py --quick``): a smoke run of
 about a minute once the engines are up: two engines, a small chat workload, one router of each
-kind, no fault run, no pooled engine. Skipped, with the reason, where vLLM or aiperf cannot run.
+kind, no fault run (``KVEVENTS_BENCH_ROUTE_FAULTS=1``: with them), no pooled engine. Shorter
+full runs: ``KVEVENTS_BENCH_ROUTE_ROUTERS=kvevents,pooled`` (the routers whose names contain
+one of the words), ``KVEVENTS_BENCH_ROUTE_WORKLOADS=chat``, ``KVEVENTS_BENCH_ROUTE_FAULTS=0``,
+``KVEVENTS_BENCH_ROUTE_FAULT_PHASE=S``. Skipped, with the reason, where vLLM or aiperf cannot
+run.
 """
 
 from __future__ import annotations

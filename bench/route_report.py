@@ -222,6 +222,8 @@ def summary(outcomes: Sequence[Outcome]) -> list[dict[str, Any]]:
             "per_engine": o.per_engine(),
             "balance": o.balance(),
             "errors": dict(o.errors()),
+            # kvevents route: (requests whose predicted cached tokens were the engine's, both known)
+            "predicted_equal_actual": o.header_agreement(),
             **o.extra,
         }
         if o.fault is not None:
