@@ -194,8 +194,9 @@ def _sglang_router(venv: Venv) -> Command:
     return command
 
 
-def kvevents_route_command(policy: str | None) -> Command:
-    """``kvevents route`` from this checkout, in front of every engine with its event stream."""
+def kvevents_route_command(policy: str | None, extra: Sequence[str] = ()) -> Command:
+    """``kvevents route`` from this checkout, in front of every engine with its event stream
+    (``extra``: more of its flags)."""
 
     def command(launch: Launch) -> list[str]:
         args = [
@@ -207,7 +208,7 @@ def kvevents_route_command(policy: str | None) -> Command:
             args += ["--engine", engine.url]
             args += ["--kv-events", f"{engine.url}={engine.event_endpoint()}"]
             args += ["--kv-replay", f"{engine.url}={engine.replay_endpoint()}"]
-        return [*args, *(("--policy", policy) if policy else ())]
+        return [*args, *(("--policy", policy) if policy else ()), *extra]
 
     return command
 
@@ -255,6 +256,11 @@ def routers(venv_root: Path, *, quick: bool) -> list[Router]:
         entries = [entries[1], entries[3], entries[5]]
     _, others = kvevents_policies()
     entries.append(Router("kvevents route (default)", "kvevents", kvevents_route_command(None)))
+    # KVEVENTS_BENCH_ROUTE_VARIANT="--prediction-grace 0": the default with other flags too.
+    variant = os.environ.get("KVEVENTS_BENCH_ROUTE_VARIANT", "").split()
+    if variant:
+        name = f"kvevents route (default, {' '.join(variant)})"
+        entries.append(Router(name, "kvevents", kvevents_route_command(None, variant)))
     if not quick:
         for policy in others:
             entries.append(

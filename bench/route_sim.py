@@ -144,7 +144,7 @@ def _pair_policy(router: str) -> tuple[str, int, bool] | None:
         return "round_robin", 1, False
     if router == "vllm-router round_robin":
         return "round_robin", 0, False
-    if router == "kvevents route (default)":
+    if router.startswith("kvevents route (default"):
         return kvevents_policies()[0], 0, False
     if router.startswith("kvevents route "):
         return router.split()[-1], 0, False
