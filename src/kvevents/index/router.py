@@ -24,7 +24,7 @@ Policies:
   runs slower than the others for a while, holds its requests longer, and a tight bound
   (1.25 times the mean) then spills conversations whose history it holds to engines that
   must prefill it again, and their system prompts with them, until every engine's cache
-  thrashes (docs/benchmarks.md: 0.76 of prompt tokens cached against 0.83-0.85 with twice
+  thrashes (docs/route.md: 0.76 of prompt tokens cached against 0.805-0.835 with twice
   the mean, on three vLLM engines). Ties: fewer requests in flight,
   then fewer load blocks, then a seeded random choice. It needs a load book that counts
   requests in flight (the front door keeps one).
