@@ -109,7 +109,7 @@ MAX_NUM_BATCHED_TOKENS = 2048
 FAULT_PHASE = float(os.environ.get("KVEVENTS_BENCH_ROUTE_FAULT_PHASE", "45"))
 #: A restart under traffic takes longer than the idle one timed before the fault runs (38 s idle,
 #: 85 s under traffic in one quick run here).
-FAULT_RESTART_MARGIN = 2.0
+FAULT_RESTART_MARGIN = float(os.environ.get("KVEVENTS_BENCH_ROUTE_RESTART_MARGIN", "2.0"))
 QUICK_CHAT = ChatShape(
     apps=3,
     system_tokens=512,
