@@ -147,7 +147,7 @@ bench: $(STAMP)
 	$(PY) bench/run.py
 
 # The routers side by side on real vLLM CPU engines (bench/bench_route.py, docs/benchmarks.md):
-# about 30-45 minutes on 2 cores, recorded into bench/RESULTS.md, bench/RESULTS-route.svg and
+# about 50-75 minutes on 2 cores, recorded into bench/RESULTS.md, bench/RESULTS-route.svg and
 # bench/route-results/. It installs aiperf and the peer routers in venvs of their own under
 # bench/.work/route/venvs. The quick one is a smoke run (two engines, a small chat, about a
 # minute once the engines are up), recorded nowhere.
