@@ -43,7 +43,7 @@ SANITIZE_TESTS := tests/index/test_index_native.py tests/index/test_blocktable.p
 SAN_MODULES := index/_blocktable subscribe/_zmqrecv publish/_zerosend http/_jsonscan
 SANITIZE_EXAMPLES ?= 1000
 
-.PHONY: demo demo-route test test-pythons bench lint venv dynamo vllm sglang promtool browser sanitize clean
+.PHONY: demo demo-route test test-pythons bench bench-route bench-route-quick lint venv dynamo vllm sglang promtool browser sanitize clean
 
 venv: $(STAMP)
 
@@ -145,6 +145,19 @@ sanitize: $(STAMP)
 bench: $(STAMP)
 	@$(MAKE) --no-print-directory dynamo || echo "warning: ai-dynamo-runtime not installed; its baseline will be skipped"
 	$(PY) bench/run.py
+
+# The routers side by side on real vLLM CPU engines (bench/bench_route.py, docs/benchmarks.md):
+# about 50-75 minutes on 2 cores, recorded into bench/RESULTS.md, bench/RESULTS-route.svg and
+# bench/route-results/. It installs aiperf and the peer routers in venvs of their own under
+# bench/.work/route/venvs. The quick one is a smoke run (two engines, a small chat, about a
+# minute once the engines are up), recorded nowhere.
+bench-route: $(STAMP)
+	@$(MAKE) --no-print-directory vllm
+	$(PY) bench/run.py --record route
+
+bench-route-quick: $(STAMP)
+	@$(MAKE) --no-print-directory vllm
+	KVEVENTS_BENCH_ROUTE_QUICK=1 $(PY) bench/run.py route
 
 # The suite (interop aside) on each other CPython that runs here, each in its own venv under
 # build/: the package claims 3.10 and later. Not part of CI, whose machine has 3.11 only.

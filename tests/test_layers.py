@@ -226,6 +226,7 @@ TESTS = ROOT.parent.parent / "tests"
 # security, _libzmq) and of bench/.
 TOP_LEVEL_TESTS = (
     "test_bench_chart.py",
+    "test_bench_route.py",
     "test_code_shape.py",
     "test_config.py",
     "test_config_sglang.py",

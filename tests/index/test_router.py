@@ -255,8 +255,8 @@ def test_bounded_prefix_follows_the_cache_while_within_the_bound() -> None:
     decision = router.route(PROMPT)
     assert decision.winner == ("b", 0)
     assert decision.winner_score is not None
-    assert decision.winner_score.terms["cap"] == 3  # ceil(1.25 * 7 / 3)
-    assert "within the bound of 3 requests in flight" in decision.reason
+    assert decision.winner_score.terms["cap"] == 5  # ceil(2 * 7 / 3)
+    assert "within the bound of 5 requests in flight" in decision.reason
 
 
 def test_bounded_prefix_spills_over_when_the_best_target_is_at_the_bound() -> None:
@@ -264,13 +264,25 @@ def test_bounded_prefix_spills_over_when_the_best_target_is_at_the_bound() -> No
     decision names the target it passed over."""
     router = make_router("bounded_prefix")
     router.loads.set("a", requests=1)
-    router.loads.set("b", requests=3)
+    router.loads.set("b", requests=6)
     router.loads.set("c", requests=1)
     decision = router.route(PROMPT)
-    assert decision.winner == ("a", 0)  # 2 matched blocks, within ceil(1.25 * 6 / 3) = 3
+    assert decision.winner == ("a", 0)  # 2 matched blocks, within ceil(2 * 9 / 3) = 6
     assert "a target matching 6 blocks is at the bound" in decision.reason
     rows = {(s.worker_id, s.rank): s for s in decision.scores}
     assert rows[("b", 0)].terms["within_bound"] == 0.0
+
+
+def test_bounded_prefix_default_bound_is_twice_the_mean() -> None:
+    """The default slack (1.0) keeps affinity up to twice the mean in flight: a target with 4
+    of 7 requests still takes the one whose prefix it holds (1.25 x the mean would spill)."""
+    router = make_router("bounded_prefix")
+    router.loads.set("a", requests=1)
+    router.loads.set("b", requests=4)
+    router.loads.set("c", requests=1)
+    decision = router.route(PROMPT)
+    assert decision.winner == ("b", 0)
+    assert decision.winner_score is not None and decision.winner_score.terms["cap"] == 5
 
 
 def test_bounded_prefix_breaks_ties_by_requests_in_flight() -> None:

@@ -131,18 +131,22 @@ def test_the_load_bound_spills_a_hot_prefix_over_to_other_engines(
     door: Door, engines: Callable[..., StandInEngine]
 ) -> None:
     """bounded_prefix: concurrent requests sharing a prefix follow it while the engine is
-    within the bound of requests in flight, then go to the others."""
-    slow = Behaviour(delay=0.8)
-    pool = [engines(behaviour=slow) for _ in range(2)]
+    within the bound of requests in flight (twice the mean), then spill to another, which
+    the next ones then share (its predicted blocks), and no third engine is touched."""
+    slow = Behaviour(delay=3.0)
+    pool = [engines(behaviour=slow) for _ in range(3)]
     front = door(*pool, policy="bounded_prefix")
     started = []
-    for i in range(4):
+    for i in range(6):
         started.append(in_background(lambda i=i: ask(front, f"hot {i}")))
-        wait_for(lambda n=i + 1: sum(len(e.received()) for e in pool) >= n + 2, 5)  # + health
+        wait_for(lambda n=i + 1: sum(len(e.received("/v1/chat/completions")) for e in pool) >= n, 5)
     for thread, _ in started:
         thread.join(10)
     per_engine = [len(e.received("/v1/chat/completions")) for e in pool]
-    assert sorted(per_engine) == [2, 2]
+    # Bounds ceil(2 x (in flight + 1) / 3): 1, 2, 2, ...: the 3rd is over it on the first
+    # engine and spills; from then on two engines match the prefix (one by its predicted
+    # blocks) and the one with fewer in flight takes each; the third stays out of it.
+    assert sorted(per_engine) == [0, 3, 3]
 
 
 def test_a_multimodal_request_gets_no_credit_and_no_tokenize_call(

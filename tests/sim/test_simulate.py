@@ -114,6 +114,24 @@ def test_kv_aware_routing_on_an_exact_index_matches_the_oracle() -> None:
     assert decisions[DEFAULT_POLICY] == decisions["oracle"]
 
 
+def test_bounded_prefix_is_given_requests_in_flight_and_spills_a_hot_prefix() -> None:
+    """bounded_prefix in the simulator bounds requests in flight: a burst sharing a prefix one
+    engine holds does not all land there (it did when the policy was given no load at all)."""
+    config = SimulationConfig(
+        ClusterConfig(workers=3, block_size=16, capacity_blocks=256, transport="direct")
+    )
+    prefix = list(range(1000, 1000 + 8 * 16))
+    with Cluster(config.cluster) as cluster:
+        run = PolicyRun(cluster, "bounded_prefix", config)
+        warm = run.submit(Request("warm", [*prefix, 1], 1), 0.0)
+        run.drain()
+        burst = [run.submit(Request(f"b{i}", [*prefix, 2 + i], 8), 1.0) for i in range(4)]
+        loads = [s.load.requests for s in run.last_decision.scores] if run.last_decision else []
+    # Caps of ceil(2 x (in flight + 1) / 3): 1, 2, 2, 3; the third is over it and spills.
+    assert burst.count(warm) == 3 and burst[2] != warm, burst
+    assert sorted(loads) == [0, 1, 2]
+
+
 def test_staleness_holds_batches_back_until_the_cutoff() -> None:
     """A lagging index applies only batches older than the cutoff; release(None) catches up."""
     with Cluster(ClusterConfig(workers=1, block_size=16, transport="direct")) as cluster:
@@ -195,7 +213,14 @@ def test_simulate_command_reports_every_policy_as_json() -> None:
     assert done.returncode == 0, done.stderr
     doc = json.loads(done.stdout)
     policies = doc["policies"]
-    assert set(policies) == {"prefix_load", "longest_prefix", "round_robin", "random", "oracle"}
+    assert set(policies) == {
+        "prefix_load",
+        "longest_prefix",
+        "bounded_prefix",
+        "round_robin",
+        "random",
+        "oracle",
+    }
     assert policies["prefix_load"]["reuse"] > policies["round_robin"]["reuse"]
     assert policies["oracle"]["reuse"] > policies["random"]["reuse"]
     for report in policies.values():

@@ -16,6 +16,7 @@ from kvevents._lazy import lazy_exports
 if TYPE_CHECKING:
     from kvevents.sim._cache import PrefixCache, RankCache
     from kvevents.sim._charts import evaluation_svg, sweep_svg
+    from kvevents.sim._closedloop import ConversationsRun, LoadView, run_conversations
     from kvevents.sim._cluster import Cluster, ClusterConfig
     from kvevents.sim._demo import Demo, DemoConfig, DemoSummary, DemoView, LaneView, WorkerView
     from kvevents.sim._engine import EngineConfig, SimulatedEngine, zmq_publisher_factory
@@ -38,6 +39,7 @@ __all__ = [
     "POLICY_NAMES",
     "Cluster",
     "ClusterConfig",
+    "ConversationsRun",
     "Demo",
     "DemoConfig",
     "DemoSummary",
@@ -46,6 +48,7 @@ __all__ = [
     "EngineConfig",
     "Evaluation",
     "LaneView",
+    "LoadView",
     "LossyRelay",
     "PolicyReport",
     "PrefixCache",
@@ -62,6 +65,7 @@ __all__ = [
     "format_sweep",
     "format_table",
     "load_trace",
+    "run_conversations",
     "run_policy",
     "run_trace",
     "sweep",
@@ -82,6 +86,11 @@ __getattr__, __dir__ = lazy_exports(
         "kvevents.sim._charts": (
             "evaluation_svg",
             "sweep_svg",
+        ),
+        "kvevents.sim._closedloop": (
+            "ConversationsRun",
+            "LoadView",
+            "run_conversations",
         ),
         "kvevents.sim._cluster": (
             "Cluster",

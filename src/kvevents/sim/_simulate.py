@@ -44,12 +44,13 @@ __all__ = [
 POLICY_NAMES = (
     "longest_prefix",
     "prefix_load",
+    "bounded_prefix",
     "round_robin",
     "random",
     "oracle",
 )
 #: The policies that read the index.
-KV_AWARE = ("longest_prefix", "prefix_load")
+KV_AWARE = ("longest_prefix", "prefix_load", "bounded_prefix")
 
 
 @dataclass(frozen=True)
@@ -252,7 +253,13 @@ class PolicyRun:
         for worker, rank, engine in self.cluster.engine_ranks():
             load = engine.load(rank)
             loads.set(
-                worker, rank, queued_blocks=load.queued_blocks, active_blocks=load.active_blocks
+                worker,
+                rank,
+                queued_blocks=load.queued_blocks,
+                active_blocks=load.active_blocks,
+                # bounded_prefix bounds requests in flight: without them every target was
+                # within its bound and it routed as longest prefix alone.
+                requests=load.waiting_requests + load.running_requests,
             )
 
     def _oracle(self, request: Request) -> StreamKey | None:

@@ -1,0 +1,244 @@
+"""The real engines of ``bench_route``: vLLM's OpenAI server on CPU, started once per run.
+
+Each engine is :class:`kvevents.testing.vllm_server.VllmServer` (prefix caching,
+``--enable-prompt-tokens-details``, KV events with replay on tcp, the empty topic,
+``VLLM_SERVER_DEV_MODE=1``), plus what the rig needs: a kill (SIGKILL to its process group, as
+a crash) and a restart on the same ports (routers keep the worker URL and event endpoints they
+were given). An :class:`EventWatch` keeps a SUB socket on every engine's event stream for the
+whole run: a cache reset is complete only when the engine has *published* its
+``AllBlocksCleared`` (vLLM publishes it with the next engine step, so the reset is followed by
+a one-token request until the clear arrives).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from kvevents.deadline import Deadline
+from kvevents.events import AllBlocksCleared
+from kvevents.testing.vllm_server import VllmServer, VllmServerError, start_servers
+from kvevents.wire import decode_batch
+
+MODEL_NAME = "chat"
+RESET_TIMEOUT = 30.0
+
+
+class BenchEngine(VllmServer):
+    """A :class:`VllmServer` restarted on the ports it had (routers keep the URL and event
+    endpoints they were given); ``kill()`` is the server's own (SIGKILL to its group)."""
+
+    def relaunch(self) -> BenchEngine:
+        """Start again on the same HTTP and event ports; return at once (``wait_ready`` waits)."""
+        self.launch(same_ports=True)
+        return self
+
+
+@dataclass
+class Snapshot:
+    """An engine's counters from its /metrics (cumulative since it started)."""
+
+    queries: float = 0.0
+    hits: float = 0.0
+    requests: float = 0.0
+    prompt_tokens: float = 0.0
+
+    def __sub__(self, other: Snapshot) -> Snapshot:
+        return Snapshot(
+            self.queries - other.queries,
+            self.hits - other.hits,
+            self.requests - other.requests,
+            self.prompt_tokens - other.prompt_tokens,
+        )
+
+    def __add__(self, other: Snapshot) -> Snapshot:
+        return Snapshot(
+            self.queries + other.queries,
+            self.hits + other.hits,
+            self.requests + other.requests,
+            self.prompt_tokens + other.prompt_tokens,
+        )
+
+
+def snapshot(engine: VllmServer) -> Snapshot:
+    """Prefix-cache queries and hits (tokens), finished requests and prompt tokens."""
+    values = engine.metrics()
+    return Snapshot(
+        values.get("vllm:prefix_cache_queries_total", 0.0),
+        values.get("vllm:prefix_cache_hits_total", 0.0),
+        values.get("vllm:request_success_total", 0.0),
+        values.get("vllm:prompt_tokens_total", 0.0),
+    )
+
+
+class EventWatch(threading.Thread):
+    """Counts each engine's published ``AllBlocksCleared`` and batches, for the whole run."""
+
+    def __init__(self, endpoints: Sequence[str]) -> None:
+        super().__init__(name="bench-route-events", daemon=True)
+        self._context: zmq.Context[Any] = zmq.Context()
+        self._sockets = []
+        for endpoint in endpoints:
+            sub = self._context.socket(zmq.SUB)
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            sub.connect(endpoint)
+            self._sockets.append(sub)
+        self.cleared = [0] * len(endpoints)
+        self.batches = [0] * len(endpoints)
+        self.undecodable = [0] * len(endpoints)
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        poller = zmq.Poller()
+        for sub in self._sockets:
+            poller.register(sub, zmq.POLLIN)
+        try:
+            while not self._halt.is_set():
+                for sub, _ in poller.poll(100):
+                    self._receive(self._sockets.index(sub), sub.recv_multipart())
+        finally:
+            for sub in self._sockets:
+                sub.close(0)
+            self._context.term()
+
+    def _receive(self, index: int, frames: list[bytes]) -> None:
+        self.batches[index] += 1
+        try:
+            batch = decode_batch(frames[-1]).batch
+        except Exception:  # counted: one bad frame must not stop the watch
+            self.undecodable[index] += 1
+            return
+        self.cleared[index] += sum(isinstance(e, AllBlocksCleared) for e in batch.events)
+
+    def close(self) -> None:
+        self._halt.set()
+        self.join(5)
+
+
+def _port_taken(engine: BenchEngine) -> bool:
+    try:
+        return "Address already in use" in engine.log_path.read_text(errors="replace")
+    except OSError:
+        return False
+
+
+@dataclass
+class Cluster:
+    """``engines`` serving the router runs, and ``pooled``: one engine with all their cache."""
+
+    engines: list[BenchEngine]
+    pooled: BenchEngine | None
+    watch: EventWatch = field(init=False)
+
+    @property
+    def all(self) -> list[BenchEngine]:
+        return [*self.engines, *([self.pooled] if self.pooled else [])]
+
+    def start(self, attempts: int = 3) -> Cluster:
+        """Every engine up; an engine whose free port another process took meanwhile (the
+        machine is shared: "Address already in use" in its log) is started again on new ones."""
+        for attempt in range(attempts):
+            try:
+                start_servers(self.all)
+                break
+            except VllmServerError:
+                if attempt == attempts - 1 or not any(_port_taken(e) for e in self.all):
+                    raise
+        self.watch = EventWatch([engine.event_endpoint() for engine in self.all])
+        self.watch.start()
+        return self
+
+    def stop(self) -> None:
+        """Every engine stopped, then the event watch closed."""
+        try:
+            for engine in self.all:
+                engine.stop()
+        finally:
+            if getattr(self, "watch", None) is not None:
+                self.watch.close()
+
+    def snapshots(self, engines: Sequence[BenchEngine]) -> list[Snapshot]:
+        return [snapshot(engine) for engine in engines]
+
+    def reset(self, engines: Sequence[BenchEngine]) -> float:
+        """Empty each engine's prefix cache and wait for its published clear; seconds taken."""
+        began = time.monotonic()
+        for engine in engines:
+            self._reset_one(engine)
+        return time.monotonic() - began
+
+    def _reset_one(self, engine: BenchEngine) -> None:
+        index = self.all.index(engine)
+        before = self.watch.cleared[index]
+        engine.reset_prefix_cache()
+        deadline = Deadline(RESET_TIMEOUT)
+        while self.watch.cleared[index] == before:
+            if deadline.expired:
+                raise VllmServerError(f"engine {engine.url}: no AllBlocksCleared published")
+            # The clear is published with the next engine step: give it one (no full block).
+            engine.post_json(
+                "/v1/completions", {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 1}
+            )
+            time.sleep(0.2)
+
+
+def make_cluster(
+    python: str,
+    model_dir: Path,
+    *,
+    count: int,
+    block_size: int,
+    blocks: int,
+    pooled: bool,
+    max_model_len: int,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    log_dir: Path,
+) -> Cluster:
+    """``count`` engines of ``blocks`` blocks, and the pooled one of ``count * blocks``."""
+
+    def engine(num_blocks: int) -> BenchEngine:
+        return BenchEngine(
+            python,
+            model_dir,
+            block_size=block_size,
+            num_blocks=num_blocks,
+            max_model_len=max_model_len,
+            served_model_name=MODEL_NAME,
+            log_dir=log_dir,
+            # --enable-scale-out only registers the render endpoints (/v1/chat/completions/
+            # render ...) that vLLM Router's kv_aware and cache_aware ask every worker for;
+            # without it they answer 403 and that router routes on load alone.
+            extra_args=(
+                "--enable-scale-out",
+                *("--max-num-seqs", str(max_num_seqs)),
+                *("--max-num-batched-tokens", str(max_num_batched_tokens)),
+            ),
+        )
+
+    engines = [engine(blocks) for _ in range(count)]
+    return Cluster(engines, engine(count * blocks) if pooled else None)
+
+
+def describe(cluster: Cluster) -> dict[str, Any]:
+    """What each engine ran with, for the run's record."""
+    return {
+        engine.url: {
+            "blocks": engine.num_blocks,
+            "block_size": engine.block_size,
+            "max_model_len": engine.context_len,
+            "events": engine.event_endpoint(),
+            "replay": engine.replay_endpoint(),
+            "startup_s": round(engine.startup, 1),
+            "command": json.dumps(engine.command()),
+        }
+        for engine in cluster.all
+    }

@@ -1,0 +1,256 @@
+"""The simulator held to the real engines: the prompts a real run sent, through ``kvevents.sim``.
+
+For each real run the client's raw export has every request as sent (the messages, history
+and the engine's own answers included). Rendered with the model's chat template and tokenized
+(``transformers``, as vLLM does; each prompt's length is checked against the engine's reported
+``prompt_tokens``), they are the token ids the engines saw. They go through
+:func:`kvevents.sim.closedloop.run_conversations`, closed-loop at the client's concurrency, on a
+simulated cluster of the real one's shape (engines, usable blocks per engine, block size,
+prefill budget), and the simulated cached fraction and balance are set next to the real ones.
+
+Pairs: the references (one simulated engine with the pooled cache, or with one engine's),
+vLLM Router ``round_robin`` against the simulator's ``round_robin``, and each ``kvevents
+route`` policy against the same policy; the simulator's load-aware policies are also run on
+the round-robin run's prompts with both load views (the engines' true load, as
+``kvevents simulate`` gives it, and the router's own in-flight view).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from harness import Row
+from kvevents.index import POLICIES
+from kvevents.sim import (
+    ClusterConfig,
+    LoadView,
+    PolicyReport,
+    Request,
+    SimulationConfig,
+    run_conversations,
+)
+from route_client import read_records, sent_messages
+from route_peers import kvevents_policies, slug
+from route_report import Outcome
+
+
+@dataclass(frozen=True)
+class SimShape:
+    """The simulated cluster: the real one's engines and caches."""
+
+    engines: int
+    blocks: int  # per engine, as given to vLLM (one is its null block)
+    block_size: int
+    max_num_batched_tokens: int
+    concurrency: int
+    answer_tokens: int
+
+    def config(self, workers: int, blocks: int) -> SimulationConfig:
+        cluster = ClusterConfig(
+            workers=workers,
+            block_size=self.block_size,
+            capacity_blocks=blocks - 1,  # vLLM keeps one block back (its null block)
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            transport="direct",
+        )
+        return SimulationConfig(cluster=cluster)
+
+
+class Renderer:
+    """Messages to the token ids vLLM's OpenAI server gives them (the model's chat template)."""
+
+    def __init__(self, model_dir: Path) -> None:
+        from transformers import AutoTokenizer
+
+        self._tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+
+    def tokens(self, messages: list[dict[str, Any]]) -> list[int]:
+        """The template rendered to text, then tokenized without special tokens (the template
+        writes its own BOS), as vLLM's chat path does."""
+        text = self._tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False
+        )
+        return list(self._tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+@dataclass
+class Prompts:
+    """A real run's requests as token ids, grouped into conversations; how many lengths agreed."""
+
+    conversations: list[list[Request]]
+    checked: int = 0
+    mismatched: int = 0
+
+
+def real_prompts(out: Path, renderer: Renderer, answer_tokens: int) -> Prompts:
+    """The requests a run sent, tokenized, checked against the engines' ``prompt_tokens``."""
+    reported = {(r.conversation, r.turn): r.prompt_tokens for r in read_records(out)}
+    turns: dict[str, list[tuple[int, Request]]] = defaultdict(list)
+    prompts = Prompts([])
+    for n, (conversation, turn, messages) in enumerate(sent_messages(out)):
+        ids = renderer.tokens(messages)
+        expected = reported.get((conversation, turn))
+        if expected is not None:
+            prompts.checked += 1
+            prompts.mismatched += expected != len(ids)
+        request = Request(f"{conversation}/{turn}/{n}", ids, answer_tokens)
+        turns[conversation].append((turn, request))
+    prompts.conversations = [[r for _, r in sorted(v, key=lambda x: x[0])] for v in turns.values()]
+    return prompts
+
+
+def simulate(
+    prompts: Prompts,
+    shape: SimShape,
+    policy: str,
+    *,
+    workers: int,
+    blocks: int,
+    view: LoadView,
+    speeds: Sequence[float] = (),
+) -> PolicyReport:
+    return run_conversations(
+        prompts.conversations,
+        policy,
+        shape.config(workers, blocks),
+        concurrency=shape.concurrency,
+        load_view=view,
+        speeds=speeds,
+    ).report
+
+
+def engine_speeds(outcome: Outcome, engines: int) -> list[float]:
+    """Each engine's step time relative to the mean, from a real run whose answers said where
+    they went (``x-kvevents-engine``): the median time from first token to last per engine.
+    Engines sharing this machine's two cores with each other and with other work do not run
+    equally fast, and which is slow changes from run to run. Empty when unknown."""
+    decode: dict[str, list[float]] = defaultdict(list)
+    for r in outcome.ok:
+        if r.engine and r.ttft_ms is not None:
+            decode[r.engine].append(max(1e-3, (r.end_s - r.start_s) - r.ttft_ms / 1000))
+    if len(decode) != engines:
+        return []
+    medians = [statistics.median(v) for v in decode.values()]
+    mean = sum(medians) / len(medians)
+    return [m / mean for m in medians]
+
+
+def _pair_policy(router: str) -> tuple[str, int, bool] | None:
+    """(simulated policy, workers factor, pooled) for a real router, or None (no counterpart)."""
+    if router.startswith("pooled"):
+        return "round_robin", 1, True
+    if router.startswith("one engine"):
+        return "round_robin", 1, False
+    if router == "vllm-router round_robin":
+        return "round_robin", 0, False
+    if router.startswith("kvevents route (default"):
+        return kvevents_policies()[0], 0, False
+    if router.startswith("kvevents route "):
+        return router.split()[-1], 0, False
+    return None
+
+
+def sim_rows(
+    section: str,
+    outcomes: Sequence[Outcome],
+    run_dir: Path,
+    shape: SimShape,
+    model_dir: Path,
+    workload: str = "chat",
+) -> list[Row]:
+    """Simulated next to real, per pair, and the simulator's own policies (both load views)."""
+    renderer = Renderer(model_dir)
+    rows: list[Row] = []
+    base: Prompts | None = None
+    for outcome in outcomes:
+        pair = _pair_policy(outcome.router)
+        if outcome.workload != workload or outcome.status != "ok" or pair is None:
+            continue
+        policy, factor, pooled = pair
+        prompts = real_prompts(
+            run_dir / workload / slug(outcome.router), renderer, shape.answer_tokens
+        )
+        if outcome.router == "vllm-router round_robin":
+            base = prompts
+        workers = shape.engines if factor == 0 else 1
+        blocks = shape.blocks * (shape.engines if pooled else 1)
+        report = simulate(prompts, shape, policy, workers=workers, blocks=blocks, view="inflight")
+        rows += _pair_rows(section, outcome, report, prompts, policy)
+        speeds = engine_speeds(outcome, shape.engines) if workers > 1 else []
+        if speeds:
+            timed = simulate(
+                prompts,
+                shape,
+                policy,
+                workers=workers,
+                blocks=blocks,
+                view="inflight",
+                speeds=speeds,
+            )
+            label = "/".join(f"{v:.2f}" for v in speeds)
+            rows += _pair_rows(
+                section, outcome, timed, replace(prompts, mismatched=0), f"{policy}, speeds {label}"
+            )
+    if base is not None:
+        rows += _policy_rows(section, base, shape)
+    return rows
+
+
+def _pair_rows(
+    section: str, real: Outcome, sim: PolicyReport, prompts: Prompts, policy: str
+) -> list[Row]:
+    case = f"{real.router} vs simulated {policy}"
+    cached = real.cached_fraction()
+    balance = real.balance()
+    counts = "/".join(str(v) for v in sim.per_target.values())
+    rows = [
+        Row(
+            section,
+            case,
+            "cached fraction, simulated",
+            100 * sim.reuse,
+            "%",
+            None if cached is None else 100 * cached,
+            "real",
+        ),
+        Row(
+            section,
+            case,
+            f"balance, simulated (requests {counts})",
+            sim.balance,
+            "x",
+            balance,
+            "real",
+        ),
+    ]
+    if prompts.mismatched:
+        rows.append(
+            Row(
+                section,
+                case,
+                f"prompts whose length differs from the engine's ({prompts.checked} checked)",
+                float(prompts.mismatched),
+                "",
+            )
+        )
+    return rows
+
+
+def _policy_rows(section: str, prompts: Prompts, shape: SimShape) -> list[Row]:
+    """Every simulator policy on the round-robin run's prompts, true load and own load."""
+    rows = []
+    for policy in POLICIES:
+        for view in ("engine", "inflight"):
+            report = simulate(
+                prompts, shape, policy, workers=shape.engines, blocks=shape.blocks, view=view
+            )
+            case = f"simulated {policy}, {'engines true load' if view == 'engine' else 'own in-flight load'}"
+            counts = "/".join(str(v) for v in report.per_target.values())
+            rows.append(Row(section, case, "cached fraction", 100 * report.reuse, "%"))
+            rows.append(Row(section, case, f"balance (requests {counts})", report.balance, "x"))
+    return rows

@@ -1,0 +1,249 @@
+"""Closed-loop multi-turn chat over a simulated cluster, as a benchmark client drives real engines.
+
+:func:`run_policy` (``kvevents simulate``) replays a trace open-loop: every row arrives at its
+timestamp whatever the cluster does. A chat benchmark client is closed-loop instead: it keeps
+``concurrency`` conversations going, and sends a conversation's next turn the moment the
+previous answer ends (no think time); a finished conversation makes room for the next one.
+:func:`run_conversations` does that in virtual time, with the same :class:`PolicyRun`, so its
+figures can be set next to a real run of the same prompts (``bench/bench_route.py``).
+
+Each conversation is the list of its turns' *full* prompts (token ids as the engine saw them:
+history, the engine's own earlier answers, template tokens) with their answer lengths, so the
+simulated engines see the real prefixes; their answers are the simulator's own tokens, which no
+later prompt contains (as a real answer, detokenized and re-tokenized, often is not either).
+
+``load_view`` says what load the router is given: ``"engine"`` is what
+:class:`PolicyRun` gives it today, every engine's true queued and active blocks and requests
+at the instant of the decision (no real router has that); ``"inflight"`` is what a front door
+(``kvevents route``) knows by itself: the requests it sent and that have not finished, per
+target, their count, their prompt blocks not matched at the decision (as queued prefill) and
+their prompt blocks (as held), all until they end. With it, as the front door does, the
+prompt blocks of a request in flight are credited to its target at once (predicted blocks):
+the requests right behind it find them there before the engine has stored anything.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Literal
+
+from kvevents.events import StreamKey
+from kvevents.index import MatchResult
+from kvevents.sim._cluster import Cluster
+from kvevents.sim._records import Request, RequestRecord
+from kvevents.sim._simulate import PolicyReport, PolicyRun, SimulationConfig
+
+__all__ = ["ConversationsRun", "LoadView", "run_conversations"]
+
+LoadView = Literal["engine", "inflight"]
+
+
+@dataclass(frozen=True)
+class ConversationsRun:
+    """The policy's report, and every finished request (virtual times) in order of ending."""
+
+    report: PolicyReport
+    finished: tuple[RequestRecord, ...]
+
+
+@dataclass
+class _InFlight:
+    target: StreamKey
+    new_blocks: int  # prompt blocks to prefill (prompt minus matched at the decision)
+    held_blocks: int  # blocks the request holds while it runs
+    token_ids: Sequence[int] = ()  # its prompt (its full blocks are predicted on target)
+
+
+def _common_blocks(a: Sequence[int], b: Sequence[int], size: int) -> int:
+    """Full blocks of ``size`` tokens that ``a`` and ``b`` share from their start."""
+    blocks = min(len(a), len(b)) // size
+    for i in range(blocks):
+        if a[i * size : (i + 1) * size] != b[i * size : (i + 1) * size]:
+            return i
+    return blocks
+
+
+class _ClosedLoopRun(PolicyRun):
+    """A :class:`PolicyRun` whose router can be given its own in-flight view of load."""
+
+    def __init__(
+        self, cluster: Cluster, policy: str, config: SimulationConfig, load_view: LoadView
+    ) -> None:
+        super().__init__(cluster, policy, config)
+        self.load_view = load_view
+        self.in_flight: dict[str, _InFlight] = {}
+
+    def _update_loads(self) -> None:
+        if self.load_view == "engine":
+            super()._update_loads()
+            return
+        queued: dict[StreamKey, int] = dict.fromkeys(self._targets, 0)
+        active: dict[StreamKey, int] = dict.fromkeys(self._targets, 0)
+        requests: dict[StreamKey, int] = dict.fromkeys(self._targets, 0)
+        for request in self.in_flight.values():
+            queued[request.target] += request.new_blocks
+            active[request.target] += request.held_blocks
+            requests[request.target] += 1
+        for target in self._targets:
+            self.router.loads.set(
+                target[0],
+                target[1],
+                queued_blocks=queued[target],
+                active_blocks=active[target],
+                requests=requests[target],
+            )
+
+    def route(self, request: Request) -> StreamKey | None:
+        if self.load_view == "engine" or not self._uses_load:
+            return super().route(request)
+        self._update_loads()
+        match = self.router.index.match(request.token_ids)
+        self.last_decision = self.router.decide(
+            self._with_predicted(match, request.token_ids), targets=self._targets
+        )
+        return self.last_decision.winner
+
+    def _with_predicted(self, match: MatchResult, token_ids: Sequence[int]) -> MatchResult:
+        """``match`` with each target raised to the blocks its requests in flight predict."""
+        size = self.cluster.config.block_size
+        streams = dict(match.streams)
+        for flight in self.in_flight.values():
+            shared = _common_blocks(token_ids, flight.token_ids, size)
+            if shared > streams.get(flight.target, 0):
+                streams[flight.target] = shared
+        return replace(match, streams=streams)
+
+    def sent(self, request: Request, target: StreamKey) -> None:
+        """Book ``request`` as in flight on ``target`` (the decision's matched blocks known)."""
+        size = self.cluster.config.block_size
+        blocks = math.ceil(len(request.token_ids) / size)
+        decision = self.last_decision
+        matched = decision.matched.get(target, 0) if decision is not None else 0
+        self.in_flight[request.request_id] = _InFlight(
+            target, max(0, blocks - matched), blocks, request.token_ids
+        )
+
+
+@dataclass
+class _Client:
+    """The closed-loop client: ``concurrency`` conversations in flight, each turn after the last."""
+
+    conversations: Sequence[Sequence[Request]]
+    concurrency: int
+
+    def __post_init__(self) -> None:
+        self._next_conversation = 0
+        self._ready: list[tuple[float, int, int, int]] = []  # (time, order, conversation, turn)
+        self._order = 0
+        for _ in range(min(self.concurrency, len(self.conversations))):
+            self._start_next(0.0)
+
+    def _start_next(self, at: float) -> None:
+        while self._next_conversation < len(self.conversations):
+            conversation = self._next_conversation
+            self._next_conversation += 1
+            if self.conversations[conversation]:
+                self._push(at, conversation, 0)
+                return
+
+    def _push(self, at: float, conversation: int, turn: int) -> None:
+        heapq.heappush(self._ready, (at, self._order, conversation, turn))
+        self._order += 1
+
+    def next_time(self) -> float:
+        return self._ready[0][0] if self._ready else math.inf
+
+    def pop(self) -> tuple[float, int, int]:
+        at, _, conversation, turn = heapq.heappop(self._ready)
+        return at, conversation, turn
+
+    def answered(self, at: float, conversation: int, turn: int) -> None:
+        """A turn ended at ``at``: the conversation's next turn, or the next conversation."""
+        if turn + 1 < len(self.conversations[conversation]):
+            self._push(at, conversation, turn + 1)
+        else:
+            self._start_next(at)
+
+
+def run_conversations(
+    conversations: Sequence[Sequence[Request]],
+    policy: str,
+    config: SimulationConfig | None = None,
+    *,
+    concurrency: int,
+    load_view: LoadView = "engine",
+    speeds: Sequence[float] = (),
+) -> ConversationsRun:
+    """Every turn of ``conversations`` through a fresh cluster, closed-loop at ``concurrency``.
+
+    Request ids must be unique; a conversation's turns are sent in order, each once the
+    previous one has finished. Engines advance in virtual time, the least advanced busy one
+    first, so every answer is seen at the moment it ends. ``speeds``: each engine's step
+    time as a multiple of the configured one, in worker order (engines sharing a machine do
+    not run equally fast; a slower one keeps its requests in flight longer, which a policy
+    bounding requests in flight answers by sending elsewhere); none: all equal.
+    """
+    if concurrency <= 0:
+        raise ValueError(f"concurrency must be positive, got {concurrency}")
+    if load_view not in ("engine", "inflight"):
+        raise ValueError(f"load_view must be 'engine' or 'inflight', got {load_view!r}")
+    config = config or SimulationConfig()
+    if speeds and (len(speeds) != config.cluster.workers or min(speeds) <= 0):
+        raise ValueError(f"speeds must be one positive factor per worker, got {list(speeds)}")
+    began = time.monotonic()
+    where = {
+        request.request_id: (c, t)
+        for c, turns in enumerate(conversations)
+        for t, request in enumerate(turns)
+    }
+    with Cluster(config.cluster) as cluster:
+        for engine, factor in zip(cluster.engines.values(), speeds, strict=False):
+            engine.config = replace(
+                engine.config,
+                step_base_s=engine.config.step_base_s * factor,
+                step_token_s=engine.config.step_token_s * factor,
+            )
+        run = _ClosedLoopRun(cluster, policy, config, load_view)
+        client = _Client(conversations, concurrency)
+        seen = dict.fromkeys(cluster.engines, 0)
+        while True:
+            busy = [(e.now, w) for w, e in cluster.engines.items() if e.has_work()]
+            if busy and min(busy)[0] < client.next_time():
+                worker = min(busy)[1]
+                run._step(worker, cluster.engines[worker])
+                _collect(run, cluster, worker, seen, where, client)
+            elif client.next_time() < math.inf:
+                at, c, t = client.pop()
+                request = conversations[c][t]
+                target = run.submit(request, at)
+                if target is None:  # rejected: the conversation goes on without it
+                    client.answered(at, c, t)
+                else:
+                    run.sent(request, target)
+            else:
+                break
+        report = run.finish(time.monotonic() - began)
+        finished = [r for engine in cluster.engines.values() for r in engine.finished_requests]
+        return ConversationsRun(report, tuple(sorted(finished, key=lambda r: r.finished_at)))
+
+
+def _collect(
+    run: _ClosedLoopRun,
+    cluster: Cluster,
+    worker: str,
+    seen: dict[str, int],
+    where: dict[str, tuple[int, int]],
+    client: _Client,
+) -> None:
+    """After a step of ``worker``: its finished requests, and the turns they make due."""
+    engine = cluster.engines[worker]
+    finished = engine.finished_requests[seen[worker] :]
+    seen[worker] = len(engine.finished_requests)
+    for record in finished:
+        run.in_flight.pop(record.request_id, None)
+        conversation, turn = where[record.request_id]
+        client.answered(record.finished_at, conversation, turn)

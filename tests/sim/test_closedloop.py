@@ -1,0 +1,148 @@
+"""Closed-loop multi-turn chat over the simulated cluster (kvevents.sim.closedloop)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvevents.sim import ClusterConfig, LoadView, Request, SimulationConfig, run_conversations
+
+BLOCK = 16
+
+
+def _config(workers: int, blocks: int = 4096) -> SimulationConfig:
+    cluster = ClusterConfig(
+        workers=workers, block_size=BLOCK, capacity_blocks=blocks, transport="direct"
+    )
+    return SimulationConfig(cluster=cluster)
+
+
+def _conversations(count: int, turns: int, apps: int = 2, seed: int = 0) -> list[list[Request]]:
+    """Chats over ``apps`` shared system prompts; each turn's prompt extends the last one's."""
+    rng = random.Random(seed)
+    systems = [[rng.randrange(30000) for _ in range(8 * BLOCK)] for _ in range(apps)]
+    out = []
+    for c in range(count):
+        history = list(systems[c % apps])
+        conversation = []
+        for t in range(turns):
+            history += [rng.randrange(30000) for _ in range(2 * BLOCK)]
+            conversation.append(Request(f"c{c}/t{t}", list(history), 4))
+            history += [rng.randrange(30000) for _ in range(BLOCK)]
+        out.append(conversation)
+    return out
+
+
+def test_every_turn_is_sent_once_after_the_previous_answer() -> None:
+    """Each conversation's turns are served once, in order, each submitted once the previous
+    one had finished."""
+    run = run_conversations(_conversations(6, 3), "round_robin", _config(2), concurrency=3)
+    assert run.report.requests == 18 and run.report.rejected == 0
+    times = {r.request_id: (r.submitted_at, r.finished_at) for r in run.finished}
+    assert len(times) == 18 == len(run.finished)
+    for c in range(6):
+        for t in range(1, 3):
+            assert times[f"c{c}/t{t}"][0] >= times[f"c{c}/t{t - 1}"][1]
+
+
+@pytest.mark.parametrize("concurrency", [1, 2, 5])
+def test_no_more_conversations_in_flight_than_the_concurrency(concurrency: int) -> None:
+    """At any instant at most ``concurrency`` requests are between submission and end, and
+    with enough conversations exactly that many run at once."""
+    run = run_conversations(
+        _conversations(8, 2), "round_robin", _config(2), concurrency=concurrency
+    )
+    edges = sorted(
+        [(r.submitted_at, 1) for r in run.finished] + [(r.finished_at, -1) for r in run.finished],
+        key=lambda e: (e[0], e[1]),  # an end before a start at the same instant
+    )
+    live = peak = 0
+    for _, step in edges:
+        live += step
+        peak = max(peak, live)
+    assert peak == concurrency
+
+
+def test_later_turns_hit_their_history_on_one_engine() -> None:
+    """On one engine with room for everything, a conversation's later turns are served from
+    cache up to the previous turn's prompt, and the system prompt is shared across apps'
+    conversations: the reuse is at least that."""
+    conversations = _conversations(4, 3, apps=1)
+    run = run_conversations(conversations, "round_robin", _config(1), concurrency=1)
+    by_id = {r.request_id: r for r in run.finished}
+    for c in range(4):
+        for t in range(1, 3):
+            previous = len(conversations[c][t - 1].token_ids) // BLOCK * BLOCK
+            assert by_id[f"c{c}/t{t}"].cached_tokens >= previous
+    assert by_id["c1/t0"].cached_tokens >= 8 * BLOCK
+
+
+def test_own_in_flight_load_spreads_a_burst_the_engines_have_not_seen() -> None:
+    """prefix_load with the router's own view: requests sent together at the start, before
+    any engine stepped, are booked as they are sent, so they spread over the engines."""
+    conversations = _conversations(4, 1, apps=4)
+    run = run_conversations(
+        conversations, "prefix_load", _config(4), concurrency=4, load_view="inflight"
+    )
+    assert sorted(run.report.per_target.values()) == [1, 1, 1, 1]
+
+
+def test_own_view_credits_the_blocks_of_requests_in_flight_to_their_engine() -> None:
+    """With the router's own view, as the front door does, a burst sharing a prefix no engine
+    has stored yet follows the first request sent (its predicted blocks); the engines' true
+    view has nothing cached yet and spreads the burst by load."""
+    conversations = _conversations(4, 1, apps=1)
+    own = run_conversations(
+        conversations, "longest_prefix", _config(4), concurrency=4, load_view="inflight"
+    )
+    true = run_conversations(
+        conversations, "longest_prefix", _config(4), concurrency=4, load_view="engine"
+    )
+    assert max(own.report.per_target.values()) == 4
+    assert max(true.report.per_target.values()) < 4
+
+
+@pytest.mark.parametrize("view", ["engine", "inflight"])
+def test_bounded_prefix_is_given_requests_in_flight(view: LoadView) -> None:
+    """bounded_prefix sees each engine's requests in flight, in both views: a burst sharing
+    one prefix spills over to other engines instead of all landing on the first."""
+    conversations = _conversations(6, 1, apps=1)
+    run = run_conversations(
+        conversations, "bounded_prefix", _config(3), concurrency=6, load_view=view
+    )
+    assert max(run.report.per_target.values()) <= 3
+
+
+def test_a_slower_engine_keeps_requests_in_flight_longer_and_serves_fewer() -> None:
+    """``speeds``: an engine three times slower than the others holds its requests longer, so
+    a policy bounding requests in flight sends it fewer (round robin, blind to load, not)."""
+    conversations = _conversations(24, 3, apps=3)
+    bounded = {
+        speeds: run_conversations(
+            conversations,
+            "bounded_prefix",
+            _config(3),
+            concurrency=6,
+            load_view="inflight",
+            speeds=speeds,
+        ).report.per_target
+        for speeds in ((), (3.0, 1.0, 1.0))
+    }
+    even, slow = (sorted(b.items()) for b in bounded.values())
+    assert slow[0][1] < even[0][1] and slow[0][1] < min(n for _, n in slow[1:])
+    blind = run_conversations(
+        conversations, "round_robin", _config(3), concurrency=6, speeds=(3.0, 1.0, 1.0)
+    )
+    assert sorted(blind.report.per_target.values()) == [24, 24, 24]
+
+
+def test_bad_arguments_are_refused_by_name() -> None:
+    """A non-positive concurrency, an unknown load view or speeds not one per worker is a
+    ValueError naming it."""
+    with pytest.raises(ValueError, match="concurrency"):
+        run_conversations([], "round_robin", _config(1), concurrency=0)
+    with pytest.raises(ValueError, match="load_view"):
+        run_conversations([], "round_robin", _config(1), concurrency=1, load_view="psychic")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="speeds"):
+        run_conversations([], "round_robin", _config(2), concurrency=1, speeds=(1.0,))

@@ -1,0 +1,233 @@
+"""The route rig's own pieces (bench/route_*.py): workloads, the client's records, the figures,
+the partial record of bench/RESULTS.md and the chart; no engine, router or client is run."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+
+from harness import Row
+from route_chart import route_svg
+from route_client import history_carries_answers, parse_record
+from route_engines import Snapshot
+from route_report import Outcome, outcome_rows, prediction_agreement
+from route_workload import (
+    _WORDS,
+    ChatShape,
+    MooncakeShape,
+    TextMaker,
+    chat_records,
+    chat_working_set_blocks,
+    lru_hit_fraction,
+    mooncake_records,
+    mooncake_working_set_blocks,
+)
+from run import merge, render
+
+SVG = "{http://www.w3.org/2000/svg}"
+
+
+@pytest.fixture(scope="module")
+def maker(tmp_path_factory: pytest.TempPathFactory) -> TextMaker:
+    """A word-level tokenizer over the workload's words: one token per word."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {word: i for i, word in enumerate(dict.fromkeys([*_WORDS, "[UNK]"]))}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    tokenizer.save(str(path))
+    return TextMaker(path)
+
+
+def test_text_is_as_long_as_asked_and_starts_with_its_lead(maker: TextMaker) -> None:
+    """Text of n tokens has exactly n here (one token per word) and keeps its lead words."""
+    text = maker.text(100, random.Random(1), lead="cache prefix")
+    assert maker.count(text) == 100
+    assert text.startswith("cache prefix ")
+
+
+def test_chat_records_have_one_system_prompt_per_app_and_every_turn(maker: TextMaker) -> None:
+    """Every conversation opens with its app's system prompt (shared within an app, distinct
+    across apps), then its turns, each asking for the answer length of the shape."""
+    shape = ChatShape(apps=3, system_tokens=40, conversations=12, turns=3, user_tokens=8)
+    records = chat_records(shape, maker)
+    assert len(records) == 12 and len({r["session_id"] for r in records}) == 12
+    systems: dict[str, set[str]] = {}
+    for record in records:
+        system, *turns = record["turns"]
+        assert system["role"] == "system" and len(turns) == 3
+        assert all(t["output_length"] == shape.answer_tokens for t in turns)
+        systems.setdefault(record["session_id"].split("-")[0], set()).add(system["text"])
+    assert all(len(texts) == 1 for texts in systems.values())
+    assert len({next(iter(t)) for t in systems.values()}) == len(systems)
+
+
+def test_chat_working_set_counts_system_prompts_and_live_histories() -> None:
+    """Working set: every app's system prompt, plus each concurrent conversation's own
+    history at its longest, in whole blocks."""
+    shape = ChatShape(
+        apps=2, system_tokens=59, turns=2, user_tokens=10, answer_tokens=6, concurrency=3
+    )
+    # system: ceil((59 + 5) / 32) = 2 blocks per app; private: 5 + 1 + 2 * (10 + 6 + 10) = 58
+    assert chat_working_set_blocks(shape, 32) == 2 * 2 + 3 * math.ceil(58 / 32)
+
+
+def test_mooncake_rows_keep_whole_prefix_groups_capped() -> None:
+    """Sampled rows come in whole prefix groups (each at least twice), in trace order, with
+    capped blocks and outputs and every block full."""
+    shape = MooncakeShape(groups=6, max_blocks=10, output_tokens=5, window=800)
+    records = mooncake_records(shape, 32)
+    firsts = [r["hash_ids"][0] for r in records]
+    assert len(set(firsts)) == 6
+    assert all(firsts.count(f) >= 2 for f in firsts)
+    assert all(len(r["hash_ids"]) <= 10 for r in records)
+    assert all(r["input_length"] == 32 * len(r["hash_ids"]) for r in records)
+    assert all(1 <= r["output_length"] <= 5 for r in records)
+    assert mooncake_working_set_blocks(records) >= 6
+
+
+def test_lru_yardstick_hits_only_reused_prefixes_within_capacity() -> None:
+    """A repeated prompt hits in full when it fits, not at all once evicted, and a prompt
+    sharing only a later block gets no hit (prefix hits only)."""
+    assert lru_hit_fraction([[1, 2], [1, 2]], capacity=2) == 0.5
+    assert lru_hit_fraction([[1, 2], [3, 4], [1, 2]], capacity=2) == 0.0
+    assert lru_hit_fraction([[1, 2], [9, 2]], capacity=10) == 0.0
+
+
+def _line(error: dict | None = None, **metrics: float) -> str:
+    meta = {"conversation_id": "c1", "turn_index": 2, "request_start_ns": 2_000_000_000}
+    data = {"metadata": meta, "metrics": {k: {"value": v} for k, v in metrics.items()}}
+    if error is not None:
+        data["error"] = error
+    return json.dumps(data)
+
+
+def test_client_records_give_usage_ttft_and_error_kinds() -> None:
+    """aiperf's records: cached and prompt tokens and TTFT from usage; an HTTP error's code,
+    else the client's own error type."""
+    ok = parse_record(
+        _line(time_to_first_token=12.5, usage_prompt_tokens=100, usage_prompt_cache_read_tokens=64)
+    )
+    assert (ok.conversation, ok.turn, ok.start_s) == ("c1", 2, 2.0)
+    assert (ok.ttft_ms, ok.prompt_tokens, ok.cached_tokens, ok.error) == (12.5, 100, 64, None)
+    assert parse_record(_line({"code": 500, "type": "Internal Server Error"})).error == "HTTP 500"
+    assert (
+        parse_record(_line({"code": None, "type": "ClientConnectorError"})).error
+        == "ClientConnectorError"
+    )
+
+
+def test_history_check_needs_every_earlier_answer() -> None:
+    """A later turn must carry one non-empty assistant message per earlier turn."""
+    first = ("c", 0, [{"role": "user", "content": "q0"}])
+    good = (
+        "c",
+        1,
+        [
+            {"role": "user", "content": "q0"},
+            {"role": "assistant", "content": "a"},
+            {"role": "user", "content": "q1"},
+        ],
+    )
+    lost = ("c", 1, [{"role": "user", "content": "q1"}])
+    assert history_carries_answers([first, good])
+    assert not history_carries_answers([first, lost])
+    assert not history_carries_answers([first])
+
+
+def _outcome() -> Outcome:
+    lines = [
+        _line(time_to_first_token=10, usage_prompt_tokens=100, usage_prompt_cache_read_tokens=50),
+        _line(time_to_first_token=30, usage_prompt_tokens=100, usage_prompt_cache_read_tokens=100),
+        _line({"code": 502, "type": "Bad Gateway"}),
+    ]
+    engines = [Snapshot(200, 150, 3, 0), Snapshot(0, 0, 1, 0)]
+    return Outcome("r", "chat", records=[parse_record(x) for x in lines], engines=engines)
+
+
+def test_outcome_figures_from_usage_counters_and_errors() -> None:
+    """Cached fraction over the successful requests' usage, the engines' hit fraction, max/mean
+    requests per engine, and errors by kind."""
+    outcome = _outcome()
+    assert outcome.cached_fraction() == 0.75
+    assert outcome.engine_hit_fraction() == 0.75
+    assert outcome.balance() == 1.5
+    assert outcome.errors() == {"HTTP 502": 1}
+    rows = {r.metric: r for r in outcome_rows("s", outcome, pooled=0.8)}
+    assert rows["share of pooled"].value == pytest.approx(93.75)
+    assert rows["errors (HTTP 502: 1)"].value == 1.0
+    assert "balance, max/mean (requests 3/1)" in rows
+
+
+def test_a_router_that_did_not_run_is_one_row_saying_why() -> None:
+    """Not installed or failed: a row naming the reason, not a silent gap."""
+    rows = outcome_rows("s", Outcome("peer", "chat", "not installed (pip failed)"), None)
+    assert [r.case for r in rows] == ["peer: not installed (pip failed)"]
+
+
+def test_prediction_agreement_reads_the_front_doors_counters() -> None:
+    """exact of compared predictions from kvevents route's planner counters; None without."""
+    text = (
+        "# TYPE kvevents_route_planner_compared_total counter\n"
+        "kvevents_route_planner_compared_total 100.0\n"
+        "kvevents_route_planner_exact_total 98.0\n"
+        "kvevents_route_planner_exact_keys 5.0\n"
+    )
+    assert prediction_agreement(text) == (98.0, 100.0)
+    assert prediction_agreement("vllm:num_requests_running 0\n") is None
+
+
+def test_partial_record_replaces_its_sections_and_keeps_the_rest() -> None:
+    """--record: the named module's sections replace the old ones, with a note; the others stay."""
+    old = render(
+        [Row("keep", "a", "m", 1.0, ""), Row("route", "b", "m", 2.0, "")], "# Benchmark results"
+    )
+    new = merge(old, [Row("route", "b", "m", 3.0, ""), Row("route new", "c", "m", 4.0, "")], "NOTE")
+    assert "### keep" in new and "| a | m | 1.00" in new
+    assert "| b | m | 2.00" not in new and "| b | m | 3.00" in new
+    assert new.count("### route\n") == 1 and "### route new" in new
+    assert new.count("NOTE") == 2 and new.startswith("# Benchmark results")
+
+
+def test_route_chart_has_a_bar_per_router_and_names_the_skipped() -> None:
+    """One bar per router that ran (its cached fraction), the ones that did not, in words."""
+    section = "Routers on 3 vLLM CPU engines: chat"
+    rows = [
+        Row(section, "pooled cache (reference)", "cached fraction (usage)", 88.0, "%"),
+        Row(section, "vllm-router kv_aware", "cached fraction (usage)", 60.0, "%"),
+        Row(section, "vllm-router kv_aware", "TTFT p99", 120.0, "ms"),
+        Row(section, "kvevents route (default): not available yet", "ran", 0.0, ""),
+    ]
+    root = ET.fromstring(route_svg(rows, "t"))
+    titles = [r.find(f"{SVG}title") for r in root.iter(f"{SVG}rect")]
+    bars = [t.text for t in titles if t is not None]
+    assert bars == ["pooled cache (reference): 88.0%", "vllm-router kv_aware: 60.0%"]
+    texts = "".join(t.text or "" for t in root.iter(f"{SVG}text"))
+    assert "not available yet" in texts and "TTFT p99 120 ms" in texts
+
+
+def test_front_door_headers_give_the_engine_and_the_per_request_agreement() -> None:
+    """With the HTTP trace, each record carries the router's x-kvevents headers (any case);
+    agreement counts the successful requests whose prediction equals the engine's figure."""
+
+    def traced(predicted: str, cached: int) -> str:
+        data = json.loads(_line(usage_prompt_tokens=64, usage_prompt_cache_read_tokens=cached))
+        headers = {"X-KVEvents-Engine": "e1", "x-kvevents-predicted-cached-tokens": predicted}
+        data["trace_data"] = {"response_headers": headers}
+        return json.dumps(data)
+
+    records = [parse_record(traced("32", 32)), parse_record(traced("32", 0)), parse_record(_line())]
+    assert (records[0].engine, records[0].predicted_cached) == ("e1", 32)
+    assert records[2].predicted_cached is None
+    outcome = Outcome("kvevents route (default)", "chat", records=records, engines=[Snapshot()])
+    assert outcome.header_agreement() == (1, 2)
+    assert Outcome("peer", "chat", records=[records[2]]).header_agreement() is None
