@@ -195,6 +195,25 @@ def test_a_health_check_that_hangs_is_bounded(engines: Engines, proxy: Proxy) ->
     assert front.engine(engine.url).reason == "GET /health did not answer within 0.2 s"
 
 
+def test_a_slow_health_check_keeps_an_engine_that_answers_requests(
+    engines: Engines, proxy: Proxy
+) -> None:
+    """A /health that misses its deadline while the engine answers requests (a saturated host)
+    is slow, not failed: the engine stays in routing (counted); once it answers nothing
+    either, the next timed-out check takes it out."""
+    engine = engines()
+    front = proxy(engine, interval=0.1, timeout=0.2)
+    engine.behaviour = Behaviour(health_delay=math.inf)
+    counts = front.engine(engine.url).counts
+    with httpx.Client(base_url=front.url, timeout=10) as client:
+        while counts.checks_slow < 3:  # bounded by the test's timeout
+            assert client.post("/v1/chat/completions", json=CHAT).status_code == 200
+            assert _state(front, engine) is EngineState.UP
+    assert counts.checks_failed == 0 and counts.marked_down == 0
+    wait_for(lambda: _state(front, engine) is EngineState.DOWN, 5, what="the engine down")
+    assert front.engine(engine.url).reason == "GET /health did not answer within 0.2 s"
+
+
 def test_a_failing_observer_or_planner_stops_nothing(engines: Engines, proxy: Proxy) -> None:
     """An observer that raises does not stop the health checks; a planner whose plan()
     raises still gets the request routed to a healthy engine (counted)."""

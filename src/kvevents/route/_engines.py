@@ -5,7 +5,10 @@ The :class:`EnginePool` keeps their health two ways:
 
 - actively: ``GET /health`` every ``interval`` seconds, each bounded by ``timeout``; an engine
   whose check passes after it was down (or at start) has its ``GET /v1/models`` read again
-  before it takes requests;
+  before it takes requests. A check that times out on an engine that answered a request since
+  the previous check began is slow, not failed (counted, the engine stays in): on a saturated
+  host every engine's ``/health`` can miss its deadline at once while all of them serve, and
+  taking them all out would refuse every request;
 - passively: the proxy calls :meth:`EnginePool.mark_down` on a connect error or a 5xx, which
   takes the engine out of routing at once and checks it again at once, so an engine that only
   failed one request (its ``/health`` passes) is back within a round trip, and a dead one stays
@@ -59,6 +62,7 @@ class EngineCounts:
     client_gone: int = 0  #: attempts cancelled because the client went away
     marked_down: int = 0  #: times taken out of routing (a failed check or a failed request)
     checks_failed: int = 0  #: health checks that did not pass
+    checks_slow: int = 0  #: checks that timed out while the engine answered requests (kept in)
 
 
 @dataclass(frozen=True)
@@ -93,7 +97,9 @@ class Engine:
     (requests on it now) and ``counts``."""
 
     __slots__ = (
+        "answered_at",
         "cards",
+        "checked_at",
         "counts",
         "id",
         "in_flight",
@@ -123,6 +129,10 @@ class Engine:
         self.since = time.monotonic()  # when the state last changed
         self.in_flight = 0
         self.counts = EngineCounts()
+        #: When (monotonic) the engine last sent a request's first byte, and when its last
+        #: health check began: a check timing out after the engine answered is only slow.
+        self.answered_at = -1.0
+        self.checked_at = 0.0
 
     @property
     def up(self) -> bool:
@@ -276,47 +286,61 @@ class EnginePool:
             await self.check(engine)
 
     async def check(self, engine: Engine) -> bool:
-        """One health check of ``engine`` (and its models when it comes up); True if it passed."""
+        """One health check of ``engine`` (and its models when it comes up); True if it passed
+        (or was only slow: see the module docstring)."""
+        previous, engine.checked_at = engine.checked_at, time.monotonic()
         failure = await self._probe(engine, "/health")
         if failure is None and engine.state is not EngineState.UP:
             failure = await self._read_models(engine)
-        if failure is not None:
-            engine.counts.checks_failed += 1
-            self._set(engine, EngineState.DOWN, failure)
-            return False
-        self._set(engine, EngineState.UP, None)
-        return True
+        if failure is None:
+            self._set(engine, EngineState.UP, None)
+            return True
+        if failure.timed_out and engine.up and engine.answered_at >= previous:
+            engine.counts.checks_slow += 1
+            log.debug("engine %s: %s, but it answers requests: kept", engine.id, failure.reason)
+            return True
+        engine.counts.checks_failed += 1
+        self._set(engine, EngineState.DOWN, failure.reason)
+        return False
 
-    async def _probe(self, engine: Engine, path: str) -> str | None:
+    async def _probe(self, engine: Engine, path: str) -> _Failure | None:
         """None if ``GET path`` answers 200 within the timeout, else what went wrong."""
         body = await self._get(engine, path)
-        return body if isinstance(body, str) else None
+        return body if isinstance(body, _Failure) else None
 
-    async def _read_models(self, engine: Engine) -> str | None:
+    async def _read_models(self, engine: Engine) -> _Failure | None:
         body = await self._get(engine, "/v1/models")
-        if isinstance(body, str):
+        if isinstance(body, _Failure):
             return body
         try:
             cards = _list_decoder.decode(body).data
             models = frozenset(_card_decoder.decode(card).id for card in cards)
         except msgspec.DecodeError as exc:
-            return f"GET /v1/models: not an OpenAI model list ({exc})"
+            return _Failure(f"GET /v1/models: not an OpenAI model list ({exc})")
         engine.cards, engine.models, engine.listed = tuple(cards), models, True
         return None
 
-    async def _get(self, engine: Engine, path: str) -> bytes | str:
-        """The body of a 200 answer to ``GET path``, or a sentence saying why there is none."""
+    async def _get(self, engine: Engine, path: str) -> bytes | _Failure:
+        """The body of a 200 answer to ``GET path``, or why there is none."""
         assert self._session is not None, "the pool is not started"
         timeout = aiohttp.ClientTimeout(total=self.timeout)
         try:
             async with self._session.get(engine.url + path, timeout=timeout) as response:
                 if response.status != 200:
-                    return f"GET {path} answered {response.status}"
+                    return _Failure(f"GET {path} answered {response.status}")
                 return await response.read()
         except asyncio.TimeoutError:
-            return f"GET {path} did not answer within {self.timeout:g} s"
+            return _Failure(f"GET {path} did not answer within {self.timeout:g} s", True)
         except aiohttp.ClientError as exc:
-            return f"GET {path} failed: {_describe(exc)}"
+            return _Failure(f"GET {path} failed: {_describe(exc)}")
+
+
+@dataclass(frozen=True)
+class _Failure:
+    """Why a health check did not pass; ``timed_out``: no answer within the timeout."""
+
+    reason: str
+    timed_out: bool = False
 
 
 def _describe(exc: BaseException) -> str:

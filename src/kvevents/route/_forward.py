@@ -22,7 +22,7 @@ import logging
 import sys
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from time import perf_counter
+from time import monotonic, perf_counter
 from typing import Literal
 
 import aiohttp
@@ -464,6 +464,7 @@ class Exchange:
 
     def _first_byte(self, attempt: _Attempt, stream: bool) -> None:
         attempt.first_byte = now = perf_counter()
+        attempt.engine.answered_at = monotonic()  # alive, whatever its /health says
         if stream:
             self.up.metrics.ttft.labels(attempt.engine.id).observe(now - self.began)
         if self.plan is not None:
