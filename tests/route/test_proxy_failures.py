@@ -286,6 +286,25 @@ def test_a_stream_closed_midway_reaches_the_client_incomplete(
     assert front.app.stats().counts.truncated == 1
 
 
+def test_a_stream_broken_before_its_first_piece_is_retried_elsewhere(
+    engines: Engines, proxy: Proxy
+) -> None:
+    """An engine that sends a stream's 200 headers and dies before its first piece (as vLLM
+    does when killed during a prefill): nothing went to the client, so the request is answered
+    whole by the next engine, headers and all."""
+    dying = engines(behaviour=Behaviour(tokens=10, close_after=0))
+    alive = engines()
+    front = proxy(dying, alive, planner=_in_order)
+    with RawConnection(front.port) as conn:
+        conn.send(request_bytes("POST", "/v1/completions", b'{"prompt":"x","stream":true}'))
+        reply = conn.read_response()
+    assert reply.status == 200 and reply.complete and b"[DONE]" in reply.body
+    assert reply.header("x-kvevents-engine") == alive.url.encode()
+    assert [o.kind for o in front.planner.outcomes()] == ["reset", "ok"]
+    assert front.engine(dying.url).counts.resets == 1
+    assert front.app.stats().counts.truncated == 0
+
+
 @pytest.mark.parametrize("stream", [True, False])
 def test_a_client_that_leaves_cancels_the_engine_request(
     engines: Engines, proxy: Proxy, stream: bool

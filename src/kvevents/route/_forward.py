@@ -409,7 +409,11 @@ class Exchange:
     # ------------------------------------------------------------------ the answer
 
     async def _relay(self, attempt: _Attempt, response: aiohttp.ClientResponse) -> None:
-        """Pass the answer on; a failure after its first byte cuts the client off."""
+        """Pass the answer on; a failure after its first byte cuts the client off.
+
+        The status and headers wait for the body's first piece: vLLM sends a stream's headers
+        before its prefill, and an engine that dies then has sent nothing that matters, so
+        the request is retried elsewhere (:class:`_Failed` "reset") instead of being cut."""
         attempt.status = response.status
         stream = response.content_type == "text/event-stream"
         limit = None if stream else self.up.options.max_response_bytes
@@ -422,12 +426,27 @@ class Exchange:
             # from now (aiohttp stops that timer while it holds reading for a slow client).
             connection.protocol.read_timeout = self.up.options.idle_timeout
             connection.protocol.start_timeout()
+        chunked = response.headers.get("Transfer-Encoding", "").lower() == "chunked"
+        reader = ChunkReader(response.content, chunked)
+        first = await self._first_piece(reader)
         await self._start(attempt.engine, response)
         attempt.kind = "reset"  # until the body ends
         try:
-            await self._pass_body(attempt, response, stream, limit)
+            await self._pass_body(attempt, response, stream, limit, reader, first)
         except (_Failed, asyncio.TimeoutError, aiohttp.ClientError) as exc:
             self._cut(attempt, exc)
+
+    async def _first_piece(self, reader: ChunkReader) -> tuple[bytes, bool]:
+        """The body's first piece, or :class:`_Failed` (nothing went to the client yet)."""
+        try:
+            return await reader.read()
+        except asyncio.TimeoutError:
+            wait = self.up.options.idle_timeout
+            raise _Failed("timeout", f"no answer within {wait:g} s of its headers") from None
+        except aiohttp.ClientError as exc:
+            raise _Failed(
+                "reset", f"the answer broke off before its body ({_describe(exc)})"
+            ) from None
 
     async def _start(self, engine: Engine, response: aiohttp.ClientResponse) -> None:
         headers = response_headers(response.raw_headers)
@@ -442,14 +461,20 @@ class Exchange:
         )
 
     async def _pass_body(
-        self, attempt: _Attempt, response: aiohttp.ClientResponse, stream: bool, limit: int | None
+        self,
+        attempt: _Attempt,
+        response: aiohttp.ClientResponse,
+        stream: bool,
+        limit: int | None,
+        reader: ChunkReader,
+        first: tuple[bytes, bool],
     ) -> None:
-        chunked = response.headers.get("Transfer-Encoding", "").lower() == "chunked"
-        reader = ChunkReader(response.content, chunked)
         usage = _usage_reader(response, stream)
         send, size, last = self._send, 0, False
+        pending: tuple[bytes, bool] | None = first
         while not last:
-            piece, last = await reader.read()
+            piece, last = pending if pending is not None else await reader.read()
+            pending = None
             if attempt.first_byte is None:
                 self._first_byte(attempt, stream)
             size += len(piece)
