@@ -6,6 +6,9 @@ from __future__ import annotations
 import ast
 import dataclasses
 import importlib
+import io
+import re
+import tokenize
 from pathlib import Path
 
 import msgspec
@@ -119,3 +122,80 @@ def test_stream_and_index_counters_are_named_as_their_stats() -> None:
     counts = [f.name for f in dataclasses.fields(Counts)]
     assert set(counts) <= index_totals
     assert set(ApplyResult._fields) <= set(counts)
+
+
+def _names_any(node: ast.AST) -> bool:
+    """Whether the node is ``Any`` or ``typing.Any`` (the import line holds neither)."""
+    if isinstance(node, ast.Name):
+        return node.id == "Any"
+    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+        return node.value.id == "typing" and node.attr == "Any"
+    return False
+
+
+def _annotation_strings(tree: ast.AST) -> list[ast.Constant]:
+    """The quoted annotations, whose names the module's own tree does not show."""
+    found = []
+    for node in ast.walk(tree):
+        annotations: list[ast.expr | None] = []
+        if isinstance(node, ast.AnnAssign | ast.arg):
+            annotations = [node.annotation]
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            annotations = [node.returns]
+        for annotation in annotations:
+            for part in ast.walk(annotation) if annotation else ():
+                if isinstance(part, ast.Constant) and isinstance(part.value, str):
+                    found.append(part)
+    return found
+
+
+def _lines_using_any(source: str) -> set[int]:
+    tree = ast.parse(source)
+    lines = {node.lineno for node in ast.walk(tree) if _names_any(node)}
+    for quoted in _annotation_strings(tree):
+        try:
+            inner = ast.parse(quoted.value, mode="eval")
+        except SyntaxError:
+            continue  # a forward reference's text, not an expression to read
+        if any(_names_any(node) for node in ast.walk(inner)):
+            lines.add(quoted.lineno)
+    return lines
+
+
+def _comments(source: str) -> tuple[set[int], set[int]]:
+    """The lines carrying a reason comment, and those that are only a comment. A bare tool
+    pragma (``# noqa``, ``# type: ignore[...]``) says nothing about why, so it is no reason."""
+    pragma = re.compile(r"#\s*(noqa\b|type:\s*ignore\b|pragma:|fmt:)[^#]*$")
+    commented, comment_only = set(), set()
+    code_lines: set[int] = set()
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        line = token.start[0]
+        if token.type == tokenize.COMMENT:
+            if not pragma.fullmatch(token.string):
+                commented.add(line)
+        elif token.type not in (tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT):
+            code_lines.update(range(token.start[0], token.end[0] + 1))
+    comment_only = commented - code_lines
+    return commented, comment_only
+
+
+def _unexplained_any(path: Path) -> list[int]:
+    source = path.read_text()
+    commented, comment_only = _comments(source)
+    return sorted(
+        line
+        for line in _lines_using_any(source)
+        if line not in commented and line - 1 not in comment_only
+    )
+
+
+def test_every_any_says_why_beside_it() -> None:
+    """Every line of the library that names ``Any`` carries a reason: a comment on the line
+    or on a comment line directly above it (an alias's definition carries it for its users)."""
+    found = [
+        f"{path.relative_to(ROOT)}:{line}"
+        for path in sorted(ROOT.rglob("*.py"))
+        for line in _unexplained_any(path)
+    ]
+    print("\n".join(found))
+    assert found == []

@@ -28,12 +28,12 @@ __all__ = ["Context", "Send3", "Socket", "direct_library", "sender_for"]
 # blocking socket, an awaitable under zmq.asyncio), and zmq.Context() makes Socket[Any]: the
 # package's sockets are all blocking ones, named once here.
 Socket: TypeAlias = zmq.Socket[Any]
-Context: TypeAlias = zmq.Context[Any]
+Context: TypeAlias = zmq.Context[Any]  # the same, for the context that makes those sockets
 
 Send3 = Callable[[bytes, bytes, bytes], None]
 _FLAGS_MORE = zmq.SNDMORE | zmq.NOBLOCK
 _FLAGS_LAST = zmq.NOBLOCK
-_library: Any = None
+_library: Any = None  # ctypes.PyDLL: its functions are untyped
 _searched = False
 
 
@@ -50,7 +50,7 @@ def _mapped_libzmq() -> str | None:
     return None
 
 
-def direct_library() -> Any:
+def direct_library() -> Any:  # ctypes.PyDLL: its functions are untyped
     """libzmq as a ``ctypes.PyDLL`` (GIL kept during calls), or None when unavailable."""
     global _library, _searched
     if _searched:

@@ -71,6 +71,7 @@ class BlockStored(
     lora_id: int | None = None
     medium: str | None = None
     lora_name: str | None = None
+    # vLLM's extra keys: any msgpack values, per block.
     extra_keys: list[Any] | UnsetType | None = UNSET
     group_idx: int | UnsetType = UNSET
     kv_cache_spec_kind: str | UnsetType = UNSET
@@ -119,7 +120,7 @@ class PackedStored(
     session_id: str | None = None
     cache_salt: str | None = None
 
-    def extras(self) -> Any:
+    def extras(self) -> Any:  # a decoded msgpack value: checked where it is read
         """``extra_keys`` decoded (None when absent or nil); raises ``msgspec.DecodeError``
         only for bytes a typed decode already accepted, i.e. never in practice."""
         return None if self.extra_keys is NIL else _any_decoder.decode(self.extra_keys)

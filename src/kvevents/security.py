@@ -19,7 +19,7 @@ import os
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import zmq
 import zmq.auth
@@ -27,6 +27,9 @@ from zmq.utils.monitor import parse_monitor_message
 
 from kvevents._libzmq import Context, Socket
 from kvevents.ratelimit import RateLimitedWarning
+
+if TYPE_CHECKING:
+    from zmq.auth.thread import ThreadAuthenticator
 
 __all__ = [
     "CurveClient",
@@ -299,7 +302,7 @@ class _AllowList:
         return key.decode("ascii", "replace") in self._keys
 
 
-def start_authenticator(context: Context, curve: CurveServer | None) -> Any:
+def start_authenticator(context: Context, curve: CurveServer | None) -> ThreadAuthenticator | None:
     """A started ZAP handler enforcing ``curve.allowed_clients`` on ``context``, or None.
 
     Start it before any CURVE socket binds and ``stop()`` it before ``context.term()``.

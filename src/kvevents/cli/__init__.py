@@ -113,6 +113,7 @@ def _warn_if_slow() -> None:
 class _Version(argparse.Action):
     """``--version``: computed only when asked, since it loads the native modules."""
 
+    # argparse's Action.__call__ arguments, unused here.
     def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
         print(version_line())
         parser.exit(0)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
@@ -165,7 +165,7 @@ class ServeSettings(Settings):
 
     @field_validator("workers", mode="before")
     @classmethod
-    def _flag_workers(cls, value: Any) -> Any:
+    def _flag_workers(cls, value: Any) -> Any:  # pydantic passes the raw input before validation
         if isinstance(value, list):
             return [_worker_from_flag(v) if isinstance(v, str) else v for v in value]
         return value
@@ -289,6 +289,7 @@ def keys(model: type[Settings]) -> dict[str, str]:
     return {name: f.alias or name for name, f in model.model_fields.items()}
 
 
+# A field's default: any of the model's field types.
 def default(model: type[Settings], key: str) -> Any:
     """The model's default for ``key``, for the parser's ``default=`` (shown in ``--help``)."""
     for name, alias in keys(model).items():
@@ -309,7 +310,11 @@ def _tracked(base: type[argparse.Action]) -> type[argparse.Action]:
     # A subclass of an Action class known only at run time, which mypy cannot check.
     class Given(base):  # type: ignore[valid-type,misc]
         def __call__(
-            self, parser: argparse.ArgumentParser, namespace: Any, values: Any, option: Any = None
+            self,
+            parser: argparse.ArgumentParser,
+            namespace: argparse.Namespace,
+            values: object,  # what the flag's type made of its text
+            option: str | None = None,
         ) -> None:
             super().__call__(parser, namespace, values, option)
             given = getattr(namespace, GIVEN, None)
@@ -353,7 +358,12 @@ def _where_key(loc: tuple[int | str, ...], model: type[Settings], unknown: bool)
     return "".join(parts) or "settings"
 
 
-def _error(where: str, exc: ValidationError, model: type[Settings], name: Any = None) -> str:
+def _error(
+    where: str,
+    exc: ValidationError,
+    model: type[Settings],
+    name: Callable[[str], str] | None = None,
+) -> str:
     first = exc.errors()[0]
     key = _where_key(tuple(first["loc"]), model, first["type"] == "extra_forbidden")
     label = name(key) if name is not None else f"{where}{key}"
@@ -364,7 +374,11 @@ def _error(where: str, exc: ValidationError, model: type[Settings], name: Any = 
 
 
 def _validated(
-    model: type[S], data: Document, where: str, strict: bool = True, name: Any = None
+    model: type[S],
+    data: Document,
+    where: str,
+    strict: bool = True,
+    name: Callable[[str], str] | None = None,
 ) -> Document:
     """``data`` checked against ``model`` alone; its values as the model made them."""
     try:
@@ -417,7 +431,7 @@ def _env_layer(model: type[S], command: str, environ: Mapping[str, str]) -> Docu
     return _validated(model, data, "", strict=False, name=lambda k: f"${prefix}{k.upper()}")
 
 
-def _env_value(model: type[Settings], key: str, text: str) -> Any:
+def _env_value(model: type[Settings], key: str, text: str) -> list[str] | str | None:
     field = model.model_fields.get(key)
     if field is not None and getattr(field.annotation, "__origin__", None) is list:
         return [part.strip() for part in text.split(",") if part.strip()]

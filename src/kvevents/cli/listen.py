@@ -6,10 +6,10 @@ import argparse
 import sys
 import time
 import urllib.parse
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvevents.cli.common import UsageError, plural, positive_float, positive_int, stop_on_sigterm
-from kvevents.cli.output import JsonOutput, LiveOutput, Output, TextOutput
+from kvevents.cli.output import JsonOutput, LiveOutput, Output, StatsSource, TextOutput
 from kvevents.cli.render import ListenView, stats_record
 from kvevents.cli.secure import add_client_options, client_curve
 from kvevents.cli.specs import stream_specs
@@ -94,7 +94,7 @@ def add_parser(sub: Subparsers) -> None:
     p.set_defaults(run=run)
 
 
-def _output(args: argparse.Namespace, stats: Any) -> Output:
+def _output(args: argparse.Namespace, stats: StatsSource) -> Output:
     if args.json:
         return JsonOutput()
     if args.plain or not sys.stdout.isatty():

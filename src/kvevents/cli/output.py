@@ -67,6 +67,7 @@ def _lag(value: float | None) -> str:
     return "-" if value is None else f"{value * 1000:.0f} ms"
 
 
+# A rich Table: rich is imported lazily, only when drawing.
 def stream_table(stats: Mapping[StreamKey, StreamStats]) -> Any:
     """A rich table with one row per stream; incomplete streams stand out."""
     from rich.table import Table
@@ -107,7 +108,7 @@ class LiveOutput:
         self.live = Live(self._render(), console=self.console, refresh_per_second=4)
         self.live.start()
 
-    def _render(self) -> Any:
+    def _render(self) -> Any:  # a rich renderable: rich is imported lazily, only when drawing
         from rich.console import Group
         from rich.panel import Panel
         from rich.text import Text

@@ -101,7 +101,7 @@ def add_parser(sub: Subparsers) -> None:
     p.set_defaults(run=run)
 
 
-def _d(key: str) -> Any:
+def _d(key: str) -> Any:  # a field's default: any of the model's field types
     return default(PublishSettings, key)
 
 
@@ -281,7 +281,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _start_metrics(
-    engine: Any,
+    engine: SimulatedEngine,
     port: int | None,  # see _ready
 ) -> tuple[Any, int] | None:  # prometheus_client's server (untyped), the port
     if port is None:

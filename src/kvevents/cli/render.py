@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 import msgspec
 
@@ -61,7 +60,7 @@ class ListenView:
     Feed it with ``status_items=True`` so statuses arrive in order with the deliveries.
     """
 
-    def __init__(self, *, full: bool = False, clock: Any = time.time) -> None:
+    def __init__(self, *, full: bool = False, clock: Callable[[], float] = time.time) -> None:
         self.full = full
         self.clock = clock
         self.batches = 0

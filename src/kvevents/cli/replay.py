@@ -6,7 +6,7 @@ import argparse
 import sys
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvevents._types import Document
 from kvevents.cli.common import UsageError, non_negative_int, plural, positive_float
@@ -24,6 +24,7 @@ from kvevents.wire import (
 
 if TYPE_CHECKING:
     from kvevents.cli.common import Subparsers
+    from kvevents.security import CurveClient
 
 EXAMPLES = """examples:
   kvevents replay tcp://10.0.0.5:5600 --from 0
@@ -87,7 +88,9 @@ def _check(args: argparse.Namespace) -> None:
         raise UsageError(f"{args.endpoint}: give the publisher's host and bound port")
 
 
-def fetch(endpoint: str, start: int, timeout: float, curve: Any = None) -> Iterator[ReplayMessage]:
+def fetch(
+    endpoint: str, start: int, timeout: float, curve: CurveClient | None = None
+) -> Iterator[ReplayMessage]:
     """Replay messages for ``seq >= start`` until the end marker (included)."""
     import zmq
 

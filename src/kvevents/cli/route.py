@@ -74,7 +74,7 @@ def add_parser(sub: Subparsers) -> None:
     p.set_defaults(run=run)
 
 
-def _d(key: str) -> Any:
+def _d(key: str) -> Any:  # a field's default: any of the model's field types
     return default(RouteSettings, key)
 
 

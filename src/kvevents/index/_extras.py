@@ -61,7 +61,11 @@ def store_extras(event: Stored) -> list[Extras] | None:
 
 
 def event_extras(
-    extra_keys: Any, blocks: int, *, lora_name: str | None = None, cache_salt: Any = None
+    extra_keys: Any,  # as the engine sent them: checked here
+    blocks: int,
+    *,
+    lora_name: str | None = None,
+    cache_salt: object = None,
 ) -> list[Extras] | None:
     """Each block's extras from a store event, None when it has none (the common case).
 
@@ -81,6 +85,7 @@ def event_extras(
     return out if out is not None and any(out) else None
 
 
+# An engine's entry as sent: checked here.
 def _strip_lora(extra: Any, lora_name: str | None) -> Extras:
     if not extra:
         return None

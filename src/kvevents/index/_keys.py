@@ -116,6 +116,7 @@ class MMSpan(NamedTuple):
     length: int
 
 
+# Any msgpack-encodable values, hashed as encoded.
 def mix_extras(token_hash: int, extras: Sequence[Any]) -> int:
     """The key of a block with extra inputs, from the hash of its tokens (module docstring)."""
     return _xxh3(b"extra:" + _encode(list(extras)), token_hash) & MASK
@@ -233,7 +234,7 @@ def request_extras(
     for i in range(min(blocks, last)):
         start = i * block_size
         end = start + block_size
-        extra: list[Any] = [
+        extra: list[Any] = [  # [identifier, offset] pairs: str and int mixed
             [m.identifier, m.offset - start]
             for m in spans
             if m.offset < end and start < m.offset + m.length

@@ -176,8 +176,8 @@ def _one_successor(tokens: list[Any], after: list[Any], block_size: int) -> list
 
 
 def _packed_run(
-    tokens: list[Any],
-    after: list[Any],
+    tokens: list[Any],  # as engines sent them: see the note above
+    after: list[Any],  # as engines sent them: see the note above
     block_size: int,  # as sent: checked by the packers
 ) -> tuple[bytes, bytes, list[Extras] | None]:
     if any(isinstance(t, str) and len(t) > MAX_DIGEST for t in tokens):

@@ -96,10 +96,11 @@ class _WatchedSecure(http.client.HTTPSConnection, _Watched):
     """An HTTPS connection watched from its TCP connect on (the TLS handshake included)."""
 
 
+# What do_open takes: typeshed's protocol for it is private to the stubs.
 def _maker(kind: type[_Watched], watchdog: _Watchdog) -> Any:
     """What urllib's ``do_open`` calls for a connection: one of ``kind``, watched."""
 
-    def make(*args: Any, **kwargs: Any) -> _Watched:
+    def make(*args: Any, **kwargs: Any) -> _Watched:  # urllib forwards any connection arguments
         connection = kind(*args, **kwargs)
         connection.watchdog = watchdog
         return connection

@@ -22,9 +22,9 @@ import dataclasses
 import json
 import urllib.parse
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from kvevents._types import Document, DocumentView
+from kvevents._types import Document, DocumentView, JSONValue
 from kvevents.bounds import MAX_BLOCK_SIZE, MAX_ENDPOINT_LENGTH, MAX_NAME_LENGTH, MAX_RANKS
 from kvevents.deadline import Deadline
 from kvevents.errors import DiscoveryError, LayoutError
@@ -135,7 +135,7 @@ def _targets(url: str) -> list[str]:
     return [base + path for path in INFO_PATHS]
 
 
-def _fetch(url: str, deadline: Deadline, timeout: float) -> Any:
+def _fetch(url: str, deadline: Deadline, timeout: float) -> JSONValue:
     try:
         body = fetch(url, timeout=deadline.remaining(), max_bytes=MAX_ANSWER_BYTES, headers=_ACCEPT)
     except FetchError as exc:
@@ -152,7 +152,7 @@ def _fetch(url: str, deadline: Deadline, timeout: float) -> Any:
         raise DiscoveryError(url, "the answer is not JSON: nested too deeply") from None
 
 
-def parse_server_info(info: Any, url: str) -> EngineEndpoints:
+def parse_server_info(info: JSONValue, url: str) -> EngineEndpoints:
     """The endpoints in a ``/server_info`` answer read from ``url`` (whose host replaces a
     wildcard ``endpoint_host``)."""
     if not isinstance(info, Mapping):
@@ -190,13 +190,13 @@ def parse_server_info(info: Any, url: str) -> EngineEndpoints:
     )
 
 
-def _shown(value: Any) -> str:
+def _shown(value: object) -> str:
     """``value`` as an error shows it: its repr, cut short (an answer may be megabytes)."""
     text = repr(value)
     return text if len(text) <= 80 else f"{text[:60]}... ({len(text)} characters)"
 
 
-def _required(kv: DocumentView, key: str, url: str) -> Any:
+def _required(kv: DocumentView, key: str, url: str) -> JSONValue:
     if key not in kv:
         raise DiscoveryError(url, f"kv_events.{key} is missing", key=f"kv_events.{key}")
     return kv[key]

@@ -61,6 +61,7 @@ class SGLangPublisher:
     """SGLang's ``EventPublisher`` interface (``publish``, ``shutdown``,
     ``describe_local_source``) over a ``ZmqPublisher`` for one attention-DP rank."""
 
+    # SGLang's config fields, any values, checked by the config.
     def __init__(self, attn_dp_rank: int = 0, **fields: Any) -> None:
         fields.setdefault("publisher", PUBLISHER_NAME)
         # SGLang validated its config before its factory called us, so a field we do not know is
@@ -82,6 +83,7 @@ class SGLangPublisher:
         # SGLang's schedulers exit without shutting their publisher down: flush at exit.
         atexit.register(self.shutdown)
 
+    # SGLang's KVEventBatch: its classes are not imported here.
     def publish(self, events: Any) -> None:
         """Publish one SGLang ``KVEventBatch`` (``[ts, events, attn_dp_rank]``), never blocking."""
         payload = self._encode.encode(events)

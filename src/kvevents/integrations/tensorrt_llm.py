@@ -34,9 +34,9 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from types import TracebackType
-from typing import Any, Literal, TypeAlias
+from typing import Literal, TypeAlias
 
-from kvevents._types import DocumentView
+from kvevents._types import DocumentView, JSONValue
 from kvevents.config import KVEventsConfig
 from kvevents.errors import PublisherError
 from kvevents.events import UNSET, AllBlocksCleared, BlockRemoved, BlockStored, Event, KVEventBatch
@@ -69,7 +69,7 @@ log = logging.getLogger("kvevents.integrations.tensorrt_llm")
 MEDIA: Mapping[int, str] = {0: "GPU", 1: "CPU"}
 
 EventKind: TypeAlias = Literal["created", "stored", "removed", "updated"]
-Poll: TypeAlias = Callable[[float], list[Any]]
+Poll: TypeAlias = Callable[[float], list[JSONValue]]
 BridgeState: TypeAlias = Literal["new", "started", "closed"]
 
 _KINDS: tuple[EventKind, ...] = ("created", "stored", "removed", "updated")
@@ -96,7 +96,7 @@ def signed64(value: object, field: str) -> int:
     return value - _U64 if value > ~_I64_MIN else value
 
 
-def _get(obj: DocumentView, key: str, where: str) -> Any:
+def _get(obj: DocumentView, key: str, where: str) -> JSONValue:
     if key not in obj:
         raise _Malformed(f"{where}.{key} is missing")
     return obj[key]
@@ -108,7 +108,7 @@ def _mapping(value: object, field: str) -> DocumentView:
     return value
 
 
-def _list(value: object, field: str) -> list[Any]:
+def _list(value: object, field: str) -> list[JSONValue]:
     if not isinstance(value, list):
         raise _Malformed(f"{field} is {type(value).__name__}, expected a list")
     return value
@@ -164,13 +164,13 @@ def _tokens(value: object, where: str) -> tuple[list[int], list[int] | None]:
     return ids, (extras if any(extras) else None)
 
 
-def _all_int64(values: list[Any]) -> bool:
+def _all_int64(values: list[JSONValue]) -> bool:
     if not values:
         return True
     return set(map(type, values)) == {int} and min(values) >= _I64_MIN and max(values) < _U64
 
 
-def _tokens_one_by_one(tokens: list[Any], where: str) -> tuple[list[int], list[int] | None]:
+def _tokens_one_by_one(tokens: list[JSONValue], where: str) -> tuple[list[int], list[int] | None]:
     ids: list[int] = []
     extras: list[int] = []
     for i, token in enumerate(tokens):
@@ -452,7 +452,7 @@ class TensorRTLLMBridge:
                     self._publish(rank, events)
             return True
 
-    def _poll(self) -> list[Any] | None:
+    def _poll(self) -> list[JSONValue] | None:
         try:
             entries = self.poll(self.poll_timeout)
         except Exception as exc:  # the engine's failure is reported, never the bridge's death
@@ -470,7 +470,7 @@ class TensorRTLLMBridge:
         self._warn("poll", "TensorRT-LLM bridge: %s", reason)
         return None
 
-    def _map_all(self, entries: list[Any]) -> dict[int, list[Event]]:
+    def _map_all(self, entries: list[JSONValue]) -> dict[int, list[Event]]:
         per_rank: dict[int, list[Event]] = {}
         for index, entry in enumerate(entries):
             self._counts.events += 1
@@ -542,7 +542,7 @@ def http_poll(
     """
     url = base_url.rstrip("/") + "/kv_cache_events"
 
-    def poll(timeout: float) -> list[Any]:
+    def poll(timeout: float) -> list[JSONValue]:
         began = time.monotonic()
         entries = _read_entries(url, request_timeout, max_bytes)
         if not entries:
@@ -552,7 +552,7 @@ def http_poll(
     return poll
 
 
-def _read_entries(url: str, request_timeout: float, max_bytes: int) -> list[Any]:
+def _read_entries(url: str, request_timeout: float, max_bytes: int) -> list[JSONValue]:
     """The JSON list ``POST url`` answers; OSError or ValueError naming the URL otherwise."""
     try:
         body = fetch(url, timeout=request_timeout, max_bytes=max_bytes, data=b"")

@@ -45,6 +45,7 @@ _SHARED = ("endpoint", "replay_endpoint", "buffer_steps", "hwm", "max_queue_size
 class VllmPublisher:
     """vLLM's ``EventPublisher`` interface (``publish``, ``shutdown``) over a ``ZmqPublisher``."""
 
+    # vLLM's config fields, any values, checked by the config.
     def __init__(self, data_parallel_rank: int = 0, **fields: Any) -> None:
         shared = {k: v for k, v in fields.items() if k in _SHARED}
         ignored = sorted(set(fields) - set(_SHARED))
@@ -57,6 +58,7 @@ class VllmPublisher:
         self._encode = msgspec.msgpack.Encoder()
         self._publisher.start()
 
+    # vLLM's KVEventBatch: its classes are not imported here.
     def publish(self, events: Any) -> None:
         """Publish one vLLM ``KVEventBatch``: encoded once, sent as vLLM's publisher sends it.
 

@@ -21,9 +21,9 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 import msgspec
 import zmq
@@ -40,6 +40,9 @@ from kvevents.publish._threads import Forwarder, Service
 from kvevents.ratelimit import RateLimitedWarning
 from kvevents.security import start_authenticator
 from kvevents.wire import decode_batch, encode_batch, pack_seq
+
+if TYPE_CHECKING:
+    from zmq.auth.thread import ThreadAuthenticator
 
 __all__ = [
     "NullPublisher",
@@ -188,7 +191,7 @@ class ZmqPublisher(Publisher):
         self._wake: Socket | None = None
         self._forwarder: Forwarder | None = None
         self._service: Service | None = None
-        self._authenticator: Any = None
+        self._authenticator: ThreadAuthenticator | None = None
 
     def __repr__(self) -> str:
         return f"<ZmqPublisher rank={self.rank} {self.endpoint or self.endpoints.publish} {self._state}>"
@@ -430,7 +433,7 @@ class ZmqPublisher(Publisher):
         self._counts.enqueued += 1
         return True
 
-    def _drop(self, cause: DropCause, seq: int, carry: Any, reason: str) -> None:
+    def _drop(self, cause: DropCause, seq: int, carry: Iterable[Event], reason: str) -> None:
         if cause == "queue_full":
             self._counts.dropped_queue_full += 1
         elif cause == "encode_error":

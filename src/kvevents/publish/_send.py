@@ -27,11 +27,11 @@ MIN_BORROW = 8192
 #: in all its pages (57 faults for 230 KiB, against 39 when copied): measured slower.
 MAX_BORROW = 128 * 1024
 _NEVER = 2**62
-_native: Any = None
+_native: Any = None  # our C extension, which has no type stubs
 _searched = False
 
 
-def _zerosend() -> Any:
+def _zerosend() -> Any:  # our C extension, which has no type stubs
     """``kvevents.publish._zerosend`` wired to pyzmq's libzmq, or None when unavailable."""
     global _native, _searched
     if _searched:

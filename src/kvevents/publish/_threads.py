@@ -15,7 +15,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 import zmq
 
@@ -234,7 +233,7 @@ class Service(threading.Thread):
             for socket in sockets:
                 socket.close(0)
 
-    def _open(self, sockets: list[Socket]) -> tuple[Any, Any, Any]:
+    def _open(self, sockets: list[Socket]) -> tuple[Socket, Socket, Socket | None]:
         capture = self._socket(sockets, zmq.PULL)
         capture.setsockopt(zmq.RCVHWM, 0)
         capture.bind(self._endpoints["capture"])
@@ -265,7 +264,7 @@ class Service(threading.Thread):
         sockets.append(socket)
         return socket
 
-    def _loop(self, capture: Any, wake: Any, router: Any) -> None:
+    def _loop(self, capture: Socket, wake: Socket, router: Socket | None) -> None:
         poller = zmq.Poller()
         # The capture pipe is drained on a timer, not per message: each wake-up would make this
         # thread compete with the engine's thread for the GIL, a thousand times a second.
@@ -289,7 +288,7 @@ class Service(threading.Thread):
                 progressed = self.server.pump() if self.server.busy else False
             self._maybe_heartbeat()
 
-    def _count_handshakes(self, ready: dict[Any, int]) -> None:
+    def _count_handshakes(self, ready: dict[Socket, int]) -> None:
         if self.handshakes is not None:
             for sock in self.handshakes.sockets:
                 if sock in ready:

@@ -15,12 +15,12 @@ import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from kvevents._types import Document
 from kvevents.events import StreamKey
 from kvevents.http import Server
-from kvevents.index import LoadBook, PrefixIndex, Router
+from kvevents.index import LoadBook, PrefixIndex, Router, StreamInfo
 from kvevents.metrics import StatsCollector
 from kvevents.route._engines import Engine, EnginePool
 from kvevents.route._options import ProxyOptions
@@ -29,6 +29,9 @@ from kvevents.route._proxy import RouteApp
 from kvevents.route._status import status_pages
 from kvevents.route._tokens import ModelTokenizer
 from kvevents.service import IndexService, WorkerRegistration
+
+if TYPE_CHECKING:
+    from prometheus_client.registry import Collector
 
 __all__ = ["EngineSpec", "FrontDoor"]
 
@@ -79,7 +82,7 @@ class FrontDoor:
     health_interval: float = 2.0
     health_timeout: float = 1.0
     service: IndexService | None = None
-    collectors: Sequence[Any] = ()
+    collectors: Sequence[Collector] = ()
     server: Server | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
@@ -124,7 +127,7 @@ class FrontDoor:
                 out[engine.id] = (spec.worker_id, engine.rank or 0)
         return out
 
-    def _collectors(self) -> list[Any]:
+    def _collectors(self) -> list[StatsCollector]:
         planner = self.planner
         prefix = "kvevents_route_planner"
         return [
@@ -224,6 +227,6 @@ class FrontDoor:
         return details
 
 
-def _lag(info: Any, now: float) -> float | None:
+def _lag(info: StreamInfo | None, now: float) -> float | None:
     last = None if info is None else info.last_batch_ts
     return None if last is None else round(max(0.0, now - last), 3)

@@ -8,7 +8,7 @@ engine and status and the time to first token are prometheus-client families.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -19,6 +19,7 @@ from prometheus_client import (
     Histogram,
     ProcessCollector,
 )
+from prometheus_client.registry import Collector
 
 from kvevents.http import HttpCounters
 from kvevents.metrics import StatsCollector
@@ -78,9 +79,9 @@ class ProxyMetrics:
     def __init__(
         self,
         pool: EnginePool,
-        stats: Any,
+        stats: Callable[[], ProxyStats],
         http: HttpCounters,
-        collectors: Sequence[Any] = (),
+        collectors: Sequence[Collector] = (),
     ) -> None:
         self.registry = CollectorRegistry()
         ProcessCollector(registry=self.registry)
@@ -99,13 +100,15 @@ class ProxyMetrics:
             registry=self.registry,
         )
 
-        self._counted: dict[tuple[str, str, int], Any] = {}
+        self._counted: dict[tuple[str, str, int], Counter] = {}
 
+        # Stats records of several types, read field by field.
         def totals() -> Iterator[tuple[dict[str, str], Any]]:
             record = stats()
             yield {}, record
             yield {}, record.counts
 
+        # Stats records of several types, read field by field.
         def engines() -> Iterator[tuple[dict[str, str], Any]]:
             for engine in pool.engines:
                 record = engine.stats()

@@ -20,10 +20,10 @@ import asyncio
 import logging
 from collections.abc import Callable, Sequence
 from time import perf_counter
-from typing import Any
 
 import msgspec
 from prometheus_client import generate_latest
+from prometheus_client.registry import Collector
 from starlette.datastructures import State
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -63,7 +63,7 @@ class RouteApp:
         planner: Planner,
         *,
         options: ProxyOptions | None = None,
-        collectors: Sequence[Any] = (),
+        collectors: Sequence[Collector] = (),
         pages: ASGIApp | None = None,
         health_details: Callable[[], DocumentView] | None = None,
     ) -> None:
@@ -254,7 +254,7 @@ def serve(
     port: int = 0,
     *,
     options: ProxyOptions | None = None,
-    collectors: Sequence[Any] = (),
+    collectors: Sequence[Collector] = (),
     pages: ASGIApp | None = None,
     health_details: Callable[[], DocumentView] | None = None,
 ) -> Server:

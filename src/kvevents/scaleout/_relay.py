@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import contextlib
 import dataclasses
 import logging
@@ -51,6 +52,8 @@ from kvevents.subscribe import (
 from kvevents.wire import Applied, decode_batch_packed
 
 if TYPE_CHECKING:
+    from nats.js.api import PubAck
+
     from kvevents.subscribe import Subscriber
 
 __all__ = ["Relay", "RelayCounts", "RelayOptions", "RelayStats"]
@@ -164,12 +167,12 @@ class Relay:
         self._last_seq: dict[StreamKey, int] = {}
         self._counts = RelayCounts()
         self._aio: LoopThread | None = None
-        self._nc: Any = None
-        self._js: Any = None
+        self._nc: Any = None  # nats-py's client: Any, not Optional, as start() sets it first
+        self._js: Any = None  # its JetStream context: the same
         self._wake: asyncio.Event | None = None
         self._sleeping = False
         self._closing = False
-        self._pump: Any = None
+        self._pump: concurrent.futures.Future[None] | None = None
         self._subscriber: Subscriber | None = None
 
     # ----------------------------------------------------------------- lifecycle
@@ -324,7 +327,7 @@ class Relay:
     async def _send(self, window: Sequence[Outgoing]) -> None:
         """Publish ``window`` until every message is acknowledged (or the relay closes)."""
         while True:
-            futures: list[asyncio.Future[Any]] = []
+            futures: list[asyncio.Future[PubAck]] = []
             try:
                 for subject, payload, headers in window:
                     futures.append(await self._js.publish_async(subject, payload, headers=headers))
@@ -344,7 +347,7 @@ class Relay:
             self._count(window, acks)
             return
 
-    def _count(self, window: Sequence[Outgoing], acks: Sequence[Any]) -> None:
+    def _count(self, window: Sequence[Outgoing], acks: Sequence[PubAck]) -> None:
         counts = self._counts
         for (_, payload, headers), ack in zip(window, acks, strict=True):
             if ack.duplicate:

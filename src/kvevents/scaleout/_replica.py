@@ -86,8 +86,8 @@ class Replica:
         # nats-py's client, JetStream context and object store: set by start() before any use
         # (Any, not Optional: every use would otherwise re-check what start() guarantees).
         self._nc: Any = None
-        self._js: Any = None
-        self._store: Any = None
+        self._js: Any = None  # the same, for the JetStream context
+        self._store: Any = None  # the same, for the object store
         self._task: asyncio.Task[None] | None = None
         self._psub: PullSubscription | None = None  # what the consume loop fetches from
         self._closing = False

@@ -20,16 +20,19 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvevents.scaleout._jetstream import JetStreamOptions
+
+if TYPE_CHECKING:
+    from nats.js.object_store import ObjectStore
 
 __all__ = ["newest_snapshots", "trim", "trim_point"]
 
 log = logging.getLogger("kvevents.scaleout.retention")
 
 
-async def newest_snapshots(store: Any, stream: str) -> list[tuple[str, int]]:
+async def newest_snapshots(store: ObjectStore, stream: str) -> list[tuple[str, int]]:
     """Snapshots of ``stream`` in the bucket as ``(name, seq)``, newest first (empty when none).
 
     Replicas of several streams may share a bucket: a snapshot is ``stream``'s when its
@@ -69,6 +72,8 @@ def trim_point(snapshot_seq: int, ack_floors: list[int]) -> int:
     return min([snapshot_seq, *ack_floors]) + 1
 
 
+# nats-py's JetStream context, untyped here: its ConsumerInfo.ack_floor is Optional, though
+# the server sends it for every consumer.
 async def trim(js: Any, options: JetStreamOptions, saved_seq: int) -> bool:
     """Purge the stream below :func:`trim_point` of ``saved_seq`` (the snapshot this replica
     just saved); True when something was purged."""

@@ -18,11 +18,11 @@ from typing import Any
 
 __all__ = ["IdleTrim", "release_free_memory"]
 
-_libc: Any = None
+_libc: Any = None  # ctypes' libc: its functions are untyped
 _searched = False
 
 
-def _trim_function() -> Any:
+def _trim_function() -> Any:  # ctypes' libc function: untyped
     global _libc, _searched
     if not _searched:
         _searched = True

@@ -62,6 +62,6 @@ def holder_header(key: HolderKey, block_size: int | None) -> Document:
     }
 
 
-def builtins(value: Any) -> Any:
+def builtins(value: object) -> Any:  # plain JSON-ready values of the record's shape
     """Dataclasses, structs and named tuples as plain JSON-ready values."""
     return msgspec.to_builtins(value, builtin_types=None, str_keys=True)

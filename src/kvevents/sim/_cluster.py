@@ -25,9 +25,9 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from kvevents._types import Document
 from kvevents.deadline import Deadline
@@ -40,6 +40,10 @@ from kvevents.sim._cache import CPU, GPU
 from kvevents.sim._engine import EngineConfig, SimulatedEngine
 from kvevents.subscribe import FeedHealth, StreamSpec, StreamStats, SubscriberStats
 from kvevents.wire import encode_batch
+
+if TYPE_CHECKING:
+    from kvevents.sim._faults import DropRule, LossyRelay
+    from kvevents.subscribe import Subscriber
 
 __all__ = ["Accuracy", "Cluster", "ClusterConfig", "FeedCounters", "HolderAccuracy"]
 
@@ -173,7 +177,7 @@ class _Stream:
     """One (worker, rank): its publisher, last published and delivered sequence numbers."""
 
     key: StreamKey
-    publisher: Any
+    publisher: Any  # a direct or a ZeroMQ publisher: each has the few methods used
     published: int = -1
     delivered: int = -1
     last_ts: float = 0.0
@@ -240,7 +244,9 @@ class Cluster:
     index can lag the engines on purpose.
     """
 
-    def __init__(self, config: ClusterConfig | None = None, *, clock: Any = None) -> None:
+    def __init__(
+        self, config: ClusterConfig | None = None, *, clock: Callable[[], float] | None = None
+    ) -> None:
         self.config = cfg = config or ClusterConfig()
         self.worker_ids = [f"w{i}" for i in range(cfg.workers)]
         self.index = PrefixIndex(block_size=cfg.block_size)
@@ -254,10 +260,10 @@ class Cluster:
         self.heartbeats = 0
         self._clock = clock
         self._arrivals = Arrivals()
-        self._subscriber: Any = None
-        self._relay: Any = None
-        self._rule: Any = None
-        self._baseline: Any = None
+        self._subscriber: Subscriber | None = None
+        self._relay: LossyRelay | None = None
+        self._rule: DropRule | None = None
+        self._baseline: SubscriberStats | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -301,6 +307,7 @@ class Cluster:
 
     def _open_stream(self, key: StreamKey) -> _Stream:
         if self.config.transport == "direct":
+            # A direct or a ZeroMQ publisher: each has the few methods used.
             publisher: Any = _DirectPublisher(key, self._arrivals)
         else:
             from kvevents.config import KVEventsConfig
@@ -440,7 +447,7 @@ class Cluster:
 
     # ------------------------------------------------------------------ checks and counters
 
-    def stream_stats(self) -> dict[StreamKey, Any]:
+    def stream_stats(self) -> dict[StreamKey, StreamStats]:
         """The subscriber's per-stream stats (empty for the direct transport)."""
         return {} if self._subscriber is None else dict(self._subscriber.stream_stats())
 

@@ -28,13 +28,17 @@ import zlib
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from kvevents.events import KVEventBatch
 from kvevents.publish import EventRecorder, RecorderStats
 from kvevents.sim._cache import CPU, GPU, CacheStats, RankCache
 from kvevents.sim._hashing import HashStyle, engine_chain_hashes
 from kvevents.sim._records import EngineMetrics, RankLoad, Request, RequestRecord, StepResult
+
+if TYPE_CHECKING:
+    from kvevents.config import KVEventsConfig
+    from kvevents.publish import PublisherOptions
 
 __all__ = [
     "BatchSink",
@@ -481,7 +485,9 @@ def _sinks(
     return None if publishers is None else list(publishers)
 
 
-def zmq_publisher_factory(kv_config: Any, options: Any = None) -> PublisherFactory:
+def zmq_publisher_factory(
+    kv_config: KVEventsConfig, options: PublisherOptions | None = None
+) -> PublisherFactory:
     """A factory that builds ``kvevents.publish.create_publisher(config, rank=r, ...)``."""
 
     def build(rank: int, world_size: int) -> BatchSink:

@@ -27,11 +27,11 @@ Received: TypeAlias = tuple[int, bytes] | list[bytes]
 Burst: TypeAlias = Callable[[int, int], list[Received]]
 _NOBLOCK = int(zmq.NOBLOCK)
 _RCVMORE = int(zmq.RCVMORE)
-_receiver: Any = None
+_receiver: Any = None  # our C extension, which has no type stubs
 _receiver_searched = False
 
 
-def _native_receiver() -> Any:
+def _native_receiver() -> Any:  # our C extension, which has no type stubs
     """``kvevents._zmqrecv`` wired to the libzmq pyzmq loaded, or None when unavailable."""
     global _receiver, _receiver_searched
     if _receiver_searched:

@@ -15,7 +15,9 @@ import subprocess
 import tempfile
 from pathlib import Path
 from types import TracebackType
-from typing import Any, ClassVar, TypeVar
+from typing import ClassVar, TypeVar
+
+from kvevents._types import JSONValue
 
 __all__ = ["IndexerProcess"]
 
@@ -138,7 +140,7 @@ class IndexerProcess:
             self._conn = None
             raise
 
-    def call(self, method: str, path: str, body: Any = None) -> Any:
+    def call(self, method: str, path: str, body: JSONValue = None) -> JSONValue:
         """One HTTP call with a JSON body; the decoded reply, or ``error`` on HTTP >= 400."""
         data = None if body is None else json.dumps(body).encode()
         status, reply = self.send(method, path, data)

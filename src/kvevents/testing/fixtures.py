@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import msgspec
 
@@ -61,7 +60,7 @@ _U64 = 2**64 - 1
 _TS = 1_750_000_000.25
 
 
-def _enc(obj: Any) -> bytes:
+def _enc(obj: object) -> bytes:
     return msgspec.msgpack.encode(obj)
 
 

@@ -8,7 +8,7 @@ breaking under the I/O thread; :func:`break_stream` does that, here rather than 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import NoReturn
 
 from kvevents.events import StreamKey
 from kvevents.subscribe import Subscriber
@@ -25,7 +25,7 @@ def break_stream(subscriber: Subscriber, key: StreamKey, error: Exception) -> No
         raise KeyError(f"the subscriber is not running: no stream {key}")
     stream = loop.streams[key]
 
-    def broken(max_messages: int, max_bytes: int) -> list[Any]:
+    def broken(max_messages: int, max_bytes: int) -> NoReturn:
         raise error
 
     stream.receive = broken  # read by the I/O thread at its next turn for this stream

@@ -24,10 +24,10 @@ import math
 import socket
 import threading
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from time import monotonic
-from typing import Any, cast
+from typing import TypeAlias, cast
 
 import httptools
 import msgspec
@@ -40,6 +40,11 @@ _SYNC_LIMIT = 1 << 20  # answers up to this size are written at once, from the p
 _decoder = msgspec.json.Decoder()
 _encoder = msgspec.json.Encoder()
 _REASONS = {200: b"OK", 400: b"Bad Request", 404: b"Not Found", 500: b"Internal Server Error"}
+
+#: Writes an answer that takes time (a delay, pieces apart) on the connection.
+Writer: TypeAlias = "Callable[[_Connection], Awaitable[None]]"
+#: An answer: its bytes (written at once), a writer, or None to hang up answering nothing.
+Answer: TypeAlias = "bytes | Writer | None"
 
 
 @dataclass(frozen=True)
@@ -292,7 +297,7 @@ class _Connection(asyncio.Protocol):
             self._task = asyncio.get_running_loop().create_task(self._run(script, keep_alive))
             return
 
-    async def _run(self, script: Any, keep_alive: bool) -> None:
+    async def _run(self, script: Writer, keep_alive: bool) -> None:
         try:
             await script(self)
         except ConnectionError:  # found the connection closed while writing
@@ -446,7 +451,7 @@ class StandInEngine:
 
     # ------------------------------------------------------------------ answers
 
-    def script(self, request: Received) -> Any:
+    def script(self, request: Received) -> Answer:
         """The answer to ``request``: its bytes, a coroutine function writing it, or None
         (hang up)."""
         path = request.target.split("?")[0]
@@ -484,7 +489,7 @@ class StandInEngine:
         ]
         return _encoder.encode({"object": "list", "data": cards})
 
-    def _health(self, behaviour: Behaviour) -> Any:
+    def _health(self, behaviour: Behaviour) -> Answer:
         answer = _json_answer(behaviour.health_status, b"")
         if behaviour.health_delay == 0:
             return answer
@@ -495,7 +500,7 @@ class StandInEngine:
 
         return late
 
-    def _completion(self, path: str, body: bytes, behaviour: Behaviour) -> Any:
+    def _completion(self, path: str, body: bytes, behaviour: Behaviour) -> Answer:
         try:
             completion = _parse_completion(path, body)
         except (msgspec.DecodeError, ValueError) as exc:
@@ -604,7 +609,7 @@ def _error_body(status: int, message: str) -> bytes:
     return _encoder.encode({"error": error})
 
 
-def _delayed(seconds: float, answer: bytes) -> Any:
+def _delayed(seconds: float, answer: bytes) -> Writer:
     async def late(conn: _Connection) -> None:
         await _sleep(seconds)
         await conn.write(answer)

@@ -49,6 +49,7 @@ __all__ = [
 ]
 
 
+# The test fixture forwards any config keyword.
 def local_config(**overrides: Any) -> KVEventsConfig:
     """An enabled config bound on ephemeral loopback ports, replay on; fields overridable."""
     fields: Document = {
@@ -152,7 +153,7 @@ class _PausableForwarder(Forwarder):
     proxy (``TERMINATE``) with ``command`` set to ``"pause"``, and waiting for :meth:`resume`.
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:  # the test fixture forwards any keyword
         super().__init__(*args, **kwargs)
         self.command: _Command = "stop"
         self.paused = threading.Event()

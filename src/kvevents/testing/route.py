@@ -100,7 +100,7 @@ class RunningProxy:
     server: Server
     app: RouteApp
     pool: EnginePool
-    planner: Any
+    planner: Any  # the test's planner: a stand-in's records (plans, started) are read
 
     @property
     def url(self) -> str:
@@ -126,7 +126,7 @@ def running_proxy(
     interval: float = 0.5,
     timeout: float = 1.0,
     planner: Callable[[EnginePool], Planner] = RoundRobinPlanner,
-    **app_options: Any,
+    **app_options: Any,  # the test fixture forwards any app keyword
 ) -> Iterator[RunningProxy]:
     """A started front door over ``urls`` (health checks every ``interval`` s, each bounded
     by ``timeout``), its planner made by ``planner(pool)``; stopped on exit."""

@@ -41,10 +41,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any
+from typing import IO
 
 import kvevents
-from kvevents._types import Document
+from kvevents._types import Document, JSONValue
 from kvevents.deadline import Deadline
 from kvevents.testing.venvs import peer_python
 
@@ -327,7 +327,7 @@ class VllmServer:
         self,
         method: str,
         path: str,
-        body: Any = None,
+        body: JSONValue = None,
         *,
         headers: Mapping[str, str] | None = None,
         timeout: float = REQUEST_TIMEOUT,
@@ -343,7 +343,9 @@ class VllmServer:
         finally:
             conn.close()
 
-    def post_json(self, path: str, body: Any, *, headers: Mapping[str, str] | None = None) -> Any:
+    def post_json(
+        self, path: str, body: JSONValue, *, headers: Mapping[str, str] | None = None
+    ) -> JSONValue:
         """POST a JSON body; the decoded answer, or :class:`VllmServerError` on HTTP >= 400."""
         status, reply = self.request("POST", path, body, headers=headers)
         if status >= 400:

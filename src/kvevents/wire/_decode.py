@@ -65,7 +65,7 @@ class _ArrayStored(msgspec.Struct, tag="BlockStored", array_like=True):
     lora_id: int | None = None
     medium: str | None = None
     lora_name: str | None = None
-    extra_keys: list[Any] | None = None
+    extra_keys: list[Any] | None = None  # vLLM's extra keys: any msgpack values, per block
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
@@ -224,7 +224,7 @@ def _within(batch: KVEventBatch, size: int, limits: DecodeLimits) -> DecodedBatc
         limits.max_tokens, limits.max_extra_bytes
     ):
         return DecodedBatch(batch)
-    kept: list[Any] = []
+    kept: list[Any] = []  # events as decoded: kept ones of any event type
     skipped: list[SkippedEvent] = []
     for index, event in enumerate(batch.events[: limits.max_events]):
         tokens = _token_count(event)
@@ -250,7 +250,7 @@ def _token_count(event: object) -> int:
     return 0
 
 
-def _unset_if_none(value: Any) -> Any:
+def _unset_if_none(value: Any) -> Any:  # any decoded field value
     return msgspec.UNSET if value is None else value
 
 

@@ -75,7 +75,7 @@ _MSGSPEC_NAMES = {"None": "NoneType", "array": "list", "object": "dict", "ext": 
 _GOT = re.compile(r"got `([^`]+)` - at `\$\[(\d+)\]`")
 
 
-def _scalar(raw: msgspec.Raw | None) -> Any:
+def _scalar(raw: msgspec.Raw | None) -> Any:  # a decoded msgpack scalar: checked by the caller
     if raw is None:
         return None
     if len(raw) > _SCALAR_BYTES:
@@ -86,7 +86,7 @@ def _scalar(raw: msgspec.Raw | None) -> Any:
         return _Opaque(type_name(memoryview(raw)))
 
 
-def _name(value: Any) -> str:
+def _name(value: object) -> str:
     return value.name if isinstance(value, _Opaque) else type(value).__name__
 
 
@@ -196,6 +196,7 @@ def _event(raw: msgspec.Raw, path: str, limits: DecodeLimits) -> Event:
     raise Skip(path, f"unknown event tag {tag!r}")
 
 
+# The tag as decoded: checked by the caller.
 def _tag_and_fields(raw: msgspec.Raw, path: str) -> tuple[Any, Fields]:
     view = memoryview(raw)
     head = container_len(view)
@@ -218,7 +219,7 @@ def _tag_and_fields(raw: msgspec.Raw, path: str) -> tuple[Any, Fields]:
 
 def _stored(fields: Fields, path: str, limits: DecodeLimits) -> BlockStored:
     token_ids, after = _tokens(fields.get("token_ids"), path, limits)
-    block_size: Any = _scalar(fields.get("block_size"))
+    block_size: Any = _scalar(fields.get("block_size"))  # as decoded: checked below
     if not _is_int(block_size) or block_size <= 0:
         raise Skip(f"{path}.block_size", f"block_size must be a positive int, got {block_size!r}")
     lora_id = _scalar(fields.get("lora_id"))
@@ -302,6 +303,7 @@ def _digest_tokens(tokens: list[int | str], where: str) -> list[int | str]:
     return tokens
 
 
+# Decoded msgpack extras: checked by the caller.
 def _extra(raw: msgspec.Raw | None, path: str, limits: DecodeLimits) -> Any:
     if raw is None:
         return msgspec.UNSET
@@ -317,7 +319,7 @@ def _extra(raw: msgspec.Raw | None, path: str, limits: DecodeLimits) -> Any:
     return _any_decoder.decode(raw)
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -330,7 +332,7 @@ def _opt_str(raw: msgspec.Raw | None) -> str | None:
         return None
 
 
-def _opt_int(fields: Fields, key: str, path: str) -> Any:
+def _opt_int(fields: Fields, key: str, path: str) -> Any:  # a decoded int or None: checked here
     value = _scalar(fields.get(key))
     if value is None:
         return msgspec.UNSET

@@ -13,11 +13,10 @@ import contextlib
 import itertools
 import subprocess
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
 
 import httpx
 
-from kvevents._types import Document
+from kvevents._types import Document, JSONValue
 from kvevents.events import StreamKey
 from kvevents.index import PrefixIndex
 from kvevents.service import IndexService, WorkerRegistration, subscriber_feed
@@ -266,7 +265,7 @@ class ServiceConsumer:
             self.url = self._process.url
         self._client = httpx.Client(base_url=self.url, timeout=10.0)
 
-    def _call(self, method: str, path: str, body: Any = None) -> Any:
+    def _call(self, method: str, path: str, body: JSONValue = None) -> JSONValue:
         if self._client is None:
             raise RuntimeError("start() first")
         response = self._client.request(method, path, json=body)

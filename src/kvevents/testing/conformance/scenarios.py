@@ -33,7 +33,7 @@ def array_payload(events: Sequence[Event], rank: int | None = 0) -> bytes:
     return msgspec.msgpack.encode([time.time(), [_array_event(e) for e in events], rank])
 
 
-def _array_event(event: Event) -> list[Any]:
+def _array_event(event: Event) -> list[Any]:  # an event as a plain array: mixed values
     if isinstance(event, BlockStored):
         e = event
         return [
@@ -73,7 +73,7 @@ def bytes_hash_payload(
         "GPU",
         None,
     ]
-    events: list[Any] = [stored]
+    events: list[Any] = [stored]  # events as a peer sends them: structs and arrays mixed
     if remove:
         events.append(["BlockRemoved", [d[i] for i in remove], "GPU"])
     return msgspec.msgpack.encode([time.time(), events, rank])
