@@ -324,7 +324,9 @@ def test_an_https_engine_that_never_answers_is_cut_off_too() -> None:
         began = time.monotonic()
         with pytest.raises(DiscoveryError, match=r"no answer within 0\.5s"):
             discover(f"https://127.0.0.1:{silent.getsockname()[1]}", timeout=0.5)
-        assert time.monotonic() - began < 1.5
+        # Bounded, not timed: the handshake never ends, so without the deadline this waits for
+        # the test's own timeout; a loaded machine (it took 3 s once in CI-like load) is slack.
+        assert time.monotonic() - began < 5
 
 
 def test_a_huge_answer_is_refused_after_its_limit() -> None:
