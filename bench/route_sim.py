@@ -4,7 +4,7 @@ For each real run the client's raw export has every request as sent (the message
 and the engine's own answers included). Rendered with the model's chat template and tokenized
 (``transformers``, as vLLM does; each prompt's length is checked against the engine's reported
 ``prompt_tokens``), they are the token ids the engines saw. They go through
-:func:`kvevents.sim.closedloop.run_conversations`, closed-loop at the client's concurrency, on a
+:func:`kvevents.sim.run_conversations`, closed-loop at the client's concurrency, on a
 simulated cluster of the real one's shape (engines, usable blocks per engine, block size,
 prefill budget), and the simulated cached fraction and balance are set next to the real ones.
 
