@@ -238,7 +238,20 @@ def describe(cluster: Cluster) -> dict[str, Any]:
             "events": engine.event_endpoint(),
             "replay": engine.replay_endpoint(),
             "startup_s": round(engine.startup, 1),
-            "command": json.dumps(engine.command()),
+            "command": json.dumps([_in_repo(arg) for arg in engine.command()]),
         }
         for engine in cluster.all
     }
+
+
+#: The checkout this file is in: the record names paths inside it relative to it, so it reads
+#: the same on any machine.
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _in_repo(arg: str) -> str:
+    """``arg``, relative to the checkout when it is an absolute path inside it."""
+    path = Path(arg)
+    if path.is_absolute() and path.is_relative_to(REPO):
+        return str(path.relative_to(REPO))
+    return arg

@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 from harness import Row
 from route_chart import route_svg
 from route_client import history_carries_answers, parse_record
-from route_engines import Snapshot
+from route_engines import REPO, Snapshot, _in_repo
 from route_report import Outcome, outcome_rows, prediction_agreement
 from route_workload import (
     _WORDS,
@@ -231,3 +231,12 @@ def test_front_door_headers_give_the_engine_and_the_per_request_agreement() -> N
     outcome = Outcome("kvevents route (default)", "chat", records=records, engines=[Snapshot()])
     assert outcome.header_agreement() == (1, 2)
     assert Outcome("peer", "chat", records=[records[2]]).header_agreement() is None
+
+
+def test_the_engines_record_names_paths_in_the_checkout_relative_to_it() -> None:
+    """An engine's command is recorded with paths inside the checkout relative to it (the
+    record reads the same on another machine); other arguments stay as they were."""
+    inside = str(REPO / ".venv-vllm" / "bin" / "python")
+    assert _in_repo(inside) == ".venv-vllm/bin/python"
+    assert _in_repo("/usr/bin/python3") == "/usr/bin/python3"
+    assert _in_repo("--block-size") == "--block-size"
