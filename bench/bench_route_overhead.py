@@ -33,6 +33,8 @@ from urllib.parse import urlsplit
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import Row, percentile
+from kvevents.testing.vllm_server import free_port
+from route_peers import VLLM_ROUTER, RouterProcess, Venv
 
 SECTION = "front door overhead in front of a stand-in engine (streamed chat, 8 tokens)"
 MODEL = "stand-in"
@@ -43,13 +45,10 @@ BODY = (
 )
 HERE = Path(__file__).resolve().parent
 WORK = HERE / ".work"
-VLLM_ROUTER = "vllm-router==0.1.17"
-VLLM_ROUTER_VENV = WORK / "route" / "venvs" / "vllm-router"
-INSTALL_TIMEOUT = 900.0
+
 CONCURRENCY = (1, 16, 128)
-# vLLM Router in front of a trivial backend, as measured for docs (FRONTDOOR.md): p50 1.6 ms
-# against 1.0 ms direct, so about 0.6 ms added.
-TARGET = "added p50 <= vLLM Router's (~0.6 ms)"
+# Issue #24's goal, against vLLM Router measured in the same run.
+TARGET = "added p50 <= vLLM Router's (same run)"
 
 
 @dataclass
@@ -162,88 +161,37 @@ def _serve_engine(port: int) -> None:
     engine.close()
 
 
-class _Router:
-    """A router in a process of its own, listening on ``url`` once started."""
-
-    def __init__(self, argv: Sequence[str], url: str) -> None:
-        self.proc = subprocess.Popen(
-            list(argv), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
-        )
-        self.url = url
-
-    def wait_ready(self, timeout: float = 120.0) -> None:
-        """Until ``GET /health`` answers 200 (RuntimeError with its stderr if it exits)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"exited {self.proc.returncode}: {self._err()}")
-            if _healthy(self.url):
-                return
-            time.sleep(0.2)
-        raise RuntimeError(f"not ready after {timeout:.0f} s")
-
-    def _err(self) -> str:
-        assert self.proc.stderr is not None
-        return self.proc.stderr.read()[-500:]
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.communicate(timeout=15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.communicate(timeout=15)
-
-
-def _healthy(url: str) -> bool:
-    import urllib.error
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=2) as answer:
-            return bool(answer.status == 200)
-    except (OSError, urllib.error.URLError):
-        return False
-
-
-def _kvevents_route(engine_url: str) -> _Router:
+def _kvevents_route(engine_url: str) -> RouterProcess:
     """``kvevents route`` in front of the engine, with the tiny chat model's tokenizer."""
     from kvevents.testing.chat_model import build_tokenizer
-    from kvevents.testing.vllm_server import free_port
 
     tokenizer = build_tokenizer(WORK / "chat-tokenizer")
     port = free_port()
     argv = [sys.executable, "-m", "kvevents.cli", "route", "--host", "127.0.0.1"]
     argv += ["--port", str(port), "--engine", f"e0={engine_url}"]
     argv += ["--tokenizer", f"{MODEL}={tokenizer}", "--block-size", "16"]
-    return _Router(argv, f"http://127.0.0.1:{port}")
+    return RouterProcess(argv, _log("kvevents-route"), port, 0)
 
 
-def _vllm_router(engine_url: str) -> _Router | str:
-    """vLLM Router ``round_robin`` in front of the engine, or why it cannot run."""
-    from kvevents.testing.vllm_server import free_port
-
-    binary = VLLM_ROUTER_VENV / "bin" / "vllm-router"
-    if not binary.exists():
-        why = _install(VLLM_ROUTER, VLLM_ROUTER_VENV)
-        if why is not None:
-            return why
+def _vllm_router(engine_url: str) -> RouterProcess | str:
+    """vLLM Router ``round_robin`` in front of the engine (from the venv the route rig
+    installs, installed here when missing), or why it cannot run."""
+    venv = Venv("vllm-router", VLLM_ROUTER, WORK / "route" / "venvs")
+    why = venv.ensure()
+    if why is not None:
+        return why
     port, metrics = free_port(), free_port()
-    argv = [str(binary), "--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin"]
+    argv = [str(venv.bin("vllm-router")), "--host", "127.0.0.1", "--port", str(port)]
+    argv += ["--policy", "round_robin", "--worker-urls", engine_url]
     argv += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics)]
-    argv += ["--worker-urls", engine_url]
-    return _Router(argv, f"http://127.0.0.1:{port}")
+    return RouterProcess(argv, _log("vllm-router"), port, metrics)
 
 
-def _install(requirement: str, venv: Path) -> str | None:
-    """None once ``requirement`` is installed in ``venv``, else why not."""
-    try:
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
-        pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", requirement]
-        subprocess.run(pip, check=True, timeout=INSTALL_TIMEOUT, capture_output=True)
-    except (OSError, subprocess.SubprocessError) as exc:
-        return f"pip install {requirement} failed: {exc}"
-    return None
+def _log(name: str) -> Path:
+    """Where a router's output goes (its tail is in the error if it does not start)."""
+    directory = WORK / "route-overhead"
+    directory.mkdir(parents=True, exist_ok=True)
+    return directory / f"{name}.log"
 
 
 # ---------------------------------------------------------------------- the run
@@ -339,7 +287,7 @@ def run(
     """The figures: kvevents route and vLLM Router (started here) and ``routers`` (name ->
     URL, already in front of the engine on ``engine_port``) against the engine directly."""
     engine, engine_url = _child(["--serve-engine", str(engine_port)])
-    started: dict[str, _Router] = {}
+    started: dict[str, RouterProcess] = {}
     rows: list[Row] = []
     try:
         started["kvevents route"] = _kvevents_route(engine_url)
@@ -351,7 +299,7 @@ def run(
         for router in started.values():
             router.wait_ready()
         everyone = {name: r.url for name, r in started.items()} | (routers or {})
-        pids = {name: r.proc.pid for name, r in started.items()}
+        pids = {name: r.pid for name, r in started.items()}
         return rows + _run_all(engine_url, everyone, pids, latency_s, load_s)
     finally:
         for router in started.values():

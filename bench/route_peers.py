@@ -292,6 +292,10 @@ class RouterProcess:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
     def wait_ready(self, timeout: float = ROUTER_STARTUP_TIMEOUT) -> float:
         """Seconds until ``/health`` and ``/v1/models`` answer 200; raises if it dies or stalls."""
         began = time.monotonic()
