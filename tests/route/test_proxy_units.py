@@ -1,21 +1,18 @@
-"""The proxy's pure parts, without sockets: usage readers, SSE events, chunk reading,
+"""The proxy's pure parts, without sockets: usage readers, SSE events,
 header filters, request parsing, options and the pool's answers about models."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import Any
-from unittest import mock
 
 import msgspec
 import pytest
-from aiohttp import StreamReader
 
 from kvevents.route import Engine, EnginePool, EngineState, OpenAIError, ProxyOptions, Usage
 from kvevents.route._forward import request_headers, response_headers
 from kvevents.route._parse import model_of, route_request
-from kvevents.route._sse import ChunkReader, SseUsage
+from kvevents.route._sse import SseUsage
 from kvevents.route._usage import BodyUsage, usage_of
 
 USAGE = b'"usage":{"prompt_tokens":9,"total_tokens":12,"prompt_tokens_details":{"cached_tokens":4}}'
@@ -85,63 +82,6 @@ def test_a_stream_reports_its_last_usage_and_skips_what_it_cannot_read() -> None
     assert SseUsage().result() is None
 
 
-def _reader(pieces: list[tuple[bytes, bool]]) -> tuple[StreamReader, asyncio.Task[None]]:
-    """An aiohttp body reader that receives ``pieces`` ((data, ends an HTTP chunk)) one per
-    turn of the event loop, then its end, as they would come off a socket; and the task
-    feeding it."""
-    protocol = mock.Mock(_reading_paused=False)
-    reader = StreamReader(protocol, 1 << 16, loop=asyncio.get_running_loop())
-    chunked = any(end for _, end in pieces)
-
-    async def arrive() -> None:
-        starting = True
-        for data, end in pieces:
-            await asyncio.sleep(0)
-            if chunked and starting:
-                reader.begin_http_chunk_receiving()
-            reader.feed_data(data)
-            if end:
-                reader.end_http_chunk_receiving()
-            starting = end
-        await asyncio.sleep(0)
-        reader.feed_eof()
-
-    return reader, asyncio.get_running_loop().create_task(arrive())
-
-
-async def _read_all(reader: ChunkReader) -> list[tuple[bytes, bool]]:
-    out = []
-    while True:
-        piece, last = await reader.read()
-        out.append((piece, last))
-        if last:
-            return out
-
-
-def test_chunks_are_read_whole_and_the_last_is_marked() -> None:
-    """Pieces of one HTTP chunk come out as that chunk; a chunk arriving in pieces over the
-    hold size comes out in pieces of about that size; an answer without chunks comes out as
-    it arrives; the last piece says so."""
-
-    async def run() -> None:
-        split, _ = _reader([(b"data: a", False), (b"bc\n\n", True), (b"data: d\n\n", True)])
-        assert await _read_all(ChunkReader(split, True)) == [
-            (b"data: abc\n\n", False),
-            (b"data: d\n\n", False),
-            (b"", True),
-        ]
-        big, _ = _reader([(b"x" * 40, False), (b"y" * 40, False), (b"z" * 40, True)])
-        pieces = await _read_all(ChunkReader(big, True, hold=64))
-        assert [len(p) for p, _ in pieces] == [80, 40, 0]
-        plain, _ = _reader([(b'{"a":', False), (b"1}", False)])
-        read = await _read_all(ChunkReader(plain, False))
-        assert [p for p, _ in read] == [b'{"a":', b"1}", b""]
-        empty, _ = _reader([])
-        assert await _read_all(ChunkReader(empty, False)) == [(b"", True)]
-
-    asyncio.run(run())
-
-
 def test_hop_by_hop_headers_stay_on_their_hop() -> None:
     """Requests lose hop-by-hop headers, those a Connection header names, Host, Expect and
     Content-Length; answers lose hop-by-hop headers, Date and Server; the rest keep their
@@ -156,7 +96,10 @@ def test_hop_by_hop_headers_stay_on_their_hop() -> None:
         (b"content-length", b"5"),
         (b"x-request-id", b"r1"),
     ]
-    assert request_headers(request) == [("authorization", "Bearer \xe9"), ("x-request-id", "r1")]
+    assert request_headers(request) == [
+        (b"authorization", b"Bearer \xe9"),
+        (b"x-request-id", b"r1"),
+    ]
     answer = [
         (b"Date", b"today"),
         (b"Server", b"uvicorn"),

@@ -46,7 +46,6 @@ EXTRAS = {
     "prometheus_client": "metrics",
     "rich": "cli",
     "nats": "nats",
-    "aiohttp": "route",
     "transformers": "route",
     "tokenizers": "route",
 }
@@ -68,7 +67,7 @@ EXTRA_PACKAGES = {
     "cli": ("rich",),
     "metrics": ("prometheus_client",),
     "nats": ("nats",),
-    "route": ("xxhash", "starlette", "uvicorn", "prometheus_client", "aiohttp", "transformers"),
+    "route": ("xxhash", "starlette", "uvicorn", "httptools", "prometheus_client", "transformers"),
 }
 
 

@@ -30,10 +30,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import ClassVar
 
-import aiohttp
 import msgspec
 
 from kvevents._types import Document
+from kvevents.route._client import EngineClient, UpstreamError
 from kvevents.route._replies import OpenAIError
 
 __all__ = ["Engine", "EngineCounts", "EnginePool", "EngineState", "EngineStats"]
@@ -188,7 +188,7 @@ class EnginePool:
         self._observers: list[Observer] = []
         self._wake = {e.id: asyncio.Event() for e in self.engines}
         self._tasks: list[asyncio.Task[None]] = []
-        self._session: aiohttp.ClientSession | None = None
+        self._client: EngineClient | None = None
 
     # ------------------------------------------------------------------ reading
 
@@ -261,9 +261,10 @@ class EnginePool:
 
     # ------------------------------------------------------------------ checks
 
-    async def start(self, session: aiohttp.ClientSession) -> None:
-        """Check every engine once (concurrently), then keep checking in the background."""
-        self._session = session
+    async def start(self, client: EngineClient) -> None:
+        """Check every engine once (concurrently) over ``client``, then keep checking in the
+        background."""
+        self._client = client
         await asyncio.gather(*(self.check(engine) for engine in self.engines))
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._watch(engine)) for engine in self.engines]
@@ -322,17 +323,18 @@ class EnginePool:
 
     async def _get(self, engine: Engine, path: str) -> bytes | _Failure:
         """The body of a 200 answer to ``GET path``, or why there is none."""
-        assert self._session is not None, "the pool is not started"
-        timeout = aiohttp.ClientTimeout(total=self.timeout)
+        assert self._client is not None, "the pool is not started"
         try:
-            async with self._session.get(engine.url + path, timeout=timeout) as response:
-                if response.status != 200:
-                    return _Failure(f"GET {path} answered {response.status}")
-                return await response.read()
-        except asyncio.TimeoutError:
-            return _Failure(f"GET {path} did not answer within {self.timeout:g} s", True)
-        except aiohttp.ClientError as exc:
-            return _Failure(f"GET {path} failed: {_describe(exc)}")
+            status, body = await self._client.fetch(
+                engine.url.rstrip("/") + path, timeout=self.timeout
+            )
+        except UpstreamError as exc:
+            if exc.kind == "timeout":
+                return _Failure(f"GET {path} did not answer within {self.timeout:g} s", True)
+            return _Failure(f"GET {path} failed: {exc.reason}")
+        if status != 200:
+            return _Failure(f"GET {path} answered {status}")
+        return body
 
 
 @dataclass(frozen=True)
@@ -341,8 +343,3 @@ class _Failure:
 
     reason: str
     timed_out: bool = False
-
-
-def _describe(exc: BaseException) -> str:
-    text = str(exc)
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -25,17 +25,16 @@ from dataclasses import dataclass
 from time import monotonic, perf_counter
 from typing import Literal
 
-import aiohttp
 from starlette.types import Receive, Scope, Send
-from yarl import URL
 
 from kvevents.http import ABORT
+from kvevents.route._client import EngineClient, EngineResponse, Origin, Timeouts, UpstreamError
 from kvevents.route._engines import Engine, EnginePool
 from kvevents.route._metrics import ProxyCounts, ProxyMetrics
 from kvevents.route._options import ProxyOptions
 from kvevents.route._replies import OpenAIError, send_json
 from kvevents.route._seam import Outcome, OutcomeKind, Plan, Planner
-from kvevents.route._sse import ChunkReader, SseUsage
+from kvevents.route._sse import SseUsage
 from kvevents.route._usage import BodyUsage, Usage
 
 __all__ = ["RANK_HEADER", "Exchange", "Upstream", "request_headers", "response_headers"]
@@ -55,14 +54,13 @@ HOP_BY_HOP = frozenset(
         b"proxy-connection",
     }
 )
-# Not forwarded to the engine: aiohttp writes the engine's Host and the body's length, and
+# Not forwarded to the engine: the client writes the engine's Host and the body's length, and
 # the client's Expect was answered by the proxy's server.
 _NOT_FORWARDED = HOP_BY_HOP | {b"host", b"content-length", b"expect"}
 # Not returned to the client: uvicorn writes its own Date and Server.
 _NOT_RETURNED = HOP_BY_HOP | {b"date", b"server"}
-_URL_CACHE_SIZE = 1024
 #: The header vLLM's OpenAI server reads to run a request on one data parallel rank.
-RANK_HEADER = "x-data-parallel-rank"
+RANK_HEADER = b"x-data-parallel-rank"
 
 
 def _named_by_connection(headers: Iterable[tuple[bytes, bytes]]) -> set[bytes]:
@@ -75,10 +73,15 @@ def _named_by_connection(headers: Iterable[tuple[bytes, bytes]]) -> set[bytes]:
     }
 
 
-def request_headers(raw: Sequence[tuple[bytes, bytes]]) -> list[tuple[str, str]]:
-    """The client's headers to send on (latin-1 both ways: the bytes come back unchanged)."""
+def request_headers(raw: Sequence[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """The client's headers to send on, as the client sent them."""
     dropped = _NOT_FORWARDED | _named_by_connection(raw)
-    return [(k.decode("latin-1"), v.decode("latin-1")) for k, v in raw if k not in dropped]
+    return [(k, v) for k, v in raw if k.lower() not in dropped]
+
+
+def header_lines(headers: Iterable[tuple[bytes, bytes]]) -> bytes:
+    """``headers`` as the lines of a request head, each ending in CRLF."""
+    return b"".join([b"%s: %s\r\n" % pair for pair in headers])
 
 
 def response_headers(raw: Sequence[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
@@ -89,7 +92,7 @@ def response_headers(raw: Sequence[tuple[bytes, bytes]]) -> list[tuple[bytes, by
 
 class Upstream:
     """What every exchange shares: the engines, the planner, the connections to the engines
-    (:meth:`open` on the server's loop, :meth:`aclose`), the options and the counters."""
+    (:attr:`client`, closed by :meth:`aclose`), the options and the counters."""
 
     def __init__(
         self,
@@ -105,48 +108,20 @@ class Upstream:
         self.counts = counts
         self.metrics = metrics
         self.in_flight = 0
-        self._session: aiohttp.ClientSession | None = None
-        self._urls: dict[tuple[str, str], URL] = {}
-
-    @property
-    def session(self) -> aiohttp.ClientSession:
-        assert self._session is not None, "the proxy's lifespan has not started"
-        return self._session
-
-    def open(self) -> aiohttp.ClientSession:
-        """The session to the engines: a keep-alive pool per engine, no cookies kept (one
-        client's cookies must never reach another's request), no body decoded or header
-        added (bytes pass unchanged), no environment proxies."""
-        options = self.options
-        connector = aiohttp.TCPConnector(
-            limit=0, limit_per_host=0, keepalive_timeout=options.keepalive_timeout
+        self.client = EngineClient(options.keepalive_timeout)
+        self.timeouts = Timeouts(
+            options.connect_timeout, options.first_byte_timeout, options.idle_timeout
         )
-        timeout = aiohttp.ClientTimeout(
-            total=None, sock_connect=options.connect_timeout, sock_read=options.first_byte_timeout
-        )
-        self._session = aiohttp.ClientSession(
-            connector=connector,
-            timeout=timeout,
-            cookie_jar=aiohttp.DummyCookieJar(),
-            auto_decompress=False,
-            skip_auto_headers=("Accept", "Accept-Encoding", "User-Agent", "Content-Type"),
-            trust_env=False,
-        )
-        return self._session
+        self._origins: dict[str, Origin] = {}
 
     async def aclose(self) -> None:
-        if self._session is not None:
-            await self._session.close()
+        await self.client.aclose()
 
-    def url(self, engine: Engine, target: str) -> URL:
-        """``target`` (path and query as the client sent them) on ``engine``, not re-encoded."""
-        key = (engine.url, target)
-        url = self._urls.get(key)
-        if url is None:
-            if len(self._urls) >= _URL_CACHE_SIZE:
-                self._urls.clear()
-            url = self._urls[key] = URL(engine.url + target, encoded=True)
-        return url
+    def origin(self, engine: Engine) -> Origin:
+        origin = self._origins.get(engine.url)
+        if origin is None:
+            origin = self._origins[engine.url] = Origin.of(engine.url)
+        return origin
 
 
 #: How an attempt failed: an outcome kind, or an answer over the size limit.
@@ -174,10 +149,10 @@ class _Attempt:
     usage: Usage | None = None
 
 
-def _target(scope: Scope) -> str:
+def _target(scope: Scope) -> bytes:
     raw: bytes = scope.get("raw_path") or scope["path"].encode()
     query: bytes = scope.get("query_string", b"")
-    return (raw + b"?" + query if query else raw).decode("latin-1")
+    return raw + b"?" + query if query else raw
 
 
 def _uncancel(task: asyncio.Task[object] | None) -> None:
@@ -209,6 +184,7 @@ class Exchange:
         self._method: str = scope["method"]
         self._target = _target(scope)
         self._headers = request_headers(scope["headers"])
+        self._lines = header_lines(self._headers)
         self._body = body
         self.began = began
         self.model = model
@@ -285,7 +261,7 @@ class Exchange:
         if failures:
             counts.upstream_failures += 1
             message = f"no engine could answer: {'; '.join(failures)}"
-            log.warning("%s %s: %s", self._method, self._target, message)
+            log.warning("%s %s: %s", self._method, self._path, message)
             await self.refuse(OpenAIError(502, message, code="upstream_error"))
             return
         counts.no_engine += 1
@@ -295,7 +271,7 @@ class Exchange:
     async def _attempt(self, engine: Engine, failures: list[str]) -> bool:
         """One attempt on ``engine``; True when the client got its answer (or a final error)."""
         attempt = self._begin(engine)
-        response: aiohttp.ClientResponse | None = None
+        response: EngineResponse | None = None
         try:
             response = await self._open(engine)
             await self._relay(attempt, response)
@@ -344,36 +320,39 @@ class Exchange:
             self.up.counts.planner_errors += 1
             log.exception("the planner's %s() failed", what)
 
-    async def _open(self, engine: Engine) -> aiohttp.ClientResponse:
+    @property
+    def _path(self) -> str:
+        return self._target.decode("latin-1")
+
+    async def _open(self, engine: Engine) -> EngineResponse:
         """The engine's response headers, or :class:`_Failed`."""
-        body = self._body if self._body or self._method not in ("GET", "HEAD") else None
+        up = self.up
+        lines = self._lines if engine.rank is None else self._ranked(engine.rank)
         try:
-            response = await self.up.session.request(
-                self._method,
-                self.up.url(engine, self._target),
-                data=body,
-                headers=self._headers if engine.rank is None else self._ranked(engine.rank),
-                allow_redirects=False,
+            response = await up.client.request(
+                up.origin(engine),
+                self._method.encode(),
+                self._target,
+                lines,
+                self._body,
+                up.timeouts,
             )
-        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
-            raise _Failed("connect_error", f"cannot connect ({_describe(exc)})") from None
-        except asyncio.TimeoutError:
-            wait = self.up.options.first_byte_timeout
-            raise _Failed("timeout", f"no answer within {wait:g} s") from None
-        except aiohttp.ClientError as exc:
-            raise _Failed(
-                "reset", f"connection lost before the answer ({_describe(exc)})"
-            ) from None
+        except UpstreamError as exc:
+            if exc.kind == "connect_error":
+                raise _Failed("connect_error", exc.reason) from None
+            if exc.kind == "timeout":
+                raise _Failed("timeout", exc.reason) from None
+            raise _Failed("reset", f"connection lost before the answer ({exc.reason})") from None
         if response.status >= 500:
             response.close()
             raise _Failed("http_error", f"answered {response.status}", response.status)
         return response
 
-    def _ranked(self, rank: int) -> list[tuple[str, str]]:
-        """The headers, asking a data parallel engine for ``rank`` (vLLM's header for it;
-        a client's own rank header is replaced: the planner chose the rank)."""
+    def _ranked(self, rank: int) -> bytes:
+        """The header lines, asking a data parallel engine for ``rank`` (vLLM's header for
+        it; a client's own rank header is replaced: the planner chose the rank)."""
         rest = [(k, v) for k, v in self._headers if k.lower() != RANK_HEADER]
-        return [*rest, (RANK_HEADER, str(rank))]
+        return header_lines([*rest, (RANK_HEADER, b"%d" % rank)])
 
     async def _failed(self, attempt: _Attempt, failed: _Failed, failures: list[str]) -> bool:
         """Count and report a failed attempt; True when it ends the request (not retried)."""
@@ -386,7 +365,7 @@ class Exchange:
                 counts.connect_errors += 1
             else:
                 counts.http_errors += 1
-            self.up.pool.mark_down(engine, f"{self._method} {self._target}: {failed.reason}")
+            self.up.pool.mark_down(engine, f"{self._method} {self._path}: {failed.reason}")
             return False
         if failed.kind == "reset":
             attempt.kind = "reset"
@@ -395,7 +374,7 @@ class Exchange:
         # A timeout (the engine may still be working: another would only double the load) or
         # an answer over the size limit (another engine would send the same): not retried.
         self.up.counts.upstream_failures += 1
-        log.warning("%s %s on %s: %s", self._method, self._target, engine.id, failed.reason)
+        log.warning("%s %s on %s: %s", self._method, self._path, engine.id, failed.reason)
         if failed.kind == "timeout":
             attempt.kind = "timeout"
             counts.timeouts += 1
@@ -408,7 +387,7 @@ class Exchange:
 
     # ------------------------------------------------------------------ the answer
 
-    async def _relay(self, attempt: _Attempt, response: aiohttp.ClientResponse) -> None:
+    async def _relay(self, attempt: _Attempt, response: EngineResponse) -> None:
         """Pass the answer on; a failure after its first byte cuts the client off.
 
         The status and headers wait for the body's first piece: vLLM sends a stream's headers
@@ -420,36 +399,26 @@ class Exchange:
         declared = response.content_length
         if limit is not None and declared is not None and declared > limit:
             raise _Failed("too_large", f"its answer of {declared} bytes is over {limit}")
-        connection = response.connection
-        if connection is not None and connection.protocol is not None:
-            # From here on, the bound is the silence between two reads of the body, timed
-            # from now (aiohttp stops that timer while it holds reading for a slow client).
-            connection.protocol.read_timeout = self.up.options.idle_timeout
-            connection.protocol.start_timeout()
-        chunked = response.headers.get("Transfer-Encoding", "").lower() == "chunked"
-        reader = ChunkReader(response.content, chunked)
-        first = await self._first_piece(reader)
+        first = await self._first_piece(response)
         await self._start(attempt.engine, response)
         attempt.kind = "reset"  # until the body ends
         try:
-            await self._pass_body(attempt, response, stream, limit, reader, first)
-        except (_Failed, asyncio.TimeoutError, aiohttp.ClientError) as exc:
+            await self._pass_body(attempt, response, stream, limit, first)
+        except (_Failed, asyncio.TimeoutError, UpstreamError) as exc:
             self._cut(attempt, exc)
 
-    async def _first_piece(self, reader: ChunkReader) -> tuple[bytes, bool]:
+    async def _first_piece(self, response: EngineResponse) -> tuple[bytes, bool]:
         """The body's first piece, or :class:`_Failed` (nothing went to the client yet)."""
         try:
-            return await reader.read()
+            return await response.read()
         except asyncio.TimeoutError:
             wait = self.up.options.idle_timeout
             raise _Failed("timeout", f"no answer within {wait:g} s of its headers") from None
-        except aiohttp.ClientError as exc:
-            raise _Failed(
-                "reset", f"the answer broke off before its body ({_describe(exc)})"
-            ) from None
+        except UpstreamError as exc:
+            raise _Failed("reset", f"the answer broke off before its body ({exc.reason})") from None
 
-    async def _start(self, engine: Engine, response: aiohttp.ClientResponse) -> None:
-        headers = response_headers(response.raw_headers)
+    async def _start(self, engine: Engine, response: EngineResponse) -> None:
+        headers = response_headers(response.headers)
         headers.append((b"x-kvevents-engine", engine.id.encode()))
         if self.plan is not None:
             predicted = self.plan.predicted_cached_tokens.get(engine.id, 0)
@@ -463,17 +432,16 @@ class Exchange:
     async def _pass_body(
         self,
         attempt: _Attempt,
-        response: aiohttp.ClientResponse,
+        response: EngineResponse,
         stream: bool,
         limit: int | None,
-        reader: ChunkReader,
         first: tuple[bytes, bool],
     ) -> None:
         usage = _usage_reader(response, stream)
         send, size, last = self._send, 0, False
         pending: tuple[bytes, bool] | None = first
         while not last:
-            piece, last = pending if pending is not None else await reader.read()
+            piece, last = pending if pending is not None else await response.read()
             pending = None
             if attempt.first_byte is None:
                 self._first_byte(attempt, stream)
@@ -511,18 +479,18 @@ class Exchange:
             reason = f"silent for {self.up.options.idle_timeout:g} s"
         else:
             counts.resets += 1
-            reason = f"connection lost ({_describe(exc)})"
+            reason = exc.reason if isinstance(exc, UpstreamError) else _describe(exc)
         self.up.counts.truncated += 1
         log.warning(
             "%s %s: the answer from %s was cut off: %s",
             self._method,
-            self._target,
+            self._path,
             attempt.engine.id,
             reason,
         )
 
 
-def _usage_reader(response: aiohttp.ClientResponse, stream: bool) -> SseUsage | BodyUsage | None:
+def _usage_reader(response: EngineResponse, stream: bool) -> SseUsage | BodyUsage | None:
     if stream:
         return SseUsage()
     return BodyUsage() if response.content_type == "application/json" else None

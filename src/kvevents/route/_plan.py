@@ -41,12 +41,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
-import aiohttp
 import msgspec
 
 from kvevents._types import Document, DocumentView
 from kvevents.events import StreamKey
 from kvevents.index import Decision, MatchResult, request_keys
+from kvevents.route._client import EngineClient, UpstreamError
 from kvevents.route._engines import Engine, EnginePool
 from kvevents.route._inflight import InFlight, Ticket
 from kvevents.route._predict import Credit, Predictions
@@ -200,7 +200,7 @@ class IndexPlanner:
         self._clock = clock
         self._checked = 0.0
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvevents-tokenizer")
-        self._session: aiohttp.ClientSession | None = None
+        self._client = EngineClient()
         #: The last decisions, newest last: what each plan said and what its engine reported.
         self.recent: deque[Document] = deque(maxlen=RECENT_DECISIONS)
         pool.subscribe(self._engine_changed)
@@ -297,23 +297,20 @@ class IndexPlanner:
 
     async def _tokenize(self, engine: Engine, body: bytes) -> list[int] | None:
         self.counts.tokenize_calls += 1
-        timeout = aiohttp.ClientTimeout(total=self.options.tokenize_timeout)
-        headers = {"content-type": "application/json"}
+        headers = [("content-type", "application/json")]
         try:
-            async with self._client().post(
-                engine.url + "/tokenize", data=body, headers=headers, timeout=timeout
-            ) as response:
-                data = await response.read()
-            return parse_tokenize_reply(data)
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+            _, data = await self._client.fetch(
+                engine.url.rstrip("/") + "/tokenize",
+                "POST",
+                body,
+                headers,
+                timeout=self.options.tokenize_timeout,
+            )
+            return parse_tokenize_reply(data)  # an error answer says what is wrong
+        except (UpstreamError, ValueError) as exc:
             self.counts.tokenize_errors += 1
             log.warning("/tokenize on %s failed: %s", engine.id, exc)
             return None
-
-    def _client(self) -> aiohttp.ClientSession:
-        if self._session is None:
-            self._session = aiohttp.ClientSession(trust_env=False)
-        return self._session
 
     def _count_source(self, prompt: Prompt) -> None:
         counts = self.counts
@@ -529,8 +526,7 @@ class IndexPlanner:
 
     async def aclose(self) -> None:
         """Close the /tokenize connections and the tokenizer thread."""
-        if self._session is not None:
-            await self._session.close()
+        await self._client.aclose()
         self._thread.shutdown(wait=False)
 
 

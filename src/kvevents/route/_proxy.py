@@ -230,7 +230,7 @@ class RouteApp:
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         await receive()  # lifespan.startup
         try:
-            await self.pool.start(self.upstream.open())
+            await self.pool.start(self.upstream.client)
         except Exception as exc:
             await send({"type": "lifespan.startup.failed", "message": repr(exc)})
             return

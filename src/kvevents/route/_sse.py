@@ -1,53 +1,22 @@
-"""Streamed answers: an engine's body read along its own chunk boundaries, and the ``usage``
-in its server-sent events.
+"""Streamed answers: the ``usage`` in an engine's server-sent events, read as they pass.
 
-vLLM writes each SSE event (``data: {...}\\n\\n``) as one HTTP chunk. :class:`ChunkReader`
-hands the proxy one upstream chunk at a time, so each goes to the client as one chunk too:
-a client that reads event by event sees the same boundaries as it would from the engine.
-Only a chunk larger than ``hold`` bytes is passed on in pieces (bytes unchanged), so the
-proxy never holds more than that of a body.
+vLLM writes each SSE event (``data: {...}\\n\\n``) as one HTTP chunk, and the proxy passes each
+chunk on as it comes (:mod:`kvevents.route._client`), so an event is usually whole in one
+piece; one split over pieces is joined here before it is read.
 """
 
 from __future__ import annotations
 
 import re
 
-import aiohttp
-
 from kvevents.route._usage import Usage, usage_of
 
-__all__ = ["ChunkReader", "SseUsage"]
+__all__ = ["SseUsage"]
 
 #: The most bytes of an unfinished SSE event kept to look for ``usage`` in (an event longer
 #: than this is passed through but not read).
 _EVENT_LIMIT = 1 << 20
 _EVENT_END = re.compile(rb"\r?\n\r?\n")
-
-
-class ChunkReader:
-    """Pieces of ``content``: whole HTTP chunks when ``chunked``, else as they arrive."""
-
-    def __init__(self, content: aiohttp.StreamReader, chunked: bool, hold: int = 64 << 10):
-        self._content = content
-        self._chunked = chunked
-        self._hold = hold
-
-    async def read(self) -> tuple[bytes, bool]:
-        """(the next piece, whether it is the last); the last may be empty."""
-        content = self._content
-        data, chunk_end = await content.readchunk()
-        if chunk_end or not self._chunked or content.at_eof():
-            return data, content.at_eof()  # the usual case: a whole chunk, or any piece
-        held = [data] if data else []
-        size = len(data)
-        while size < self._hold:
-            data, chunk_end = await content.readchunk()
-            if data:
-                held.append(data)
-                size += len(data)
-            if (chunk_end and held) or content.at_eof():
-                break
-        return (held[0] if len(held) == 1 else b"".join(held)), content.at_eof()
 
 
 class SseUsage:
