@@ -332,10 +332,13 @@ def ours(engine: VllmServer, vllm_chat_model: Path) -> ModelTokenizer:
 
 
 def test_generated_chats_give_the_engines_tokens(engine: VllmServer, ours: ModelTokenizer) -> None:
-    """Hundreds of generated chats: our ids equal the engine's /tokenize ids, every one."""
+    """Hundreds of generated chats: our ids equal the engine's /tokenize ids, every one;
+    the plain ones among them were rendered by jinja2 directly (kvevents.route._template)."""
     generator = Generator("parity-chats")
     bodies = [generator.chat(engine.model) for _ in range(CHATS)]
+    direct = ours.stats().rendered_directly
     prompts = [ours.chat(body) for body in bodies]
+    assert ours.stats().rendered_directly - direct > CHATS // 10
     assert [p.why for p in prompts if p.source != "chat"] == []
     theirs = in_parallel(lambda b: engine_tokens(engine, tokenize_request(b, "chat")), bodies)
     wrong = mismatches(bodies, [list(p.token_ids) for p in prompts], theirs)
@@ -452,6 +455,7 @@ def test_conversations_stay_exact_as_they_grow_through_the_piece_cache(
     theirs = in_parallel(lambda b: engine_tokens(engine, tokenize_request(b, "chat")), bodies)
     wrong = mismatches(bodies, [list(p.token_ids or ()) for p in prompts], theirs)
     assert not wrong, "\n".join(wrong[:3])
+    assert after.rendered_directly - before.rendered_directly == len(bodies)  # all plain
     hits, misses = after.cache_hits - before.cache_hits, after.cache_misses - before.cache_misses
     assert hits > 3 * misses, (hits, misses)
 

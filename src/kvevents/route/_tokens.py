@@ -61,6 +61,7 @@ from kvevents.route._chat import (
     version_sensitive,
 )
 from kvevents.route._segments import Encoder
+from kvevents.route._template import DirectTemplates
 
 __all__ = [
     "EngineOptions",
@@ -152,6 +153,9 @@ class TokenizerStats:
     cache_misses: int
     #: Why pieces are not cached for this tokenizer (None: they are).
     uncached: str | None
+    #: Chats rendered by jinja2 directly rather than by the tokenizer's call
+    #: (:mod:`kvevents.route._template`).
+    rendered_directly: int = 0
 
 
 @dataclass(slots=True)
@@ -358,6 +362,9 @@ class ModelTokenizer:
         )
         self._engine_template = _engine_template(self.options.chat_template)
         self._parameters = frozenset(inspect.signature(tokenizer.apply_chat_template).parameters)
+        self._direct = DirectTemplates(
+            tokenizer.apply_chat_template, dict(getattr(tokenizer, "special_tokens_map", {}))
+        )
         self._max_chars = max((len(token) for token in tokenizer.get_vocab()), default=1)
         self._counts = _SourceCounts()
         self._lock = threading.Lock()
@@ -384,7 +391,12 @@ class ModelTokenizer:
         with self._lock:
             counts = dataclasses.asdict(self._counts)
         return TokenizerStats(
-            **counts, cache_pieces=pieces, cache_hits=hits, cache_misses=misses, uncached=uncached
+            **counts,
+            cache_pieces=pieces,
+            cache_hits=hits,
+            cache_misses=misses,
+            uncached=uncached,
+            rendered_directly=self._direct.rendered,
         )
 
     def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
@@ -457,6 +469,9 @@ class ModelTokenizer:
         messages = developer_as_system(parsed, template)
         if (why := version_sensitive(messages, template)) is not None:
             raise NoTokens(why)
+        text = self._direct.render(template, messages, {**kwargs, "tools": tools})
+        if text is not None:
+            return text, options
         try:
             text = self._tokenizer.apply_chat_template(
                 messages, tools=tools, chat_template=template, tokenize=False, **kwargs
