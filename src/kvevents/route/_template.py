@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Sequence
 from datetime import datetime
+from functools import partial
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -164,7 +165,8 @@ class DirectTemplates:
         for probe in _PROBES:
             for generation in (True, False):
                 ours = _outcome(
-                    lambda probe=probe, generation=generation: compiled.render(
+                    partial(
+                        compiled.render,
                         self._variables,
                         messages=probe,
                         tools=None,
@@ -173,7 +175,8 @@ class DirectTemplates:
                     )
                 )
                 theirs = _outcome(
-                    lambda probe=probe, generation=generation: self._apply(
+                    partial(
+                        self._apply,
                         [dict(m) for m in probe],
                         tools=None,
                         chat_template=template,
