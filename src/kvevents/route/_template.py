@@ -151,14 +151,15 @@ class DirectTemplates:
     def _prove(self, template: str) -> jinja2.Template | str:
         if len(self._templates) >= _MAX_TEMPLATES:
             self._templates.clear()
+        outcome: jinja2.Template | str
         try:
-            compiled: jinja2.Template | str = self._env.from_string(template)
+            compiled = self._env.from_string(template)
         except jinja2.exceptions.TemplateError as exc:
-            compiled = f"does not compile here: {type(exc).__name__}: {exc}"
+            outcome = f"does not compile here: {type(exc).__name__}: {exc}"
         else:
-            compiled = self._differs(compiled, template) or compiled
-        self._templates[template] = compiled
-        return compiled
+            outcome = self._differs(compiled, template) or compiled
+        self._templates[template] = outcome
+        return outcome
 
     def _differs(self, compiled: jinja2.Template, template: str) -> str | None:
         """Why the direct render differs from the tokenizer's call on a probe (None: never)."""
