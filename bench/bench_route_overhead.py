@@ -1,6 +1,6 @@
 """The front door's own cost: time to first token added in front of a fast stand-in engine,
-and requests per second at saturation with 1, 16 and 128 concurrent streams, next to vLLM
-Router in front of the same engine in the same run.
+and requests per second at saturation with 1, 16 and 128 concurrent streams, next to the peer
+routers in front of the same engine in the same run.
 
 Same-run baseline: the same client straight to the same engine. The engine
 (:class:`kvevents.testing.openai_engine.StandInEngine`, this file with ``--serve-engine``) and
@@ -8,11 +8,13 @@ each router run in their own process; the client is this process, an asyncio cli
 sockets that stamps the first SSE event of each answer. ``kvevents route`` is the real front
 door (``python -m kvevents route``): each request's chat rendered and tokenized with the
 model's own tokenizer and template (the tiny chat model's, built here), looked up in the index
-and planned; the engine has no event stream, so every request is routed on load, as vLLM
-Router's ``round_robin`` is. vLLM Router (``round_robin``) runs from the venv the route rig
-installs (``bench/.work/route/venvs/vllm-router``; installed here when missing; reported, not
-dropped, when it cannot be). ``--router NAME=URL`` adds any other router already in front of
-the engine on ``--engine-port``.
+and planned; the engine has no event stream, so every request is routed on load. The peers run
+from the venvs the route rig installs (``bench/.work/route/venvs``; installed here when
+missing; reported, not dropped, when they cannot be): vLLM Router ``round_robin`` (a proxy
+and nothing more) and ``cache_aware`` (which asks the engine to render each request first;
+the stand-in has no render endpoint, so that call fails fast and it routes on), and SGLang's
+router ``cache_aware`` (its tree of the request's text). ``--router NAME=URL`` adds any other
+router already in front of the engine on ``--engine-port``.
 
 Every answer is checked (status 200, ``data: [DONE]`` seen): a lost or failed request is
 counted and reported, never dropped from the figures.
@@ -34,7 +36,7 @@ from urllib.parse import urlsplit
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import Row, percentile
 from kvevents.testing.vllm_server import free_port
-from route_peers import VLLM_ROUTER, RouterProcess, Venv
+from route_peers import SGLANG_ROUTER, VLLM_ROUTER, RouterProcess, Venv
 
 SECTION = "front door overhead in front of a stand-in engine (streamed chat, 8 tokens)"
 MODEL = "stand-in"
@@ -173,8 +175,8 @@ def _kvevents_route(engine_url: str) -> RouterProcess:
     return RouterProcess(argv, _log("kvevents-route"), port, 0)
 
 
-def _vllm_router(engine_url: str) -> RouterProcess | str:
-    """vLLM Router ``round_robin`` in front of the engine (from the venv the route rig
+def _vllm_router(engine_url: str, policy: str) -> RouterProcess | str:
+    """vLLM Router with ``policy`` in front of the engine (from the venv the route rig
     installs, installed here when missing), or why it cannot run."""
     venv = Venv("vllm-router", VLLM_ROUTER, WORK / "route" / "venvs")
     why = venv.ensure()
@@ -182,9 +184,22 @@ def _vllm_router(engine_url: str) -> RouterProcess | str:
         return why
     port, metrics = free_port(), free_port()
     argv = [str(venv.bin("vllm-router")), "--host", "127.0.0.1", "--port", str(port)]
-    argv += ["--policy", "round_robin", "--worker-urls", engine_url]
+    argv += ["--policy", policy, "--worker-urls", engine_url]
     argv += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics)]
-    return RouterProcess(argv, _log("vllm-router"), port, metrics)
+    return RouterProcess(argv, _log(f"vllm-router-{policy}"), port, metrics)
+
+
+def _sglang_router(engine_url: str) -> RouterProcess | str:
+    """SGLang's router ``cache_aware`` in front of the engine, or why it cannot run."""
+    venv = Venv("sglang-router", SGLANG_ROUTER, WORK / "route" / "venvs")
+    why = venv.ensure()
+    if why is not None:
+        return why
+    port, metrics = free_port(), free_port()
+    argv = [str(venv.bin("smg")), "launch", "--host", "127.0.0.1", "--port", str(port)]
+    argv += ["--policy", "cache_aware", "--worker-urls", engine_url]
+    argv += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics)]
+    return RouterProcess(argv, _log("sglang-router"), port, metrics)
 
 
 def _log(name: str) -> Path:
@@ -291,11 +306,17 @@ def run(
     rows: list[Row] = []
     try:
         started["kvevents route"] = _kvevents_route(engine_url)
-        peer = _vllm_router(engine_url)
-        if isinstance(peer, str):
-            rows.append(Row(SECTION, "vLLM Router 0.1.17", f"not run: {peer}", 0, ""))
-        else:
-            started["vLLM Router round_robin"] = peer
+        peers = {
+            "vLLM Router round_robin": lambda: _vllm_router(engine_url, "round_robin"),
+            "vLLM Router cache_aware": lambda: _vllm_router(engine_url, "cache_aware"),
+            "SGLang router cache_aware": lambda: _sglang_router(engine_url),
+        }
+        for name, start in peers.items():
+            peer = start()
+            if isinstance(peer, str):
+                rows.append(Row(SECTION, name, f"not run: {peer}", 0, ""))
+            else:
+                started[name] = peer
         for router in started.values():
             router.wait_ready()
         everyone = {name: r.url for name, r in started.items()} | (routers or {})
