@@ -102,7 +102,11 @@ def test_no_class_declares_state_it_does_not_set() -> None:
         (CacheCounts, CacheStats, set()),
         (EngineCounts, EngineMetrics, {"virtual_time"}),
         (_BridgeCounts, BridgeStats, {"last_error"}),
-        (_SourceCounts, TokenizerStats, {"cache_pieces", "cache_hits", "cache_misses", "uncached"}),
+        (
+            _SourceCounts,
+            TokenizerStats,
+            {"cache_pieces", "cache_hits", "cache_misses", "uncached", "rendered_directly"},
+        ),
     ],
 )
 def test_running_counters_are_the_twins_of_their_stats(
