@@ -66,7 +66,7 @@ def vllm_version() -> tuple[str | None, str | None]:
     return done.stdout.strip().splitlines()[-1], None
 
 
-def _our_path() -> dict[str, str]:
+def our_path() -> dict[str, str]:
     """``PYTHONPATH`` putting this process's kvevents first for vLLM's plugin.
 
     ``.venv-vllm`` has kvevents installed (for the plugin's entry point), possibly from
@@ -130,7 +130,7 @@ class VllmEngine:
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._log,
-            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **self.extra_env, **_our_path()},
+            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **self.extra_env, **our_path()},
         )
         ready = self._read(deadline, "start")
         self.startups.append(STARTUP_TIMEOUT - deadline.remaining())

@@ -59,7 +59,9 @@ def test_decode_blocks_are_announced_when_enabled() -> None:
 
 
 def test_prefix_hit_at_admission_is_counted_and_capped() -> None:
-    """A repeated prompt is served from cache except its last token, and is not re-announced."""
+    """A repeated block-aligned prompt is served from cache but for its last block (it holds
+    the last token, which vLLM computes again: its hit covers tokens but the last, in whole
+    blocks), and is not re-announced."""
     eng, (sink,) = engine(cache_decode_blocks=False)
     prompt = list(range(8))
     eng.submit(Request("a", prompt))
@@ -68,7 +70,7 @@ def test_prefix_hit_at_admission_is_counted_and_capped() -> None:
     eng.submit(Request("b", prompt))
     drain(eng)
     m = eng.metrics()
-    assert (m.input_tokens, m.cached_tokens, m.prefill_tokens) == (16, 7, 9)
+    assert (m.input_tokens, m.cached_tokens, m.prefill_tokens) == (16, 4, 12)
     assert len(stores(sink)) == 1
 
 
@@ -138,6 +140,38 @@ def test_memory_pressure_preempts_and_events_stay_exact() -> None:
         assert sets.blocks(0, "GPU") == eng.cached_blocks(0)
     assert eng.metrics().preemptions > 0 and eng.metrics().finished == 4
     assert sets.violations == []
+
+
+def test_blocks_of_a_finished_request_serve_the_queue_from_the_next_step() -> None:
+    """vLLM frees a request's blocks once the step that made its last token is over, so a
+    request waiting for them is admitted at the next step, not in the same one."""
+    eng, _ = engine(capacity_blocks=3)
+    eng.submit(Request("a", list(range(8)), max_output_tokens=3))  # 2 blocks, a 3rd for decode
+    eng.submit(Request("b", list(range(100, 108))))  # 2 blocks: waits for a's
+    loads = []
+    for _ in range(4):
+        finished = eng.step().finished
+        load = eng.load(0)
+        loads.append((finished, load.running_requests, load.waiting_requests))
+    assert loads == [([], 1, 1), ([], 1, 1), (["a"], 0, 1), (["b"], 0, 0)]
+
+
+def test_the_newest_request_short_of_a_block_is_preempted_not_left_holding_its_own() -> None:
+    """Two requests need a block for their next token and one is free: the older gets it and
+    the newer, the newest running, is preempted (its blocks freed, it waits at the head), as
+    vLLM does; it does not idle while keeping its blocks."""
+    eng, _ = engine(capacity_blocks=5)
+    eng.submit(Request("a", list(range(7)), max_output_tokens=8))  # 7 tokens: 2 blocks each
+    eng.submit(Request("b", list(range(100, 107)), max_output_tokens=8))
+    for _ in range(2):
+        eng.step()
+    assert (eng.load(0).running_requests, eng.caches[0].free_blocks) == (2, 1)
+    eng.step()  # both reach token 9: a third block each
+    load = eng.load(0)
+    assert (eng.metrics().preemptions, load.running_requests, load.waiting_requests) == (1, 1, 1)
+    assert eng.caches[0].used_blocks == 3  # a's own; b's two are cached, unreferenced
+    drain(eng)
+    assert eng.metrics().finished == 2
 
 
 def test_lora_requests_hash_apart_and_pass_lora_through() -> None:
@@ -234,4 +268,4 @@ def test_request_records_carry_virtual_times_and_hits() -> None:
     assert (a.request_id, a.rank, a.cached_tokens, a.output_tokens) == ("a", 0, 0, 3)
     assert (a.submitted_at, a.first_token_at, a.finished_at) == (0.0, 3.0, 5.0)
     assert a.time_to_first_token == 3.0
-    assert b.cached_tokens == 19 and b.time_to_first_token == 1.0  # all but the last token
+    assert b.cached_tokens == 16 and b.time_to_first_token == 1.0  # blocks before the last token

@@ -22,8 +22,9 @@ def test_infinite_cache_counts_every_earlier_block_once_computed() -> None:
         TraceRow(timestamp=30, input_length=1024, output_length=4, hash_ids=[1, 2]),
     ]
     reuse = infinite_cache_reuse(rows, SMALL)
-    # row 2 reuses 1024 tokens, row 3 512, row 4 all but its last token (1023).
-    assert reuse == (1024 + 512 + 1023) / (1024 + 1536 + 1024 + 1024)
+    # row 2 reuses 1024 tokens, row 3 512, row 4 all its blocks but the last (it holds the
+    # last token, which is computed again): 960.
+    assert reuse == (1024 + 512 + 960) / (1024 + 1536 + 1024 + 1024)
 
 
 def test_requests_no_rank_can_hold_are_left_out_as_the_engines_do() -> None:
@@ -38,8 +39,8 @@ def test_requests_no_rank_can_hold_are_left_out_as_the_engines_do() -> None:
         ),
         TraceRow(timestamp=10, input_length=512, output_length=1, hash_ids=[1]),
     ]
-    assert infinite_cache_reuse(rows, tiny) == 511 / 1024
-    assert pooled_cache_reuse(rows, tiny) == 511 / 1024
+    assert infinite_cache_reuse(rows, tiny) == 448 / 1024
+    assert pooled_cache_reuse(rows, tiny) == 448 / 1024
 
 
 def test_the_pooled_engine_holds_the_whole_cluster() -> None:

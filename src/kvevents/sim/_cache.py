@@ -5,6 +5,11 @@ One :class:`RankCache` per attention-DP rank, :class:`PrefixCache` holds several
 (:mod:`kvevents.sim._hashing`) and shared by reference count; a request's partial tail block is
 private (counted against capacity, never cached, never announced).
 
+A block computed by a second request while the first copy is cached is shared: the second
+request's private block is freed at once. vLLM keeps the second copy too (cached under the same
+hash until each copy is evicted, and announcing both), so this cache holds slightly more than
+vLLM's when identical blocks are computed concurrently.
+
 Eviction is LRU over unreferenced cached blocks, like vLLM's free-block queue. Requests release
 their blocks tail first, so within one request the tail is evicted before its prefix; across
 requests too: whoever holds a child holds its parent and releases it later, so a parent is
@@ -243,7 +248,8 @@ class RankCache:
         lora_id: int | None = None,
         lora_name: str | None = None,
     ) -> None:
-        """A private block became full: cache it (or share the cached copy) and reference it."""
+        """A private block became full: cache it (or share the cached copy, freeing the private
+        block) and reference it."""
         if self._private <= 0:
             raise ValueError(f"rank {self.rank}: commit of {block_hash} without a private block")
         self._private -= 1

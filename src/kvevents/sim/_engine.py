@@ -5,17 +5,24 @@ has its own :class:`~kvevents.sim.RankCache`, waiting queue and per-step token b
 (chunked prefill); running requests go first, then waiting ones are admitted in order while
 blocks and budget allow. A step computes prefill chunks and one decode token per running
 request, commits every block that became full, finishes requests that reached their output
-length (releasing their references), and publishes one batch per rank that changed.
+length (releasing their references once the step is over), and publishes one batch per rank
+that changed.
 
-Choices, documented in docs/engine.md:
+Choices, documented in docs/engine.md; driven with the same requests at the same steps, the
+engine's blocks and requests equal a real vLLM 0.32 engine's after every step:
 
 - Full blocks made of generated tokens are cached and announced too (vLLM does the same), so
   multi-turn follow-ups hit them; ``cache_decode_blocks=False`` keeps them private.
-- A request admitted with its whole prompt cached still computes its last token (an engine
-  needs the logits), so at most ``prompt - 1`` tokens count as served from cache.
-- A request is admitted only when its whole prompt fits in the rank's available blocks; if
-  decode later runs out of blocks, the newest running request is preempted (its blocks are
-  released, it restarts from the waiting queue and re-hits its own cached prefix).
+- A prefix hit covers whole blocks of all the prompt's tokens but the last (an engine needs
+  the last token's logits, so it computes it): a block-aligned prompt found whole in cache
+  still computes its last block.
+- A request is admitted only when its whole prompt fits in the rank's available blocks; when
+  a running request later lacks a block, the newest running request is preempted (its blocks
+  are released, it restarts from the waiting queue and re-hits its own cached prefix), the
+  one lacking the block itself when it is the newest. A step that preempted admits nothing.
+- A finished request's blocks are released once its last step is over: a request waiting for
+  them is admitted at the next step (vLLM frees them when the step's output is processed).
+- A block two requests compute at once is cached once (vLLM keeps both copies).
 - Time: virtual by default (a step lasts ``step_base_s + step_token_s * tokens`` of the
   busiest rank; batch ``ts`` is ``start_time`` plus virtual time, so runs are reproducible).
   Pass ``clock=time.time`` for real time.
@@ -161,6 +168,7 @@ class SimulatedEngine:
         self.finished_requests: list[RequestRecord] = []
         self._first_tokens: list[_Seq] = []
         self._done: list[_Seq] = []
+        self._finishing: list[_Seq] = []  # finished this step, blocks released at its end
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -301,10 +309,18 @@ class SimulatedEngine:
     def _schedule(self, rank: int, finished: list[str]) -> int:
         budget = self.config.max_num_batched_tokens
         running = self._running[rank]
+        preempted = self._counts.preemptions
         for seq in list(running):
             if seq in running:  # an earlier seq of this step may have preempted it
                 budget -= self._advance(seq, budget, finished)
-        budget = self._admit(rank, budget, finished)
+        if self._counts.preemptions == preempted:  # a step that preempted admits nothing
+            budget = self._admit(rank, budget, finished)
+        # What finished this step gives its blocks back once the step is over: a request
+        # waiting now is admitted into them at the next step, as in vLLM, whose scheduler
+        # frees a request's blocks only when the step's output says it is done.
+        for seq in self._finishing:
+            self._release(seq)
+        self._finishing.clear()
         return self.config.max_num_batched_tokens - budget
 
     def _admit(self, rank: int, budget: int, finished: list[str]) -> int:
@@ -312,7 +328,8 @@ class SimulatedEngine:
         while waiting and budget > 0 and len(running) < self.config.max_num_seqs:
             seq = waiting[0]
             self._extend_hashes(seq)
-            if not cache.can_admit(seq.hashes, -(-len(seq.tokens) // self.config.block_size)):
+            bs = self.config.block_size
+            if not cache.can_admit(self._hit_hashes(seq), -(-len(seq.tokens) // bs)):
                 break
             waiting.popleft()
             self._start(seq)
@@ -320,11 +337,17 @@ class SimulatedEngine:
             budget -= self._advance(seq, budget, finished)
         return budget
 
+    def _hit_hashes(self, seq: _Seq) -> list[int]:
+        """The blocks a prefix hit may cover: whole blocks of all tokens but the last (the
+        engine computes the last token for its logits, so a block-aligned prompt found whole
+        still computes its last block)."""
+        return seq.hashes[: (len(seq.tokens) - 1) // self.config.block_size]
+
     def _start(self, seq: _Seq) -> None:
         bs = self.config.block_size
-        hit = self.caches[seq.rank].acquire(seq.hashes)
+        hit = self.caches[seq.rank].acquire(self._hit_hashes(seq))
         seq.held = hit.blocks
-        seq.computed = min(hit.blocks * bs, len(seq.tokens) - 1)
+        seq.computed = hit.blocks * bs
         if not seq.admitted_once:
             seq.admitted_once = True
             gpu_tokens = min(hit.gpu_blocks * bs, seq.computed)
@@ -348,19 +371,20 @@ class SimulatedEngine:
         return chunk
 
     def _fit(self, seq: _Seq, chunk: int) -> int:
-        """Shrink ``chunk`` to the blocks this rank can give, preempting newer requests."""
+        """Take the blocks ``chunk`` needs, preempting the newest running requests until they
+        are free; when ``seq`` is the newest itself, it is preempted and 0 is returned (vLLM
+        neither shrinks a chunk to the blocks left nor lets a request idle holding its own)."""
         bs, cache = self.config.block_size, self.caches[seq.rank]
+        running = self._running[seq.rank]
         while chunk > 0:
             need = -(-(seq.computed + chunk) // bs) - seq.held - seq.private
             if cache.allocate(need):
                 seq.private += max(0, need)
                 return chunk
-            victim = self._running[seq.rank][-1]
+            victim = next(s for s in reversed(running) if s not in self._finishing)
+            self._preempt(victim)
             if victim is seq:
-                room = (seq.held + seq.private + cache.available_blocks) * bs - seq.computed
-                chunk = min(chunk - 1, room)
-            else:
-                self._preempt(victim)
+                return 0
         return 0
 
     def _commit_full_blocks(self, seq: _Seq) -> None:
@@ -412,7 +436,7 @@ class SimulatedEngine:
         self._running[seq.rank].remove(seq)
 
     def _finish(self, seq: _Seq) -> None:
-        self._release(seq)
+        self._finishing.append(seq)
         self._counts.finished += 1
         self._done.append(seq)
 

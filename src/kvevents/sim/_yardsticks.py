@@ -10,8 +10,9 @@ and cluster shape (docs/evaluation.md):
   trace. Eviction still happens, but nothing is lost to splitting the cache between engines,
   so it is what a perfect router over the same total memory would get, up to scheduling.
 
-Both count cached tokens the way the engines do: whole blocks of the prompt, at most
-``prompt - 1`` tokens (the last token is always computed), requests that cannot fit skipped.
+Both count cached tokens the way the engines do: whole blocks of the prompt's tokens but its
+last (the last token is always computed, so a block-aligned prompt found whole in cache still
+computes its last block), requests that cannot fit skipped.
 """
 
 from __future__ import annotations
@@ -58,10 +59,11 @@ def infinite_cache_reuse(rows: Sequence[TraceRow], config: ClusterConfig) -> flo
             continue
         tokens = row_tokens(rows[i])
         hashes = engine.block_hashes(tokens)
+        hittable = (len(tokens) - 1) // config.block_size
         hit = 0
-        while hit < len(hashes) and hashes[hit] in seen:
+        while hit < hittable and hashes[hit] in seen:
             hit += 1
-        cached += min(hit * config.block_size, len(tokens) - 1)
+        cached += hit * config.block_size
         total += len(tokens)
         seen.update(hashes)
     return cached / total if total else 0.0
