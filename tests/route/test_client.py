@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import shutil
+import ssl
+import subprocess
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 
 import pytest
 
@@ -406,3 +410,50 @@ def test_an_origin_is_read_from_its_url() -> None:
     assert Origin.of("http://e").port == 80
     with pytest.raises(ValueError, match="not an http"):
         Origin.of("tcp://e:1")
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="no openssl to make a certificate")
+def test_an_https_engine_is_verified_and_spoken_to_over_tls(tmp_path: Path) -> None:
+    """With a context that trusts the engine's certificate the answer comes over TLS; with
+    the default one (the system's trust store) a self-signed engine is a connect error."""
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        [
+            *("openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1"),
+            *("-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost"),
+            *("-keyout", str(key), "-out", str(cert)),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
+    served = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    served.load_cert_chain(cert, key)
+    trusting = ssl.create_default_context(cafile=str(cert))
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError, ssl.SSLError):
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+            await writer.drain()
+        writer.close()
+
+    async def test() -> None:
+        server = await asyncio.start_server(answer, "127.0.0.1", 0, ssl=served)
+        port = server.sockets[0].getsockname()[1]
+        try:
+            client = EngineClient(tls=trusting)
+            status, body = await client.fetch(f"https://localhost:{port}/health", timeout=WAIT)
+            assert (status, body) == (200, b"ok")
+            await client.aclose()
+            default = EngineClient()
+            with pytest.raises(UpstreamError) as raised:
+                await default.fetch(f"https://localhost:{port}/health", timeout=WAIT)
+            assert raised.value.kind == "connect_error"
+            assert "CERTIFICATE_VERIFY_FAILED" in raised.value.reason
+            await default.aclose()
+        finally:
+            server.close()
+            await server.wait_closed()
+
+    run(test)

@@ -319,15 +319,23 @@ class EngineResponse:
 
 
 class EngineClient:
-    """Kept-alive connections to the engines, by origin (see the module docstring)."""
+    """Kept-alive connections to the engines, by origin (see the module docstring).
 
-    def __init__(self, keepalive_timeout: float = 4.0, hold: int = _HOLD) -> None:
+    ``tls``: how ``https://`` engines are verified (default: the system's trust store, the
+    engine's host name checked)."""
+
+    def __init__(
+        self,
+        keepalive_timeout: float = 4.0,
+        hold: int = _HOLD,
+        tls: ssl.SSLContext | None = None,
+    ) -> None:
         self.keepalive_timeout = keepalive_timeout
         self._hold = hold
         self._idle: dict[Origin, list[_Connection]] = {}
         self._open: set[_Connection] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._tls: ssl.SSLContext | None = None
+        self._tls = tls  # https:// engines: the system's trust store unless given
         self._closed = False
 
     @property
