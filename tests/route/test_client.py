@@ -366,6 +366,27 @@ def test_a_connection_lost_mid_body_is_a_reset_and_a_cancel_closes_the_connectio
     run(test)
 
 
+def test_a_body_without_length_or_chunks_ends_when_the_engine_closes() -> None:
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await server.head(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\nall of it")
+        await writer.drain()
+        writer.close()
+
+    async def test() -> None:
+        nonlocal server
+        async with scripted(script) as server:
+            client = EngineClient()
+            response = await post(client, server)
+            assert b"".join(p for p, _ in await read_all(response)) == b"all of it"
+            response.release()
+            assert client.idle_connections() == 0
+            await client.aclose()
+
+    server: Scripted
+    run(test)
+
+
 def test_head_answers_informational_answers_and_fetch() -> None:
     """A HEAD answer ends at its headers (its connection is not reused); a 100 Continue is
     skipped for the answer after it; fetch reads a whole answer within its timeout."""

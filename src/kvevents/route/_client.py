@@ -113,6 +113,7 @@ class _Connection(asyncio.Protocol):
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
         self.chunked = False
+        self._until_close = False  # a body that ends when the engine closes the connection
         self.head_done = False
         self.complete = False
         self._keep_alive = False
@@ -146,6 +147,10 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.client.forget(self)
+        if self._until_close and self.head_done and exc is None and not self.complete:
+            if self._chunk:
+                self._flush_chunk()
+            self.complete = True  # the body was all the engine sent before it closed
         if not self.complete and self._error is None:
             why = f"connection lost ({exc})" if exc else "the engine closed the connection"
             self._error = UpstreamError("reset", why)
@@ -170,6 +175,8 @@ class _Connection(asyncio.Protocol):
         )
         if self._head_only:
             self.complete = True  # a HEAD answer has no body, whatever its headers say
+        elif not self.chunked and status not in (204, 304):
+            self._until_close = all(name.lower() != b"content-length" for name, _ in self.headers)
 
     def on_body(self, body: bytes) -> None:
         self._chunk.append(body)
