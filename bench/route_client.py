@@ -238,7 +238,10 @@ def sent_messages(out: Path) -> list[tuple[str, int, list[dict[str, Any]]]]:
     sent = []
     with (out / "profile_export_raw.jsonl").open() as handle:
         for line in handle:
-            data = json.loads(line)
+            try:
+                data = json.loads(line)
+            except ValueError:  # cut off (see strip_raw): that request's messages are unknown
+                continue
             meta, payload = data.get("metadata", {}), data.get("payload") or {}
             messages = payload.get("messages") or []
             sent.append(
@@ -256,14 +259,22 @@ def history_carries_answers(sent: Sequence[tuple[str, int, list[dict[str, Any]]]
     )
 
 
-def strip_raw(out: Path) -> None:
-    """Drop the raw export's bulky streamed chunks (the payloads, the record, stay)."""
+def strip_raw(out: Path) -> int:
+    """Drop the raw export's bulky streamed chunks (the payloads, the record, stay); a line
+    that is not JSON (a client killed mid-write in the fault run left one cut off) is kept
+    as it is. The number of such lines."""
     raw = out / "profile_export_raw.jsonl"
     if not raw.exists():
-        return
-    kept = []
+        return 0
+    kept, broken = [], 0
     for line in raw.read_text().splitlines():
-        data = json.loads(line)
+        try:
+            data = json.loads(line)
+        except ValueError:
+            broken += 1
+            kept.append(line)
+            continue
         data.pop("responses", None)
         kept.append(json.dumps(data))
     raw.write_text("\n".join(kept) + "\n")
+    return broken

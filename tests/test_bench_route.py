@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
 from harness import Row
 from route_chart import route_svg
-from route_client import history_carries_answers, parse_record
+from route_client import history_carries_answers, parse_record, sent_messages, strip_raw
 from route_engines import REPO, Snapshot, _in_repo
 from route_report import Outcome, outcome_rows, prediction_agreement
 from route_workload import (
@@ -240,3 +240,19 @@ def test_the_engines_record_names_paths_in_the_checkout_relative_to_it() -> None
     assert _in_repo(inside) == ".venv-vllm/bin/python"
     assert _in_repo("/usr/bin/python3") == "/usr/bin/python3"
     assert _in_repo("--block-size") == "--block-size"
+
+
+def test_a_raw_export_cut_off_mid_line_is_stripped_and_read_around(tmp_path: Path) -> None:
+    """A client killed mid-write (the fault run) leaves a line cut off: the rest is stripped
+    of its streamed chunks and read; that line is kept as it is and skipped, not fatal."""
+    whole = {
+        "metadata": {"conversation_id": "c1", "turn_index": 1},
+        "payload": {"messages": [{"role": "user", "content": "hi"}]},
+        "responses": ["chunk"] * 3,
+    }
+    raw = tmp_path / "profile_export_raw.jsonl"
+    raw.write_text(json.dumps(whole) + "\n" + '{"metadata": {"conversation_id": "c2", "tu\n')
+    assert strip_raw(tmp_path) == 1
+    lines = raw.read_text().splitlines()
+    assert "responses" not in json.loads(lines[0]) and lines[1].startswith('{"metadata"')
+    assert sent_messages(tmp_path) == [("c1", 1, [{"role": "user", "content": "hi"}])]
