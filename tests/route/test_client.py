@@ -10,6 +10,7 @@ import ssl
 import subprocess
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -17,12 +18,14 @@ from kvevents.route._client import EngineClient, EngineResponse, Origin, Timeout
 
 WAIT = 5.0  # the bound on every wait in these tests
 TIMES = Timeouts(connect=WAIT, first_byte=WAIT, idle=WAIT)
-Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+Script = Callable[["Scripted", asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+Test = Callable[["Scripted", EngineClient], Awaitable[None]]
 
 
 class Scripted:
-    """A server on port 0 running ``script`` on each connection; ``connections``: how many
-    were accepted, ``closed``: set when a connection's client closes it."""
+    """A server on port 0 running ``script(server, reader, writer)`` on each connection;
+    ``connections``: how many were accepted, ``closed``: set when a connection's client
+    closes it."""
 
     def __init__(self, script: Script) -> None:
         self.script = script
@@ -34,7 +37,7 @@ class Scripted:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
         try:
-            await self.script(reader, writer)
+            await self.script(self, reader, writer)
             if await reader.read(1) == b"":  # the script is done: wait for the client to go
                 self.closed.set()
         except (ConnectionError, asyncio.IncompleteReadError):
@@ -70,6 +73,20 @@ async def scripted(script: Script) -> AsyncIterator[Scripted]:
     finally:
         server.server.close()
         await server.server.wait_closed()
+
+
+def exchange(script: Script, test: Test, **client_options: Any) -> None:
+    """``test(server, client)`` against a server running ``script``, the client closed after."""
+
+    async def main() -> None:
+        async with scripted(script) as server:
+            client = EngineClient(**client_options)
+            try:
+                await test(server, client)
+            finally:
+                await client.aclose()
+
+    run(main)
 
 
 def chunked(status: bytes = b"200 OK", extra: bytes = b"") -> bytes:
@@ -108,41 +125,40 @@ def test_the_request_goes_as_given_and_chunks_come_back_whole() -> None:
     piece marked."""
     sent = asyncio.Event()
 
-    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def script(
+        server: Scripted, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
         await server.head(reader)
         writer.write(chunked() + b"b\r\ndata: a")
         await writer.drain()
         await sent.wait()
         writer.write(b"bc\n\n\r\n" + chunk(b"data: d\n\n") + b"0\r\n\r\n")
 
-    async def test() -> None:
-        nonlocal server
-        async with scripted(script) as server:
-            client = EngineClient()
-            response = await post(client, server, b'{"prompt":"\xc3\xa9"}')
-            assert response.status == 200 and response.chunked
-            assert response.content_type == "text/event-stream"
-            sent.set()
-            assert await read_all(response) == [
-                (b"data: abc\n\n", False),
-                (b"data: d\n\n", True),
-            ]
-            response.release()
-            port = server.origin.port
-            assert server.requests == [
-                b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:%d\r\nx-request-id: r1\r\n"
-                b'Content-Length: 15\r\n\r\n{"prompt":"\xc3\xa9"}' % port
-            ]
-            await client.aclose()
+    async def test(server: Scripted, client: EngineClient) -> None:
+        response = await post(client, server, b'{"prompt":"\xc3\xa9"}')
+        assert response.status == 200 and response.chunked
+        assert response.content_type == "text/event-stream"
+        sent.set()
+        assert await read_all(response) == [
+            (b"data: abc\n\n", False),
+            (b"data: d\n\n", True),
+        ]
+        response.release()
+        port = server.origin.port
+        assert server.requests == [
+            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:%d\r\nx-request-id: r1\r\n"
+            b'Content-Length: 15\r\n\r\n{"prompt":"\xc3\xa9"}' % port
+        ]
 
-    server: Scripted
-    run(test)
+    exchange(script, test)
 
 
 def test_a_chunk_over_the_hold_size_comes_in_pieces_and_a_plain_body_as_it_arrives() -> None:
     taken = asyncio.Event()
 
-    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def script(
+        server: Scripted, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
         await server.head(reader)
         writer.write(chunked() + b"c8\r\n" + b"x" * 100)
         await writer.drain()
@@ -155,32 +171,29 @@ def test_a_chunk_over_the_hold_size_comes_in_pieces_and_a_plain_body_as_it_arriv
         await writer.drain()
         writer.write(b'{"a":1')
 
-    async def test() -> None:
-        nonlocal server
-        async with scripted(script) as server:
-            client = EngineClient(hold=64)
-            response = await post(client, server)
-            assert await asyncio.wait_for(response.read(), WAIT) == (b"x" * 100, False)
-            taken.set()
-            rest = await read_all(response)
-            assert b"".join(p for p, _ in rest) == b"y" * 100 and rest[-1][1]
-            response.release()
-            response = await post(client, server)
-            assert response.content_length == 6 and not response.chunked
-            assert b"".join(p for p, _ in await read_all(response)) == b'{"a":1'
-            response.release()
-            assert server.connections == 1  # kept alive across the two
-            await client.aclose()
+    async def test(server: Scripted, client: EngineClient) -> None:
+        response = await post(client, server)
+        assert await asyncio.wait_for(response.read(), WAIT) == (b"x" * 100, False)
+        taken.set()
+        rest = await read_all(response)
+        assert b"".join(p for p, _ in rest) == b"y" * 100 and rest[-1][1]
+        response.release()
+        response = await post(client, server)
+        assert response.content_length == 6 and not response.chunked
+        assert b"".join(p for p, _ in await read_all(response)) == b'{"a":1'
+        response.release()
+        assert server.connections == 1  # kept alive across the two
 
-    server: Scripted
-    run(test)
+    exchange(script, test, hold=64)
 
 
 def test_a_connection_is_reused_only_when_its_answer_ended_whole_and_was_kept_alive() -> None:
     """Read to its end: reused. ``Connection: close``, or not read to its end: closed, and
     the next request opens a new one. An idle one past the keep-alive time is not reused."""
 
-    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def script(
+        server: Scripted, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
         while True:
             request = await server.head(reader)
             close = b"close-me" in request
@@ -193,35 +206,30 @@ def test_a_connection_is_reused_only_when_its_answer_ended_whole_and_was_kept_al
             if close:
                 return
 
-    async def test() -> None:
-        nonlocal server
-        async with scripted(script) as server:
-            client = EngineClient(keepalive_timeout=60)
-            for _ in range(3):
-                response = await post(client, server)
-                await read_all(response)
-                response.release()
-            assert server.connections == 1 and client.idle_connections() == 1
-            response = await post(client, server, b"close-me")
-            await read_all(response)
-            response.release()
-            assert client.idle_connections() == 0
-            response = await post(client, server)  # a new connection
-            response.release()  # not read to its end: closed
-            assert server.connections == 2 and client.idle_connections() == 0
+    async def test(server: Scripted, client: EngineClient) -> None:
+        for _ in range(3):
             response = await post(client, server)
             await read_all(response)
             response.release()
-            assert server.connections == 3 and client.idle_connections() == 1
-            client.keepalive_timeout = 1e-9  # idle longer than that by now
-            response = await post(client, server)
-            await read_all(response)
-            assert server.connections == 4
-            response.release()
-            await client.aclose()
+        assert server.connections == 1 and client.idle_connections() == 1
+        response = await post(client, server, b"close-me")
+        await read_all(response)
+        response.release()
+        assert client.idle_connections() == 0
+        response = await post(client, server)  # a new connection
+        response.release()  # not read to its end: closed
+        assert server.connections == 2 and client.idle_connections() == 0
+        response = await post(client, server)
+        await read_all(response)
+        response.release()
+        assert server.connections == 3 and client.idle_connections() == 1
+        client.keepalive_timeout = 1e-9  # idle longer than that by now
+        response = await post(client, server)
+        await read_all(response)
+        assert server.connections == 4
+        response.release()
 
-    server: Scripted
-    run(test)
+    exchange(script, test, keepalive_timeout=60)
 
 
 def test_reading_stops_while_the_reader_does_not_take_and_resumes_when_it_does() -> None:
@@ -230,7 +238,9 @@ def test_reading_stops_while_the_reader_does_not_take_and_resumes_when_it_does()
     size = 16 << 20
     stalled = asyncio.Event()
 
-    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def script(
+        server: Scripted, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
         await server.head(reader)
         writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % size)
         block = bytes(range(256)) * 256
@@ -243,26 +253,21 @@ def test_reading_stops_while_the_reader_does_not_take_and_resumes_when_it_does()
                 stalled.set()  # the client stopped reading: the socket and our buffer are full
                 await writer.drain()
 
-    async def test() -> None:
-        nonlocal server
-        async with scripted(script) as server:
-            client = EngineClient(hold=64 << 10)
-            response = await post(client, server)
-            await asyncio.wait_for(stalled.wait(), WAIT)
-            connection = response._connection
-            assert connection._buffered <= 2 * (64 << 10) + (256 << 10)
-            got = 0
-            while True:
-                piece, last = await asyncio.wait_for(response.read(), WAIT)
-                got += len(piece)
-                if last:
-                    break
-            assert got == size
-            response.release()
-            await client.aclose()
+    async def test(server: Scripted, client: EngineClient) -> None:
+        response = await post(client, server)
+        await asyncio.wait_for(stalled.wait(), WAIT)
+        connection = response._connection
+        assert connection._buffered <= 2 * (64 << 10) + (256 << 10)
+        got = 0
+        while True:
+            piece, last = await asyncio.wait_for(response.read(), WAIT)
+            got += len(piece)
+            if last:
+                break
+        assert got == size
+        response.release()
 
-    server: Scripted
-    run(test)
+    exchange(script, test, hold=64 << 10)
 
 
 @pytest.mark.parametrize(
@@ -274,64 +279,58 @@ def test_reading_stops_while_the_reader_does_not_take_and_resumes_when_it_does()
     ],
 )
 def test_an_answer_that_never_comes_whole_is_a_reset(answer: bytes, kind: str) -> None:
-    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def script(
+        server: Scripted, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
         await server.head(reader)
         writer.write(answer)
         await writer.drain()
         writer.close()
 
-    async def test() -> None:
-        nonlocal server
-        async with scripted(script) as server:
-            client = EngineClient()
-            with pytest.raises(UpstreamError) as raised:
-                await post(client, server)
-            assert raised.value.kind == kind
-            await client.aclose()
+    async def test(server: Scripted, client: EngineClient) -> None:
+        with pytest.raises(UpstreamError) as raised:
+            await post(client, server)
+        assert raised.value.kind == kind
 
-    server: Scripted
-    run(test)
+    exchange(script, test)
 
 
 def test_no_connection_headers_late_and_silence_late_each_say_so() -> None:
-    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def script(
+        server: Scripted, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
         request = await server.head(reader)
         if b"silent-body" in request:
             writer.write(chunked() + chunk(b"data: 1\n\n"))
             await writer.drain()
         await reader.read(1)  # silent until the client goes
 
-    async def test() -> None:
-        nonlocal server
-        async with scripted(script) as server:
-            client = EngineClient()
-            quick = Timeouts(connect=WAIT, first_byte=0.05, idle=0.05)
-            with pytest.raises(UpstreamError) as raised:
-                await client.request(server.origin, b"POST", b"/", b"", b"{}", quick)
-            assert raised.value.kind == "timeout"
-            await asyncio.wait_for(server.closed.wait(), WAIT)  # the connection was closed
-            response = await client.request(
-                server.origin, b"POST", b"/", b"", b"silent-body", quick
-            )
-            assert await response.read() == (b"data: 1\n\n", False)
-            with pytest.raises(asyncio.TimeoutError):
-                await response.read()
-            response.close()
-            origin = server.origin
-            assert server.server is not None
-            server.server.close()
-            await server.server.wait_closed()
-            with pytest.raises(UpstreamError) as raised:
-                await client.request(origin, b"GET", b"/", b"", b"", quick)
-            assert raised.value.kind == "connect_error"
-            await client.aclose()
+    async def test(server: Scripted, client: EngineClient) -> None:
+        quick = Timeouts(connect=WAIT, first_byte=0.05, idle=0.05)
+        with pytest.raises(UpstreamError) as raised:
+            await client.request(server.origin, b"POST", b"/", b"", b"{}", quick)
+        assert raised.value.kind == "timeout"
+        await asyncio.wait_for(server.closed.wait(), WAIT)  # the connection was closed
+        response = await client.request(server.origin, b"POST", b"/", b"", b"silent-body", quick)
+        assert await response.read() == (b"data: 1\n\n", False)
+        with pytest.raises(asyncio.TimeoutError):
+            await response.read()
+        response.close()
+        origin = server.origin
+        assert server.server is not None
+        server.server.close()
+        await server.server.wait_closed()
+        with pytest.raises(UpstreamError) as raised:
+            await client.request(origin, b"GET", b"/", b"", b"", quick)
+        assert raised.value.kind == "connect_error"
 
-    server: Scripted
-    run(test)
+    exchange(script, test)
 
 
 def test_a_connection_lost_mid_body_is_a_reset_and_a_cancel_closes_the_connection() -> None:
-    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def script(
+        server: Scripted, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
         request = await server.head(reader)
         writer.write(chunked() + chunk(b"data: 1\n\n"))
         await writer.drain()
@@ -340,58 +339,52 @@ def test_a_connection_lost_mid_body_is_a_reset_and_a_cancel_closes_the_connectio
             return
         await reader.read(1)  # until the client goes
 
-    async def test() -> None:
-        nonlocal server
-        async with scripted(script) as server:
-            client = EngineClient()
-            response = await post(client, server, b"cut")
-            assert (await response.read())[0] == b"data: 1\n\n"
-            with pytest.raises(UpstreamError) as raised:
-                await asyncio.wait_for(response.read(), WAIT)
-            assert raised.value.kind == "reset"
-            response.close()
-            server.closed.clear()
-            response = await post(client, server)
-            assert (await response.read())[0] == b"data: 1\n\n"
-            reading = asyncio.get_running_loop().create_task(response.read())
-            await asyncio.sleep(0)  # it waits for the next piece
-            reading.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await reading
-            response.close()  # what the proxy does with an answer it did not finish
-            await asyncio.wait_for(server.closed.wait(), WAIT)
-            await client.aclose()
+    async def test(server: Scripted, client: EngineClient) -> None:
+        response = await post(client, server, b"cut")
+        assert (await response.read())[0] == b"data: 1\n\n"
+        with pytest.raises(UpstreamError) as raised:
+            await asyncio.wait_for(response.read(), WAIT)
+        assert raised.value.kind == "reset"
+        response.close()
+        server.closed.clear()
+        response = await post(client, server)
+        assert (await response.read())[0] == b"data: 1\n\n"
+        reading = asyncio.get_running_loop().create_task(response.read())
+        await asyncio.sleep(0)  # it waits for the next piece
+        reading.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await reading
+        response.close()  # what the proxy does with an answer it did not finish
+        await asyncio.wait_for(server.closed.wait(), WAIT)
 
-    server: Scripted
-    run(test)
+    exchange(script, test)
 
 
 def test_a_body_without_length_or_chunks_ends_when_the_engine_closes() -> None:
-    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def script(
+        server: Scripted, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
         await server.head(reader)
         writer.write(b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\nall of it")
         await writer.drain()
         writer.close()
 
-    async def test() -> None:
-        nonlocal server
-        async with scripted(script) as server:
-            client = EngineClient()
-            response = await post(client, server)
-            assert b"".join(p for p, _ in await read_all(response)) == b"all of it"
-            response.release()
-            assert client.idle_connections() == 0
-            await client.aclose()
+    async def test(server: Scripted, client: EngineClient) -> None:
+        response = await post(client, server)
+        assert b"".join(p for p, _ in await read_all(response)) == b"all of it"
+        response.release()
+        assert client.idle_connections() == 0
 
-    server: Scripted
-    run(test)
+    exchange(script, test)
 
 
 def test_head_answers_informational_answers_and_fetch() -> None:
     """A HEAD answer ends at its headers (its connection is not reused); a 100 Continue is
     skipped for the answer after it; fetch reads a whole answer within its timeout."""
 
-    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def script(
+        server: Scripted, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
         request = await server.head(reader)
         if request.startswith(b"HEAD"):
             writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n")
@@ -403,25 +396,20 @@ def test_head_answers_informational_answers_and_fetch() -> None:
         writer.write(b"done")
         await reader.read(1)
 
-    async def test() -> None:
-        nonlocal server
-        async with scripted(script) as server:
-            client = EngineClient()
-            response = await client.request(server.origin, b"HEAD", b"/", b"", b"", TIMES)
-            assert response.status == 200 and await response.read() == (b"", True)
-            response.release()
-            assert client.idle_connections() == 0
-            port = server.origin.port
-            status, body = await client.fetch(
-                f"http://127.0.0.1:{port}/health", "POST", b"{}", [("a", "b")], timeout=WAIT
-            )
-            assert (status, body) == (201, b"done")
-            assert server.requests[-1].startswith(b"POST /health HTTP/1.1\r\n")
-            assert b"\r\na: b\r\n" in server.requests[-1]
-            await client.aclose()
+    async def test(server: Scripted, client: EngineClient) -> None:
+        response = await client.request(server.origin, b"HEAD", b"/", b"", b"", TIMES)
+        assert response.status == 200 and await response.read() == (b"", True)
+        response.release()
+        assert client.idle_connections() == 0
+        port = server.origin.port
+        status, body = await client.fetch(
+            f"http://127.0.0.1:{port}/health", "POST", b"{}", [("a", "b")], timeout=WAIT
+        )
+        assert (status, body) == (201, b"done")
+        assert server.requests[-1].startswith(b"POST /health HTTP/1.1\r\n")
+        assert b"\r\na: b\r\n" in server.requests[-1]
 
-    server: Scripted
-    run(test)
+    exchange(script, test)
 
 
 def test_an_origin_is_read_from_its_url() -> None:
