@@ -112,6 +112,8 @@ class _Connection(asyncio.Protocol):
     def _reset_answer(self) -> None:
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
+        self.content_type = ""
+        self.content_length: int | None = None
         self.chunked = False
         self._until_close = False  # a body that ends when the engine closes the connection
         self.head_done = False
@@ -169,14 +171,11 @@ class _Connection(asyncio.Protocol):
             return
         self.status = status
         self.head_done = True
-        self.chunked = any(
-            name.lower() == b"transfer-encoding" and b"chunked" in value.lower()
-            for name, value in self.headers
-        )
+        self.content_type, self.content_length, self.chunked = _framing(self.headers)
         if self._head_only:
             self.complete = True  # a HEAD answer has no body, whatever its headers say
-        elif not self.chunked and status not in (204, 304):
-            self._until_close = all(name.lower() != b"content-length" for name, _ in self.headers)
+        elif not self.chunked and self.content_length is None and status not in (204, 304):
+            self._until_close = True
 
     def on_body(self, body: bytes) -> None:
         self._chunk.append(body)
@@ -266,13 +265,7 @@ class _Connection(asyncio.Protocol):
             waiter.set_result(None)
 
     def reusable(self) -> bool:
-        return (
-            self.complete
-            and not self.closed
-            and not self._head_only
-            and not self._pieces
-            and self._keep_alive
-        )
+        return self.complete and not self.closed and not self._pieces and self._keep_alive
 
     def close(self) -> None:
         if not self.closed:
@@ -293,7 +286,8 @@ class EngineResponse:
         self._idle = idle
         self.status = connection.status
         self.headers = connection.headers
-        self.content_type, self.content_length = _content(connection.headers)
+        self.content_type = connection.content_type
+        self.content_length = connection.content_length
         self.chunked = connection.chunked
         self._released = False
 
@@ -476,9 +470,10 @@ class EngineClient:
         await asyncio.sleep(0)  # the transports' close callbacks run
 
 
-def _content(headers: Iterable[tuple[bytes, bytes]]) -> tuple[str, int | None]:
-    """The answer's media type (lower case, no parameters) and declared length."""
-    content_type, length = "", None
+def _framing(headers: Iterable[tuple[bytes, bytes]]) -> tuple[str, int | None, bool]:
+    """The answer's media type (lower case, no parameters), declared length, and whether it
+    comes in chunks."""
+    content_type, length, chunked = "", None, False
     for name, value in headers:
         lower = name.lower()
         if lower == b"content-type":
@@ -488,7 +483,9 @@ def _content(headers: Iterable[tuple[bytes, bytes]]) -> tuple[str, int | None]:
                 length = int(value)
             except ValueError:
                 length = None
-    return content_type, length
+        elif lower == b"transfer-encoding":
+            chunked = b"chunked" in value.lower()
+    return content_type, length, chunked
 
 
 def _describe(exc: BaseException) -> str:
