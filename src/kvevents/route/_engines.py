@@ -325,9 +325,7 @@ class EnginePool:
         """The body of a 200 answer to ``GET path``, or why there is none."""
         assert self._client is not None, "the pool is not started"
         try:
-            status, body = await self._client.fetch(
-                engine.url.rstrip("/") + path, timeout=self.timeout
-            )
+            status, body = await self._client.fetch(engine.url + path, timeout=self.timeout)
         except UpstreamError as exc:
             if exc.kind == "timeout":
                 return _Failure(f"GET {path} did not answer within {self.timeout:g} s", True)

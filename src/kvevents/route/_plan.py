@@ -300,7 +300,7 @@ class IndexPlanner:
         headers = [("content-type", "application/json")]
         try:
             _, data = await self._client.fetch(
-                engine.url.rstrip("/") + "/tokenize",
+                engine.url + "/tokenize",
                 "POST",
                 body,
                 headers,
