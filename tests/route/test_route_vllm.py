@@ -232,14 +232,15 @@ def test_a_salted_request_gets_no_credit_from_unsalted_blocks(rig: Rig) -> None:
     assert rig.checked[-1][1] > 0
 
 
-def _engine_totals(rig: Rig) -> tuple[float, float]:
-    """(requests running, tokens generated) over the engines."""
-    running = generated = 0.0
+def _engine_totals(rig: Rig) -> tuple[float, float, float]:
+    """(requests running, tokens generated, requests finished) over the engines."""
+    running = generated = finished = 0.0
     for server in rig.servers:
         metrics = server.metrics()
         running += metrics.get("vllm:num_requests_running", 0.0)
         generated += metrics.get("vllm:generation_tokens_total", 0.0)
-    return running, generated
+        finished += metrics.get("vllm:request_success_total", 0.0)
+    return running, generated, finished
 
 
 def _wait_running(rig: Rig, want: float, *, at_least: bool = False) -> None:
@@ -261,10 +262,11 @@ CHOICES = 6  # answers of a request: together some seconds of work for an engine
 @pytest.mark.parametrize("stream", [True, False])
 def test_a_client_that_goes_away_aborts_its_request_on_the_engine(rig: Rig, stream: bool) -> None:
     """A request (streamed or not) whose client closes its connection mid-answer is aborted on
-    the engine: it stops running long before its tokens are generated (vLLM 0.32 counts no
-    finished_reason for an abort, so its running and generated tokens tell)."""
+    the engine: it never finishes (vLLM 0.32 counts no finished_reason for an abort), and it
+    stops running long before its tokens are generated, counted from the hang-up (not from
+    the request's start: how soon a loaded machine sees it running is not the front door's)."""
     _wait_running(rig, 0)
-    generated = _engine_totals(rig)[1]
+    finished = _engine_totals(rig)[2]
     body = {
         "model": rig.model,
         "prompt": "count forever",
@@ -279,6 +281,7 @@ def test_a_client_that_goes_away_aborts_its_request_on_the_engine(rig: Rig, stre
             response = http.send(request, stream=True)
             assert response.status_code == 200
             next(response.iter_bytes())
+            at_hang_up = _engine_totals(rig)[1]
             response.close()
     else:  # no byte comes before the end: send it raw, wait until it runs, hang up
         payload = json.dumps(body).encode()
@@ -291,8 +294,11 @@ def test_a_client_that_goes_away_aborts_its_request_on_the_engine(rig: Rig, stre
             # Running at all is enough: the engine may schedule a request's answers a few at
             # a time (a full step, its KV cache), so all CHOICES at once is not guaranteed.
             _wait_running(rig, 1, at_least=True)
+            at_hang_up = _engine_totals(rig)[1]
     _wait_running(rig, 0)
-    assert _engine_totals(rig)[1] - generated < LONG * CHOICES / 2
+    _, generated, finished_now = _engine_totals(rig)
+    assert finished_now == finished, "the request ran to its end: it was not aborted"
+    assert generated - at_hang_up < LONG * CHOICES / 2
 
 
 def test_an_engine_killed_mid_run_costs_the_clients_no_error(rig: Rig) -> None:
