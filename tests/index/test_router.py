@@ -255,8 +255,8 @@ def test_bounded_prefix_follows_the_cache_while_within_the_bound() -> None:
     decision = router.route(PROMPT)
     assert decision.winner == ("b", 0)
     assert decision.winner_score is not None
-    assert decision.winner_score.terms["cap"] == 5  # ceil(2 * 7 / 3)
-    assert "within the bound of 5 requests in flight" in decision.reason
+    assert decision.winner_score.terms["cap"] == 11  # ceil(7 / 3) + 8 (twice the mean: 5)
+    assert "within the bound of 11 requests in flight" in decision.reason
 
 
 def test_bounded_prefix_spills_over_when_the_best_target_is_at_the_bound() -> None:
@@ -264,25 +264,33 @@ def test_bounded_prefix_spills_over_when_the_best_target_is_at_the_bound() -> No
     decision names the target it passed over."""
     router = make_router("bounded_prefix")
     router.loads.set("a", requests=1)
-    router.loads.set("b", requests=6)
+    router.loads.set("b", requests=14)
     router.loads.set("c", requests=1)
     decision = router.route(PROMPT)
-    assert decision.winner == ("a", 0)  # 2 matched blocks, within ceil(2 * 9 / 3) = 6
+    assert decision.winner == ("a", 0)  # 2 matched blocks; b is at ceil(17 / 3) + 8 = 14
     assert "a target matching 6 blocks is at the bound" in decision.reason
     rows = {(s.worker_id, s.rank): s for s in decision.scores}
     assert rows[("b", 0)].terms["within_bound"] == 0.0
 
 
-def test_bounded_prefix_default_bound_is_twice_the_mean() -> None:
-    """The default slack (1.0) keeps affinity up to twice the mean in flight: a target with 4
-    of 7 requests still takes the one whose prefix it holds (1.25 x the mean would spill)."""
+def test_bounded_prefix_default_bound_is_twice_the_mean_or_eight_more() -> None:
+    """The default bound keeps affinity up to twice the mean in flight or eight more than
+    the mean, whichever is more: with the few requests in flight of a small cluster (9 of 11
+    on one engine) affinity holds (each spill costs a prefix prefilled again where another
+    copy of it then crowds the cache); with many, a target may hold twice the mean."""
     router = make_router("bounded_prefix")
     router.loads.set("a", requests=1)
-    router.loads.set("b", requests=4)
+    router.loads.set("b", requests=9)
     router.loads.set("c", requests=1)
     decision = router.route(PROMPT)
     assert decision.winner == ("b", 0)
-    assert decision.winner_score is not None and decision.winner_score.terms["cap"] == 5
+    assert decision.winner_score is not None and decision.winner_score.terms["cap"] == 12
+    router.loads.set("a", requests=20)
+    router.loads.set("b", requests=39)
+    router.loads.set("c", requests=20)
+    assert router.route(PROMPT).winner == ("b", 0)  # 80 in flight: the bound is 54 (twice)
+    router.loads.set("b", requests=83)
+    assert router.route(PROMPT).winner == ("a", 0)  # 124: the bound is ceil(2 * 124 / 3) = 83
 
 
 def test_bounded_prefix_breaks_ties_by_requests_in_flight() -> None:
@@ -298,5 +306,76 @@ def test_bounded_prefix_slack_is_checked() -> None:
     """A negative slack would refuse every target: it is a clear error."""
     from kvevents.index._router import BoundedPrefix
 
-    with pytest.raises(ValueError, match="slack must be >= 0"):
+    with pytest.raises(ValueError, match="slack and spare must be >= 0"):
         BoundedPrefix(slack=-0.1)
+    with pytest.raises(ValueError, match="slack and spare must be >= 0"):
+        BoundedPrefix(spare=-1)
+
+
+def test_bounded_prefix_breaks_equal_matches_by_the_room_in_each_cache() -> None:
+    """Where targets match as much, the one whose cache would overflow the least with this
+    request pinned beside its requests in flight wins; cache pressure never outweighs a
+    match (a conversation moved off the engine holding its history costs more than the
+    blocks it saves); the decision names the room it chose by."""
+    router = make_router("bounded_prefix")
+    router.set_capacity("a", 0, 20)
+    router.set_capacity("b", 0, 20)
+    router.set_capacity("c", 0, 40)
+    for worker in "abc":
+        router.loads.set(worker, requests=1, pinned_blocks=18)
+    decision = router.route([9] * 32)  # 8 blocks nobody holds
+    assert decision.winner == ("c", 0)  # 18 + 8 fits in 40; a and b overflow by 6
+    rows = {(s.worker_id, s.rank): s for s in decision.scores}
+    assert rows[("a", 0)].terms["overflow_blocks"] == 6
+    assert rows[("c", 0)].terms["overflow_blocks"] == 0
+    assert rows[("c", 0)].terms["capacity_blocks"] == 40
+    assert "the most room in its cache (0 blocks over)" in decision.reason
+    router.loads.set("b", pinned_blocks=40)  # far over: b still holds the longest prefix
+    assert router.route(PROMPT).winner == ("b", 0)
+
+
+def test_bounded_prefix_counts_what_a_request_adds_to_the_pinned_blocks() -> None:
+    """``adds`` says how many of the request's blocks no request in flight pins yet on each
+    target: a prefix shared with them costs that target no room (without it, the blocks it
+    did not match stand for them)."""
+    router = make_router("bounded_prefix")
+    for worker in "abc":
+        router.set_capacity(worker, 0, 20)
+        router.loads.set(worker, requests=1, pinned_blocks=16)
+    match = router.index.match([9] * 32)
+    assert router.decide(match).tied == 3  # 8 to pin everywhere: 4 over on each
+    decision = router.decide(match, adds={("a", 0): 8, ("b", 0): 2, ("c", 0): 8})
+    assert decision.winner == ("b", 0)
+    assert decision.winner_score is not None
+    assert decision.winner_score.terms["overflow_blocks"] == 0
+
+
+def test_bounded_prefix_puts_a_new_prefix_where_the_fewest_blocks_are_pinned() -> None:
+    """A prompt no target holds, loads equal in requests: it goes to the target whose requests
+    in flight pin the fewest blocks (its cache has the most room), every time."""
+    router = make_router("bounded_prefix")
+    for worker, pinned in zip("abc", (12, 3, 7), strict=True):
+        router.loads.set(worker, requests=1, pinned_blocks=pinned)
+    assert {router.route([9] * 8).winner for _ in range(10)} == {("b", 0)}
+
+
+def test_capacity_is_set_per_target_and_checked() -> None:
+    """set_capacity keeps a target's cache size (None forgets it); a size under one block is
+    a clear error; without any, bounded_prefix shows no cache terms."""
+    router = make_router("bounded_prefix")
+    router.set_capacity("a", 0, 64)
+    assert router.capacity == {("a", 0): 64}
+    router.set_capacity("a", 0, None)
+    assert router.capacity == {}
+    with pytest.raises(ValueError, match="at least one block"):
+        router.set_capacity("a", 0, 0)
+    decision = router.route(PROMPT)
+    assert all("overflow_blocks" not in s.terms for s in decision.scores)
+
+
+def test_load_book_keeps_pinned_blocks_apart_from_added_terms() -> None:
+    """pinned_blocks is set, never added to: add() of other terms keeps it."""
+    book = LoadBook()
+    book.set("a", pinned_blocks=5)
+    book.add("a", queued_blocks=3, requests=1)
+    assert book.get("a") == Load(3, 0, 1, 5)

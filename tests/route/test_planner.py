@@ -131,22 +131,23 @@ def test_the_load_bound_spills_a_hot_prefix_over_to_other_engines(
     door: Door, engines: Callable[..., StandInEngine]
 ) -> None:
     """bounded_prefix: concurrent requests sharing a prefix follow it while the engine is
-    within the bound of requests in flight (twice the mean), then spill to another, which
-    the next ones then share (its predicted blocks), and no third engine is touched."""
+    within the bound of requests in flight (twice the mean or eight more than it), then
+    spill to another, which the next one then shares (its predicted blocks); no third engine
+    is touched."""
     slow = Behaviour(delay=3.0)
     pool = [engines(behaviour=slow) for _ in range(3)]
     front = door(*pool, policy="bounded_prefix")
     started = []
-    for i in range(6):
+    for i in range(15):
         started.append(in_background(lambda i=i: ask(front, f"hot {i}")))
         wait_for(lambda n=i + 1: sum(len(e.received("/v1/chat/completions")) for e in pool) >= n, 5)
     for thread, _ in started:
         thread.join(10)
     per_engine = [len(e.received("/v1/chat/completions")) for e in pool]
-    # Bounds ceil(2 x (in flight + 1) / 3): 1, 2, 2, ...: the 3rd is over it on the first
-    # engine and spills; from then on two engines match the prefix (one by its predicted
-    # blocks) and the one with fewer in flight takes each; the third stays out of it.
-    assert sorted(per_engine) == [0, 3, 3]
+    # Bounds max(ceil(2 x mean), ceil(mean) + 8), the mean over in flight + 1: the 14th
+    # finds the first engine at its bound of 13 and spills; the 15th follows it (the first
+    # is still at its bound), and the third engine stays out of it.
+    assert sorted(per_engine) == [0, 2, 13]
 
 
 def test_a_multimodal_request_gets_no_credit_and_no_tokenize_call(
@@ -284,3 +285,52 @@ def test_each_answer_says_how_it_was_decided(
     assert set(matched) == {"e0", "e1"} and int(matched[winner]) > 0
     assert reply.headers["x-kvevents-policy"] == "longest_prefix"
     assert reply.headers["x-kvevents-reason"].startswith("most matched blocks")
+
+
+def _blocks_of(tokenizer: ModelTokenizer, system: str, user: str) -> int:
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+    prompt = tokenizer.chat({"model": MODEL, "messages": messages})
+    assert prompt.token_ids is not None
+    return len(prompt.token_ids) // BLOCK
+
+
+def ask_as(front: FrontDoor, system: str, user: str) -> httpx.Response:
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
+    }
+    return httpx.post(f"{front.url}/v1/chat/completions", json=body, timeout=30)
+
+
+def test_the_engines_cache_size_keeps_a_new_prefix_off_an_engine_it_would_overfill(
+    door: Door, engines: Callable[..., StandInEngine], tokenizer: ModelTokenizer
+) -> None:
+    """Each engine's cache size comes from its /metrics (vLLM's num_gpu_blocks, less the
+    null block). One engine runs a long prompt, the other two short ones: a new long prompt
+    goes to the one with more requests in flight, because on the other it would push blocks
+    out of a cache that cannot hold both long prompts (fewer requests would have won)."""
+    other = "You translate short notes about caches into plain words, nothing else. " * 8
+    long_blocks = _blocks_of(tokenizer, SYSTEM, "long one")
+    # It overfills the long one's engine, and fits beside the short ones.
+    assert 2 < _blocks_of(tokenizer, other, "new long one") <= long_blocks + 1
+    assert _blocks_of(tokenizer, "", "hi") <= 1
+    slow = Behaviour(delay=3.0)
+    pool = [engines(behaviour=slow, num_gpu_blocks=long_blocks + 3) for _ in range(2)]
+    front = door(*pool)
+    assert [e.cache_blocks for e in front.pool.engines] == [long_blocks + 2] * 2
+
+    def arrived(n: int) -> bool:
+        return sum(len(e.received("/v1/chat/completions")) for e in pool) >= n
+
+    started = [in_background(lambda: ask_as(front, SYSTEM, "long one"))]
+    wait_for(lambda: arrived(1), 5)
+    for n in (2, 3):
+        started.append(in_background(lambda: ask_as(front, "", "hi")))
+        wait_for(lambda n=n: arrived(n), 5)
+    started.append(in_background(lambda: ask_as(front, other, "new long one")))
+    for thread, _ in started:
+        thread.join(10)
+    replies = [out[0] for _, out in started]
+    long_engine, new_engine = (r.headers["x-kvevents-engine"] for r in (replies[0], replies[3]))
+    assert {r.headers["x-kvevents-engine"] for r in replies[1:3]} == {"e0", "e1"} - {long_engine}
+    assert new_engine != long_engine

@@ -140,3 +140,39 @@ def test_a_request_that_fails_before_its_first_byte_leaves_no_load_behind() -> N
     assert book.get(*A) == Load(queued_blocks=2, active_blocks=0, requests=1)
     inflight.ended(second)
     assert book.get(*A) == Load()
+
+
+def test_in_flight_pins_each_block_once_however_many_requests_share_it() -> None:
+    """Requests sharing a prefix pin its blocks once: pinned_blocks counts distinct keys, a
+    block goes when the last request pinning it ends, and adds() counts a request's keys no
+    request in flight pins yet."""
+    book = LoadBook()
+    inflight = InFlight(book, clock=Clock())
+    system = [1, 2, 3, 4]
+    first = inflight.sent(A, 6, 6, [*system, 10, 11])
+    assert book.get(*A).pinned_blocks == 6
+    assert inflight.adds(A, [*system, 20, 21, 22]) == 3
+    assert inflight.adds(B, [*system, 20]) == 5  # nothing in flight there
+    second = inflight.sent(A, 7, 3, [*system, 20, 21, 22])
+    assert book.get(*A).pinned_blocks == 9
+    inflight.first_byte(first)
+    inflight.ended(first)
+    assert book.get(*A).pinned_blocks == 7  # the shared prefix stays with the second
+    inflight.ended(second)
+    inflight.ended(second)
+    assert book.get(*A) == Load()
+
+
+def test_a_forgotten_target_is_not_unpinned_by_its_old_requests() -> None:
+    """forget() drops a target's pins; a request sent before it that ends after takes nothing
+    from what requests sent since pin."""
+    book = LoadBook()
+    inflight = InFlight(book, clock=Clock())
+    old = inflight.sent(A, 2, 2, [1, 2])
+    inflight.forget("a")
+    assert book.get(*A) == Load()
+    new = inflight.sent(A, 2, 2, [1, 2])
+    inflight.ended(old)
+    assert book.get(*A).pinned_blocks == 2
+    inflight.ended(new)
+    assert book.get(*A).pinned_blocks == 0

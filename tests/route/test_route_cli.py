@@ -48,6 +48,29 @@ def test_route_serves_the_openai_api_and_stops_on_sigterm(
     assert "stopped: 1 requests planned" in proc.err
 
 
+def test_route_says_each_engines_cache_at_start(chat_model_tokenizer: Path) -> None:
+    """At start, one line per engine: up, its models, its cache size and where it came from
+    (its /metrics, given with --engine-cache-blocks, or unknown)."""
+    with (
+        StandInEngine(("tiny",), num_gpu_blocks=501).start() as vllm_like,
+        StandInEngine(("tiny",)).start() as silent,
+        StandInEngine(("tiny",)).start() as given,
+    ):
+        # A loaded machine may miss the default 1 s at start: the lines would say "down".
+        args = ["--port", "0", "--tokenizer", str(chat_model_tokenizer), "--health-timeout", "10"]
+        args += ["--engine", f"a={vllm_like.url}", "--engine", f"b={silent.url}"]
+        args += ["--engine", f"c={given.url}", "--engine-cache-blocks", "c=64"]
+        proc = RouteProcess(["route", *args]).start()
+        try:
+            engines = httpx.get(f"{proc.url}/health").json()["engines"]
+            assert [e["cache_blocks"] for e in engines] == [500, None, 64]
+        finally:
+            assert proc.stop() == 0
+    assert "engine a: up; tiny; cache 500 blocks (from its /metrics)" in proc.out
+    assert "engine b: up; tiny; cache size unknown (no cache bound)" in proc.out
+    assert "engine c: up; tiny; cache 64 blocks (given)" in proc.out
+
+
 def test_route_takes_its_settings_from_a_config_file_and_the_environment(
     engine: StandInEngine, chat_model_tokenizer: Path, tmp_path: Path
 ) -> None:
@@ -82,6 +105,10 @@ def test_route_takes_its_settings_from_a_config_file_and_the_environment(
             "expected 1..1024",
         ),
         (["--engine", "a=http://127.0.0.1:1", "--engine-block-size", "a=0"], "expected 1..1048576"),
+        (
+            ["--engine", "a=http://127.0.0.1:1", "--engine-cache-blocks", "a=lots"],
+            "--engine-cache-blocks: 'lots' is not a number",
+        ),
         (["--policy", "best"], "policy"),
     ],
 )

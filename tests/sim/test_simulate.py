@@ -125,11 +125,12 @@ def test_bounded_prefix_is_given_requests_in_flight_and_spills_a_hot_prefix() ->
         run = PolicyRun(cluster, "bounded_prefix", config)
         warm = run.submit(Request("warm", [*prefix, 1], 1), 0.0)
         run.drain()
-        burst = [run.submit(Request(f"b{i}", [*prefix, 2 + i], 8), 1.0) for i in range(4)]
+        burst = [run.submit(Request(f"b{i}", [*prefix, 2 + i], 8), 1.0) for i in range(15)]
         loads = [s.load.requests for s in run.last_decision.scores] if run.last_decision else []
-    # Caps of ceil(2 x (in flight + 1) / 3): 1, 2, 2, 3; the third is over it and spills.
-    assert burst.count(warm) == 3 and burst[2] != warm, burst
-    assert sorted(loads) == [0, 1, 2]
+    # Bounds of max(ceil(2 x mean), ceil(mean) + 8), the mean over (in flight + 1): the 14th
+    # finds 13 on the warm engine, at its bound of 13, and spills; so does the 15th.
+    assert burst[:13] == [warm] * 13 and warm not in burst[13:], burst
+    assert sorted(loads) == [0, 1, 13]
 
 
 def test_staleness_holds_batches_back_until_the_cutoff() -> None:
@@ -346,3 +347,24 @@ def test_ctrl_c_in_simulate_prints_what_finished() -> None:
     assert "Traceback" not in err
     rows = [line.split()[0] for line in out.splitlines()[2:]]
     assert rows == ["round_robin"]
+
+
+def test_the_router_is_given_each_engines_cache_size_and_pinned_blocks() -> None:
+    """As a front door reads each vLLM engine's cache size, the simulated router knows each
+    engine's capacity; the engine view gives it the blocks the running requests pin, so a
+    new prefix goes to the engine with room (the decision shows both)."""
+    config = SimulationConfig(
+        ClusterConfig(workers=2, block_size=16, capacity_blocks=64, transport="direct")
+    )
+    with Cluster(config.cluster) as cluster:
+        run = PolicyRun(cluster, "bounded_prefix", config)
+        assert run.router.capacity == {("w0", 0): 64, ("w1", 0): 64}
+        first = run.submit(Request("long", list(range(1000, 1000 + 40 * 16)), 50), 0.0)
+        run.advance(0.05)  # running: its 40 prompt blocks and its answer's first pinned
+        second = run.submit(Request("new", list(range(5000, 5000 + 30 * 16)), 1), 0.05)
+        assert run.last_decision is not None
+        rows = {(s.worker_id, s.rank): s for s in run.last_decision.scores}
+    assert first is not None and second != first
+    assert rows[first].load.pinned_blocks == 41
+    assert rows[first].terms["overflow_blocks"] == 7  # 41 + 30 - 64
+    assert rows[first].terms["capacity_blocks"] == 64

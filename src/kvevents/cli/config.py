@@ -199,6 +199,9 @@ class RouteSettings(Settings):
     #: ``ENGINE=N``: an engine's block size where it is not ``block_size`` (engines serving
     #: other models may page their caches otherwise).
     engine_block_size: list[Text] = []
+    #: ``ENGINE=N``: the blocks an engine's KV cache holds per rank, where its ``/metrics``
+    #: does not say (vLLM's says: ``num_gpu_blocks``).
+    engine_cache_blocks: list[Text] = []
     topic: str = ""
     #: ``[MODEL=]SOURCE``: a served model's tokenizer and chat template, a directory or a
     #: model id in the local Hugging Face cache (without MODEL: every model without its own).
@@ -232,7 +235,13 @@ class RouteSettings(Settings):
     @model_validator(mode="after")
     def _named_engines(self) -> RouteSettings:
         names = engine_names(self.engines)
-        for key in ("kv_events", "kv_replay", "dp_size", "engine_block_size"):
+        for key in (
+            "kv_events",
+            "kv_replay",
+            "dp_size",
+            "engine_block_size",
+            "engine_cache_blocks",
+        ):
             for entry in getattr(self, key):
                 engine, sep, value = entry.rpartition("=")
                 if not sep or not engine or not value:

@@ -24,7 +24,7 @@ from kvevents.cli.config import (
 
 if TYPE_CHECKING:
     from kvevents.cli.common import Subparsers
-    from kvevents.route import EngineSpec, FrontDoor, ModelTokenizer
+    from kvevents.route import Engine, EngineSpec, FrontDoor, ModelTokenizer
     from kvevents.scaleout import Replica
     from kvevents.service import IndexService
 
@@ -123,6 +123,14 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
         default=[],
         metavar="ENGINE=N",
         help="an engine's block size where it is not --block-size",
+    )
+    g.add_argument(
+        "--engine-cache-blocks",
+        action="append",
+        default=[],
+        metavar="ENGINE=N",
+        help="the blocks an engine's KV cache holds (per rank), where its /metrics does not "
+        "say (vLLM's does); the default policy keeps requests within it",
     )
     g.add_argument(
         "--health-interval",
@@ -242,6 +250,10 @@ def engine_specs(settings: RouteSettings) -> list[EngineSpec]:
         n: _count(v, "--engine-block-size", 1 << 20)
         for n, v in _by_engine(settings.engine_block_size, names).items()
     }
+    caches = {
+        n: _count(v, "--engine-cache-blocks", 1 << 40)
+        for n, v in _by_engine(settings.engine_cache_blocks, names).items()
+    }
     specs = []
     for entry in settings.engines:
         name, url = names[entry.partition("=")[0] if "=" in entry else entry.rstrip("/")]
@@ -254,6 +266,7 @@ def engine_specs(settings: RouteSettings) -> list[EngineSpec]:
                 ranks.get(name, 1),
                 sizes.get(name),
                 topic=settings.topic,
+                cache_blocks=caches.get(name),
             )
         )
     return specs
@@ -353,6 +366,18 @@ def _replica(settings: RouteSettings) -> Replica:
     return replica
 
 
+def _engine_line(engine: Engine) -> str:
+    """One engine at start: its id, state, models and cache (the cache bound's source)."""
+    state = engine.state.value if engine.up else f"{engine.state.value} ({engine.reason})"
+    models = ", ".join(sorted(engine.models)) or "no model listed"
+    if engine.cache_blocks is None:
+        cache = "cache size unknown (no cache bound)"
+    else:
+        source = "given" if engine.cache_given else "from its /metrics"
+        cache = f"cache {engine.cache_blocks} blocks ({source})"
+    return f"engine {engine.id}: {state}; {models}; {cache}"
+
+
 def run(args: argparse.Namespace) -> int:
     from kvevents.cli.relay import start_replica
 
@@ -369,6 +394,8 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(str(exc)) from None
         try:
             print(f"serving on {door.url}", flush=True)
+            for engine in door.pool.engines:
+                print(f"  {_engine_line(engine)}", flush=True)
             assert door.server is not None
             door.server.wait()
         finally:

@@ -19,6 +19,9 @@ class Load(NamedTuple):
     queued_blocks: int = 0  #: prefill blocks waiting or being computed
     active_blocks: int = 0  #: blocks held by running (decoding) requests
     requests: int = 0  #: requests in flight (sent and not yet answered), where known
+    #: distinct blocks the requests in flight hold or will hold (a prefix they share counted
+    #: once): what the engine cannot evict while they run, where known
+    pinned_blocks: int = 0
 
 
 class TargetScore(NamedTuple):
@@ -125,6 +128,7 @@ class LoadBook:
         queued_blocks: int | None = None,
         active_blocks: int | None = None,
         requests: int | None = None,
+        pinned_blocks: int | None = None,
     ) -> None:
         """Replace some terms of a target's load (the others are kept)."""
         old = self.get(worker_id, rank)
@@ -132,6 +136,7 @@ class LoadBook:
             old.queued_blocks if queued_blocks is None else queued_blocks,
             old.active_blocks if active_blocks is None else active_blocks,
             old.requests if requests is None else requests,
+            old.pinned_blocks if pinned_blocks is None else pinned_blocks,
         )
 
     def add(
@@ -149,6 +154,7 @@ class LoadBook:
             max(0, old.queued_blocks + queued_blocks),
             max(0, old.active_blocks + active_blocks),
             max(0, old.requests + requests),
+            old.pinned_blocks,
         )
 
     def remove(self, worker_id: str, rank: int | None = None) -> None:
@@ -179,3 +185,8 @@ class RouteInputs:
     loads: Sequence[Load]
     request_tokens: int
     degraded: Sequence[str | None] = ()  #: per target, why it is degraded (empty: none is)
+    #: per target, the blocks its cache holds at most (None, or empty: not known)
+    capacity: Sequence[int | None] = ()
+    #: per target, the blocks this request would pin there that no request in flight there
+    #: pins already (empty: not known; the request's blocks less those matched stand for it)
+    adds: Sequence[int] = ()

@@ -16,18 +16,24 @@ Policies:
   matched blocks, then to a seeded random choice (never to the first target: that makes the
   lowest-numbered engine a hot spot whenever the cluster is idle).
 - ``bounded_prefix``: longest prefix among the targets whose requests in flight stay within
-  a bound, ``(1 + slack)`` times the mean over the targets (this request counted; slack 1.0
-  by default: twice the mean): affinity decides while it costs no imbalance beyond the
-  slack, and a hot prefix spills over to the next target instead of piling onto one until
-  its cache thrashes (consistent hashing with bounded loads, with the cache's prefix as the
-  affinity). The bound is loose on purpose: on real engines sharing a machine one engine
-  runs slower than the others for a while, holds its requests longer, and a tight bound
-  (1.25 times the mean) then spills conversations whose history it holds to engines that
-  must prefill it again, and their system prompts with them, until every engine's cache
-  thrashes (docs/route.md: 0.76 of prompt tokens cached against 0.805-0.835 with twice
-  the mean, on three vLLM engines). Ties: fewer requests in flight,
-  then fewer load blocks, then a seeded random choice. It needs a load book that counts
-  requests in flight (the front door keeps one).
+  a bound: ``(1 + slack)`` times the mean over the targets (this request counted; slack 1.0
+  by default: twice the mean) or ``spare`` more than the mean (8 by default), whichever is
+  more. Affinity decides until one target takes a share of the load that only a hot prefix
+  gives it; then the prefix spills over to the next target instead of piling onto one
+  (consistent hashing with bounded loads, with the cache's prefix as the affinity). Among
+  targets that match as much (a prefix nobody holds, typically), the one with the most room
+  in its cache wins: the fewest blocks its requests in flight would pin beyond its capacity
+  with this one beside them (where the capacity is known, :meth:`Router.set_capacity`), then
+  the fewest pinned blocks; then fewer requests in flight, then fewer load blocks, then a
+  seeded random choice. The bound is loose on purpose. On three vLLM engines each caching a
+  third of a chat workload (docs/route.md), every spill cost a system prompt's prefill on an
+  engine that then held two copies of it, and that pressure evicted other prompts and
+  histories: a bound of twice the mean alone served 0.79 of prompt tokens from cache (three
+  runs), with 1.25 times the mean 0.76, and with the bound out of reach at that load 0.85,
+  requests spread more evenly too (max/mean 1.09 against 1.21). Cache pressure breaks ties
+  and never outweighs a match: spilling a conversation whose history an engine holds because
+  its cache looked full cost more than the blocks it saved (0.81 against 0.85). It needs a
+  load book that counts requests in flight (the front door keeps one).
 - ``round_robin`` and ``random`` (seeded): baselines that ignore the cache.
 
 Degraded targets. A target whose event stream is not trustworthy (the subscriber reported an
@@ -230,45 +236,60 @@ def _cost_reason(terms: Mapping[str, float], tied: int) -> str:
 
 @dataclass
 class BoundedPrefix:
-    """Longest prefix among the targets within the load bound (module docstring); ties:
-    fewer requests in flight, fewer load blocks, then a seeded random choice."""
+    """Longest prefix among the targets within the load bound (module docstring); ties: the
+    most room in the cache, fewer requests in flight, fewer load blocks, then a seeded random
+    choice."""
 
     slack: float = 1.0
     seed: int = 0
     name: str = "bounded_prefix"
+    spare: int = 8
     _rng: _random.Random = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.slack < 0:
-            raise ValueError(f"slack must be >= 0, got {self.slack}")
+        if self.slack < 0 or self.spare < 0:
+            raise ValueError(f"slack and spare must be >= 0, got {self.slack} and {self.spare}")
         self._rng = _random.Random(self.seed)
 
     def cap(self, loads: Sequence[Load]) -> int:
         """The most requests in flight a target may have with this request on it."""
-        total = sum(load.requests for load in loads) + 1
-        return max(1, math.ceil((1.0 + self.slack) * total / max(1, len(loads)) - 1e-9))
+        mean = (sum(load.requests for load in loads) + 1) / max(1, len(loads))
+        return max(1, math.ceil((1.0 + self.slack) * mean - 1e-9), math.ceil(mean) + self.spare)
 
     def choose(self, inputs: RouteInputs) -> Decision:
         loads = inputs.loads
         cap = self.cap(loads)
-        within = [load.requests + 1 <= cap for load in loads]
-        keys = [
-            (float(ok), float(m) if ok else 0.0, -float(ld.requests), -_blocks(ld))
-            for ok, m, ld in zip(within, inputs.matched, loads, strict=True)
+        count = len(loads)
+        capacity = inputs.capacity or [None] * count
+        adds = inputs.adds or [
+            max(0, r - m) for r, m in zip(inputs.request_blocks, inputs.matched, strict=True)
         ]
-        terms = [
-            {
-                "matched_blocks": float(m),
-                "requests": float(ld.requests),
-                "cap": float(cap),
-                "within_bound": float(ok),
-            }
-            for ok, m, ld in zip(within, inputs.matched, loads, strict=True)
-        ]
+        keys: list[tuple[float, ...]] = []
+        terms: list[dict[str, float]] = []
+        for m, ld, size, add in zip(inputs.matched, loads, capacity, adds, strict=True):
+            ok = ld.requests + 1 <= cap
+            over = _overflow(ld.pinned_blocks, add, size)
+            pinned = float(ld.pinned_blocks)
+            load = (-float(ld.requests), -_blocks(ld))
+            # Over the bound: only less loaded ones beat it (when every target is over).
+            ties = (float(m), -float(over), -pinned) if ok else (0.0,) * 3
+            keys.append((float(ok), *ties, *load))
+            row = {"matched_blocks": float(m), "requests": float(ld.requests), "cap": float(cap)}
+            if size is not None:
+                row.update(pinned_blocks=pinned, capacity_blocks=float(size))
+                row["overflow_blocks"] = float(over)
+            row["within_bound"] = float(ok)
+            terms.append(row)
         scores = [k[1] if k[0] else -1.0 for k in keys]
         winner, tied = _best(keys, self._rng)
         reason = _bounded_reason(inputs, keys, winner, tied, cap)
         return _decision(self.name, inputs, scores, terms, winner, tied, reason)
+
+
+def _overflow(pinned: int, adds: int, capacity: int | None) -> int:
+    """Blocks a target's cache must give up for a request that pins ``adds`` more blocks on
+    top of the ``pinned`` ones of its requests in flight (0 when its capacity is unknown)."""
+    return 0 if capacity is None else max(0, pinned + adds - capacity)
 
 
 def _blocks(load: Load) -> float:
@@ -277,7 +298,7 @@ def _blocks(load: Load) -> float:
 
 def _bounded_reason(
     inputs: RouteInputs,
-    keys: Sequence[tuple[float, float, float, float]],
+    keys: Sequence[tuple[float, ...]],
     winner: int | None,
     tied: int,
     cap: int,
@@ -285,11 +306,18 @@ def _bounded_reason(
     """What decided a bounded-prefix choice, in words."""
     if winner is None:
         return "no target"
-    matched = keys[winner][1]
-    best_anywhere = max(inputs.matched, default=0)
+    key = keys[winner]
+    matched = key[1]
     why = f"most matched blocks ({matched:g}) within the bound of {cap} requests in flight"
+    best_anywhere = max(inputs.matched, default=0)
     if best_anywhere > matched:
         why += f"; a target matching {best_anywhere} blocks is at the bound"
+    # The tie-break that set the winner apart from the targets matching as much, if one did.
+    rivals = [k for k in keys if k[:2] == key[:2] and k != key]
+    if rivals and key[2] > max(k[2] for k in rivals):
+        why += f"; the most room in its cache ({-key[2]:g} blocks over)"
+    elif rivals and key[2:4] > max(k[2:4] for k in rivals):
+        why += f"; the fewest blocks pinned by requests in flight ({-key[3]:g})"
     if tied > 1:
         why += f"; {tied} targets tie: drawn at random"
     return why
@@ -380,6 +408,8 @@ class Router:
         self._policies: dict[str | tuple[str, float, float], Policy] = {}
         self.policy = self._policy(policy)
         self.degraded: dict[StreamKey, str] = {}
+        #: Per target, the blocks its cache holds at most, where known (:meth:`set_capacity`).
+        self.capacity: dict[StreamKey, int] = {}
 
     def mark_degraded(self, worker_id: str, rank: int, reason: str) -> None:
         """Stop trusting this target's matched blocks (it stays routable) until healthy."""
@@ -390,6 +420,16 @@ class Router:
         for target in [t for t in self.degraded if t[0] == worker_id]:
             if rank is None or target[1] == rank:
                 del self.degraded[target]
+
+    def set_capacity(self, worker_id: str, rank: int, blocks: int | None) -> None:
+        """The blocks the target's cache holds at most (None: not known), for the policies
+        that keep requests within it (``bounded_prefix``)."""
+        if blocks is None:
+            self.capacity.pop((worker_id, rank), None)
+        elif blocks < 1:
+            raise ValueError(f"capacity must be at least one block, got {blocks}")
+        else:
+            self.capacity[(worker_id, rank)] = blocks
 
     def _policy(
         self,
@@ -452,9 +492,12 @@ class Router:
         policy: str | Policy | None = None,
         prefill_weight: float | None = None,
         load_weight: float | None = None,
+        adds: Mapping[StreamKey, int] | None = None,
     ) -> Decision:
         """Decide from a match already made (e.g. to compare policies on one request);
-        ``prefill_weight`` and ``load_weight`` override the router's cost weights for it."""
+        ``prefill_weight`` and ``load_weight`` override the router's cost weights for it;
+        ``adds``: per target, the blocks the request would pin there beyond those its
+        requests in flight pin (:attr:`RouteInputs.adds`; unknown by default)."""
         chosen = self._policy(policy, prefill_weight, load_weight)
         targets = self.index.targets() if targets is None else list(targets)
         sizes = self.index.stream_block_size
@@ -472,5 +515,7 @@ class Router:
             loads=self.loads.many(targets),
             request_tokens=match.request_tokens,
             degraded=degraded,
+            capacity=[self.capacity.get(t) for t in targets] if self.capacity else (),
+            adds=[adds.get(t, 0) for t in targets] if adds is not None else (),
         )
         return chosen.choose(inputs)

@@ -25,6 +25,7 @@ import contextlib
 import dataclasses
 import enum
 import logging
+import re
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -36,7 +37,14 @@ from kvevents._types import Document
 from kvevents.route._client import EngineClient, UpstreamError
 from kvevents.route._replies import OpenAIError
 
-__all__ = ["Engine", "EngineCounts", "EnginePool", "EngineState", "EngineStats"]
+__all__ = [
+    "Engine",
+    "EngineCounts",
+    "EnginePool",
+    "EngineState",
+    "EngineStats",
+    "cache_blocks",
+]
 
 log = logging.getLogger("kvevents.route.engines")
 
@@ -98,6 +106,8 @@ class Engine:
 
     __slots__ = (
         "answered_at",
+        "cache_blocks",
+        "cache_given",
         "cards",
         "checked_at",
         "counts",
@@ -112,7 +122,14 @@ class Engine:
         "url",
     )
 
-    def __init__(self, url: str, id: str | None = None, *, rank: int | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        id: str | None = None,
+        *,
+        rank: int | None = None,
+        cache_blocks: int | None = None,
+    ) -> None:
         self.url = url.rstrip("/")
         if not self.url.startswith(("http://", "https://")):
             raise ValueError(f"engine URL {url!r}: expected http://HOST:PORT or https://...")
@@ -133,6 +150,12 @@ class Engine:
         #: health check began: a check timing out after the engine answered is only slow.
         self.answered_at = -1.0
         self.checked_at = 0.0
+        if cache_blocks is not None and cache_blocks < 1:
+            raise ValueError(f"engine {url!r}: cache blocks must be >= 1, got {cache_blocks}")
+        #: The blocks its KV cache can hold (None: not known): as given, else as its
+        #: ``/metrics`` said when it came up (vLLM's ``num_gpu_blocks``, less its null block).
+        self.cache_blocks = cache_blocks
+        self.cache_given = cache_blocks is not None
 
     @property
     def up(self) -> bool:
@@ -152,6 +175,7 @@ class Engine:
             "models": sorted(self.models),
             "for_s": round(time.monotonic() - self.since, 3),
             "in_flight": self.in_flight,
+            "cache_blocks": self.cache_blocks,
         }
 
     def __repr__(self) -> str:
@@ -293,6 +317,8 @@ class EnginePool:
         failure = await self._probe(engine, "/health")
         if failure is None and engine.state is not EngineState.UP:
             failure = await self._read_models(engine)
+            if failure is None and not engine.cache_given:
+                await self._read_cache(engine)
         if failure is None:
             self._set(engine, EngineState.UP, None)
             return True
@@ -321,6 +347,15 @@ class EnginePool:
         engine.cards, engine.models, engine.listed = tuple(cards), models, True
         return None
 
+    async def _read_cache(self, engine: Engine) -> None:
+        """The engine's cache size from its ``/metrics``, where it says (vLLM does); not
+        knowing it is no failure: the engine is routed without a cache bound."""
+        body = await self._get(engine, "/metrics")
+        blocks = None if isinstance(body, _Failure) else cache_blocks(body, engine.rank)
+        if blocks is None:
+            log.debug("engine %s: its cache size is not known", engine.id)
+        engine.cache_blocks = blocks
+
     async def _get(self, engine: Engine, path: str) -> bytes | _Failure:
         """The body of a 200 answer to ``GET path``, or why there is none."""
         assert self._client is not None, "the pool is not started"
@@ -333,6 +368,30 @@ class EnginePool:
         if status != 200:
             return _Failure(f"GET {path} answered {status}")
         return body
+
+
+_CACHE_INFO = re.compile(rb"^vllm:cache_config_info\{(.*)\}\s", re.MULTILINE)
+_LABEL = re.compile(rb'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def cache_blocks(metrics: bytes, rank: int | None = None) -> int | None:
+    """The blocks a vLLM engine's KV cache holds for requests, from its Prometheus text
+    (``vllm:cache_config_info``'s ``num_gpu_blocks``, less the one block vLLM keeps back as
+    its null block); the line of data parallel ``rank`` where each rank has one. None when
+    the text does not say."""
+    found = None
+    for match in _CACHE_INFO.finditer(metrics):
+        labels = dict(_LABEL.findall(match.group(1)))
+        try:
+            blocks = int(labels.get(b"num_gpu_blocks", b""))
+        except ValueError:
+            continue
+        if blocks < 2:
+            continue
+        if rank is None or labels.get(b"engine", b"") == str(rank).encode():
+            return blocks - 1
+        found = blocks - 1 if found is None else found
+    return found
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,8 @@ class EngineSpec:
     header (default: the URL). ``events`` / ``replay``: the base endpoints of its KV event
     stream and replay socket (None: no stream, routed on load alone). ``ranks``: its data
     parallel ranks (each routed to on its own). ``block_size``: its block size (None: the
-    front door's). ``topic``: its event topic.
+    front door's). ``topic``: its event topic. ``cache_blocks``: the blocks its KV cache holds
+    per rank (None: as its ``/metrics`` says, where it does).
     """
 
     url: str
@@ -56,6 +57,7 @@ class EngineSpec:
     ranks: int = 1
     block_size: int | None = None
     topic: str = ""
+    cache_blocks: int | None = None
 
     @property
     def worker_id(self) -> str:
@@ -63,9 +65,13 @@ class EngineSpec:
 
     def engines(self) -> list[Engine]:
         """The pool's engines of this spec: one, or one per data parallel rank."""
+        blocks = self.cache_blocks
         if self.ranks == 1:
-            return [Engine(self.url, self.worker_id)]
-        return [Engine(self.url, f"{self.worker_id}#rank{r}", rank=r) for r in range(self.ranks)]
+            return [Engine(self.url, self.worker_id, cache_blocks=blocks)]
+        return [
+            Engine(self.url, f"{self.worker_id}#rank{r}", rank=r, cache_blocks=blocks)
+            for r in range(self.ranks)
+        ]
 
 
 @dataclass

@@ -2,14 +2,16 @@
 
 Every request is sent by the front door, so it knows each target's load better than any
 report could: requests in flight, the prefill still to compute there (the blocks it did not
-expect cached, until the first byte comes back), and the blocks held by requests past their
-first token. :class:`InFlight` keeps these in the router's :class:`LoadBook`, where every
-policy reads them. Not thread-safe: the front door calls it on its event loop.
+expect cached, until the first byte comes back), the blocks held by requests past their
+first token, and the distinct blocks its requests in flight pin (the keys of their prompts'
+blocks, a prefix they share counted once: what the engine cannot evict while they run).
+:class:`InFlight` keeps these in the router's :class:`LoadBook`, where every policy reads
+them. Not thread-safe: the front door calls it on its event loop.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from time import monotonic
 
@@ -27,6 +29,8 @@ class Ticket:
     request_blocks: int  #: the prompt's full blocks
     new_blocks: int  #: of those, the blocks the target was not expected to hold
     sent_at: float
+    keys: Sequence[int] = field(default=(), repr=False)  #: its blocks' keys there, if known
+    epoch: int = field(default=0, repr=False)  #: its target's, when sent (see forget)
     first_byte_at: float | None = None
     done: bool = field(default=False, repr=False)
 
@@ -48,13 +52,30 @@ class InFlight:
         self.book = book
         self._clock = clock
         self._sent = self._first_bytes = self._ended = 0
+        self._pins: dict[StreamKey, dict[int, int]] = {}  # target -> key -> requests pinning it
+        self._epochs: dict[StreamKey, int] = {}  # target -> times forgotten
 
-    def sent(self, target: StreamKey, request_blocks: int, new_blocks: int) -> Ticket:
-        """Count a request sent: one more in flight, its new blocks queued for prefill."""
+    def sent(
+        self, target: StreamKey, request_blocks: int, new_blocks: int, keys: Sequence[int] = ()
+    ) -> Ticket:
+        """Count a request sent: one more in flight, its new blocks queued for prefill, the
+        blocks of ``keys`` (its prompt's, as the target keys them) pinned there."""
         new = max(0, min(new_blocks, request_blocks))
         self.book.add(*target, queued_blocks=new, requests=1)
+        if keys:
+            pins = self._pins.setdefault(target, {})
+            for key in keys:
+                pins[key] = pins.get(key, 0) + 1
+            self.book.set(*target, pinned_blocks=len(pins))
         self._sent += 1
-        return Ticket(target, request_blocks, new, self._clock())
+        return Ticket(target, request_blocks, new, self._clock(), keys, self._epochs.get(target, 0))
+
+    def adds(self, target: StreamKey, keys: Sequence[int]) -> int:
+        """How many of ``keys`` no request in flight on ``target`` pins yet."""
+        pins = self._pins.get(target)
+        if not pins:
+            return len(keys)
+        return sum(1 for key in keys if key not in pins)
 
     def first_byte(self, ticket: Ticket) -> None:
         """Its prefill is done: its blocks move from queued to active (idempotent)."""
@@ -75,11 +96,29 @@ class InFlight:
             self.book.add(*ticket.target, queued_blocks=-ticket.new_blocks, requests=-1)
         else:
             self.book.add(*ticket.target, active_blocks=-ticket.request_blocks, requests=-1)
+        self._unpin(ticket)
         self._ended += 1
+
+    def _unpin(self, ticket: Ticket) -> None:
+        pins = self._pins.get(ticket.target)
+        if pins is None or not ticket.keys or ticket.epoch != self._epochs.get(ticket.target, 0):
+            return  # no keys, or its target was forgotten since it was sent
+        for key in ticket.keys:
+            left = pins.get(key, 0) - 1
+            if left > 0:
+                pins[key] = left
+            else:
+                pins.pop(key, None)
+        if not pins:
+            del self._pins[ticket.target]
+        self.book.set(*ticket.target, pinned_blocks=len(pins))
 
     def forget(self, worker_id: str, rank: int | None = None) -> None:
         """Drop a target's load (its engine is gone; tickets still open end harmlessly)."""
         self.book.remove(worker_id, rank)
+        for target in [t for t in self._pins if t[0] == worker_id and rank in (None, t[1])]:
+            del self._pins[target]
+            self._epochs[target] = self._epochs.get(target, 0) + 1
 
     def stats(self) -> InFlightStats:
         return InFlightStats(self._sent, self._first_bytes, self._ended)

@@ -227,8 +227,8 @@ class IndexPlanner:
         target = self.targets[engine.id]
         blocks = planned.request_blocks.get(engine.id, 0)
         matched = planned.matched.get(engine.id, 0)
-        ticket = self.inflight.sent(target, blocks, blocks - matched)
         keys = planned.keys.get(engine.id)
+        ticket = self.inflight.sent(target, blocks, blocks - matched, keys or ())
         credit = self.predictions.credit(target, keys) if keys else None
         planned.attempts[engine.id] = (ticket, credit)
 
@@ -348,8 +348,12 @@ class IndexPlanner:
         prompt = prompts[0] if prompts else Prompt(None, "none", "no prompt")
         ids = None if prompt.multimodal else prompt.token_ids
         match = self._match(ids, list(targets.values()), lora, salt)
+        adds = {
+            target: self.inflight.adds(target, match.keys.get(self._block_size(target), ()))
+            for target in targets.values()
+        }
         decision = self.service.decide(
-            match.result, targets=list(targets.values()), policy=self.options.policy
+            match.result, targets=list(targets.values()), policy=self.options.policy, adds=adds
         )
         order = _by_score(decision, mine, targets)
         planned = _Planned(targets, {}, {}, {}, {})
@@ -511,12 +515,17 @@ class IndexPlanner:
         return {(s.worker_id, s.rank): s.batches for s in self.service.stream_infos()}
 
     def _engine_changed(self, engine: Engine) -> None:
-        """An engine that went down loses its predicted blocks (it may come back empty)."""
+        """An engine that went down loses its predicted blocks (it may come back empty); one
+        that came up bounds its target by its cache, where its size is known."""
         target = self.targets.get(engine.id)
-        if target is not None and not engine.up:
-            self.predictions.forget(*target)
-            self.inflight.forget(*target)
-            self._watch.pop(target, None)
+        if target is None:
+            return
+        if engine.up:
+            self.service.set_capacity(*target, engine.cache_blocks)
+            return
+        self.predictions.forget(*target)
+        self.inflight.forget(*target)
+        self._watch.pop(target, None)
 
     # ------------------------------------------------------------------ stats
 

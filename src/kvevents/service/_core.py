@@ -24,7 +24,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import TypeVar
 
@@ -494,17 +494,28 @@ class IndexService:
             return self.index.match(token_ids, lora=lora, cache_salt=cache_salt, mm=mm)
 
     def decide(
-        self, match: MatchResult, *, targets: Sequence[StreamKey], policy: str | None = None
+        self,
+        match: MatchResult,
+        *,
+        targets: Sequence[StreamKey],
+        policy: str | None = None,
+        adds: Mapping[StreamKey, int] | None = None,
     ) -> Decision:
         """A routing decision among ``targets`` from ``match`` (one of :meth:`match`, or the
         caller's own view of it: the front door adds its predicted blocks), recorded for the
-        status page like every query's."""
+        status page like every query's; ``adds`` as :meth:`Router.decide` takes it."""
         with self.lock:
             self._counts.loads_expired += self._loads.expire()
-            decision = self.router.decide(match, targets=targets, policy=policy)
+            decision = self.router.decide(match, targets=targets, policy=policy, adds=adds)
             self._counts.queries += 1
         self.decisions.record(decision)
         return decision
+
+    def set_capacity(self, worker_id: str, rank: int, blocks: int | None) -> None:
+        """The blocks a target's cache holds (None: not known), for the router's policies
+        (:meth:`Router.set_capacity`)."""
+        with self.lock:
+            self.router.set_capacity(worker_id, rank, blocks)
 
     # ----------------------------------------------------------------- reads
 

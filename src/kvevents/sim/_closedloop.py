@@ -56,6 +56,7 @@ class _InFlight:
     new_blocks: int  # prompt blocks to prefill (prompt minus matched at the decision)
     held_blocks: int  # blocks the request holds while it runs
     token_ids: Sequence[int] = ()  # its prompt (its full blocks are predicted on target)
+    hashes: Sequence[int] = ()  # its prompt's full blocks (pinned on target while it runs)
 
 
 def _common_blocks(a: Sequence[int], b: Sequence[int], size: int) -> int:
@@ -88,6 +89,7 @@ class _ClosedLoopRun(PolicyRun):
             queued[request.target] += request.new_blocks
             active[request.target] += request.held_blocks
             requests[request.target] += 1
+        pins = self._pins()
         for target in self._targets:
             self.router.loads.set(
                 target[0],
@@ -95,17 +97,32 @@ class _ClosedLoopRun(PolicyRun):
                 queued_blocks=queued[target],
                 active_blocks=active[target],
                 requests=requests[target],
+                pinned_blocks=len(pins[target]),
             )
+
+    def _pins(self) -> dict[StreamKey, set[int]]:
+        """Per target, the distinct blocks its requests in flight pin."""
+        pins: dict[StreamKey, set[int]] = {t: set() for t in self._targets}
+        for request in self.in_flight.values():
+            pins[request.target].update(request.hashes)
+        return pins
 
     def route(self, request: Request) -> StreamKey | None:
         if self.load_view == "engine" or not self._uses_load:
             return super().route(request)
         self._update_loads()
         match = self.router.index.match(request.token_ids)
+        hashes = self._hashes(request)
+        pins = self._pins()
+        adds = {t: sum(1 for h in hashes if h not in pins[t]) for t in self._targets}
         self.last_decision = self.router.decide(
-            self._with_predicted(match, request.token_ids), targets=self._targets
+            self._with_predicted(match, request.token_ids), targets=self._targets, adds=adds
         )
         return self.last_decision.winner
+
+    def _hashes(self, request: Request) -> list[int]:
+        engine = next(iter(self.cluster.engines.values()))
+        return engine.block_hashes(request.token_ids, request.lora_name)
 
     def _with_predicted(self, match: MatchResult, token_ids: Sequence[int]) -> MatchResult:
         """``match`` with each target raised to the blocks its requests in flight predict."""
@@ -124,7 +141,7 @@ class _ClosedLoopRun(PolicyRun):
         decision = self.last_decision
         matched = decision.matched.get(target, 0) if decision is not None else 0
         self.in_flight[request.request_id] = _InFlight(
-            target, max(0, blocks - matched), blocks, request.token_ids
+            target, max(0, blocks - matched), blocks, request.token_ids, self._hashes(request)
         )
 
 

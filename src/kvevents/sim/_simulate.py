@@ -181,6 +181,10 @@ class PolicyRun:
             load_weight=config.load_weight,
         )
         self._targets = cluster.targets()
+        # The engines' cache size is known to the router, as a front door reads it from each
+        # vLLM engine's /metrics (bounded_prefix keeps requests within it).
+        for worker, rank in self._targets:
+            self.router.set_capacity(worker, rank, cluster.config.capacity_blocks)
         self._uses_load = policy in (*KV_AWARE, "oracle")
         self.arrivals: dict[str, float] = {}
         self.routed: Counter[StreamKey] = Counter()
@@ -260,6 +264,7 @@ class PolicyRun:
                 # bounded_prefix bounds requests in flight: without them every target was
                 # within its bound and it routed as longest prefix alone.
                 requests=load.waiting_requests + load.running_requests,
+                pinned_blocks=load.active_blocks,
             )
 
     def _oracle(self, request: Request) -> StreamKey | None:

@@ -202,6 +202,11 @@ def _json_answer(status: int, payload: bytes, extra: Sequence[tuple[str, str]] =
     return _head(status, headers) + payload
 
 
+def _text_answer(payload: bytes) -> bytes:
+    headers = [("content-type", "text/plain; version=0.0.4"), ("content-length", str(len(payload)))]
+    return _head(200, headers) + payload
+
+
 def _chunk(data: bytes) -> bytes:
     return b"%x\r\n%s\r\n" % (len(data), data)
 
@@ -339,8 +344,10 @@ class StandInEngine:
     :meth:`start` runs it on a thread of its own; :meth:`close` stops it. ``name`` (default:
     its URL) appears in echo answers and in its ``x-stand-in-engine`` header. ``adapters``:
     LoRA adapter -> base model, listed by ``GET /v1/models`` with their ``parent``.
-    ``tokenize``: the ids ``POST /tokenize`` answers (None: it is echoed). ``keep``: how
-    many requests :meth:`received` remembers. The counters (``requests``, ``aborted``,
+    ``tokenize``: the ids ``POST /tokenize`` answers (None: it is echoed). ``num_gpu_blocks``:
+    the KV cache its ``GET /metrics`` reports as vLLM does (``vllm:cache_config_info``; None:
+    ``/metrics`` is echoed like any other path). ``keep``: how many requests :meth:`received`
+    remembers. The counters (``requests``, ``aborted``,
     ``connections``, ``bytes_sent``) are read from any thread.
     """
 
@@ -355,6 +362,7 @@ class StandInEngine:
         keep: int = 10_000,
         adapters: Mapping[str, str] | None = None,
         tokenize: Sequence[int] | None = None,
+        num_gpu_blocks: int | None = None,
     ) -> None:
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -366,6 +374,7 @@ class StandInEngine:
         self.models = tuple(models)
         self.adapters = dict(adapters or {})
         self.tokenize = None if tokenize is None else list(tokenize)
+        self.num_gpu_blocks = num_gpu_blocks
         self.behaviour = behaviour or Behaviour()
         self.requests = 0
         self.aborted = 0
@@ -462,11 +471,24 @@ class StandInEngine:
             return self._json(200, self._model_list())
         if request.method == "POST" and path in ("/v1/chat/completions", "/v1/completions"):
             return self._completion(path, request.body, behaviour)
+        if request.method == "GET" and path == "/metrics" and self.num_gpu_blocks is not None:
+            return _text_answer(self._metrics_text())
         if request.method == "POST" and path == "/tokenize" and self.tokenize is not None:
             reply = {"tokens": self.tokenize, "count": len(self.tokenize), "max_model_len": 4096}
             return self._json(200, _encoder.encode(reply))
         echo = {"engine": self.name, "method": request.method, "target": request.target}
         return self._json(200, _encoder.encode({**echo, "body_bytes": len(request.body)}))
+
+    def _metrics_text(self) -> bytes:
+        return (
+            "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n"
+            "# TYPE vllm:cache_config_info gauge\n"
+            'vllm:cache_config_info{block_size="16",cache_dtype="auto",engine="0",'
+            f'num_gpu_blocks="{self.num_gpu_blocks}",prefix_caching_hash_algo="sha256"}} 1.0\n'
+            "# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
+            "# TYPE vllm:num_requests_running gauge\n"
+            'vllm:num_requests_running{engine="0",model_name="stand-in"} 0.0\n'
+        ).encode()
 
     def _json(self, status: int, payload: bytes) -> bytes:
         return _json_answer(status, payload, [("x-stand-in-engine", self.name)])

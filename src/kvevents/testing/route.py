@@ -144,14 +144,15 @@ class RouteProcess:
     """``kvevents route`` (or any command printing ``serving on URL``) in a subprocess.
 
     :meth:`start` returns once it printed its URL (bounded by ``timeout``); :meth:`stop`
-    sends SIGTERM and returns the exit status (SIGKILL after ``timeout``). ``err`` holds its
-    standard error once stopped.
+    sends SIGTERM and returns the exit status (SIGKILL after ``timeout``). ``out`` holds its
+    standard output after that first line, ``err`` its standard error, once stopped.
     """
 
     def __init__(self, args: Sequence[str], *, env: Mapping[str, str] | None = None) -> None:
         self.args = [sys.executable, "-m", "kvevents.cli", *args]
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.url = ""
+        self.out = ""
         self.err = ""
         self._proc: subprocess.Popen[str] | None = None
 
@@ -185,10 +186,10 @@ class RouteProcess:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
         try:
-            _, self.err = proc.communicate(timeout=timeout)
+            self.out, self.err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
-            _, self.err = proc.communicate(timeout=timeout)
+            self.out, self.err = proc.communicate(timeout=timeout)
         return proc.returncode
 
     def __enter__(self) -> RouteProcess:
