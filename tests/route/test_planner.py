@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from kvevents.config import KVEventsConfig
-from kvevents.events import KVEventBatch
+from kvevents.events import BlockRemoved, KVEventBatch
 from kvevents.publish import create_publisher
 from kvevents.route._frontdoor import EngineSpec, FrontDoor
 from kvevents.route._plan import PlannerOptions
@@ -334,3 +334,38 @@ def test_the_engines_cache_size_keeps_a_new_prefix_off_an_engine_it_would_overfi
     long_engine, new_engine = (r.headers["x-kvevents-engine"] for r in (replies[0], replies[3]))
     assert {r.headers["x-kvevents-engine"] for r in replies[1:3]} == {"e0", "e1"} - {long_engine}
     assert new_engine != long_engine
+
+
+def test_an_over_prediction_the_engines_evictions_account_for_is_an_eviction_race(
+    door: Door, engines: Callable[..., StandInEngine]
+) -> None:
+    """An engine that served fewer cached tokens than predicted: counted over; and evicted
+    too (an eviction race, which the drift alert leaves out) only when its stream announced
+    at least as many blocks removed while the request was in flight as it came short."""
+    config = KVEventsConfig(
+        enable_kv_cache_events=True,
+        endpoint="tcp://127.0.0.1:0",
+        replay_endpoint="tcp://127.0.0.1:0",
+    )
+    with create_publisher(config) as publisher:
+        engine = engines(behaviour=Behaviour(cached_tokens=0, delay=1.5))
+        spec = EngineSpec(engine.url, "e0", publisher.endpoint, publisher.replay_endpoint)
+        front = door(spec, grace=60.0)
+        service = front.service
+        assert service is not None
+        publisher.publish(KVEventBatch(ts=time.time(), events=[]))
+        wait_for(lambda: any(s.batches for s in service.stream_infos()), 10)
+        assert predicted(ask(front, "twice")) == 0  # nothing credited yet: exact
+        quiet = ask(front, "twice")  # its blocks credited by the first: the engine says 0
+        counts = front.planner.stats().counts
+        assert predicted(quiet) > 0 and (counts.over, counts.evicted) == (1, 0)
+        thread, out = in_background(lambda: ask(front, "twice"))
+        wait_for(lambda: len(engine.received("/v1/chat/completions")) == 3, 5)
+        removed = BlockRemoved(block_hashes=list(range(1, 65)))
+        publisher.publish(KVEventBatch(ts=time.time(), events=[removed]))
+        wait_for(lambda: service.removed_blocks("e0", 0) == 64, 5)
+        thread.join(10)
+        counts = front.planner.stats().counts
+        assert predicted(out[0]) > 0 and (counts.over, counts.evicted) == (2, 1)
+        decisions = httpx.get(f"{front.url}/status").json()["decisions"]
+        assert [d.get("eviction_race", False) for d in decisions].count(True) == 1

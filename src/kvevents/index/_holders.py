@@ -182,6 +182,7 @@ class Stream:
         "partials",
         "refreshes",
         "registered",
+        "removed",
         "tails",
         "tombs",
     )
@@ -205,6 +206,7 @@ class Stream:
         self.mismatches = 0
         self.bad_events = 0
         self.batches = 0
+        self.removed = 0  # blocks the engine announced removed (evicted), ever
         self.last_ts: float | None = None
 
     def resolve(self, engine_hash: int) -> int | None:

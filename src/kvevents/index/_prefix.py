@@ -326,6 +326,7 @@ class PrefixIndex:
 
     def _remove(self, stream: Stream, event: BlockRemoved) -> None:
         hashes = event.block_hashes
+        stream.removed += len(hashes)
         if stream.tails and (tail := stream.tails.get(event.group_idx)) is not None:
             missed = tail.remove(hashes)
             self._c.group_events += 1
@@ -614,6 +615,12 @@ class PrefixIndex:
             size += holder.engine.nbytes + sys.getsizeof(holder.dups)
             size += sys.getsizeof(holder.shared)
         return size + sum(stream.tombs.nbytes for stream in self._streams.values())
+
+    def removed_blocks(self, worker_id: str, rank: int) -> int:
+        """How many blocks the stream's engine has announced removed (evicted) so far: two
+        readings tell whether it evicted anything in between (0 for an unknown stream)."""
+        stream = self._streams.get((worker_id, rank))
+        return 0 if stream is None else stream.removed
 
     def streams(self) -> list[StreamInfo]:
         """Every known stream with its per-tier block counts and error counters."""

@@ -27,7 +27,11 @@ For each chat or completion request (:class:`~kvevents.route.RouteRequest`):
 When an attempt starts, its load is charged and its prompt's blocks credited to that
 target; when its answer begins, its prefill is done; when it ends, its load goes, its credit
 lasts a grace period (or goes at once if the attempt failed), and the engine's reported
-``cached_tokens`` is compared with the prediction.
+``cached_tokens`` is compared with the prediction. An engine that served fewer than predicted
+after announcing at least as many blocks removed while the request was in flight as it came
+short lost them to an eviction race (its cache full, blocks the decision counted on evicted
+before the prefill): counted as ``evicted``, apart from the mismatches a wrong tokenizer,
+template or block size makes.
 """
 
 from __future__ import annotations
@@ -119,6 +123,10 @@ class PlannerCounts:
     compared: int = 0  #: answers whose usage reported cached tokens to compare
     exact: int = 0  #: of those, predicted == reported
     over: int = 0  #: predicted more than the engine reported
+    #: of those, the ones the engine's evictions while the request was in flight account for
+    #: (it announced at least as many blocks removed as the request came short): an eviction
+    #: race, not a mismatch of tokens, template or block size
+    evicted: int = 0
     under: int = 0  #: predicted less than the engine reported
     predicted_tokens: int = 0  #: predicted cached tokens of the compared answers
     reported_tokens: int = 0  #: cached tokens the engines reported for them
@@ -153,7 +161,8 @@ class _Planned:
     matched: dict[str, int]  # engine id -> blocks trusted there (index or predicted)
     keys: dict[str, list[int]]  # engine id -> the prompt's block keys there
     predicted: dict[str, int]  # engine id -> predicted cached tokens
-    attempts: dict[str, tuple[Ticket, Credit | None]] = field(default_factory=dict)
+    #: engine id -> its attempt: ticket, credit, blocks its engine had removed when it began
+    attempts: dict[str, tuple[Ticket, Credit | None, int]] = field(default_factory=dict)
     record: Document = field(default_factory=dict)  # its entry in ``recent``
 
 
@@ -230,7 +239,7 @@ class IndexPlanner:
         keys = planned.keys.get(engine.id)
         ticket = self.inflight.sent(target, blocks, blocks - matched, keys or ())
         credit = self.predictions.credit(target, keys) if keys else None
-        planned.attempts[engine.id] = (ticket, credit)
+        planned.attempts[engine.id] = (ticket, credit, self.service.removed_blocks(*target))
 
     def answering(self, plan: Plan, engine: Engine) -> None:
         planned = plan.context
@@ -241,7 +250,7 @@ class IndexPlanner:
         planned = plan.context
         if not isinstance(planned, _Planned) or engine.id not in planned.attempts:
             return
-        ticket, credit = planned.attempts.pop(engine.id)
+        ticket, credit, removed = planned.attempts.pop(engine.id)
         self.inflight.ended(ticket)
         answered = outcome.first_byte_s is not None
         if credit is not None:
@@ -251,7 +260,9 @@ class IndexPlanner:
         planned.record.update(sent_to=engine.id, status=outcome.status, outcome=outcome.kind)
         if outcome.cached_tokens is not None:
             planned.record["reported_cached_tokens"] = outcome.cached_tokens
-            self._compare(planned.predicted.get(engine.id, 0), outcome)
+            predicted = planned.predicted.get(engine.id, 0)
+            if self._compare(predicted, outcome, ticket.target, removed):
+                planned.record["eviction_race"] = True
 
     # ------------------------------------------------------------------ tokens
 
@@ -454,7 +465,9 @@ class IndexPlanner:
 
     # ------------------------------------------------------------------ what the engines said
 
-    def _compare(self, predicted: int, outcome: Outcome) -> None:
+    def _compare(self, predicted: int, outcome: Outcome, target: StreamKey, removed: int) -> bool:
+        """Count one answer's prediction against its engine's report; True for an eviction
+        race (``removed``: the blocks its engine had announced removed when it was sent)."""
         reported = outcome.cached_tokens or 0
         counts = self.counts
         counts.compared += 1
@@ -463,10 +476,15 @@ class IndexPlanner:
         counts.prompt_tokens += outcome.prompt_tokens or 0
         if predicted == reported:
             counts.exact += 1
-        elif predicted > reported:
-            counts.over += 1
-        else:
+        elif predicted < reported:
             counts.under += 1
+        else:
+            counts.over += 1
+            short = -(-(predicted - reported) // self._block_size(target))
+            if self.service.removed_blocks(*target) - removed >= short:
+                counts.evicted += 1
+                return True
+        return False
 
     def _expect_events(self, target: StreamKey) -> None:
         """An answered request: its engine stored blocks, so its stream must show a batch

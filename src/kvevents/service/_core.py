@@ -524,6 +524,12 @@ class IndexService:
         with self.lock:
             return self.index.streams()
 
+    def removed_blocks(self, worker_id: str, rank: int) -> int:
+        """The blocks a stream's engine has announced removed so far, under the lock
+        (:meth:`PrefixIndex.removed_blocks`)."""
+        with self.lock:
+            return self.index.removed_blocks(worker_id, rank)
+
     def block_size(self, worker_id: str, rank: int) -> int | None:
         """The block size a stream is keyed by (registered or adopted), None if unknown."""
         with self.lock:
