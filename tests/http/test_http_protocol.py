@@ -462,3 +462,41 @@ def test_bytes_are_parsed_in_pieces() -> None:
     assert [len(piece) for piece in rest] == [PARSE_PIECE, PARSE_PIECE]
     assert not unparsed
     assert bytes(first) + bytes(body) + b"".join(map(bytes, rest)) == data
+
+
+def test_on_disconnect_tells_the_app_once_when_its_client_leaves_mid_answer() -> None:
+    """The ABORT extension's on_disconnect: its callback runs once when the client closes
+    the connection before the response is complete, and not at all for a request whose
+    response completed before the client left."""
+    from kvevents.http import ABORT
+
+    called: list[str] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            await receive()
+            await send({"type": "lifespan.startup.complete"})
+            await receive()
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        path, left = scope["path"], asyncio.Event()
+        scope["extensions"][ABORT]["on_disconnect"](lambda: (called.append(path), left.set()))
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        if path == "/whole":
+            await send({"type": "http.response.body", "body": b"done"})
+            return
+        await send({"type": "http.response.body", "body": b"part", "more_body": True})
+        await asyncio.wait_for(left.wait(), 30)  # the client leaves before the end
+
+    server = Server(app).start()
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+            sock.sendall(b"GET /whole HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert b"done" in sock.recv(4096)
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+            sock.sendall(b"GET /part HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert b"part" in sock.recv(4096)
+        wait_for(lambda: called == ["/part"], 5, what="the callback")
+    finally:
+        server.close()
+    assert called == ["/part"]

@@ -18,6 +18,7 @@ attempt and closes its connection to the engine, which makes vLLM abort the requ
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import sys
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
@@ -193,16 +194,25 @@ class Exchange:
         self.engine: Engine | None = None
         self.gone = False
         self._complete = False  # the answer has ended: a disconnect now is no cancel
-        # Closes the client's connection mid-answer (kvevents.http.ABORT).
+        # Closes the client's connection mid-answer, and says when the client left
+        # (kvevents.http.ABORT).
         abort = scope.get("extensions", {}).get(ABORT, {})
         self._abort: Callable[[], None] | None = abort.get("close")
+        self._on_disconnect: Callable[[Callable[[], None]], None] | None = abort.get(
+            "on_disconnect"
+        )
 
     # ------------------------------------------------------------------ the client's side
 
     async def guarded(self, receive: Receive, work: Awaitable[None]) -> None:
-        """Run ``work``, cancelled if the client disconnects before it is done."""
+        """Run ``work``, cancelled if the client disconnects before it is done: told by the
+        server (its on_disconnect), else by a task waiting for ``http.disconnect``."""
         task = asyncio.current_task()
-        watcher = asyncio.get_running_loop().create_task(self._watch(receive, task))
+        watcher = None
+        if self._on_disconnect is not None:
+            self._on_disconnect(functools.partial(self._left, task))
+        else:
+            watcher = asyncio.get_running_loop().create_task(self._watch(receive, task))
         try:
             await work
         except asyncio.CancelledError:
@@ -212,16 +222,21 @@ class Exchange:
             self.up.counts.client_disconnects += 1
         finally:
             self._complete = True
-            watcher.cancel()
+            if watcher is not None:
+                watcher.cancel()
+
+    def _left(self, task: asyncio.Task[object] | None) -> None:
+        """The client went away: cancel its request, unless its answer has ended."""
+        if not self._complete and task is not None:
+            self.gone = True
+            task.cancel()
 
     async def _watch(self, receive: Receive, task: asyncio.Task[object] | None) -> None:
         # The body is read: the next message is http.disconnect, when the client leaves or
         # when the answer is complete.
         while (await receive())["type"] != "http.disconnect":
             pass
-        if not self._complete and task is not None:
-            self.gone = True
-            task.cancel()
+        self._left(task)
 
     async def refuse(self, error: OpenAIError) -> None:
         """Answer ``error`` (nothing else was sent)."""

@@ -356,20 +356,21 @@ class IndexPlanner:
     ) -> Plan:
         mine = [e for e in engines if e.id in self.targets]
         targets = {e.id: self.targets[e.id] for e in mine}
+        sizes = {target: self._block_size(target) for target in targets.values()}
         prompt = prompts[0] if prompts else Prompt(None, "none", "no prompt")
         ids = None if prompt.multimodal else prompt.token_ids
-        match = self._match(ids, list(targets.values()), lora, salt)
-        adds = {
-            target: self.inflight.adds(target, match.keys.get(self._block_size(target), ()))
-            for target in targets.values()
-        }
+        match = self._match(ids, sizes, lora, salt)
+        adds = {t: self.inflight.adds(t, match.keys.get(size, ())) for t, size in sizes.items()}
         decision = self.service.decide(
-            match.result, targets=list(targets.values()), policy=self.options.policy, adds=adds
+            match.result, targets=list(sizes), policy=self.options.policy, adds=adds
         )
         order = _by_score(decision, mine, targets)
         planned = _Planned(targets, {}, {}, {}, {})
+        trusted = decision.matched  # a degraded stream's matches count 0 there
+        tokens = len(ids) if ids is not None else 0
         for engine in mine:
-            self._fill(planned, engine, decision, match, len(ids) if ids is not None else 0)
+            target = targets[engine.id]
+            self._fill(planned, engine.id, sizes[target], trusted.get(target, 0), match, tokens)
         explain = self._explain(decision, prompts, match, planned)
         log.debug("plan: %s", explain)
         planned.record = {"time": time.time(), **explain}
@@ -381,10 +382,11 @@ class IndexPlanner:
     def _match(
         self,
         ids: Sequence[int] | None,
-        targets: list[StreamKey],
+        targets: Mapping[StreamKey, int],
         lora: str | None,
         salt: str | None,
     ) -> _Matches:
+        """``ids``' matches on ``targets`` (each with its block size)."""
         if ids is None:
             return _Matches(MatchResult(0, {}), {}, {})
         result = self.service.match(ids, lora=lora, cache_salt=salt)
@@ -392,8 +394,7 @@ class IndexPlanner:
         predicted: dict[StreamKey, int] = {}
         streams = dict(result.streams)
         sizes = dict(result.request_blocks)
-        for target in targets:
-            size = self._block_size(target)
+        for target, size in targets.items():
             sizes.setdefault(size, len(ids) // size)
             if size not in keys:
                 keys[size] = request_keys(ids, size, lora=lora, cache_salt=salt)
@@ -413,19 +414,16 @@ class IndexPlanner:
         given = self.block_sizes.get(target)
         return given or self.service.block_size(*target) or self.options.block_size
 
+    @staticmethod
     def _fill(
-        self, planned: _Planned, engine: Engine, decision: Decision, match: _Matches, tokens: int
+        planned: _Planned, engine_id: str, size: int, trusted: int, match: _Matches, tokens: int
     ) -> None:
-        target = planned.targets[engine.id]
-        size = self._block_size(target)
-        blocks = tokens // size
-        trusted = decision.matched.get(target, 0)  # a degraded stream's matches count 0 there
-        planned.request_blocks[engine.id] = blocks
-        planned.matched[engine.id] = trusted
-        planned.keys[engine.id] = match.keys.get(size, [])
+        planned.request_blocks[engine_id] = tokens // size
+        planned.matched[engine_id] = trusted
+        planned.keys[engine_id] = match.keys.get(size, [])
         # vLLM computes a prompt's last token whatever is cached: at most len - 1 tokens hit.
         hit = min(trusted, (tokens - 1) // size) if tokens else 0
-        planned.predicted[engine.id] = hit * size
+        planned.predicted[engine_id] = hit * size
 
     def _explain(
         self, decision: Decision, prompts: Sequence[Prompt], match: _Matches, planned: _Planned
