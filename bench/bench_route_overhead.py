@@ -8,13 +8,18 @@ each router run in their own process; the client is this process, an asyncio cli
 sockets that stamps the first SSE event of each answer. ``kvevents route`` is the real front
 door (``python -m kvevents route``): each request's chat rendered and tokenized with the
 model's own tokenizer and template (the tiny chat model's, built here), looked up in the index
-and planned; the engine has no event stream, so every request is routed on load. The peers run
-from the venvs the route rig installs (``bench/.work/route/venvs``; installed here when
-missing; reported, not dropped, when they cannot be): vLLM Router ``round_robin`` (a proxy
-and nothing more) and ``cache_aware`` (which asks the engine to render each request first;
-the stand-in has no render endpoint, so that call fails fast and it routes on), and SGLang's
-router ``cache_aware`` (its tree of the request's text). ``--router NAME=URL`` adds any other
-router already in front of the engine on ``--engine-port``.
+and planned; the engine has no event stream, so every request is routed on load. The engine
+answers vLLM's render endpoints as ``vllm serve --enable-scale-out`` does (``render=True``:
+the prompt's token ids, one per 4 bytes of its messages). The peers run from the venvs the
+route rig installs (``bench/.work/route/venvs``; installed here when missing; reported, not
+dropped, when they cannot be): vLLM Router ``round_robin`` (a proxy and nothing more),
+``cache_aware`` (per request: a ``POST /v1/chat/completions/render`` to the engine for the
+prompt's token ids, then its prefix tree of those ids matched and updated) and ``kv_aware``
+(the same render call, then the ids hashed into blocks of 16 and looked up in its index of
+the engine's KV events; it subscribes to a port where nothing publishes, so the index stays
+empty and every lookup misses), and SGLang's router ``cache_aware`` (its tree of the
+request's text). ``--router NAME=URL`` adds any other router already in front of the engine
+on ``--engine-port``.
 
 Every answer is checked (status 200, ``data: [DONE]`` seen): a lost or failed request is
 counted and reported, never dropped from the figures.
@@ -157,7 +162,8 @@ def _child(args: Sequence[str]) -> tuple[subprocess.Popen[str], str]:
 def _serve_engine(port: int) -> None:
     from kvevents.testing.openai_engine import Behaviour, StandInEngine
 
-    engine = StandInEngine(models=(MODEL,), port=port, behaviour=Behaviour(tokens=8)).start()
+    behaviour = Behaviour(tokens=8)
+    engine = StandInEngine(models=(MODEL,), port=port, behaviour=behaviour, render=True).start()
     print(engine.url, flush=True)
     sys.stdin.read()  # until the parent closes our stdin (or dies)
     engine.close()
@@ -186,6 +192,10 @@ def _vllm_router(engine_url: str, policy: str) -> RouterProcess | str:
     argv = [str(venv.bin("vllm-router")), "--host", "127.0.0.1", "--port", str(port)]
     argv += ["--policy", policy, "--worker-urls", engine_url]
     argv += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics)]
+    if policy == "kv_aware":  # as the route rig runs it, its events from a silent port
+        events = f"tcp://127.0.0.1:{free_port()}"
+        argv += ["--kv-event-source", f"{engine_url}={events}", "--kv-event-model", MODEL]
+        argv += ["--kv-event-block-size", "16"]
     return RouterProcess(argv, _log(f"vllm-router-{policy}"), port, metrics)
 
 
@@ -309,6 +319,7 @@ def run(
         peers = {
             "vLLM Router round_robin": lambda: _vllm_router(engine_url, "round_robin"),
             "vLLM Router cache_aware": lambda: _vllm_router(engine_url, "cache_aware"),
+            "vLLM Router kv_aware": lambda: _vllm_router(engine_url, "kv_aware"),
             "SGLang router cache_aware": lambda: _sglang_router(engine_url),
         }
         for name, start in peers.items():

@@ -3,8 +3,11 @@
 :class:`StandInEngine` answers like a ``vllm serve`` on its own thread and event loop:
 ``GET /health``, ``GET /v1/models``, ``POST /v1/chat/completions`` and ``/v1/completions``
 (streamed as server-sent events, one HTTP chunk per event, with the ``usage`` event when
-``stream_options.include_usage`` is set, or as one JSON body), and any other path with a JSON
-echo naming the engine. Its :class:`Behaviour` scripts the answers: a status, a delay before
+``stream_options.include_usage`` is set, or as one JSON body), on request the render endpoints
+of vLLM's ``--enable-scale-out`` (``POST /v1/chat/completions/render`` and
+``/v1/completions/render``: the prompt's token ids, which vLLM Router's ``cache_aware`` and
+``kv_aware`` ask every worker for before routing), and any other path with a JSON echo naming
+the engine. Its :class:`Behaviour` scripts the answers: a status, a delay before
 the headers (``math.inf``: it never answers), a drip between pieces, huge answers, a
 connection closed mid-answer, a failing ``/health``. It records each request exactly as
 received (:class:`Received`: method, target, headers as spelled, body bytes) and counts the
@@ -40,6 +43,9 @@ _SYNC_LIMIT = 1 << 20  # answers up to this size are written at once, from the p
 _decoder = msgspec.json.Decoder()
 _encoder = msgspec.json.Encoder()
 _REASONS = {200: b"OK", 400: b"Bad Request", 404: b"Not Found", 500: b"Internal Server Error"}
+_MAX_MODEL_LEN = 4096  # what /tokenize reports, and what render's max_tokens is left from
+_RENDER_PATHS = ("/v1/chat/completions/render", "/v1/completions/render")
+_VOCABULARY = 100_000  # the stand-in token ids are below this, as a real model's are
 
 #: Writes an answer that takes time (a delay, pieces apart) on the connection.
 Writer: TypeAlias = "Callable[[_Connection], Awaitable[None]]"
@@ -344,7 +350,11 @@ class StandInEngine:
     :meth:`start` runs it on a thread of its own; :meth:`close` stops it. ``name`` (default:
     its URL) appears in echo answers and in its ``x-stand-in-engine`` header. ``adapters``:
     LoRA adapter -> base model, listed by ``GET /v1/models`` with their ``parent``.
-    ``tokenize``: the ids ``POST /tokenize`` answers (None: it is echoed). ``num_gpu_blocks``:
+    ``tokenize``: the ids ``POST /tokenize`` answers (None: it is echoed). ``render``: answer
+    ``POST /v1/chat/completions/render`` and ``/v1/completions/render`` as vLLM's
+    ``--enable-scale-out`` does (one ``GenerateRequest`` object; for completions a list of
+    them, one per prompt), with stand-in token ids: each 4 bytes of the prompt one id (False:
+    they are echoed, status 200 without ``token_ids``). ``num_gpu_blocks``:
     the KV cache its ``GET /metrics`` reports as vLLM does (``vllm:cache_config_info``; None:
     ``/metrics`` is echoed like any other path). ``keep``: how many requests :meth:`received`
     remembers. The counters (``requests``, ``aborted``,
@@ -362,6 +372,7 @@ class StandInEngine:
         keep: int = 10_000,
         adapters: Mapping[str, str] | None = None,
         tokenize: Sequence[int] | None = None,
+        render: bool = False,
         num_gpu_blocks: int | None = None,
     ) -> None:
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
@@ -374,6 +385,7 @@ class StandInEngine:
         self.models = tuple(models)
         self.adapters = dict(adapters or {})
         self.tokenize = None if tokenize is None else list(tokenize)
+        self.render = render
         self.num_gpu_blocks = num_gpu_blocks
         self.behaviour = behaviour or Behaviour()
         self.requests = 0
@@ -476,8 +488,22 @@ class StandInEngine:
         if request.method == "POST" and path == "/tokenize" and self.tokenize is not None:
             reply = {"tokens": self.tokenize, "count": len(self.tokenize), "max_model_len": 4096}
             return self._json(200, _encoder.encode(reply))
+        if request.method == "POST" and path in _RENDER_PATHS and self.render:
+            return self._render(path, request)
         echo = {"engine": self.name, "method": request.method, "target": request.target}
         return self._json(200, _encoder.encode({**echo, "body_bytes": len(request.body)}))
+
+    def _render(self, path: str, request: Received) -> bytes:
+        """vLLM's answer to a render request (a 400 with an OpenAI error body for a body
+        vLLM would refuse). The model is not checked, as in the completion answers."""
+        header = request.header("x-request-id")
+        try:
+            answer = _rendered(
+                path, request.body, None if header is None else header.decode("latin-1")
+            )
+        except (msgspec.DecodeError, ValueError) as exc:
+            return self._json(400, _error_body(400, f"stand-in: {exc}"))
+        return self._json(200, _encoder.encode(answer))
 
     def _metrics_text(self) -> bytes:
         return (
@@ -623,6 +649,111 @@ def _parse_completion(path: str, body: bytes) -> _Completion:
         model=str(document.get("model") or "stand-in"),
         stream=bool(document.get("stream")),
         include_usage=bool(isinstance(options, dict) and options.get("include_usage")),
+    )
+
+
+def _stand_in_ids(text: bytes) -> list[int]:
+    """Stand-in token ids of ``text``: each 4 bytes one id (those bytes as a little-endian
+    number, modulo a vocabulary's size: a shared prefix gives shared ids), at least one (vLLM
+    never renders none)."""
+    ids = [int.from_bytes(text[i : i + 4], "little") % _VOCABULARY for i in range(0, len(text), 4)]
+    return ids or [0]
+
+
+def _generate_request(
+    request_id: str, token_ids: list[int], document: dict[str, object], max_tokens: object
+) -> dict[str, object]:
+    """One of vLLM's ``GenerateRequest`` as its render endpoints answer it (every field,
+    in vLLM's order; ``sampling_params`` as vLLM's defaults with the request's max_tokens,
+    the rest of the request's sampling options not carried)."""
+    stream = bool(document.get("stream"))
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool):
+        max_tokens = _MAX_MODEL_LEN - len(token_ids)
+    sampling = {
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+        "repetition_penalty": 1.0,
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "min_p": 0.0,
+        "stop": [],
+        "stop_token_ids": [],
+        "max_tokens": max_tokens,
+        "output_kind": 1 if stream else 2,  # vLLM's RequestOutputKind: DELTA, FINAL_ONLY
+        "skip_clone": True,
+        "bad_words": [],
+        "skip_reading_prefix_cache": False,
+    }
+    return {
+        "request_id": request_id,
+        "token_ids": token_ids,
+        "token_offsets": None,
+        "features": None,  # multimodal only: vLLM Router gives no cache credit with it
+        "content_parts": None,
+        "sampling_params": sampling,
+        "model": document.get("model"),
+        "reasoning_ended": None,
+        "reasoning_parser_kwargs": None,
+        "return_token_ids": None,
+        "output_mode": "tokens",
+        "stream": stream,
+        "stream_options": document.get("stream_options") if stream else None,
+        "cache_salt": document.get("cache_salt"),
+        "priority": document.get("priority") or 0,
+        "kv_transfer_params": None,
+        "ec_transfer_params": None,
+    }
+
+
+def _rendered(path: str, body: bytes, header_id: str | None) -> object:
+    """What vLLM's render endpoint at ``path`` answers to ``body``: for chat one
+    ``GenerateRequest`` (the ids of the messages as JSON), for completions a list with one
+    per prompt (a text's ids, or a token prompt's own ids). ``header_id``: the
+    ``X-Request-Id`` header, which names the request as in vLLM (else the body's
+    ``request_id``, else ``stand-in``). ValueError: a body vLLM refuses with a 400."""
+    document = _decoder.decode(body)
+    if not isinstance(document, dict):
+        raise ValueError("the body must be a JSON object")
+    base = header_id or str(document.get("request_id") or "stand-in")
+    if path == "/v1/chat/completions/render":
+        messages = document.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages: a non-empty list is required")
+        limit = document.get("max_completion_tokens")
+        limit = document.get("max_tokens") if limit is None else limit
+        ids = _stand_in_ids(_encoder.encode(messages))
+        return _generate_request(f"chatcmpl-{base}", ids, document, limit)
+    prompts = _prompt_ids(document.get("prompt"))
+    limit = document.get("max_tokens", 16)  # vLLM's CompletionRequest default
+    return [
+        _generate_request(
+            f"cmpl-{base}" if len(prompts) == 1 else f"cmpl-{base}-{i}", ids, document, limit
+        )
+        for i, ids in enumerate(prompts)
+    ]
+
+
+def _prompt_ids(prompt: object) -> list[list[int]]:
+    """The ids of each prompt of a completion request, in vLLM's forms: a text, texts, token
+    ids, lists of token ids (ValueError: none of them)."""
+    if isinstance(prompt, str):
+        return [_stand_in_ids(prompt.encode())]
+    if not isinstance(prompt, list) or not prompt:
+        raise ValueError("prompt: a text, a list of texts or token ids is required")
+    if all(isinstance(p, str) for p in prompt):
+        return [_stand_in_ids(p.encode()) for p in prompt]
+    if all(_token_list(p) for p in prompt):
+        return [list(p) for p in prompt]
+    if _token_list(prompt):
+        return [list(prompt)]
+    raise ValueError("prompt: a text, a list of texts or token ids is required")
+
+
+def _token_list(value: object) -> bool:
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)
     )
 
 
