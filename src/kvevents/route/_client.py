@@ -35,7 +35,7 @@ import asyncio
 import ssl
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal, cast
 from urllib.parse import urlsplit
@@ -353,10 +353,16 @@ class EngineClient:
         headers: bytes,
         body: bytes,
         timeouts: Timeouts,
+        on_sent: Callable[[], None] | None = None,
     ) -> EngineResponse:
         """Send ``method target`` to ``origin`` with the header lines ``headers`` (each
         ending in CRLF; no Host, Content-Length or hop-by-hop ones) and ``body``; the answer
-        once its headers are in. A task cancelled meanwhile closes the connection."""
+        once its headers are in. A task cancelled meanwhile closes the connection.
+
+        ``on_sent`` is called once the request is on its way, so that what it does overlaps
+        the engine's work: right after the request is written on a kept-alive connection,
+        or before connecting when a new connection is needed (which takes a while, and
+        others must see it called meanwhile)."""
         head = b"%s %s%s HTTP/1.1\r\nHost: %s\r\n%s" % (
             method,
             origin.prefix,
@@ -366,9 +372,16 @@ class EngineClient:
         )
         if body or method not in (b"GET", b"HEAD"):
             head += b"Content-Length: %d\r\n" % len(body)
-        connection = await self._connection(origin, timeouts.connect)
+        connection = self._idle_connection(origin)
+        if connection is None:
+            if on_sent is not None:
+                on_sent()
+                on_sent = None
+            connection = await self._connect(origin, timeouts.connect)
         try:
             connection.send(head + b"\r\n", body, method == b"HEAD")
+            if on_sent is not None:
+                on_sent()
             await connection.head(timeouts.first_byte)
         except BaseException:
             connection.close()
@@ -412,7 +425,8 @@ class EngineClient:
         except asyncio.TimeoutError:
             raise UpstreamError("timeout", f"no answer within {timeout:g} s") from None
 
-    async def _connection(self, origin: Origin, timeout: float) -> _Connection:
+    def _idle_connection(self, origin: Origin) -> _Connection | None:
+        """A kept-alive connection to ``origin`` still fit to reuse, if there is one."""
         idle = self._idle.get(origin)
         if idle:
             now = time.monotonic()
@@ -421,6 +435,9 @@ class EngineClient:
                 if not connection.closed and now - connection.idle_since < self.keepalive_timeout:
                     return connection
                 connection.close()
+        return None
+
+    async def _connect(self, origin: Origin, timeout: float) -> _Connection:
         if self._closed:
             raise UpstreamError("connect_error", "the client is closed")
         try:

@@ -308,9 +308,13 @@ class Exchange:
     def _begin(self, engine: Engine) -> _Attempt:
         engine.in_flight += 1
         engine.counts.requests += 1
+        return _Attempt(engine)
+
+    def _started(self, engine: Engine) -> None:
+        """The planner's bookkeeping of an attempt, once its request is on its way
+        (:meth:`EngineClient.request`'s ``on_sent``)."""
         if self.plan is not None:
             self._tell_planner("started", self.up.planner.started, self.plan, engine)
-        return _Attempt(engine)
 
     def _end(self, attempt: _Attempt) -> None:
         engine = attempt.engine
@@ -351,6 +355,7 @@ class Exchange:
                 lines,
                 self._body,
                 up.timeouts,
+                functools.partial(self._started, engine),
             )
         except UpstreamError as exc:
             if exc.kind == "connect_error":
@@ -457,24 +462,29 @@ class Exchange:
         pending: tuple[bytes, bool] | None = first
         while not last:
             piece, last = pending if pending is not None else await response.read()
-            pending = None
-            if attempt.first_byte is None:
-                self._first_byte(attempt, stream)
             size += len(piece)
             if limit is not None and size > limit:
                 raise _Failed("too_large", f"its answer is over {limit} bytes")
+            self._complete = last
+            if pending is not None:  # the first piece: its bookkeeping once it is on its way
+                attempt.first_byte = perf_counter()
+                await send({"type": "http.response.body", "body": piece, "more_body": not last})
+                self._first_byte(attempt, stream)
+                pending = None
+            else:
+                await send({"type": "http.response.body", "body": piece, "more_body": not last})
             if usage is not None and piece:
                 usage.feed(piece)
-            self._complete = last
-            await send({"type": "http.response.body", "body": piece, "more_body": not last})
         attempt.kind = "ok"
         attempt.usage = None if usage is None else usage.result()
 
     def _first_byte(self, attempt: _Attempt, stream: bool) -> None:
-        attempt.first_byte = now = perf_counter()
+        """The answer's first piece went to the client (at ``attempt.first_byte``)."""
         attempt.engine.answered_at = monotonic()  # alive, whatever its /health says
         if stream:
-            self.up.metrics.ttft.labels(attempt.engine.id).observe(now - self.began)
+            self.up.metrics.ttft.labels(attempt.engine.id).observe(
+                (attempt.first_byte or perf_counter()) - self.began
+            )
         if self.plan is not None:
             self._tell_planner("answering", self.up.planner.answering, self.plan, attempt.engine)
 
