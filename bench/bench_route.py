@@ -30,8 +30,10 @@ about a minute once the engines are up: two engines, a small chat workload, one 
 kind, no fault run (``KVEVENTS_BENCH_ROUTE_FAULTS=1``: with them), no pooled engine. Shorter
 full runs: ``KVEVENTS_BENCH_ROUTE_ROUTERS=kvevents,pooled`` (the routers whose names contain
 one of the words), ``KVEVENTS_BENCH_ROUTE_WORKLOADS=chat``, ``KVEVENTS_BENCH_ROUTE_FAULTS=0``,
-``KVEVENTS_BENCH_ROUTE_FAULT_PHASE=S``. Skipped, with the reason, where vLLM or aiperf cannot
-run.
+``KVEVENTS_BENCH_ROUTE_FAULT_PHASE=S``. ``KVEVENTS_BENCH_ROUTE_REPEATS=N``: the chat workload N
+times per router, interleaved (every router once, then again), reported together with each
+run's cached fraction (one run moves by a few points with the machine's load). Skipped, with
+the reason, where vLLM or aiperf cannot run.
 """
 
 from __future__ import annotations
@@ -85,7 +87,7 @@ from route_peers import (
     slug,
     start_router,
 )
-from route_report import FaultFigures, Outcome, fault_rows, outcome_rows, summary
+from route_report import FaultFigures, Outcome, fault_rows, merged, outcome_rows, summary
 from route_workload import (
     ChatShape,
     MooncakeShape,
@@ -136,6 +138,9 @@ class Settings:
     chat: ChatShape
     mooncake: MooncakeShape | None
     faults: bool
+    #: Runs of the chat workload per router, interleaved (every router once, then again):
+    #: one run moves by a few points with the machine's load; the figures are of them all.
+    repeats: int = 1
 
     @classmethod
     def from_env(cls, quick: bool | None = None) -> Settings:
@@ -149,7 +154,8 @@ class Settings:
         workloads = os.environ.get("KVEVENTS_BENCH_ROUTE_WORKLOADS", "chat,mooncake")
         mooncake = MooncakeShape() if "mooncake" in workloads else None
         faults = os.environ.get("KVEVENTS_BENCH_ROUTE_FAULTS", "1") != "0"
-        return cls(engines, False, ChatShape(), mooncake, faults)
+        repeats = max(1, int(os.environ.get("KVEVENTS_BENCH_ROUTE_REPEATS", "1")))
+        return cls(engines, False, ChatShape(), mooncake, faults, repeats)
 
     def engine_blocks(self) -> int:
         """Each engine's cache: 1/N of the chat working set (the pooled engine holds it all)."""
@@ -272,9 +278,12 @@ class Rig:
 
     # ------------------------------------------------------------------ one run
 
-    def measure(self, router: Router, workload: str, run: ClientRun) -> Outcome:
-        """``router`` in front of its engines for one client run of ``workload``."""
-        out = self.run_dir / workload / slug(router.name)
+    def measure(self, router: Router, workload: str, run: ClientRun, repeat: int = 0) -> Outcome:
+        """``router`` in front of its engines for one client run of ``workload`` (``repeat``:
+        which run of it, each in a directory of its own)."""
+        out = (
+            self.run_dir / workload / (slug(router.name) + (f"-run{repeat + 1}" if repeat else ""))
+        )
         out.mkdir(parents=True, exist_ok=True)
         reason = self.unavailable(router)
         if reason:
@@ -308,6 +317,7 @@ class Rig:
             router_metrics=metrics,
             extra={"load_average": [round(load, 2), round(os.getloadavg()[0], 2)]},
         )
+        outcome.extra["repeat"] = repeat
         if run.dataset_type == "multi_turn":
             outcome.extra["history_has_answers"] = history_carries_answers(sent_messages(out))
         strip_raw(out)
@@ -473,8 +483,9 @@ def measure_all(settings: Settings, rig: Rig, runs: dict[str, ClientRun]) -> lis
         os.environ.get("KVEVENTS_BENCH_ROUTE_ROUTERS"),
     )
     outcomes = [
-        rig.measure(router, name, run)
+        rig.measure(router, name, run, repeat)
         for name, run in runs.items()
+        for repeat in range(settings.repeats if name == "chat" else 1)
         for router in entries
         if name == "chat" or router.name not in CHAT_ONLY
     ]
@@ -542,7 +553,7 @@ def result_rows(settings: Settings, outcomes: list[Outcome]) -> list[Row]:
     rows: list[Row] = []
     for workload in ("chat", "mooncake", "fault"):
         section = SECTIONS[workload].format(n=settings.engines)
-        chosen = [o for o in outcomes if o.workload == workload]
+        chosen = merged([o for o in outcomes if o.workload == workload])
         pooled = next((o.cached_fraction() for o in chosen if o.router.startswith("pooled")), None)
         for outcome in chosen:
             rows += (
@@ -604,7 +615,8 @@ def simulate_rows(settings: Settings, rig: Rig, outcomes: list[Outcome]) -> list
         f"Simulator vs the real engines: the chat run's prompts, closed loop at concurrency "
         f"{settings.chat.concurrency}, {settings.engines} engines of {shape.blocks} blocks"
     )
-    return sim_rows(section, outcomes, rig.run_dir, shape, rig.model_dir)
+    first = [o for o in outcomes if not o.extra.get("repeat")]  # the runs in slug(router) dirs
+    return sim_rows(section, first, rig.run_dir, shape, rig.model_dir)
 
 
 def write_summary(

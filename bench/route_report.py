@@ -12,6 +12,10 @@ counters, the rows for bench/RESULTS.md, and the run's JSON summary.
 - **balance**: max over mean of the requests each engine finished
   (``vllm:request_success_total`` deltas);
 - **errors** by kind as the client saw them (``HTTP 500``, a reset connection, ...).
+
+A router run several times on a workload (``KVEVENTS_BENCH_ROUTE_REPEATS``) is reported as
+one: its runs' requests and counters together (:func:`merged`), each run's cached fraction
+beside them.
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ class Outcome:
     router_metrics: str = ""
     fault: FaultFigures | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    #: each run's cached fraction, when the outcome is several runs together (:func:`merged`)
+    runs: list[float | None] = field(default_factory=list)
 
     @property
     def ok(self) -> list[Record]:
@@ -95,20 +101,59 @@ class FaultFigures:
         return sum(r.cached_tokens or 0 for r in ok) / prompt if prompt else None
 
 
-def prediction_agreement(metrics_text: str) -> tuple[float, float] | None:
-    """(exact predictions, predictions compared) from ``kvevents route``'s /metrics, or None.
+def merged(outcomes: Sequence[Outcome]) -> list[Outcome]:
+    """One outcome per router: a router's runs together (requests, engine counters, its
+    /metrics texts one after the other), in the order the routers first ran."""
+    by_router: dict[str, list[Outcome]] = {}
+    for outcome in outcomes:
+        by_router.setdefault(outcome.router, []).append(outcome)
+    out = []
+    for runs in by_router.values():
+        done = [o for o in runs if o.status == "ok"]
+        if len(runs) == 1 or not done:
+            out.append(runs[0])
+            continue
+        engines = done[0].engines
+        for other in done[1:]:
+            engines = [a + b for a, b in zip(engines, other.engines, strict=True)]
+        first = done[0]
+        out.append(
+            Outcome(
+                first.router,
+                first.workload,
+                records=[r for o in done for r in o.records],
+                engines=engines,
+                seconds=sum(o.seconds for o in done),
+                router_metrics="\n".join(o.router_metrics for o in done),
+                extra=dict(first.extra),
+                runs=[o.cached_fraction() for o in done],
+            )
+        )
+    return out
 
-    The front door's own count (``kvevents_route_planner_exact_total`` of
-    ``kvevents_route_planner_compared_total``): each answer's predicted cached tokens against
-    the ``cached_tokens`` the engine reported in it.
+
+def prediction_agreement(metrics_text: str) -> tuple[float, float, float] | None:
+    """(exact predictions, eviction races, predictions compared) from ``kvevents route``'s
+    /metrics (several texts one after the other: summed), or None.
+
+    The front door's own count (``kvevents_route_planner_exact_total`` and ``_evicted_total``
+    of ``kvevents_route_planner_compared_total``): each answer's predicted cached tokens
+    against the ``cached_tokens`` the engine reported in it; an eviction race is an answer
+    short of its prediction whose engine announced at least as many blocks evicted while it
+    was in flight.
     """
-    values: dict[str, float] = {}
+    names = {
+        "kvevents_route_planner_exact_total": 0,
+        "kvevents_route_planner_evicted_total": 1,
+        "kvevents_route_planner_compared_total": 2,
+    }
+    values = [0.0, 0.0, 0.0]
     for line in metrics_text.splitlines():
         name, _, value = line.partition(" ")
-        if name in ("kvevents_route_planner_exact_total", "kvevents_route_planner_compared_total"):
-            values[name] = float(value)
-    total = values.get("kvevents_route_planner_compared_total", 0.0)
-    return (values.get("kvevents_route_planner_exact_total", 0.0), total) if total else None
+        if name in names:
+            values[names[name]] += float(value)
+    exact, evicted, total = values
+    return (exact, evicted, total) if total else None
 
 
 def _pct(value: float | None) -> float:
@@ -128,8 +173,28 @@ def outcome_rows(section: str, outcome: Outcome, pooled: float | None) -> list[R
     share = cached / pooled if cached is not None and pooled else None
     per_engine = "/".join(str(n) for n in outcome.per_engine())
     errors = ", ".join(f"{k}: {v}" for k, v in sorted(outcome.errors().items())) or "none"
-    rows = [
-        Row(section, case, "cached fraction (usage)", _pct(cached), "%"),
+    rows = [Row(section, case, "cached fraction (usage)", _pct(cached), "%")]
+    if outcome.runs:
+        each = ", ".join("-" if r is None else f"{100 * r:.1f}" for r in outcome.runs)
+        spread = [r for r in outcome.runs if r is not None]
+        low, high = (min(spread), max(spread)) if spread else (None, None)
+        rows += [
+            Row(
+                section,
+                case,
+                f"cached fraction, lowest of {len(outcome.runs)} runs ({each})",
+                _pct(low),
+                "%",
+            ),
+            Row(
+                section,
+                case,
+                f"cached fraction, highest of {len(outcome.runs)} runs",
+                _pct(high),
+                "%",
+            ),
+        ]
+    rows += [
         Row(
             section,
             case,
@@ -152,21 +217,28 @@ def outcome_rows(section: str, outcome: Outcome, pooled: float | None) -> list[R
     ]
     headers = outcome.header_agreement()
     if headers is not None:
-        equal, total = headers
-        metric = f"predicted == actual, per request from its headers ({equal}/{total})"
-        rows.append(Row(section, case, metric, 100 * equal / total, "%"))
+        equal, requests = headers
+        metric = f"predicted == actual, per request from its headers ({equal}/{requests})"
+        rows.append(Row(section, case, metric, 100 * equal / requests, "%"))
     agreement = prediction_agreement(outcome.router_metrics)
     if agreement is not None:
-        exact, total = agreement
-        rows.append(
+        exact, evicted, total = agreement
+        rows += [
             Row(
                 section,
                 case,
                 f"predicted == actual ({exact:.0f}/{total:.0f})",
                 100 * exact / total,
                 "%",
-            )
-        )
+            ),
+            Row(
+                section,
+                case,
+                f"predicted == actual, or short by an eviction race ({exact + evicted:.0f}/{total:.0f})",
+                100 * (exact + evicted) / total,
+                "%",
+            ),
+        ]
     return rows
 
 

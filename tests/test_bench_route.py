@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
 from harness import Row
 from route_chart import route_svg
-from route_client import history_carries_answers, parse_record, sent_messages, strip_raw
+from route_client import Record, history_carries_answers, parse_record, sent_messages, strip_raw
 from route_engines import REPO, Snapshot, _in_repo
 from route_report import Outcome, outcome_rows, prediction_agreement
 from route_workload import (
@@ -175,15 +175,42 @@ def test_a_router_that_did_not_run_is_one_row_saying_why() -> None:
 
 
 def test_prediction_agreement_reads_the_front_doors_counters() -> None:
-    """exact of compared predictions from kvevents route's planner counters; None without."""
+    """exact and eviction races of compared predictions from kvevents route's planner
+    counters, summed over several runs' texts; None without."""
     text = (
         "# TYPE kvevents_route_planner_compared_total counter\n"
         "kvevents_route_planner_compared_total 100.0\n"
-        "kvevents_route_planner_exact_total 98.0\n"
+        "kvevents_route_planner_exact_total 90.0\n"
+        "kvevents_route_planner_evicted_total 8.0\n"
         "kvevents_route_planner_exact_keys 5.0\n"
     )
-    assert prediction_agreement(text) == (98.0, 100.0)
+    assert prediction_agreement(text) == (90.0, 8.0, 100.0)
+    assert prediction_agreement(text + "\n" + text) == (180.0, 16.0, 200.0)
     assert prediction_agreement("vllm:num_requests_running 0\n") is None
+
+
+def test_a_routers_runs_are_reported_together_with_each_runs_figure() -> None:
+    """merged(): a router's repeated runs become one outcome (requests together, engine
+    counters summed), its rows the figures of all of them and each run's cached fraction."""
+    from route_report import merged
+
+    def record(cached: int) -> Record:
+        return Record("c", 0, 0.0, 1.0, 10.0, 100, cached, None)
+
+    runs = [
+        Outcome("r", "chat", records=[record(80)], engines=[Snapshot(10, 8, 1, 100)]),
+        Outcome("p", "chat", records=[record(90)], engines=[Snapshot(10, 9, 1, 100)]),
+        Outcome("r", "chat", records=[record(60)], engines=[Snapshot(10, 6, 1, 100)]),
+    ]
+    together = merged(runs)
+    assert [o.router for o in together] == ["r", "p"]
+    assert together[0].runs == [0.8, 0.6] and together[1].runs == []
+    assert together[0].cached_fraction() == 0.7
+    assert together[0].engines == [Snapshot(20, 14, 2, 200)]
+    rows = {r.metric: r.value for r in outcome_rows("s", together[0], 0.9)}
+    assert rows["cached fraction (usage)"] == 70.0
+    assert rows["cached fraction, lowest of 2 runs (80.0, 60.0)"] == 60.0
+    assert rows["cached fraction, highest of 2 runs"] == 80.0
 
 
 def test_partial_record_replaces_its_sections_and_keeps_the_rest() -> None:
