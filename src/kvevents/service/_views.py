@@ -45,11 +45,20 @@ def worker_rows(
             row["stream"] = builtins(health.get(key))
             row["degraded"] = degraded.get(key)
             load = loads.get(key)
-            row["load"] = None if load is None else load._asdict()
+            # The terms a load report sets (POST /load); pinned blocks are a front door's own.
+            row["load"] = None if load is None else _reported(load)
             ranks.append(row)
         own = [e._asdict() for e in reg.own_endpoints]
         out.append({**builtins(reg), "ranks": ranks, "own_endpoints": own})
     return out
+
+
+def _reported(load: Load) -> Document:
+    return {
+        "queued_blocks": load.queued_blocks,
+        "active_blocks": load.active_blocks,
+        "requests": load.requests,
+    }
 
 
 def holder_header(key: HolderKey, block_size: int | None) -> Document:

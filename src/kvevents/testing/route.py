@@ -18,7 +18,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import IO, Any
 
 from kvevents.http import Server
 from kvevents.route import (
@@ -155,6 +155,12 @@ class RouteProcess:
         self.out = ""
         self.err = ""
         self._proc: subprocess.Popen[str] | None = None
+        # Each stream read whole by a thread of its own (a readline of the first line reads
+        # ahead, and what it read ahead would be lost to a later communicate()).
+        self._lines: list[str] = []
+        self._errors: list[str] = []
+        self._readers: list[threading.Thread] = []
+        self._first = threading.Event()
 
     def start(self, timeout: float = 60.0) -> RouteProcess:
         self._proc = subprocess.Popen(
@@ -165,19 +171,29 @@ class RouteProcess:
             env=self.env,
             start_new_session=True,
         )
-        line: list[str] = []
-        reader = threading.Thread(target=lambda: line.append(self._first_line()), daemon=True)
-        reader.start()
-        reader.join(timeout)
-        if not line or not line[0].startswith("serving on "):
+        assert self._proc.stdout is not None and self._proc.stderr is not None
+        self._readers = [
+            threading.Thread(target=self._read, args=(self._proc.stdout, self._lines), daemon=True),
+            threading.Thread(
+                target=self._read, args=(self._proc.stderr, self._errors), daemon=True
+            ),
+        ]
+        for reader in self._readers:
+            reader.start()
+        self._first.wait(timeout)
+        first = self._lines[0] if self._lines else ""
+        if not first.startswith("serving on "):
             status = self.stop()
             raise RuntimeError(f"{' '.join(self.args)} did not start (exit {status}): {self.err}")
-        self.url = line[0].removeprefix("serving on ").strip()
+        self.url = first.removeprefix("serving on ").strip()
         return self
 
-    def _first_line(self) -> str:
-        assert self._proc is not None and self._proc.stdout is not None
-        return self._proc.stdout.readline()
+    def _read(self, stream: IO[str], into: list[str]) -> None:
+        for line in stream:
+            into.append(line)
+            if into is self._lines:
+                self._first.set()
+        self._first.set()  # the end: no first line is coming
 
     def stop(self, timeout: float = 30.0) -> int:
         proc, self._proc = self._proc, None
@@ -186,10 +202,14 @@ class RouteProcess:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
         try:
-            self.out, self.err = proc.communicate(timeout=timeout)
+            proc.wait(timeout)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
-            self.out, self.err = proc.communicate(timeout=timeout)
+            proc.wait(timeout)
+        for reader in self._readers:
+            reader.join(timeout)
+        self.out = "".join(self._lines[1:])
+        self.err = "".join(self._errors)
         return proc.returncode
 
     def __enter__(self) -> RouteProcess:
