@@ -176,3 +176,20 @@ def test_a_forgotten_target_is_not_unpinned_by_its_old_requests() -> None:
     assert book.get(*A).pinned_blocks == 2
     inflight.ended(new)
     assert book.get(*A).pinned_blocks == 0
+
+
+def test_key_counts_keep_a_key_while_any_holder_holds_it() -> None:
+    """KeyCounts: a key held twice stays after one removal; prefix() and missing() read the
+    held keys; forget() drops a worker's keys and their references."""
+    from kvevents.route._keycounts import KeyCounts
+
+    counts = KeyCounts()
+    assert counts.add(A, [1, 2, 3]) == 3
+    assert counts.add(A, [1, 2, 9]) == 4
+    assert counts.references == 6
+    assert counts.remove(A, [1, 2, 3]) == 3  # 1 and 2 still held by the second
+    assert counts.prefix(A, [1, 2, 3]) == 2 and counts.missing(A, [1, 3, 4]) == 2
+    assert counts.remove(B, [1]) == 0  # an unknown target: nothing changes
+    counts.add(B, [5])
+    assert counts.forget("a") == [A]
+    assert counts.references == 1 and counts.prefix(A, [1]) == 0

@@ -17,6 +17,7 @@ from time import monotonic
 
 from kvevents.events import StreamKey
 from kvevents.index import LoadBook
+from kvevents.route._keycounts import KeyCounts
 
 __all__ = ["InFlight", "InFlightStats", "Ticket"]
 
@@ -52,7 +53,7 @@ class InFlight:
         self.book = book
         self._clock = clock
         self._sent = self._first_bytes = self._ended = 0
-        self._pins: dict[StreamKey, dict[int, int]] = {}  # target -> key -> requests pinning it
+        self._pins = KeyCounts()  # per target, the keys its requests in flight pin
         self._epochs: dict[StreamKey, int] = {}  # target -> times forgotten
 
     def sent(
@@ -63,19 +64,13 @@ class InFlight:
         new = max(0, min(new_blocks, request_blocks))
         self.book.add(*target, queued_blocks=new, requests=1)
         if keys:
-            pins = self._pins.setdefault(target, {})
-            for key in keys:
-                pins[key] = pins.get(key, 0) + 1
-            self.book.set(*target, pinned_blocks=len(pins))
+            self.book.set(*target, pinned_blocks=self._pins.add(target, keys))
         self._sent += 1
         return Ticket(target, request_blocks, new, self._clock(), keys, self._epochs.get(target, 0))
 
     def adds(self, target: StreamKey, keys: Sequence[int]) -> int:
         """How many of ``keys`` no request in flight on ``target`` pins yet."""
-        pins = self._pins.get(target)
-        if not pins:
-            return len(keys)
-        return sum(1 for key in keys if key not in pins)
+        return self._pins.missing(target, keys)
 
     def first_byte(self, ticket: Ticket) -> None:
         """Its prefill is done: its blocks move from queued to active (idempotent)."""
@@ -100,24 +95,14 @@ class InFlight:
         self._ended += 1
 
     def _unpin(self, ticket: Ticket) -> None:
-        pins = self._pins.get(ticket.target)
-        if pins is None or not ticket.keys or ticket.epoch != self._epochs.get(ticket.target, 0):
+        if not ticket.keys or ticket.epoch != self._epochs.get(ticket.target, 0):
             return  # no keys, or its target was forgotten since it was sent
-        for key in ticket.keys:
-            left = pins.get(key, 0) - 1
-            if left > 0:
-                pins[key] = left
-            else:
-                pins.pop(key, None)
-        if not pins:
-            del self._pins[ticket.target]
-        self.book.set(*ticket.target, pinned_blocks=len(pins))
+        self.book.set(*ticket.target, pinned_blocks=self._pins.remove(ticket.target, ticket.keys))
 
     def forget(self, worker_id: str, rank: int | None = None) -> None:
         """Drop a target's load (its engine is gone; tickets still open end harmlessly)."""
         self.book.remove(worker_id, rank)
-        for target in [t for t in self._pins if t[0] == worker_id and rank in (None, t[1])]:
-            del self._pins[target]
+        for target in self._pins.forget(worker_id, rank):
             self._epochs[target] = self._epochs.get(target, 0) + 1
 
     def stats(self) -> InFlightStats:

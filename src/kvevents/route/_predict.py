@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from time import monotonic
 
 from kvevents.events import StreamKey
+from kvevents.route._keycounts import KeyCounts
 
 __all__ = ["Credit", "PredictionStats", "Predictions"]
 
@@ -70,23 +71,19 @@ class Predictions:
             raise ValueError("grace must be >= 0, ttl > 0 and max_keys >= 1")
         self.grace, self.ttl, self.max_keys = grace, ttl, max_keys
         self._clock = clock
-        self._held: dict[StreamKey, dict[int, int]] = {}  # target -> key -> credits holding it
+        self._held = KeyCounts()  # per target, the keys its live credits hold
         self._expiry: list[tuple[float, int, Credit]] = []  # a heap; stale entries skipped
         self._order = itertools.count()
-        self._keys = 0
         self._credits = self._withdrawn = self._expired = 0
 
     def credit(self, target: StreamKey, keys: Sequence[int]) -> Credit:
         """Credit ``keys`` to ``target`` until the request ends (:meth:`settle`)."""
         self.expire()
         credit = Credit(target, keys, self._clock() + self.ttl)
-        held = self._held.setdefault(target, {})
-        for key in keys:
-            held[key] = held.get(key, 0) + 1
-        self._keys += len(keys)
+        self._held.add(target, keys)
         self._schedule(credit)
         self._credits += 1
-        while self._keys > self.max_keys and self._expiry:
+        while self._held.references > self.max_keys and self._expiry:
             self._drop_next()
         return credit
 
@@ -104,21 +101,12 @@ class Predictions:
 
     def prefix(self, target: StreamKey, keys: Sequence[int]) -> int:
         """How many leading ``keys`` are credited to ``target``."""
-        held = self._held.get(target)
-        if not held:
-            return 0
-        depth = 0
-        for key in keys:
-            if key not in held:
-                break
-            depth += 1
-        return depth
+        return self._held.prefix(target, keys)
 
     def forget(self, worker_id: str, rank: int | None = None) -> None:
         """Take back every credit of a worker (or one rank): its engine went away or its
         cache was cleared."""
-        for target in [t for t in self._held if t[0] == worker_id and rank in (None, t[1])]:
-            self._keys -= sum(self._held.pop(target).values())
+        self._held.forget(worker_id, rank)
         for _, _, credit in self._expiry:
             if credit.target[0] == worker_id and rank in (None, credit.target[1]):
                 credit.live = False
@@ -132,7 +120,7 @@ class Predictions:
         return dropped
 
     def stats(self) -> PredictionStats:
-        return PredictionStats(self._credits, self._withdrawn, self._expired, self._keys)
+        return PredictionStats(self._credits, self._withdrawn, self._expired, self._held.references)
 
     def _schedule(self, credit: Credit) -> None:
         heapq.heappush(self._expiry, (credit.expires, next(self._order), credit))
@@ -147,15 +135,4 @@ class Predictions:
 
     def _release(self, credit: Credit) -> None:
         credit.live = False
-        held = self._held.get(credit.target)
-        if held is None:
-            return  # forgotten with its target
-        for key in credit.keys:
-            left = held.get(key, 0) - 1
-            if left > 0:
-                held[key] = left
-            else:
-                held.pop(key, None)
-        self._keys -= len(credit.keys)
-        if not held:
-            del self._held[credit.target]
+        self._held.remove(credit.target, credit.keys)
