@@ -4,6 +4,7 @@ away cancels its request on the engine."""
 
 from __future__ import annotations
 
+import json
 import math
 import socket
 from collections.abc import Callable
@@ -284,6 +285,107 @@ def test_a_stream_closed_midway_reaches_the_client_incomplete(
     assert not reply.complete and reply.chunks is not None and len(reply.chunks) == 4
     assert [(o.kind, o.status) for o in front.planner.outcomes()] == [("reset", 200)]
     assert front.app.stats().counts.truncated == 1
+
+
+def _openai(front: RunningProxy) -> openai.OpenAI:
+    return openai.OpenAI(base_url=front.url + "/v1", api_key="none", max_retries=0, timeout=10)
+
+
+def test_a_stream_whose_engine_is_lost_is_continued_on_the_next(
+    engines: Engines, proxy: Proxy
+) -> None:
+    """An engine lost after two tokens of a chat stream: the client's stream goes on from the
+    next engine, asked to continue the answer so far, as one answer (one id, one role, the
+    whole usage), and the openai client sees no error."""
+    dying = engines(behaviour=Behaviour(tokens=10, close_after=3, token_delay=0.001))
+    alive = engines()
+    front = proxy(dying, alive, planner=_in_order)
+    chunks = list(
+        _openai(front).chat.completions.create(
+            model="stand-in",
+            messages=[{"role": "user", "content": "hi"}],
+            stream=True,
+            max_tokens=10,
+            stream_options={"include_usage": True},
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == "tok0 tok1 " + "tok0 tok1 tok2 tok3 "
+    assert {c.id for c in chunks} == {f"chatcmpl-stand-in-{dying.port}"}
+    assert sum(1 for c in chunks if c.choices and c.choices[0].delta.role) == 1
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 2 + 4
+    (asked,) = alive.received("/v1/chat/completions")
+    body = json.loads(asked.body)
+    assert body["messages"][-1] == {"role": "assistant", "content": "tok0 tok1 "}
+    assert body["continue_final_message"] is True and body["add_generation_prompt"] is False
+    assert body["max_tokens"] == 8
+    assert [o.kind for o in front.planner.outcomes()] == ["reset", "ok"]
+    counts = front.app.stats().counts
+    assert (counts.continued, counts.truncated) == (1, 0)
+
+
+def test_a_continuation_that_breaks_goes_on_to_a_third_engine(
+    engines: Engines, proxy: Proxy
+) -> None:
+    """Two engines lost one after the other: the completion stream ends whole on the third,
+    each continuation asked with the text the client had by then."""
+    first = engines(behaviour=Behaviour(tokens=10, close_after=2, token_delay=0.001))
+    second = engines(behaviour=Behaviour(tokens=10, close_after=1, token_delay=0.001))
+    third = engines()
+    front = proxy(first, second, third, planner=_in_order)
+    with RawConnection(front.port) as conn:
+        body = b'{"prompt":"once","stream":true}'
+        conn.send(request_bytes("POST", "/v1/completions", body))
+        reply = conn.read_response()
+    assert reply.status == 200 and reply.complete and reply.body.endswith(b"data: [DONE]\n\n")
+    assert reply.header("x-kvevents-engine") == first.url.encode()
+    asked = (*second.received("/v1/completions"), *third.received("/v1/completions"))
+    prompts = [json.loads(r.body)["prompt"] for r in asked]
+    assert prompts == ["oncetok0 tok1 ", "oncetok0 tok1 tok0 "]
+    assert b"".join(reply.chunks or ()).count(b'"text":"tok') == 2 + 1 + 4
+    assert front.app.stats().counts.continued == 1
+
+
+def test_a_stream_that_lost_only_its_end_is_ended_for_the_client(
+    engines: Engines, proxy: Proxy
+) -> None:
+    """An engine lost after its finishing event: the client has the whole answer, so its
+    stream is ended cleanly there (``[DONE]``), and no engine is asked for more."""
+    dying = engines(behaviour=Behaviour(tokens=3, close_at_end=True))
+    other = engines()
+    front = proxy(dying, other, planner=_in_order)
+    with RawConnection(front.port) as conn:
+        body = b'{"messages":[{"role":"user","content":"hi"}],"stream":true}'
+        conn.send(request_bytes("POST", "/v1/chat/completions", body))
+        reply = conn.read_response()
+    assert reply.status == 200 and reply.complete
+    assert reply.body.count(b'"content":"tok') == 3 and b'"finish_reason":"stop"' in reply.body
+    assert reply.body.endswith(b"data: [DONE]\n\n")
+    assert other.received("/v1/chat/completions") == []
+    counts = front.app.stats().counts
+    assert (counts.continued, counts.truncated) == (0, 0)
+
+
+@pytest.mark.parametrize("case", ["switched off", "refused", "not plain text"])
+def test_a_stream_that_cannot_be_continued_is_cut_off(
+    engines: Engines, proxy: Proxy, case: str
+) -> None:
+    """Continuing is off, the next engine refuses the continuation (a 4xx, as every engine
+    would), or the request asks for what a continuation cannot keep (two choices): the
+    client's stream ends incomplete, as without another engine."""
+    dying = engines(behaviour=Behaviour(tokens=10, close_after=3, token_delay=0.001))
+    other = engines(behaviour=Behaviour(status=400) if case == "refused" else None)
+    options = ProxyOptions(continue_streams=case != "switched off")
+    front = proxy(dying, other, planner=_in_order, options=options)
+    n = ',"n":2' if case == "not plain text" else ""
+    with RawConnection(front.port) as conn:
+        body = b'{"messages":[{"role":"user","content":"hi"}],"stream":true%s}' % n.encode()
+        conn.send(request_bytes("POST", "/v1/chat/completions", body))
+        reply = conn.read_response()
+    assert reply.status == 200 and not reply.complete
+    assert len(other.received("/v1/chat/completions")) == (case == "refused")
+    counts = front.app.stats().counts
+    assert (counts.continued, counts.truncated) == (0, 1)
 
 
 def test_a_stream_broken_before_its_first_piece_is_retried_elsewhere(

@@ -213,6 +213,8 @@ class RouteSettings(Settings):
     connect_timeout: Seconds = 2.0
     first_byte_timeout: Seconds = 600.0
     idle_timeout: Seconds = 300.0
+    #: A stream whose engine is lost mid-answer goes on on another engine (docs/route.md).
+    continue_streams: bool = True
     stale_after: Seconds = 5.0
     prediction_grace: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 2.0
     max_body_bytes: Positive = 8 << 20

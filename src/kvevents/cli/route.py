@@ -213,6 +213,14 @@ def _add_limit_options(p: argparse.ArgumentParser) -> None:
     ):
         key = flag[2:].replace("-", "_")
         g.add_argument(flag, type=kind, default=_d(key), help=what)
+    g.add_argument(
+        "--no-continue-streams",
+        dest="continue_streams",
+        action="store_false",
+        default=_d("continue_streams"),
+        help="cut a stream off when its engine is lost mid-answer (default: continue it on "
+        "another engine)",
+    )
 
 
 def _add_nats_options(p: argparse.ArgumentParser) -> None:
@@ -330,6 +338,7 @@ def front_door(settings: RouteSettings, service: IndexService | None = None) -> 
         connect_timeout=settings.connect_timeout,
         first_byte_timeout=settings.first_byte_timeout,
         idle_timeout=settings.idle_timeout,
+        continue_streams=settings.continue_streams,
     )
     planner = PlannerOptions(
         policy=settings.policy,

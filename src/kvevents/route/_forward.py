@@ -9,10 +9,12 @@ planned request, ``x-kvevents-predicted-cached-tokens``.
 
 An attempt that fails before anything was sent to the client (no connection, the connection
 lost, a 5xx) is retried on the next engine; an engine that refused the connection or
-answered a 5xx is marked down. After the first byte nothing is retried: an answer cut off
-(the engine gone, silent for ``idle_timeout``, over ``max_response_bytes``) closes the
-client's connection, so the client sees it incomplete. A client that goes away cancels the
-attempt and closes its connection to the engine, which makes vLLM abort the request.
+answered a 5xx is marked down. After the first byte the request is not retried: a stream
+whose engine is lost (gone, or silent for ``idle_timeout``) is continued on the next engine
+when it can be (:mod:`kvevents.route._resume`); any other answer cut off (or a stream no
+engine could continue) closes the client's connection, so the client sees it incomplete. A
+client that goes away cancels the attempt and closes its connection to the engine, which
+makes vLLM abort the request.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from kvevents.route._engines import Engine, EnginePool
 from kvevents.route._metrics import ProxyCounts, ProxyMetrics
 from kvevents.route._options import ProxyOptions
 from kvevents.route._replies import OpenAIError, send_json
+from kvevents.route._resume import Continuable, Splice, Transcript
 from kvevents.route._seam import Outcome, OutcomeKind, Plan, Planner
 from kvevents.route._sse import SseUsage
 from kvevents.route._usage import BodyUsage, Usage
@@ -150,6 +153,16 @@ class _Attempt:
     usage: Usage | None = None
 
 
+@dataclass(frozen=True)
+class _Broken:
+    """An answer that began and broke off on ``engine`` (``reason``), being continued: the
+    client has ``tokens`` of it."""
+
+    engine: Engine
+    reason: str
+    tokens: int
+
+
 def _target(scope: Scope) -> bytes:
     raw: bytes = scope.get("raw_path") or scope["path"].encode()
     query: bytes = scope.get("query_string", b"")
@@ -193,6 +206,10 @@ class Exchange:
         self.status: int | None = None
         self.engine: Engine | None = None
         self.gone = False
+        #: How to continue this stream elsewhere should its engine be lost (None: it cannot).
+        self.continuable: Continuable | None = None
+        self._transcript: Transcript | None = None  # what the client was sent of a stream
+        self._broken: _Broken | None = None  # the answer broke off: now being continued
         self._complete = False  # the answer has ended: a disconnect now is no cancel
         # Closes the client's connection mid-answer, and says when the client left
         # (kvevents.http.ABORT).
@@ -252,7 +269,8 @@ class Exchange:
 
     async def run(self, engines: Iterable[Engine]) -> None:
         """Try ``engines`` in order (skipping any down by then), then the pool's other healthy
-        engines serving the model; answer 503 or 502 when none could answer."""
+        engines serving the model; answer 503 or 502 when none could answer (or cut off a
+        stream that broke off when none could continue it)."""
         failures: list[str] = []
         tried: list[Engine] = []
         for engine in self._order(engines, tried):
@@ -261,6 +279,10 @@ class Exchange:
             tried.append(engine)
             if await self._attempt(engine, failures):
                 return
+        broken = self._broken
+        if broken is not None:
+            self._cut(broken.engine, f"{broken.reason}; no engine could continue it")
+            return
         await self._give_up(failures)
 
     def _order(self, first: Iterable[Engine], tried: list[Engine]) -> Iterator[Engine]:
@@ -289,8 +311,7 @@ class Exchange:
         response: EngineResponse | None = None
         try:
             response = await self._open(engine)
-            await self._relay(attempt, response)
-            return True
+            return await self._relay(attempt, response)
         except _Failed as failed:
             return await self._failed(attempt, failed, failures)
         except asyncio.CancelledError:
@@ -391,6 +412,14 @@ class Exchange:
             attempt.kind = "reset"
             counts.resets += 1
             return False
+        if self._broken is not None:  # a continuation that failed: the next engine may not
+            if failed.kind == "timeout":
+                attempt.kind = "timeout"
+                counts.timeouts += 1
+            else:
+                attempt.kind = "reset"
+                counts.too_large += 1
+            return False
         # A timeout (the engine may still be working: another would only double the load) or
         # an answer over the size limit (another engine would send the same): not retried.
         self.up.counts.upstream_failures += 1
@@ -407,14 +436,17 @@ class Exchange:
 
     # ------------------------------------------------------------------ the answer
 
-    async def _relay(self, attempt: _Attempt, response: EngineResponse) -> None:
-        """Pass the answer on; a failure after its first byte cuts the client off.
+    async def _relay(self, attempt: _Attempt, response: EngineResponse) -> bool:
+        """Pass the answer on; True when the client's answer is done (or was cut off), False
+        when a stream broke off and is to be continued on the next engine.
 
         The status and headers wait for the body's first piece: vLLM sends a stream's headers
         before its prefill, and an engine that dies then has sent nothing that matters, so
         the request is retried elsewhere (:class:`_Failed` "reset") instead of being cut."""
         attempt.status = response.status
         stream = response.content_type == "text/event-stream"
+        if self._broken is not None:
+            return await self._continue(attempt, response, stream)
         limit = None if stream else self.up.options.max_response_bytes
         declared = response.content_length
         if limit is not None and declared is not None and declared > limit:
@@ -422,10 +454,67 @@ class Exchange:
         first = await self._first_piece(response)
         await self._start(attempt.engine, response)
         attempt.kind = "reset"  # until the body ends
+        if stream and response.status == 200 and self.continuable is not None:
+            self._transcript = self.continuable.transcript()
         try:
             await self._pass_body(attempt, response, stream, limit, first)
         except (_Failed, asyncio.TimeoutError, UpstreamError) as exc:
-            self._cut(attempt, exc)
+            return await self._broke(attempt, exc)
+        return True
+
+    async def _continue(self, attempt: _Attempt, response: EngineResponse, stream: bool) -> bool:
+        """Splice a continuation's answer onto the client's stream (see :meth:`_broke`)."""
+        broken, transcript, continuable = self._broken, self._transcript, self.continuable
+        assert broken is not None and transcript is not None and continuable is not None
+        if response.status != 200 or not stream:  # refused, by every engine alike
+            attempt.kind = "reset"  # its connection closed, its body unread
+            self._broken = None
+            why = f"{attempt.engine.id} answered {response.status} to its continuation"
+            self._cut(broken.engine, f"{broken.reason}; {why}")
+            return True
+        first = await self._first_piece(response)
+        attempt.kind = "reset"  # until the body ends
+        splice = Splice(transcript, broken.tokens, continuable.prompt_tokens)
+        try:
+            await self._pass_body(attempt, response, stream, None, first, splice)
+        except (_Failed, asyncio.TimeoutError, UpstreamError) as exc:
+            return await self._broke(attempt, exc)
+        self._broken = None
+        self.up.counts.continued += 1
+        log.info(
+            "%s %s: the answer cut off on %s (%s) was continued on %s after %d tokens",
+            self._method,
+            self._path,
+            broken.engine.id,
+            broken.reason,
+            attempt.engine.id,
+            broken.tokens,
+        )
+        return True
+
+    async def _broke(self, attempt: _Attempt, exc: BaseException) -> bool:
+        """A stream broke off after it began: continue it on the next engine when it can be
+        (False: the request for it is ready), else end it (True)."""
+        reason = self._count_break(attempt, exc)
+        transcript, continuable = self._transcript, self.continuable
+        if transcript is None or continuable is None or isinstance(exc, _Failed):
+            self._cut(attempt.engine, reason)
+            return True
+        if transcript.blocked is not None:
+            self._cut(attempt.engine, f"{reason}; not continued: {transcript.blocked}")
+            return True
+        if transcript.done or transcript.finished:  # only its end was lost: the client has it
+            end = b"" if transcript.done else b"data: [DONE]\n\n"
+            self._complete = True
+            await self._send({"type": "http.response.body", "body": end, "more_body": False})
+            if self._broken is not None:  # a continuation's end, lost: it was continued
+                self._broken = None
+                self.up.counts.continued += 1
+            return True
+        tokens = continuable.tokens(transcript)
+        self._broken = _Broken(attempt.engine, reason, tokens)
+        self._body = continuable.body(transcript, tokens)
+        return False
 
     async def _first_piece(self, response: EngineResponse) -> tuple[bytes, bool]:
         """The body's first piece, or :class:`_Failed` (nothing went to the client yet)."""
@@ -456,8 +545,12 @@ class Exchange:
         stream: bool,
         limit: int | None,
         first: tuple[bytes, bool],
+        splice: Splice | None = None,
     ) -> None:
-        usage = _usage_reader(response, stream)
+        """The body passed on piece by piece (a continuation's through ``splice``)."""
+        # A continuation's usage is not the planned prompt's: not reported to the planner.
+        usage = _usage_reader(response, stream) if splice is None else None
+        transcript = self._transcript
         send, size, last = self._send, 0, False
         pending: tuple[bytes, bool] | None = first
         while not last:
@@ -465,53 +558,56 @@ class Exchange:
             size += len(piece)
             if limit is not None and size > limit:
                 raise _Failed("too_large", f"its answer is over {limit} bytes")
+            if splice is not None:
+                piece = splice.feed(piece) + splice.rest() if last else splice.feed(piece)
             self._complete = last
             if pending is not None:  # the first piece: its bookkeeping once it is on its way
                 attempt.first_byte = perf_counter()
                 await send({"type": "http.response.body", "body": piece, "more_body": not last})
-                self._first_byte(attempt, stream)
+                self._first_byte(attempt, stream and splice is None)
                 pending = None
-            else:
+            elif piece or last:
                 await send({"type": "http.response.body", "body": piece, "more_body": not last})
             if usage is not None and piece:
                 usage.feed(piece)
+            if transcript is not None:
+                transcript.feed(piece)
         attempt.kind = "ok"
         attempt.usage = None if usage is None else usage.result()
 
-    def _first_byte(self, attempt: _Attempt, stream: bool) -> None:
-        """The answer's first piece went to the client (at ``attempt.first_byte``)."""
+    def _first_byte(self, attempt: _Attempt, timed: bool) -> None:
+        """The answer's first piece went to the client (at ``attempt.first_byte``); ``timed``:
+        a stream's first token (not a continuation's)."""
         attempt.engine.answered_at = monotonic()  # alive, whatever its /health says
-        if stream:
+        if timed:
             self.up.metrics.ttft.labels(attempt.engine.id).observe(
                 (attempt.first_byte or perf_counter()) - self.began
             )
         if self.plan is not None:
             self._tell_planner("answering", self.up.planner.answering, self.plan, attempt.engine)
 
-    def _cut(self, attempt: _Attempt, exc: BaseException) -> None:
-        """The answer broke after it began: count it, say so once, close the client's
-        connection (so it sees the answer incomplete; without the server's abort, returning
-        an unfinished response closes it too)."""
-        if self._abort is not None:
-            self._abort()
+    def _count_break(self, attempt: _Attempt, exc: BaseException) -> str:
+        """Count an answer that broke after it began; why it broke."""
         counts = attempt.engine.counts
         if isinstance(exc, _Failed):
             counts.too_large += 1
-            reason = exc.reason
-        elif isinstance(exc, asyncio.TimeoutError):
+            return exc.reason
+        if isinstance(exc, asyncio.TimeoutError):
             attempt.kind = "timeout"
             counts.timeouts += 1
-            reason = f"silent for {self.up.options.idle_timeout:g} s"
-        else:
-            counts.resets += 1
-            reason = exc.reason if isinstance(exc, UpstreamError) else _describe(exc)
+            return f"silent for {self.up.options.idle_timeout:g} s"
+        counts.resets += 1
+        return exc.reason if isinstance(exc, UpstreamError) else _describe(exc)
+
+    def _cut(self, engine: Engine, reason: str) -> None:
+        """The answer ends unfinished: count it, say so once, close the client's connection
+        (so it sees the answer incomplete; without the server's abort, returning an
+        unfinished response closes it too)."""
+        if self._abort is not None:
+            self._abort()
         self.up.counts.truncated += 1
         log.warning(
-            "%s %s: the answer from %s was cut off: %s",
-            self._method,
-            self._path,
-            attempt.engine.id,
-            reason,
+            "%s %s: the answer from %s was cut off: %s", self._method, self._path, engine.id, reason
         )
 
 

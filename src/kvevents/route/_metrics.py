@@ -60,6 +60,7 @@ class ProxyCounts:
     no_engine: int = 0  #: requests answered 503 (no healthy engine for them)
     upstream_failures: int = 0  #: requests answered 502 or 504 after their engines failed
     truncated: int = 0  #: answers cut off after they began (engine lost, silent, too large)
+    continued: int = 0  #: streams whose engine was lost mid-answer, finished by another
     planner_errors: int = 0  #: plans that raised (then routed to any healthy engine)
 
 

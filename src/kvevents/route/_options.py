@@ -26,6 +26,8 @@ class ProxyOptions:
     unbounded in size but read only as fast as the client reads. ``keepalive_timeout``:
     seconds an idle connection to an engine is kept for reuse; below uvicorn's default of
     5 s (vLLM's), so the proxy never reuses a connection the engine is closing.
+    ``continue_streams``: a stream whose engine is lost mid-answer is continued on another
+    engine (:mod:`kvevents.route._resume`) instead of being cut off.
     """
 
     connect_timeout: float = 2.0
@@ -33,10 +35,11 @@ class ProxyOptions:
     idle_timeout: float = 300.0
     max_response_bytes: int = 64 << 20
     keepalive_timeout: float = 4.0
+    continue_streams: bool = True
     limits: HttpLimits = field(default_factory=HttpLimits)
 
     def __post_init__(self) -> None:
         for spec in dataclasses.fields(self):
             value = getattr(self, spec.name)
-            if isinstance(value, (int, float)) and value <= 0:
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and value <= 0:
                 raise ValueError(f"ProxyOptions.{spec.name} must be > 0, got {value!r}")

@@ -223,11 +223,13 @@ class IndexPlanner:
         if error is not None:
             return Plan((), {}, {"reason": str(error)}, error=(error.status, error.body))
         self._check_streams()
-        prompts = await self._prompts(request, engines)
+        tokenizer = self._tokenizer(request.model, engines)
+        prompts = await self._prompts(request, engines, tokenizer)
         lora = self._lora(request.model, engines)
         salt = request.json.get("cache_salt")
         salt = salt if isinstance(salt, str) and salt else None
-        return self._decide(engines, prompts, lora, salt)
+        count = None if tokenizer is None else tokenizer.count
+        return self._decide(engines, prompts, lora, salt, count)
 
     def started(self, plan: Plan, engine: Engine) -> None:
         planned = plan.context
@@ -266,8 +268,9 @@ class IndexPlanner:
 
     # ------------------------------------------------------------------ tokens
 
-    async def _prompts(self, request: RouteRequest, engines: Sequence[Engine]) -> list[Prompt]:
-        tokenizer = self._tokenizer(request.model, engines)
+    async def _prompts(
+        self, request: RouteRequest, engines: Sequence[Engine], tokenizer: ModelTokenizer | None
+    ) -> list[Prompt]:
         if tokenizer is None:
             return [Prompt(None, "none", f"no tokenizer for model {request.model!r}")]
         chat = request.path == _CHAT
@@ -353,6 +356,7 @@ class IndexPlanner:
         prompts: Sequence[Prompt],
         lora: str | None,
         salt: str | None,
+        count: Callable[[str], int] | None = None,
     ) -> Plan:
         mine = [e for e in engines if e.id in self.targets]
         targets = {e.id: self.targets[e.id] for e in mine}
@@ -376,7 +380,13 @@ class IndexPlanner:
         planned.record = {"time": time.time(), **explain}
         self.recent.append(planned.record)
         return Plan(
-            order, dict(planned.predicted), explain, headers=_headers(explain), context=planned
+            order,
+            dict(planned.predicted),
+            explain,
+            headers=_headers(explain),
+            context=planned,
+            prompt_tokens=len(ids) if ids is not None and len(prompts) == 1 else None,
+            count_tokens=count,
         )
 
     def _match(

@@ -35,6 +35,7 @@ from kvevents.route._metrics import ProxyCounts, ProxyMetrics, ProxyStats, snaps
 from kvevents.route._options import ProxyOptions
 from kvevents.route._parse import PROMPT_FIELDS, model_of, route_request
 from kvevents.route._replies import OpenAIError, send_json
+from kvevents.route._resume import continuable
 from kvevents.route._seam import Plan, Planner, RouteRequest
 
 __all__ = ["RouteApp", "serve"]
@@ -165,6 +166,8 @@ class RouteApp:
             await exchange.refuse_with(status, _encoder.encode(body))
             return
         exchange.plan = plan
+        if request.stream and self.options.continue_streams:
+            exchange.continuable = continuable(request, plan.prompt_tokens, plan.count_tokens)
         await exchange.run(plan.candidates)
 
     async def _plan(self, request: RouteRequest) -> Plan:

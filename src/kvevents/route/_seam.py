@@ -11,7 +11,7 @@ on the server's event loop and must not block it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Protocol
 
@@ -52,7 +52,11 @@ class Plan:
     ``error``: (status, OpenAI error body) to answer instead, e.g. 404 for an unknown model.
     ``headers``: more response headers for the client (the decision explained), added to
     whichever engine's answer it gets. ``context``: the planner's own record of the request
-    (the proxy hands the plan back in every call and never reads it).
+    (the proxy hands the plan back in every call and never reads it). ``prompt_tokens``: the
+    prompt's length in tokens as the engine will count it (None: not known), the usage a
+    stream continued on another engine reports; ``count_tokens``: counts a text's tokens
+    with the model's tokenizer (None: no tokenizer), for the part of an answer a continued
+    stream already has.
     """
 
     candidates: Sequence[Engine]
@@ -61,6 +65,8 @@ class Plan:
     error: tuple[int, Document] | None = None
     headers: Sequence[tuple[bytes, bytes]] = ()
     context: object = None
+    prompt_tokens: int | None = None
+    count_tokens: Callable[[str], int] | None = None
 
 
 #: How one attempt on one engine ended: answered (``ok``, whatever its status below 500),

@@ -11,12 +11,51 @@ import re
 
 from kvevents.route._usage import Usage, usage_of
 
-__all__ = ["SseUsage"]
+__all__ = ["Events", "SseUsage", "event_data"]
 
-#: The most bytes of an unfinished SSE event kept to look for ``usage`` in (an event longer
-#: than this is passed through but not read).
-_EVENT_LIMIT = 1 << 20
+#: The most bytes of an unfinished SSE event kept (a longer event is passed through but not
+#: read).
+EVENT_LIMIT = 1 << 20
 _EVENT_END = re.compile(rb"\r?\n\r?\n")
+
+
+def event_data(event: bytes) -> bytes:
+    """The data of one SSE event: its ``data:`` lines joined."""
+    lines = [line[5:] for line in event.splitlines() if line.startswith(b"data:")]
+    return b"\n".join(line[1:] if line.startswith(b" ") else line for line in lines)
+
+
+class Events:
+    """Whole SSE events out of pieces fed as they come; ``overflow``: an event longer than
+    :data:`EVENT_LIMIT` came (dropped)."""
+
+    def __init__(self) -> None:
+        self._carry = b""  # the start of an event not finished yet
+        self.overflow = False
+
+    @property
+    def pending(self) -> bool:
+        """Whether the start of an unfinished event is held."""
+        return bool(self._carry)
+
+    def feed(self, piece: bytes) -> list[bytes]:
+        """The events ``piece`` completes (without their blank lines)."""
+        data = self._carry + piece if self._carry else piece
+        cut = _end_of_last_event(data)
+        self._carry = data[cut:]
+        if len(self._carry) > EVENT_LIMIT:
+            self._carry, self.overflow = b"", True
+        return split_events(data[:cut])
+
+    def rest(self) -> bytes:
+        """The unfinished event held, given up."""
+        rest, self._carry = self._carry, b""
+        return rest
+
+
+def split_events(complete: bytes) -> list[bytes]:
+    """The events of ``complete`` (whole events, each ended by a blank line)."""
+    return [event for event in _EVENT_END.split(complete) if event]
 
 
 class SseUsage:
@@ -24,29 +63,24 @@ class SseUsage:
     ``done``: whether ``data: [DONE]`` was seen."""
 
     def __init__(self) -> None:
-        self._carry = b""  # the start of an event not finished yet
+        self._events = Events()
         self._usage: Usage | None = None
         self.done = False
 
     def feed(self, piece: bytes) -> None:
-        if not self._carry and piece.endswith(b"\n\n"):  # whole events: the usual case
+        if not self._events.pending and piece.endswith(b"\n\n"):  # whole events: the usual case
             if b'"usage"' in piece or b"[DONE]" in piece:
-                self._read_events(piece)
+                self._read_events(split_events(piece))
             return
-        data = self._carry + piece if self._carry else piece
-        cut = _end_of_last_event(data)
-        complete, rest = data[:cut], data[cut:]
-        self._carry = rest if len(rest) <= _EVENT_LIMIT else b""
-        if b'"usage"' in complete or b"[DONE]" in complete:
-            self._read_events(complete)
+        self._read_events(self._events.feed(piece))
 
-    def _read_events(self, complete: bytes) -> None:
-        for event in _EVENT_END.split(complete):
-            self._read_event(event)
+    def _read_events(self, events: list[bytes]) -> None:
+        for event in events:
+            if b'"usage"' in event or b"[DONE]" in event:
+                self._read_event(event)
 
     def _read_event(self, event: bytes) -> None:
-        lines = [line[5:] for line in event.splitlines() if line.startswith(b"data:")]
-        data = b"\n".join(line[1:] if line.startswith(b" ") else line for line in lines)
+        data = event_data(event)
         if data == b"[DONE]":
             self.done = True
         elif b'"usage"' in data:

@@ -399,6 +399,11 @@ class ModelTokenizer:
             rendered_directly=self._direct.rendered,
         )
 
+    def count(self, text: str) -> int:
+        """How many tokens ``text`` is (as a model's output: no special tokens added);
+        :class:`ValueError` as :meth:`encode`."""
+        return len(self.encode(text, add_special_tokens=False))
+
     def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
         """``text``'s ids, the same as ``tokenizer(text, add_special_tokens=...)["input_ids"]``.
 

@@ -62,8 +62,9 @@ class Behaviour:
     (one SSE event each when streamed); ``token_bytes``: each piece padded to this size (0:
     ``"tok<i> "``). ``token_delay``: seconds between pieces; ``torn``: each piece is written
     in two halves a moment apart (one HTTP chunk across two TCP segments). ``close_after``: close the
-    connection after this many pieces; ``hang_up``: close it as soon as a completion request
-    arrives, answering nothing. ``length``: a non-streamed answer says its
+    connection after this many pieces; ``close_at_end``: close it after a stream's finishing
+    event, before its usage and ``[DONE]``; ``hang_up``: close it as soon as a completion
+    request arrives, answering nothing. ``length``: a non-streamed answer says its
     content-length (False: chunked). ``prompt_tokens``, ``cached_tokens``: the usage
     reported (``cached_tokens`` None: no ``prompt_tokens_details``, as vLLM without
     ``--enable-prompt-tokens-details``). ``health_status``, ``health_delay``: of ``/health``.
@@ -76,6 +77,7 @@ class Behaviour:
     token_delay: float = 0.0
     torn: bool = False
     close_after: int | None = None
+    close_at_end: bool = False
     hang_up: bool = False
     length: bool = True
     prompt_tokens: int = 8
@@ -95,6 +97,7 @@ class Behaviour:
             and self.token_delay == 0
             and not self.torn
             and self.close_after is None
+            and not self.close_at_end
             and self.tokens * max(self.token_bytes, 8) <= _SYNC_LIMIT
         )
 
@@ -133,11 +136,12 @@ class _Completion:
 class _Answers:
     """The bytes of answers, built from string templates (this is the benchmark's hot path)."""
 
-    def __init__(self, completion: _Completion, behaviour: Behaviour) -> None:
+    def __init__(self, completion: _Completion, behaviour: Behaviour, port: int) -> None:
         self.c = completion
         self.b = behaviour
         kind = "chat.completion" if completion.chat else "text_completion"
-        rid = "chatcmpl-stand-in" if completion.chat else "cmpl-stand-in"
+        # Each engine's own ids (as vLLM's differ from one answer to the next).
+        rid = f"chatcmpl-stand-in-{port}" if completion.chat else f"cmpl-stand-in-{port}"
         model = _encoder.encode(completion.model).decode()
         chunk_kind = kind + ".chunk" if completion.chat else kind
         opening = '{{"id":"{}","object":"{}","created":0,"model":{},"choices":['
@@ -553,7 +557,7 @@ class StandInEngine:
             completion = _parse_completion(path, body)
         except (msgspec.DecodeError, ValueError) as exc:
             return self._json(400, _error_body(400, f"stand-in: {exc}"))
-        answers = _Answers(completion, behaviour)
+        answers = _Answers(completion, behaviour, self.port)
         if behaviour.hang_up:
             return None
         if behaviour.status >= 400:
@@ -626,8 +630,13 @@ class _Script:
     async def _stream(self, conn: _Connection) -> None:
         opening_and_pieces, closing = self.answers.events()
         await conn.write(_head(200, self.engine._stream_headers()))
-        if await self._pieces(conn, opening_and_pieces, frame=True):
-            await conn.write(b"".join(_chunk(e) for e in closing) + b"0\r\n\r\n")
+        if not await self._pieces(conn, opening_and_pieces, frame=True):
+            return
+        if self.b.close_at_end:
+            await conn.write(_chunk(closing[0]))
+            conn._close()
+            return
+        await conn.write(b"".join(_chunk(e) for e in closing) + b"0\r\n\r\n")
 
     async def _whole(self, conn: _Connection) -> None:
         prefix, pieces, suffix = self.answers.whole()
