@@ -90,7 +90,7 @@ class FaultFigures:
 
     killed_at: float  # seconds since the client started
     restarted_at: float  # relaunch began
-    ready_at: float  # the restarted engine answered /health
+    ready_at: float | None  # the restarted engine answered /health (None: not while it ran)
     victim: str
     after_restart: list[Record] = field(default_factory=list)
     victim_requests_after: int = 0
@@ -154,6 +154,16 @@ def prediction_agreement(metrics_text: str) -> tuple[float, float, float] | None
             values[names[name]] += float(value)
     exact, evicted, total = values
     return (exact, evicted, total) if total else None
+
+
+def _metric_sum(metrics_text: str, name: str) -> float | None:
+    """The sum of metric ``name``'s samples in ``metrics_text`` (None: it has none)."""
+    found = [
+        float(line.partition(" ")[2])
+        for line in metrics_text.splitlines()
+        if line.startswith(name + " ")
+    ]
+    return sum(found) if found else None
 
 
 def _pct(value: float | None) -> float:
@@ -250,9 +260,24 @@ def fault_rows(section: str, outcome: Outcome) -> list[Row]:
         return [Row(section, f"{case}: {outcome.status}", "ran", 0.0, "")]
     errors = ", ".join(f"{k}: {v}" for k, v in sorted(outcome.errors().items())) or "none"
     after = len(fault.after_restart)
-    down = f"engine down (killed at {fault.killed_at:.0f} s, back at {fault.ready_at:.0f} s)"
+    if fault.ready_at is None:
+        down = (
+            f"engine down (killed at {fault.killed_at:.0f} s, not back before the client's "
+            f"run ended at {outcome.seconds:.0f} s)"
+        )
+        down_for = outcome.seconds - fault.killed_at
+    else:
+        down = f"engine down (killed at {fault.killed_at:.0f} s, back at {fault.ready_at:.0f} s)"
+        down_for = fault.ready_at - fault.killed_at
+    continued = _metric_sum(outcome.router_metrics, "kvevents_route_continued_total")
+    rows = (
+        []
+        if continued is None
+        else [Row(section, case, "streams continued on another engine", continued, "")]
+    )
     return [
-        Row(section, case, down, fault.ready_at - fault.killed_at, "s"),
+        Row(section, case, down, down_for, "s"),
+        *rows,
         Row(
             section,
             case,
@@ -303,7 +328,7 @@ def summary(outcomes: Sequence[Outcome]) -> list[dict[str, Any]]:
                 "victim": o.fault.victim,
                 "killed_at_s": round(o.fault.killed_at, 1),
                 "restarted_at_s": round(o.fault.restarted_at, 1),
-                "ready_at_s": round(o.fault.ready_at, 1),
+                "ready_at_s": None if o.fault.ready_at is None else round(o.fault.ready_at, 1),
                 "requests_after_restart": len(o.fault.after_restart),
                 "cached_fraction_after_restart": o.fault.hit_after(),
                 "victim_requests_after": o.fault.victim_requests_after,

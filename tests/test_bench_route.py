@@ -18,7 +18,14 @@ from harness import Row
 from route_chart import route_svg
 from route_client import Record, history_carries_answers, parse_record, sent_messages, strip_raw
 from route_engines import REPO, Snapshot, _in_repo
-from route_report import Outcome, outcome_rows, prediction_agreement
+from route_report import (
+    FaultFigures,
+    Outcome,
+    fault_rows,
+    outcome_rows,
+    prediction_agreement,
+    summary,
+)
 from route_workload import (
     _WORDS,
     ChatShape,
@@ -283,3 +290,36 @@ def test_a_raw_export_cut_off_mid_line_is_stripped_and_read_around(tmp_path: Pat
     lines = raw.read_text().splitlines()
     assert "responses" not in json.loads(lines[0]) and lines[1].startswith('{"metadata"')
     assert sent_messages(tmp_path) == [("c1", 1, [{"role": "user", "content": "hi"}])]
+
+
+def _record(start: float, cached: int, error: str | None = None) -> Record:
+    return Record("c", 0, start, start + 1, 10.0, 64, cached, error)
+
+
+def test_the_fault_run_says_when_the_engine_was_not_back_while_the_client_ran() -> None:
+    """A restart that did not finish while the client's traffic ran: the down time runs to
+    the run's end, nothing counts as after the restart, and the front door's continued
+    streams are reported from its /metrics."""
+    records = [_record(10.0, 32), _record(20.0, 0)]
+    figures = FaultFigures(killed_at=45.0, restarted_at=50.0, ready_at=None, victim="e0")
+    outcome = Outcome(
+        "kvevents route (default)",
+        "fault",
+        records=records,
+        engines=[Snapshot()],
+        seconds=300.0,
+        router_metrics="kvevents_route_continued_total 2.0\nkvevents_route_truncated_total 0.0\n",
+        fault=figures,
+    )
+    rows = {row.metric: row.value for row in fault_rows("s", outcome)}
+    down = "engine down (killed at 45 s, not back before the client's run ended at 300 s)"
+    assert rows[down] == 255.0
+    assert rows["streams continued on another engine"] == 2.0
+    assert math.isnan(rows["cached fraction after the restart (0 requests)"])
+    assert summary([outcome])[0]["fault"]["ready_at_s"] is None
+    back = FaultFigures(45.0, 50.0, 120.0, "e0", after_restart=[_record(130.0, 48)])
+    outcome = Outcome("peer", "fault", records=records, engines=[Snapshot()], fault=back)
+    rows = {row.metric: row.value for row in fault_rows("s", outcome)}
+    assert rows["engine down (killed at 45 s, back at 120 s)"] == 75.0
+    assert rows["cached fraction after the restart (1 requests)"] == 75.0
+    assert "streams continued on another engine" not in rows
