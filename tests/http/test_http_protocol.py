@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import select
 import socket
 from collections.abc import Iterator
 from typing import IO, Any
@@ -500,3 +501,78 @@ def test_on_disconnect_tells_the_app_once_when_its_client_leaves_mid_answer() ->
     finally:
         server.close()
     assert called == ["/part"]
+
+
+def _lifespan_app(answer: Any) -> Any:
+    """An ASGI app whose requests ``answer`` takes (the lifespan handled here)."""
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            await receive()
+            await send({"type": "lifespan.startup.complete"})
+            await receive()
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        await answer(scope, send)
+
+    return app
+
+
+def test_hold_head_writes_the_head_with_the_first_piece_of_the_body() -> None:
+    """The ABORT extension's hold_head: the status line and headers wait for the body's first
+    piece and go out with it; the rest of the body as before; a HEAD request's head is not
+    held (uvicorn writes no body for it), and a response closed with its head held gets its
+    head, then the close."""
+    import threading
+
+    from kvevents.http import ABORT
+
+    head_sent, go_on = threading.Event(), threading.Event()
+
+    async def answer(scope: Any, send: Any) -> None:
+        abort = scope["extensions"][ABORT]
+        abort["hold_head"]()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        if scope["path"] == "/closed":
+            abort["close"]()
+            return
+        if scope["method"] == "HEAD":
+            await send({"type": "http.response.body", "body": b""})
+            return
+        head_sent.set()
+        while not go_on.is_set():
+            await asyncio.sleep(0.005)
+        await send({"type": "http.response.body", "body": b"first", "more_body": True})
+        await send({"type": "http.response.body", "body": b"second"})
+
+    server = Server(_lifespan_app(answer)).start()
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+            sock.sendall(b"GET /held HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert head_sent.wait(10)
+            # On loopback a write is in the reader's buffer when the send returns: the head
+            # would be here by now had it been written on its own.
+            readable, _, _ = select.select([sock], [], [], 0)
+            assert readable == []
+            go_on.set()
+            first = sock.recv(4096)
+            assert first.startswith(b"HTTP/1.1 200 OK\r\n")
+            assert b"transfer-encoding: chunked\r\n\r\n5\r\nfirst\r\n" in first
+            data = first
+            while not data.endswith(b"0\r\n\r\n"):
+                data += sock.recv(4096)
+            assert data.endswith(b"5\r\nfirst\r\n6\r\nsecond\r\n0\r\n\r\n")
+            # HEAD on the same kept-alive connection: its head is written, not held.
+            sock.sendall(b"HEAD /head HTTP/1.1\r\nHost: x\r\n\r\n")
+            head = b""
+            while not head.endswith(b"\r\n\r\n"):
+                head += sock.recv(4096)
+            assert head.startswith(b"HTTP/1.1 200 OK\r\n")
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+            sock.sendall(b"GET /closed HTTP/1.1\r\nHost: x\r\n\r\n")
+            data = b""
+            while chunk := sock.recv(4096):
+                data += chunk
+            assert data.startswith(b"HTTP/1.1 200 OK\r\n") and data.endswith(b"\r\n\r\n")
+    finally:
+        server.close()

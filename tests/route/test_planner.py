@@ -287,6 +287,35 @@ def test_each_answer_says_how_it_was_decided(
     assert reply.headers["x-kvevents-reason"].startswith("most matched blocks")
 
 
+def test_a_decision_is_explained_once_its_request_is_on_its_way(
+    door: Door, engines: Callable[..., StandInEngine]
+) -> None:
+    """The plan leaves its explanation (and the headers made of it) to ``started``, which the
+    proxy calls once the request is sent; a plan no attempt followed is explained when the
+    status page asks. Either way the record is the same decision, made once."""
+    import asyncio
+    import json
+
+    from kvevents.route._parse import route_request
+
+    front = door(engines(), engines(), policy="longest_prefix")
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "explain later"}]}
+    request = route_request("/v1/chat/completions", json.dumps(body).encode(), [])
+    planner = front.planner
+    sent, unsent = asyncio.run(planner.plan(request)), asyncio.run(planner.plan(request))
+    assert sent.explain == {} and sent.headers == () and sent.candidates
+    planner.started(sent, sent.candidates[0])
+    assert sent.explain["policy"] == "longest_prefix" and sent.explain["tokens"]["count"] > 0
+    assert dict(sent.headers)[b"x-kvevents-policy"] == b"longest_prefix"
+    explained = dict(sent.explain)
+    planner.started(sent, sent.candidates[0])  # a retry on the next engine: not again
+    assert sent.explain == explained
+    newest, older = planner.decisions()[:2]
+    assert older == {"time": older["time"], **explained}
+    assert newest["policy"] == "longest_prefix" and newest["scores"] == explained["scores"]
+    assert unsent.explain is not None and unsent.explain["winner"] == newest["winner"]
+
+
 def _blocks_of(tokenizer: ModelTokenizer, system: str, user: str) -> int:
     messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
     prompt = tokenizer.chat({"model": MODEL, "messages": messages})

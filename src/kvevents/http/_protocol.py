@@ -30,10 +30,12 @@ answers it with the same handler; one pipelined behind answers of ours waits for
 
 Each request the app answers carries :data:`ABORT` in ``scope["extensions"]``: ``"close"``,
 a call that closes the connection mid-response (the front door's answer from an engine that
-broke off), and ``"on_disconnect"``, which takes a callback called once if the client goes
+broke off); ``"on_disconnect"``, which takes a callback called once if the client goes
 away before the response is complete (what a watcher task waiting for ``http.disconnect``
 tells, without a task a request: the front door's watcher cost about 55 us of every request's
-latency).
+latency); and ``"hold_head"``, a call that holds the response's status line and headers until
+the first piece of its body and writes them together (the front door's answers: one send and
+one segment fewer each, about 45 us of the front door's CPU a streamed answer).
 
 The uvicorn internals this relies on are imported from :mod:`._uvicorn` only, which says what
 they are and how the pinned versions are checked.
@@ -72,7 +74,8 @@ _QUERY_PATH = b"/query"
 #: mid-response: a proxy whose upstream broke after its answer began calls it, so the client
 #: sees the answer incomplete (returning an unfinished response does the same, but uvicorn
 #: then logs an error of its own for what is not an error of the app); ``"on_disconnect"``
-#: takes a callback called once if the connection is lost before the response is complete.
+#: takes a callback called once if the connection is lost before the response is complete;
+#: ``"hold_head"`` holds the response's head until the first piece of its body, written with it.
 ABORT = "kvevents.abort"
 #: Seconds of the event loop one connection may take before the others get theirs: it answers
 #: and parses on for this long, then the rest waits for the loop's next turn.
@@ -439,6 +442,7 @@ class LimitedProtocol(HttpToolsProtocol):
             extensions[ABORT] = {
                 "close": functools.partial(_abort, cycle),
                 "on_disconnect": functools.partial(self._on_disconnect, cycle),
+                "hold_head": functools.partial(_hold_head, cycle),
             }
 
     def _on_disconnect(self, cycle: RequestResponseCycle, callback: Callable[[], None]) -> None:
@@ -549,6 +553,45 @@ class LimitedProtocol(HttpToolsProtocol):
         self.transport.write(json_response_bytes(status, payload, default_headers, close=close))
         if close:
             self.transport.close()
+
+
+class _HeadHeld:
+    """What stands in for a response's transport until its body begins: the status line and
+    headers (uvicorn writes them on ``http.response.start``) are held and written with the
+    first piece of the body (its next write) in one write, so that a proxy's answer reaches
+    its client as one segment instead of two (one send, one wake-up of the client fewer);
+    then the response's own transport is back. Closed before that, it writes the head first,
+    as the connection would have had it."""
+
+    def __init__(self, cycle: RequestResponseCycle) -> None:
+        self._cycle = cycle
+        self._transport = cycle.transport
+        self._head: bytes | None = None
+
+    def write(self, data: bytes) -> None:
+        if self._head is None:
+            self._head = data
+            return
+        self._cycle.transport = self._transport
+        self._transport.write(self._head + data)
+
+    def close(self) -> None:
+        self._cycle.transport = self._transport
+        if self._head is not None:
+            self._transport.write(self._head)
+        self._transport.close()
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._transport, name)
+
+
+def _hold_head(cycle: RequestResponseCycle) -> None:
+    """Hold ``cycle``'s response head until its body's first write (see :class:`_HeadHeld`);
+    not for a HEAD request, whose body uvicorn never writes, nor once the head is out."""
+    if cycle.scope["method"] == "HEAD" or cycle.response_started:
+        return
+    if not isinstance(cycle.transport, _HeadHeld):
+        cycle.transport = cast("asyncio.Transport", _HeadHeld(cycle))
 
 
 def _abort(cycle: RequestResponseCycle) -> None:

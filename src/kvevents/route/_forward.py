@@ -215,6 +215,7 @@ class Exchange:
         # (kvevents.http.ABORT).
         abort = scope.get("extensions", {}).get(ABORT, {})
         self._abort: Callable[[], None] | None = abort.get("close")
+        self._hold_head: Callable[[], None] | None = abort.get("hold_head")
         self._on_disconnect: Callable[[Callable[[], None]], None] | None = abort.get(
             "on_disconnect"
         )
@@ -534,6 +535,8 @@ class Exchange:
             headers.append((b"x-kvevents-predicted-cached-tokens", b"%d" % predicted))
             headers.extend(self.plan.headers)
         self.status, self.engine = response.status, engine
+        if self._hold_head is not None:
+            self._hold_head()  # the head goes with the first piece, in one write
         await self._send(
             {"type": "http.response.start", "status": response.status, "headers": headers}
         )

@@ -163,7 +163,10 @@ class _Planned:
     predicted: dict[str, int]  # engine id -> predicted cached tokens
     #: engine id -> its attempt: ticket, credit, blocks its engine had removed when it began
     attempts: dict[str, tuple[Ticket, Credit | None, int]] = field(default_factory=dict)
-    record: Document = field(default_factory=dict)  # its entry in ``recent``
+    record: Document = field(default_factory=dict)  # what the status page shows of it
+    #: What its explanation is made of, until it is made (:meth:`IndexPlanner._explained`):
+    #: the decision, the prompts, the matches, the streams then stale.
+    unexplained: tuple[Decision, Sequence[Prompt], _Matches, dict[StreamKey, str]] | None = None
 
 
 @dataclass
@@ -210,8 +213,9 @@ class IndexPlanner:
         self._checked = 0.0
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvevents-tokenizer")
         self._client = EngineClient()
-        #: The last decisions, newest last: what each plan said and what its engine reported.
-        self.recent: deque[Document] = deque(maxlen=RECENT_DECISIONS)
+        #: The last plans, newest last (:meth:`decisions` says what each said and what its
+        #: engine reported).
+        self.recent: deque[Plan] = deque(maxlen=RECENT_DECISIONS)
         pool.subscribe(self._engine_changed)
 
     # ------------------------------------------------------------------ the seam
@@ -233,7 +237,10 @@ class IndexPlanner:
 
     def started(self, plan: Plan, engine: Engine) -> None:
         planned = plan.context
-        if not isinstance(planned, _Planned) or engine.id not in self.targets:
+        if not isinstance(planned, _Planned):
+            return
+        self._explained(plan)
+        if engine.id not in self.targets:
             return
         target = self.targets[engine.id]
         blocks = planned.request_blocks.get(engine.id, 0)
@@ -375,19 +382,40 @@ class IndexPlanner:
         for engine in mine:
             target = targets[engine.id]
             self._fill(planned, engine.id, sizes[target], trusted.get(target, 0), match, tokens)
-        explain = self._explain(decision, prompts, match, planned)
-        log.debug("plan: %s", explain)
-        planned.record = {"time": time.time(), **explain}
-        self.recent.append(planned.record)
-        return Plan(
+        planned.record = {"time": time.time()}
+        planned.unexplained = (decision, prompts, match, dict(self.stale))
+        plan = Plan(
             order,
             dict(planned.predicted),
-            explain,
-            headers=_headers(explain),
+            {},
             context=planned,
             prompt_tokens=len(ids) if ids is not None and len(prompts) == 1 else None,
             count_tokens=count,
         )
+        self.recent.append(plan)
+        if not order:  # no attempt follows: nothing to explain it alongside
+            self._explained(plan)
+        return plan
+
+    def decisions(self) -> list[Document]:
+        """The last decisions, newest first: what each plan said and what its engine
+        reported."""
+        return [self._explained(plan) for plan in reversed(self.recent)]
+
+    def _explained(self, plan: Plan) -> Document:
+        """The plan's record, its explanation (``plan.explain``, ``plan.headers``, the debug
+        log) made now if it was not yet: a decision is explained once its request is on its
+        way (:meth:`started`), while the engine works, not before it is sent."""
+        planned = plan.context
+        assert isinstance(planned, _Planned)
+        if planned.unexplained is not None:
+            decision, prompts, match, stale = planned.unexplained
+            planned.unexplained = None
+            explain = self._explain(decision, prompts, match, planned, stale)
+            log.debug("plan: %s", explain)
+            planned.record.update(explain)
+            plan.explain, plan.headers = explain, _headers(explain)
+        return planned.record
 
     def _match(
         self,
@@ -435,8 +463,13 @@ class IndexPlanner:
         hit = min(trusted, (tokens - 1) // size) if tokens else 0
         planned.predicted[engine_id] = hit * size
 
+    @staticmethod
     def _explain(
-        self, decision: Decision, prompts: Sequence[Prompt], match: _Matches, planned: _Planned
+        decision: Decision,
+        prompts: Sequence[Prompt],
+        match: _Matches,
+        planned: _Planned,
+        stale: Mapping[StreamKey, str],
     ) -> Document:
         by_target = {target: engine_id for engine_id, target in planned.targets.items()}
         rows = []
@@ -452,7 +485,7 @@ class IndexPlanner:
                     "request_blocks": row.request_blocks,
                     "requests": row.load.requests,
                     "terms": dict(row.terms),
-                    "degraded": row.degraded or self.stale.get(target),
+                    "degraded": row.degraded or stale.get(target),
                     "predicted_cached_tokens": planned.predicted.get(engine_id, 0),
                 }
             )

@@ -41,7 +41,7 @@ class RouteRequest:
     headers: Sequence[tuple[bytes, bytes]]
 
 
-@dataclass(frozen=True)
+@dataclass
 class Plan:
     """Where to send a request.
 
@@ -51,7 +51,10 @@ class Plan:
     ``x-kvevents-predicted-cached-tokens`` header). ``explain``: the decision, JSON-ready.
     ``error``: (status, OpenAI error body) to answer instead, e.g. 404 for an unknown model.
     ``headers``: more response headers for the client (the decision explained), added to
-    whichever engine's answer it gets. ``context``: the planner's own record of the request
+    whichever engine's answer it gets. A planner may leave ``explain`` and ``headers`` to
+    :meth:`Planner.started`, which the proxy calls once a request is on its way and before it
+    reads them: explaining then overlaps the engine's work instead of delaying the request.
+    ``context``: the planner's own record of the request
     (the proxy hands the plan back in every call and never reads it). ``prompt_tokens``: the
     prompt's length in tokens as the engine will count it (None: not known), the usage a
     stream continued on another engine reports; ``count_tokens``: counts a text's tokens

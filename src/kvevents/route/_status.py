@@ -56,7 +56,7 @@ def status(door: FrontDoor) -> Document:
         "engines": engines,
         "streams": details["streams"],
         "planner": msgspec.to_builtins(stats),
-        "decisions": list(reversed(door.planner.recent)),
+        "decisions": door.planner.decisions(),
     }
 
 
