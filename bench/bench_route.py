@@ -627,22 +627,63 @@ def run(quick: bool | None = None) -> list[Row]:
 
 def simulate_rows(settings: Settings, rig: Rig, outcomes: list[Outcome]) -> list[Row]:
     """The chat runs' prompts through the simulator (see :mod:`route_sim`)."""
+    return _simulated(
+        settings.engines,
+        settings.engine_blocks(),
+        settings.chat.concurrency,
+        settings.chat.answer_tokens,
+        outcomes,
+        rig.run_dir,
+        rig.model_dir,
+    )
+
+
+def _simulated(
+    engines: int,
+    blocks: int,
+    concurrency: int,
+    answer_tokens: int,
+    outcomes: list[Outcome],
+    run_dir: Path,
+    model_dir: Path,
+) -> list[Row]:
     from route_sim import SimShape, sim_rows
 
     shape = SimShape(
-        engines=settings.engines,
-        blocks=settings.engine_blocks(),
+        engines=engines,
+        blocks=blocks,
         block_size=BLOCK_SIZE,
         max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
-        concurrency=settings.chat.concurrency,
-        answer_tokens=settings.chat.answer_tokens,
+        concurrency=concurrency,
+        answer_tokens=answer_tokens,
     )
     section = (
         f"Simulator vs the real engines: the chat run's prompts, closed loop at concurrency "
-        f"{settings.chat.concurrency}, {settings.engines} engines of {shape.blocks} blocks"
+        f"{concurrency}, {engines} engines of {blocks} blocks"
     )
-    first = [o for o in outcomes if not o.extra.get("repeat")]  # the runs in slug(router) dirs
-    return sim_rows(section, first, rig.run_dir, shape, rig.model_dir)
+    return sim_rows(section, outcomes, run_dir, shape, model_dir)
+
+
+def resimulate(run_dir: Path) -> list[Row]:
+    """The simulator section again, from a finished run's directory (its ``summary.json``
+    and the client's exports): the simulator checked against real runs already made, without
+    the engines. The tiny chat model must be built (``bench/.work/route/model/chat``)."""
+    data = json.loads((run_dir / "summary.json").read_text())
+    chat = data["settings"]["chat"]
+    outcomes = []
+    for entry in data["outcomes"]:
+        if entry["workload"] != "chat" or entry["status"] != "ok":
+            continue
+        repeat = int(entry.get("repeat") or 0)
+        name = slug(entry["router"]) + (f"-run{repeat + 1}" if repeat else "")
+        outcome = Outcome(entry["router"], "chat", records=read_records(run_dir / "chat" / name))
+        outcome.engines = [Snapshot(requests=n) for n in entry.get("per_engine") or ()]
+        outcome.extra["repeat"] = repeat
+        outcomes.append(outcome)
+    engines = int(data["settings"]["engines"])
+    model_dir = WORK / "model" / "chat"
+    args = (engines, int(data["engine_blocks"]), chat["concurrency"], chat["answer_tokens"])
+    return _simulated(*args, outcomes, run_dir, model_dir)
 
 
 def write_summary(
@@ -697,5 +738,8 @@ def record(rows: list[Row], bench_dir: Path) -> list[Path]:
 if __name__ == "__main__":
     from run import render
 
-    got = run(quick="--quick" in sys.argv[1:] or None)
+    if len(sys.argv) == 3 and sys.argv[1] == "--simulate":  # a finished run, simulated again
+        got = resimulate(Path(sys.argv[2]))
+    else:
+        got = run(quick="--quick" in sys.argv[1:] or None)
     print(render(got, ""))

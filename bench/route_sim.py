@@ -8,6 +8,10 @@ and the engine's own answers included). Rendered with the model's chat template 
 simulated cluster of the real one's shape (engines, usable blocks per engine, block size,
 prefill budget), and the simulated cached fraction and balance are set next to the real ones.
 
+Each pair is reported for the first run of the router, then as the mean over every run of
+it (the repeats' prompts simulated too): one run of three real engines sharing two cores
+moves by a few points on its own.
+
 Pairs: the references (one simulated engine with the pooled cache, or with one engine's),
 vLLM Router ``round_robin`` against the simulator's ``round_robin``, and each ``kvevents
 route`` policy against the same policy; the simulator's load-aware policies are also run on
@@ -163,23 +167,31 @@ def sim_rows(
     model_dir: Path,
     workload: str = "chat",
 ) -> list[Row]:
-    """Simulated next to real, per pair, and the simulator's own policies (both load views)."""
+    """Simulated next to real, per pair (the first run's, then the mean over every run of
+    it: each run's prompts simulated, set next to that run's real figure), and the
+    simulator's own policies (both load views)."""
     renderer = Renderer(model_dir)
     rows: list[Row] = []
     base: Prompts | None = None
+    runs: dict[str, list[tuple[float, float]]] = defaultdict(list)  # pair -> (sim, real)
     for outcome in outcomes:
         pair = _pair_policy(outcome.router)
         if outcome.workload != workload or outcome.status != "ok" or pair is None:
             continue
         policy, factor, pooled = pair
-        prompts = real_prompts(
-            run_dir / workload / slug(outcome.router), renderer, shape.answer_tokens
-        )
-        if outcome.router == "vllm-router round_robin":
-            base = prompts
+        repeat = int(outcome.extra.get("repeat", 0))
+        name = slug(outcome.router) + (f"-run{repeat + 1}" if repeat else "")
+        prompts = real_prompts(run_dir / workload / name, renderer, shape.answer_tokens)
         workers = shape.engines if factor == 0 else 1
         blocks = shape.blocks * (shape.engines if pooled else 1)
         report = simulate(prompts, shape, policy, workers=workers, blocks=blocks, view="inflight")
+        real = outcome.cached_fraction()
+        if real is not None:
+            runs[f"{outcome.router} vs simulated {policy}"].append((report.reuse, real))
+        if repeat:
+            continue
+        if outcome.router == "vllm-router round_robin":
+            base = prompts
         rows += _pair_rows(section, outcome, report, prompts, policy)
         speeds = engine_speeds(outcome, shape.engines) if workers > 1 else []
         if speeds:
@@ -196,8 +208,22 @@ def sim_rows(
             rows += _pair_rows(
                 section, outcome, timed, replace(prompts, mismatched=0), f"{policy}, speeds {label}"
             )
+    rows += mean_rows(section, runs)
     if base is not None:
         rows += _policy_rows(section, base, shape)
+    return rows
+
+
+def mean_rows(section: str, runs: dict[str, list[tuple[float, float]]]) -> list[Row]:
+    """Per pair run more than once, the simulated cached fraction's mean over its runs next
+    to the real one's (``runs``: case -> (simulated, real) of each run, as fractions)."""
+    rows = []
+    for case, pairs in runs.items():
+        if len(pairs) > 1:
+            sim, real = (100 * statistics.mean(p[i] for p in pairs) for i in (0, 1))
+            reals = ", ".join(f"{100 * p[1]:.1f}" for p in pairs)
+            metric = f"cached fraction, simulated, mean of {len(pairs)} runs (real {reals})"
+            rows.append(Row(section, case, metric, sim, "%", real, "real mean"))
     return rows
 
 

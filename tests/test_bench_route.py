@@ -323,3 +323,15 @@ def test_the_fault_run_says_when_the_engine_was_not_back_while_the_client_ran() 
     assert rows["engine down (killed at 45 s, back at 120 s)"] == 75.0
     assert rows["cached fraction after the restart (1 requests)"] == 75.0
     assert "streams continued on another engine" not in rows
+
+
+def test_the_simulator_is_set_against_the_mean_of_every_run() -> None:
+    """A pair run more than once gets the mean of its simulated and real cached fractions
+    (each run's real figure listed); a pair run once gets no mean row."""
+    from route_sim import mean_rows
+
+    runs = {"a vs simulated p": [(0.80, 0.70), (0.90, 0.74), (0.85, 0.72)], "b": [(0.5, 0.5)]}
+    (row,) = mean_rows("S", runs)
+    assert row.case == "a vs simulated p" and row.unit == "%"
+    assert row.metric == "cached fraction, simulated, mean of 3 runs (real 70.0, 74.0, 72.0)"
+    assert math.isclose(row.value, 85.0) and math.isclose(row.baseline or 0, 72.0)

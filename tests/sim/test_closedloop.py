@@ -150,3 +150,46 @@ def test_bad_arguments_are_refused_by_name() -> None:
         run_conversations([], "round_robin", _config(1), concurrency=1, load_view="psychic")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="speeds"):
         run_conversations([], "round_robin", _config(2), concurrency=1, speeds=(1.0,))
+
+
+def test_own_view_moves_a_request_from_prefill_to_held_at_its_first_token() -> None:
+    """The router's own view books a request as the front door's in-flight loads do: its
+    unmatched blocks queued for prefill until its first token comes out, then its prompt
+    blocks held until it ends (not both for its whole life)."""
+    from kvevents.index import LoadBook
+    from kvevents.route._inflight import InFlight
+    from kvevents.sim._closedloop import _ClosedLoopRun, _InFlight
+    from kvevents.sim._cluster import Cluster
+
+    config = _config(1)
+    with Cluster(config.cluster) as cluster:
+        run = _ClosedLoopRun(cluster, "prefix_load", config, "inflight")
+        (target,) = cluster.targets()
+        run.in_flight = {
+            "prefilling": _InFlight(target, new_blocks=3, held_blocks=5),
+            "answering": _InFlight(target, new_blocks=2, held_blocks=4, answering=True),
+        }
+        run._update_loads()
+        simulated = run.router.loads.get(*target)
+    book = LoadBook()
+    front_door = InFlight(book)
+    front_door.sent(target, 5, 3)
+    front_door.first_byte(front_door.sent(target, 4, 2))
+    real = book.get(*target)
+    assert (simulated.queued_blocks, simulated.active_blocks, simulated.requests) == (3, 4, 2)
+    assert (real.queued_blocks, real.active_blocks, real.requests) == (3, 4, 2)
+
+
+def test_the_engine_says_whose_first_token_came_out() -> None:
+    """SimulatedEngine.first_tokens: each request's id once, when the step that made its
+    first token ends (what the closed loop reads to move it from prefill to held)."""
+    from kvevents.sim import EngineConfig, SimulatedEngine
+
+    config = EngineConfig(block_size=BLOCK, capacity_blocks=64, max_num_batched_tokens=2 * BLOCK)
+    engine = SimulatedEngine(config)
+    engine.submit(Request("long", list(range(6 * BLOCK)), 3))  # prefill: 3 steps of 2 blocks
+    seen = []
+    while engine.has_work():
+        engine.step()
+        seen.append(list(engine.first_tokens))
+    assert seen == [[], [], ["long"], ["long"], ["long"]]

@@ -16,8 +16,9 @@ later prompt contains (as a real answer, detokenized and re-tokenized, often is 
 :class:`PolicyRun` gives it today, every engine's true queued and active blocks and requests
 at the instant of the decision (no real router has that); ``"inflight"`` is what a front door
 (``kvevents route``) knows by itself: the requests it sent and that have not finished, per
-target, their count, their prompt blocks not matched at the decision (as queued prefill) and
-their prompt blocks (as held), all until they end. With it, as the front door does, the
+target, their count, their prompt blocks not matched at the decision (as queued prefill)
+until their first token comes out, then their prompt blocks (as held) until they end, as the
+front door moves them when an answer's first byte comes back. With it, as the front door does, the
 prompt blocks of a request in flight are credited to its target at once (predicted blocks):
 the requests right behind it find them there before the engine has stored anything.
 """
@@ -57,6 +58,7 @@ class _InFlight:
     held_blocks: int  # blocks the request holds while it runs
     token_ids: Sequence[int] = ()  # its prompt (its full blocks are predicted on target)
     hashes: Sequence[int] = ()  # its prompt's full blocks (pinned on target while it runs)
+    answering: bool = False  # its first token came out: its prefill is done
 
 
 def _common_blocks(a: Sequence[int], b: Sequence[int], size: int) -> int:
@@ -86,8 +88,10 @@ class _ClosedLoopRun(PolicyRun):
         active: dict[StreamKey, int] = dict.fromkeys(self._targets, 0)
         requests: dict[StreamKey, int] = dict.fromkeys(self._targets, 0)
         for request in self.in_flight.values():
-            queued[request.target] += request.new_blocks
-            active[request.target] += request.held_blocks
+            if request.answering:
+                active[request.target] += request.held_blocks
+            else:
+                queued[request.target] += request.new_blocks
             requests[request.target] += 1
         pins = self._pins()
         for target in self._targets:
@@ -227,12 +231,13 @@ def run_conversations(
         run = _ClosedLoopRun(cluster, policy, config, load_view)
         client = _Client(conversations, concurrency)
         seen = dict.fromkeys(cluster.engines, 0)
+        first = dict.fromkeys(cluster.engines, 0)
         while True:
             busy = [(e.now, w) for w, e in cluster.engines.items() if e.has_work()]
             if busy and min(busy)[0] < client.next_time():
                 worker = min(busy)[1]
                 run._step(worker, cluster.engines[worker])
-                _collect(run, cluster, worker, seen, where, client)
+                _collect(run, cluster, worker, (seen, first), where, client)
             elif client.next_time() < math.inf:
                 at, c, t = client.pop()
                 request = conversations[c][t]
@@ -252,12 +257,20 @@ def _collect(
     run: _ClosedLoopRun,
     cluster: Cluster,
     worker: str,
-    seen: dict[str, int],
+    counted: tuple[dict[str, int], dict[str, int]],
     where: dict[str, tuple[int, int]],
     client: _Client,
 ) -> None:
-    """After a step of ``worker``: its finished requests, and the turns they make due."""
+    """After a step of ``worker``: its requests answering (their first token out), its
+    finished requests, and the turns they make due. ``counted``: per worker, the finished
+    requests and the first tokens already taken."""
     engine = cluster.engines[worker]
+    seen, first = counted
+    for request_id in engine.first_tokens[first[worker] :]:
+        flight = run.in_flight.get(request_id)
+        if flight is not None:
+            flight.answering = True
+    first[worker] = len(engine.first_tokens)
     finished = engine.finished_requests[seen[worker] :]
     seen[worker] = len(engine.finished_requests)
     for record in finished:

@@ -166,6 +166,8 @@ class SimulatedEngine:
         self._counts = EngineCounts()
         #: A record per finished request, in finishing order (clear it freely).
         self.finished_requests: list[RequestRecord] = []
+        #: The ids of the requests whose first token came out, in that order (clear it freely).
+        self.first_tokens: list[str] = []
         self._first_tokens: list[_Seq] = []
         self._done: list[_Seq] = []
         self._finishing: list[_Seq] = []  # finished this step, blocks released at its end
@@ -444,6 +446,7 @@ class SimulatedEngine:
         """Tokens come out when the step ends, known only once every rank is scheduled."""
         for seq in self._first_tokens:
             seq.first_token_at = end
+            self.first_tokens.append(seq.request.request_id)
         for seq in self._done:
             self.finished_requests.append(
                 RequestRecord(
