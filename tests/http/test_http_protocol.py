@@ -473,13 +473,7 @@ def test_on_disconnect_tells_the_app_once_when_its_client_leaves_mid_answer() ->
 
     called: list[str] = []
 
-    async def app(scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "lifespan":
-            await receive()
-            await send({"type": "lifespan.startup.complete"})
-            await receive()
-            await send({"type": "lifespan.shutdown.complete"})
-            return
+    async def answer(scope: Any, send: Any) -> None:
         path, left = scope["path"], asyncio.Event()
         scope["extensions"][ABORT]["on_disconnect"](lambda: (called.append(path), left.set()))
         await send({"type": "http.response.start", "status": 200, "headers": []})
@@ -489,7 +483,7 @@ def test_on_disconnect_tells_the_app_once_when_its_client_leaves_mid_answer() ->
         await send({"type": "http.response.body", "body": b"part", "more_body": True})
         await asyncio.wait_for(left.wait(), 30)  # the client leaves before the end
 
-    server = Server(app).start()
+    server = Server(_lifespan_app(answer)).start()
     try:
         with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
             sock.sendall(b"GET /whole HTTP/1.1\r\nHost: x\r\n\r\n")
