@@ -7,6 +7,7 @@ import kvevents.index
 
 EXPORTED = [
     "DEFAULT_POLICY",
+    "DEFAULT_RECENT_WINDOW",
     "DEFAULT_TIER",
     "POLICIES",
     "ApplyResult",
@@ -20,6 +21,7 @@ EXPORTED = [
     "MatchResult",
     "Policy",
     "PrefixIndex",
+    "RecentBlocks",
     "ReportMode",
     "RouteInputs",
     "Router",

@@ -359,6 +359,80 @@ def test_bounded_prefix_puts_a_new_prefix_where_the_fewest_blocks_are_pinned() -
     assert {router.route([9] * 8).winner for _ in range(10)} == {("b", 0)}
 
 
+def test_bounded_prefix_puts_a_new_prefix_where_the_least_was_sent_lately() -> None:
+    """Caches of unknown size: a prompt no target holds goes to the target asked lately to
+    keep the fewest distinct blocks (its recent footprint), before the blocks its requests in
+    flight pin and before their number. A match still beats any footprint; the decision names
+    the footprint it chose by."""
+    router = make_router("bounded_prefix")
+    for worker, recent, pinned, requests in (("a", 90, 3, 0), ("b", 30, 12, 2), ("c", 60, 5, 1)):
+        router.loads.set(worker, requests=requests, pinned_blocks=pinned, recent_blocks=recent)
+    decision = router.route([9] * 8)
+    assert decision.winner == ("b", 0)
+    assert "the smallest recent footprint (30 blocks sent there lately)" in decision.reason
+    rows = {(s.worker_id, s.rank): s for s in decision.scores}
+    assert rows[("a", 0)].terms["recent_blocks"] == 90
+    assert router.route(PROMPT).winner == ("b", 0)  # b holds the longest prefix anyway
+    router.loads.set("b", recent_blocks=500)
+    assert router.route(PROMPT).winner == ("b", 0)  # a match outweighs any footprint
+    assert router.route([9] * 8).winner == ("c", 0)
+
+
+def test_bounded_prefix_turns_a_new_prefix_away_from_crowded_caches_only() -> None:
+    """Caches of known size: a footprint counts only past the cache. An engine serving one
+    app's conversations takes the next app instead of one whose footprint the app's blocks
+    would push past its cache; where the request fits beside everything sent lately on every
+    target, the pinned blocks decide as before (a slow engine, sent less lately, does not
+    look the emptiest)."""
+    router = make_router("bounded_prefix")
+    for worker in "abc":
+        router.set_capacity(worker, 0, 100)
+    loads = (("a", 98, 3, 0), ("b", 95, 2, 2), ("c", 60, 12, 1))
+    for worker, recent, pinned, requests in loads:
+        router.loads.set(worker, requests=requests, pinned_blocks=pinned, recent_blocks=recent)
+    decision = router.route([9] * 32)  # 8 new blocks: 6 past a's cache, 3 past b's, c fits
+    assert decision.winner == ("c", 0)
+    assert "the least crowded cache (0 blocks sent there lately past it)" in decision.reason
+    rows = {(s.worker_id, s.rank): s for s in decision.scores}
+    crowding = [rows[(w, 0)].terms["crowding_blocks"] for w in "abc"]
+    assert crowding == [6, 3, 0]
+    router.loads.set("b", recent_blocks=70)  # b and c both have room: fewer pinned wins
+    assert router.route([9] * 32).winner == ("b", 0)
+    for worker in "abc":
+        router.set_capacity(worker, 0, 1000)  # room everywhere
+    assert router.route([9] * 32).winner == ("b", 0)
+    router.loads.set("a", pinned_blocks=1)
+    assert router.route([9] * 32).winner == ("a", 0)
+
+
+def test_bounded_prefix_sends_a_prefix_back_where_it_was_sent_lately() -> None:
+    """Where targets match as much (nobody holds the prefix now), the one the request's
+    leading blocks were sent to lately wins, even with a larger footprint: an app's next
+    conversation goes back to the engine that served the app, which evicted its system prompt
+    for a moment, instead of adding the app to another engine's cache."""
+    router = make_router("bounded_prefix")
+    for worker, recent in (("a", 90), ("b", 30), ("c", 60)):
+        router.loads.set(worker, requests=1, recent_blocks=recent)
+    match = router.index.match([9] * 32)
+    decision = router.decide(match, recent_matched={("a", 0): 6, ("b", 0): 0, ("c", 0): 2})
+    assert decision.winner == ("a", 0)
+    assert "the most of its prefix sent there lately (6 blocks)" in decision.reason
+    assert decision.winner_score is not None
+    assert decision.winner_score.terms["recent_matched_blocks"] == 6
+
+
+def test_bounded_prefix_shows_no_footprint_where_none_is_known() -> None:
+    """Without footprints (kvevents serve's /query: no front door sends the requests) the
+    terms do not list them and the pinned blocks break the tie as before."""
+    router = make_router("bounded_prefix")
+    for worker, pinned in zip("abc", (12, 3, 7), strict=True):
+        router.loads.set(worker, requests=1, pinned_blocks=pinned)
+    decision = router.route([9] * 8)
+    assert decision.winner == ("b", 0)
+    assert all("recent_blocks" not in s.terms for s in decision.scores)
+    assert "the fewest blocks pinned by requests in flight (3)" in decision.reason
+
+
 def test_capacity_is_set_per_target_and_checked() -> None:
     """set_capacity keeps a target's cache size (None forgets it); a size under one block is
     a clear error; without any, bounded_prefix shows no cache terms."""
@@ -379,3 +453,6 @@ def test_load_book_keeps_pinned_blocks_apart_from_added_terms() -> None:
     book.set("a", pinned_blocks=5)
     book.add("a", queued_blocks=3, requests=1)
     assert book.get("a") == Load(3, 0, 1, 5)
+    book.set("a", recent_blocks=40)
+    book.add("a", queued_blocks=-3, requests=-1)
+    assert book.get("a") == Load(0, 0, 0, 5, 40)

@@ -160,6 +160,26 @@ def test_in_flight_pins_each_block_once_however_many_requests_share_it() -> None
     assert book.get(*A).pinned_blocks == 7  # the shared prefix stays with the second
     inflight.ended(second)
     inflight.ended(second)
+    assert book.get(*A) == Load(recent_blocks=9)  # nothing in flight; the footprint stays
+
+
+def test_a_targets_footprint_outlives_its_requests_for_the_window() -> None:
+    """recent_blocks counts the distinct blocks sent to a target within the window, ended or
+    not; refresh() lets them go once the window has passed without requests (a decision after
+    a quiet spell), and forget() with the target."""
+    book = LoadBook()
+    clock = Clock()
+    inflight = InFlight(book, clock=clock, recent_window=30.0)
+    inflight.ended(inflight.sent(A, 3, 3, [1, 2, 3]))
+    inflight.ended(inflight.sent(A, 4, 1, [1, 2, 3, 4]))
+    inflight.sent(B, 2, 2, [1, 2])
+    assert (book.get(*A).recent_blocks, book.get(*B).recent_blocks) == (4, 2)
+    clock.now += 31
+    assert book.get(*A).recent_blocks == 4  # as of the last request or refresh
+    inflight.refresh()
+    assert (book.get(*A).recent_blocks, book.get(*B).recent_blocks) == (0, 0)
+    inflight.sent(A, 1, 1, [9])
+    inflight.forget("a")
     assert book.get(*A) == Load()
 
 

@@ -217,6 +217,8 @@ class RouteSettings(Settings):
     continue_streams: bool = True
     stale_after: Seconds = 5.0
     prediction_grace: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 2.0
+    #: Seconds a request's blocks count in its engine's footprint (docs/route.md).
+    recent_window: Seconds = 60.0
     max_body_bytes: Positive = 8 << 20
     header_timeout: Seconds = 10.0
     body_timeout: Seconds = 30.0

@@ -198,6 +198,13 @@ def _add_routing_options(p: argparse.ArgumentParser) -> None:
         default=_d("prediction_grace"),
         help="seconds a request's predicted blocks outlive it",
     )
+    g.add_argument(
+        "--recent-window",
+        type=positive_float,
+        default=_d("recent_window"),
+        help="seconds a request's blocks count in its engine's footprint (where a prefix "
+        "no engine holds goes: the engine asked to keep the least)",
+    )
 
 
 def _add_limit_options(p: argparse.ArgumentParser) -> None:
@@ -345,6 +352,7 @@ def front_door(settings: RouteSettings, service: IndexService | None = None) -> 
         block_size=settings.block_size,
         stale_after=settings.stale_after,
         grace=settings.prediction_grace,
+        recent_window=settings.recent_window,
     )
     return FrontDoor(
         engine_specs(settings),

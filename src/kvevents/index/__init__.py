@@ -14,6 +14,7 @@ from kvevents.index._decision import Decision, Load, LoadBook, RouteInputs, Targ
 from kvevents.index._digest import IndexDigest, StreamDigest, holders_digest, index_digest
 from kvevents.index._keys import MMSpan, pack_tokens, request_keys
 from kvevents.index._prefix import PrefixIndex, ReportMode
+from kvevents.index._recent import DEFAULT_RECENT_WINDOW, RecentBlocks
 from kvevents.index._records import (
     DEFAULT_TIER,
     ApplyResult,
@@ -27,6 +28,7 @@ from kvevents.index._table import table_implementation
 
 __all__ = [
     "DEFAULT_POLICY",
+    "DEFAULT_RECENT_WINDOW",
     "DEFAULT_TIER",
     "POLICIES",
     "ApplyResult",
@@ -40,6 +42,7 @@ __all__ = [
     "MatchResult",
     "Policy",
     "PrefixIndex",
+    "RecentBlocks",
     "ReportMode",
     "RouteInputs",
     "Router",

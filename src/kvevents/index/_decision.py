@@ -22,6 +22,9 @@ class Load(NamedTuple):
     #: distinct blocks the requests in flight hold or will hold (a prefix they share counted
     #: once): what the engine cannot evict while they run, where known
     pinned_blocks: int = 0
+    #: distinct blocks of the requests sent to it lately (:class:`~._recent.RecentBlocks`):
+    #: how much different prefix it has been asked to keep, where known
+    recent_blocks: int = 0
 
 
 class TargetScore(NamedTuple):
@@ -129,6 +132,7 @@ class LoadBook:
         active_blocks: int | None = None,
         requests: int | None = None,
         pinned_blocks: int | None = None,
+        recent_blocks: int | None = None,
     ) -> None:
         """Replace some terms of a target's load (the others are kept)."""
         old = self.get(worker_id, rank)
@@ -137,6 +141,7 @@ class LoadBook:
             old.active_blocks if active_blocks is None else active_blocks,
             old.requests if requests is None else requests,
             old.pinned_blocks if pinned_blocks is None else pinned_blocks,
+            old.recent_blocks if recent_blocks is None else recent_blocks,
         )
 
     def add(
@@ -155,6 +160,7 @@ class LoadBook:
             max(0, old.active_blocks + active_blocks),
             max(0, old.requests + requests),
             old.pinned_blocks,
+            old.recent_blocks,
         )
 
     def remove(self, worker_id: str, rank: int | None = None) -> None:
@@ -190,3 +196,6 @@ class RouteInputs:
     #: per target, the blocks this request would pin there that no request in flight there
     #: pins already (empty: not known; the request's blocks less those matched stand for it)
     adds: Sequence[int] = ()
+    #: per target, the request's leading blocks sent there lately, cached there now or not
+    #: (:class:`~._recent.RecentBlocks`; empty: not known)
+    recent_matched: Sequence[int] = ()

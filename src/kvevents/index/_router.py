@@ -23,9 +23,16 @@ Policies:
   (consistent hashing with bounded loads, with the cache's prefix as the affinity). Among
   targets that match as much (a prefix nobody holds, typically), the one with the most room
   in its cache wins: the fewest blocks its requests in flight would pin beyond its capacity
-  with this one beside them (where the capacity is known, :meth:`Router.set_capacity`), then
-  the fewest pinned blocks; then fewer requests in flight, then fewer load blocks, then a
-  seeded random choice. The bound is loose on purpose. On three vLLM engines each caching a
+  with this one beside them (where the capacity is known, :meth:`Router.set_capacity`);
+  then the one the request's leading blocks were sent to lately, cached there now or not
+  (:attr:`RouteInputs.recent_matched`: an app's next conversation goes back to the engine
+  that serves the app and evicted its system prompt a moment ago, instead of adding the app
+  to another engine's cache); then the least crowded cache: the fewest blocks by which
+  everything sent to it lately, this request beside it, goes past its capacity
+  (:attr:`Load.recent_blocks`, the front door's :class:`~._recent.RecentBlocks`; the
+  footprint itself where the capacity is unknown), so that apps spread over the engines by
+  what they take up; then the fewest pinned blocks; then fewer requests in flight, then fewer
+  load blocks, then a seeded random choice. The bound is loose on purpose. On three vLLM engines each caching a
   third of a chat workload (docs/route.md), every spill cost a system prompt's prefill on an
   engine that then held two copies of it, and that pressure evicted other prompts and
   histories: a bound of twice the mean alone served 0.79 of prompt tokens from cache (three
@@ -264,20 +271,28 @@ class BoundedPrefix:
         adds = inputs.adds or [
             max(0, r - m) for r, m in zip(inputs.request_blocks, inputs.matched, strict=True)
         ]
+        sent = inputs.recent_matched or [0] * count
         keys: list[tuple[float, ...]] = []
         terms: list[dict[str, float]] = []
-        for m, ld, size, add in zip(inputs.matched, loads, capacity, adds, strict=True):
+        footprints = any(ld.recent_blocks for ld in loads)
+        for m, r, ld, size, add, lately in zip(
+            inputs.matched, inputs.request_blocks, loads, capacity, adds, sent, strict=True
+        ):
             ok = ld.requests + 1 <= cap
             over = _overflow(ld.pinned_blocks, add, size)
+            crowded = _crowding(ld.recent_blocks, max(0, r - lately), size)
             pinned = float(ld.pinned_blocks)
             load = (-float(ld.requests), -_blocks(ld))
             # Over the bound: only less loaded ones beat it (when every target is over).
-            ties = (float(m), -float(over), -pinned) if ok else (0.0,) * 3
-            keys.append((float(ok), *ties, *load))
+            ties = (float(m), -float(over), float(lately), -float(crowded), -pinned)
+            keys.append((float(ok), *(ties if ok else (0.0,) * len(ties)), *load))
             row = {"matched_blocks": float(m), "requests": float(ld.requests), "cap": float(cap)}
             if size is not None:
                 row.update(pinned_blocks=pinned, capacity_blocks=float(size))
                 row["overflow_blocks"] = float(over)
+            if footprints:
+                row.update(recent_matched_blocks=float(lately), recent_blocks=ld.recent_blocks)
+                row["crowding_blocks"] = float(crowded)
             row["within_bound"] = float(ok)
             terms.append(row)
         scores = [k[1] if k[0] else -1.0 for k in keys]
@@ -290,6 +305,15 @@ def _overflow(pinned: int, adds: int, capacity: int | None) -> int:
     """Blocks a target's cache must give up for a request that pins ``adds`` more blocks on
     top of the ``pinned`` ones of its requests in flight (0 when its capacity is unknown)."""
     return 0 if capacity is None else max(0, pinned + adds - capacity)
+
+
+def _crowding(recent: int, adds: int, capacity: int | None) -> int:
+    """How far a target's recent footprint with ``adds`` more blocks would go past its cache
+    (the footprint itself when the capacity is unknown): 0 where the request fits beside
+    everything sent there lately, so that only a crowded cache turns a prefix away and an
+    engine with room everywhere is chosen by its load instead (a slow engine, whose requests
+    come back later, is sent less: under a raw footprint it would look the emptiest)."""
+    return recent if capacity is None else max(0, recent + adds - capacity)
 
 
 def _blocks(load: Load) -> float:
@@ -317,7 +341,14 @@ def _bounded_reason(
     if rivals and key[2] > max(k[2] for k in rivals):
         why += f"; the most room in its cache ({-key[2]:g} blocks over)"
     elif rivals and key[2:4] > max(k[2:4] for k in rivals):
-        why += f"; the fewest blocks pinned by requests in flight ({-key[3]:g})"
+        why += f"; the most of its prefix sent there lately ({key[3]:g} blocks)"
+    elif rivals and key[2:5] > max(k[2:5] for k in rivals):
+        if inputs.capacity and inputs.capacity[winner] is not None:
+            why += f"; the least crowded cache ({-key[4]:g} blocks sent there lately past it)"
+        else:
+            why += f"; the smallest recent footprint ({-key[4]:g} blocks sent there lately)"
+    elif rivals and key[2:6] > max(k[2:6] for k in rivals):
+        why += f"; the fewest blocks pinned by requests in flight ({-key[5]:g})"
     if tied > 1:
         why += f"; {tied} targets tie: drawn at random"
     return why
@@ -493,11 +524,14 @@ class Router:
         prefill_weight: float | None = None,
         load_weight: float | None = None,
         adds: Mapping[StreamKey, int] | None = None,
+        recent_matched: Mapping[StreamKey, int] | None = None,
     ) -> Decision:
         """Decide from a match already made (e.g. to compare policies on one request);
         ``prefill_weight`` and ``load_weight`` override the router's cost weights for it;
         ``adds``: per target, the blocks the request would pin there beyond those its
-        requests in flight pin (:attr:`RouteInputs.adds`; unknown by default)."""
+        requests in flight pin (:attr:`RouteInputs.adds`; unknown by default);
+        ``recent_matched``: per target, the request's leading blocks sent there lately
+        (:attr:`RouteInputs.recent_matched`; unknown by default)."""
         chosen = self._policy(policy, prefill_weight, load_weight)
         targets = self.index.targets() if targets is None else list(targets)
         sizes = self.index.stream_block_size
@@ -517,5 +551,8 @@ class Router:
             degraded=degraded,
             capacity=[self.capacity.get(t) for t in targets] if self.capacity else (),
             adds=[adds.get(t, 0) for t in targets] if adds is not None else (),
+            recent_matched=[recent_matched.get(t, 0) for t in targets]
+            if recent_matched is not None
+            else (),
         )
         return chosen.choose(inputs)

@@ -3,10 +3,12 @@
 Every request is sent by the front door, so it knows each target's load better than any
 report could: requests in flight, the prefill still to compute there (the blocks it did not
 expect cached, until the first byte comes back), the blocks held by requests past their
-first token, and the distinct blocks its requests in flight pin (the keys of their prompts'
-blocks, a prefix they share counted once: what the engine cannot evict while they run).
-:class:`InFlight` keeps these in the router's :class:`LoadBook`, where every policy reads
-them. Not thread-safe: the front door calls it on its event loop.
+first token, the distinct blocks its requests in flight pin (the keys of their prompts'
+blocks, a prefix they share counted once: what the engine cannot evict while they run), and
+the distinct blocks of the requests sent to it within the last minute or so, ended or not (its
+recent footprint, :class:`~kvevents.index.RecentBlocks`: how much different prefix its cache
+is asked to keep). :class:`InFlight` keeps these in the router's :class:`LoadBook`, where every
+policy reads them. Not thread-safe: the front door calls it on its event loop.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from dataclasses import dataclass, field
 from time import monotonic
 
 from kvevents.events import StreamKey
-from kvevents.index import LoadBook
+from kvevents.index import DEFAULT_RECENT_WINDOW, LoadBook, RecentBlocks
 from kvevents.route._keycounts import KeyCounts
 
 __all__ = ["InFlight", "InFlightStats", "Ticket"]
@@ -49,12 +51,18 @@ class InFlight:
     """Loads in ``book``, moved by each request's :meth:`sent`, :meth:`first_byte` and
     :meth:`ended`; the clock (monotonic seconds by default) stamps tickets."""
 
-    def __init__(self, book: LoadBook, clock: Callable[[], float] = monotonic) -> None:
+    def __init__(
+        self,
+        book: LoadBook,
+        clock: Callable[[], float] = monotonic,
+        recent_window: float = DEFAULT_RECENT_WINDOW,
+    ) -> None:
         self.book = book
         self._clock = clock
         self._sent = self._first_bytes = self._ended = 0
         self._pins = KeyCounts()  # per target, the keys its requests in flight pin
         self._epochs: dict[StreamKey, int] = {}  # target -> times forgotten
+        self.recent = RecentBlocks(recent_window, clock)
 
     def sent(
         self, target: StreamKey, request_blocks: int, new_blocks: int, keys: Sequence[int] = ()
@@ -65,8 +73,20 @@ class InFlight:
         self.book.add(*target, queued_blocks=new, requests=1)
         if keys:
             self.book.set(*target, pinned_blocks=self._pins.add(target, keys))
+            self.recent.touch(target, keys)
+            self._publish_recent()
         self._sent += 1
         return Ticket(target, request_blocks, new, self._clock(), keys, self._epochs.get(target, 0))
+
+    def refresh(self) -> None:
+        """Footprints as of now: what was sent longer than the window ago leaves them (a
+        decision after a quiet spell must not see the traffic before it)."""
+        if self.recent.expire():
+            self._publish_recent()
+
+    def _publish_recent(self) -> None:
+        for target, size in self.recent.sizes().items():
+            self.book.set(*target, recent_blocks=size)
 
     def adds(self, target: StreamKey, keys: Sequence[int]) -> int:
         """How many of ``keys`` no request in flight on ``target`` pins yet."""
@@ -102,6 +122,7 @@ class InFlight:
     def forget(self, worker_id: str, rank: int | None = None) -> None:
         """Drop a target's load (its engine is gone; tickets still open end harmlessly)."""
         self.book.remove(worker_id, rank)
+        self.recent.forget(worker_id, rank)
         for target in self._pins.forget(worker_id, rank):
             self._epochs[target] = self._epochs.get(target, 0) + 1
 

@@ -49,7 +49,7 @@ import msgspec
 
 from kvevents._types import Document, DocumentView
 from kvevents.events import StreamKey
-from kvevents.index import Decision, MatchResult, request_keys
+from kvevents.index import DEFAULT_RECENT_WINDOW, Decision, MatchResult, request_keys
 from kvevents.route._client import EngineClient, UpstreamError
 from kvevents.route._engines import Engine, EnginePool
 from kvevents.route._inflight import InFlight, Ticket
@@ -90,7 +90,9 @@ class PlannerOptions:
     the tokenizer thread. ``tokenize_timeout``: seconds for the one ``/tokenize`` call.
     ``stale_after``: seconds after an answered request by which its engine's events must
     have reached the index (else its stream is stale and gets no cache credit until they
-    come). ``grace``: seconds a request's predicted blocks outlive it.
+    come). ``grace``: seconds a request's predicted blocks outlive it. ``recent_window``:
+    seconds the blocks of a request sent to a target count in its footprint (the load's
+    ``recent_blocks``: :class:`kvevents.index.RecentBlocks`).
     """
 
     policy: str = DEFAULT_ROUTE_POLICY
@@ -99,12 +101,15 @@ class PlannerOptions:
     tokenize_timeout: float = 5.0
     stale_after: float = 5.0
     grace: float = 2.0
+    recent_window: float = DEFAULT_RECENT_WINDOW
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.offload_bytes < 0:
             raise ValueError("block_size must be >= 1 and offload_bytes >= 0")
         if not (self.tokenize_timeout > 0 and self.stale_after > 0 and self.grace >= 0):
             raise ValueError("tokenize_timeout and stale_after must be > 0, grace >= 0")
+        if not self.recent_window > 0:
+            raise ValueError("recent_window must be > 0")
 
 
 @dataclass
@@ -204,7 +209,7 @@ class IndexPlanner:
         self.tokenizers = dict(tokenizers)
         self.targets = dict(targets)
         self.options = options if options is not None else PlannerOptions()
-        self.inflight = InFlight(service.router.loads, clock)
+        self.inflight = InFlight(service.router.loads, clock, self.options.recent_window)
         self.predictions = Predictions(grace=self.options.grace, clock=clock)
         self.counts = PlannerCounts()
         self.stale: dict[StreamKey, str] = {}
@@ -371,9 +376,16 @@ class IndexPlanner:
         prompt = prompts[0] if prompts else Prompt(None, "none", "no prompt")
         ids = None if prompt.multimodal else prompt.token_ids
         match = self._match(ids, sizes, lora, salt)
+        self.inflight.refresh()
         adds = {t: self.inflight.adds(t, match.keys.get(size, ())) for t, size in sizes.items()}
+        recent = self.inflight.recent
+        lately = {t: recent.prefix(t, match.keys.get(size, ())) for t, size in sizes.items()}
         decision = self.service.decide(
-            match.result, targets=list(sizes), policy=self.options.policy, adds=adds
+            match.result,
+            targets=list(sizes),
+            policy=self.options.policy,
+            adds=adds,
+            recent_matched=lately,
         )
         order = _by_score(decision, mine, targets)
         planned = _Planned(targets, {}, {}, {}, {})

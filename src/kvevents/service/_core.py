@@ -500,13 +500,17 @@ class IndexService:
         targets: Sequence[StreamKey],
         policy: str | None = None,
         adds: Mapping[StreamKey, int] | None = None,
+        recent_matched: Mapping[StreamKey, int] | None = None,
     ) -> Decision:
         """A routing decision among ``targets`` from ``match`` (one of :meth:`match`, or the
         caller's own view of it: the front door adds its predicted blocks), recorded for the
-        status page like every query's; ``adds`` as :meth:`Router.decide` takes it."""
+        status page like every query's; ``adds`` and ``recent_matched`` as
+        :meth:`Router.decide` takes them."""
         with self.lock:
             self._counts.loads_expired += self._loads.expire()
-            decision = self.router.decide(match, targets=targets, policy=policy, adds=adds)
+            decision = self.router.decide(
+                match, targets=targets, policy=policy, adds=adds, recent_matched=recent_matched
+            )
             self._counts.queries += 1
         self.decisions.record(decision)
         return decision

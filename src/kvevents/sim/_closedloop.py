@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from kvevents.events import StreamKey
-from kvevents.index import MatchResult
+from kvevents.index import DEFAULT_RECENT_WINDOW, MatchResult, RecentBlocks
 from kvevents.sim._cluster import Cluster
 from kvevents.sim._records import Request, RequestRecord
 from kvevents.sim._simulate import PolicyReport, PolicyRun, SimulationConfig
@@ -74,11 +74,22 @@ class _ClosedLoopRun(PolicyRun):
     """A :class:`PolicyRun` whose router can be given its own in-flight view of load."""
 
     def __init__(
-        self, cluster: Cluster, policy: str, config: SimulationConfig, load_view: LoadView
+        self,
+        cluster: Cluster,
+        policy: str,
+        config: SimulationConfig,
+        load_view: LoadView,
+        recent_window: float = DEFAULT_RECENT_WINDOW,
     ) -> None:
         super().__init__(cluster, policy, config)
         self.load_view = load_view
         self.in_flight: dict[str, _InFlight] = {}
+        self._at = 0.0  # the virtual time of the request being routed
+        self.recent = RecentBlocks(recent_window, clock=lambda: self._at)
+
+    def submit(self, request: Request, arrival: float) -> StreamKey | None:
+        self._at = arrival
+        return super().submit(request, arrival)
 
     def _update_loads(self) -> None:
         if self.load_view == "engine":
@@ -94,6 +105,7 @@ class _ClosedLoopRun(PolicyRun):
                 queued[request.target] += request.new_blocks
             requests[request.target] += 1
         pins = self._pins()
+        self.recent.expire()
         for target in self._targets:
             self.router.loads.set(
                 target[0],
@@ -102,6 +114,7 @@ class _ClosedLoopRun(PolicyRun):
                 active_blocks=active[target],
                 requests=requests[target],
                 pinned_blocks=len(pins[target]),
+                recent_blocks=self.recent.size(target),
             )
 
     def _pins(self) -> dict[StreamKey, set[int]]:
@@ -119,8 +132,12 @@ class _ClosedLoopRun(PolicyRun):
         hashes = self._hashes(request)
         pins = self._pins()
         adds = {t: sum(1 for h in hashes if h not in pins[t]) for t in self._targets}
+        lately = {t: self.recent.prefix(t, hashes) for t in self._targets}
         self.last_decision = self.router.decide(
-            self._with_predicted(match, request.token_ids), targets=self._targets, adds=adds
+            self._with_predicted(match, request.token_ids),
+            targets=self._targets,
+            adds=adds,
+            recent_matched=lately,
         )
         return self.last_decision.winner
 
@@ -144,9 +161,11 @@ class _ClosedLoopRun(PolicyRun):
         blocks = math.ceil(len(request.token_ids) / size)
         decision = self.last_decision
         matched = decision.matched.get(target, 0) if decision is not None else 0
+        hashes = self._hashes(request)
         self.in_flight[request.request_id] = _InFlight(
-            target, max(0, blocks - matched), blocks, request.token_ids, self._hashes(request)
+            target, max(0, blocks - matched), blocks, request.token_ids, hashes
         )
+        self.recent.touch(target, hashes)
 
 
 @dataclass
@@ -198,6 +217,7 @@ def run_conversations(
     concurrency: int,
     load_view: LoadView = "engine",
     speeds: Sequence[float] = (),
+    recent_window: float = DEFAULT_RECENT_WINDOW,
 ) -> ConversationsRun:
     """Every turn of ``conversations`` through a fresh cluster, closed-loop at ``concurrency``.
 
@@ -207,6 +227,8 @@ def run_conversations(
     time as a multiple of the configured one, in worker order (engines sharing a machine do
     not run equally fast; a slower one keeps its requests in flight longer, which a policy
     bounding requests in flight answers by sending elsewhere); none: all equal.
+    ``recent_window``: the seconds a block sent to a target counts in its footprint (the
+    in-flight view's ``recent_blocks``, as the front door's ``--recent-window``).
     """
     if concurrency <= 0:
         raise ValueError(f"concurrency must be positive, got {concurrency}")
@@ -228,7 +250,7 @@ def run_conversations(
                 step_base_s=engine.config.step_base_s * factor,
                 step_token_s=engine.config.step_token_s * factor,
             )
-        run = _ClosedLoopRun(cluster, policy, config, load_view)
+        run = _ClosedLoopRun(cluster, policy, config, load_view, recent_window)
         client = _Client(conversations, concurrency)
         seen = dict.fromkeys(cluster.engines, 0)
         first = dict.fromkeys(cluster.engines, 0)
