@@ -27,6 +27,7 @@ from kvevents.index import _prefix as index_prefix
 from kvevents.index._keys import block_hashes
 from kvevents.metrics import field_docs
 from kvevents.service import IndexService, ServiceStats, WorkerRegistration, subscriber_feed
+from kvevents.service._core import REPLAYING
 from kvevents.subscribe import FeedHealth, StreamSpec, Subscriber, SubscriberOptions
 from kvevents.testing.feeds import FakeFeed, fake_service, fake_specs
 from kvevents.testing.index import batch, engine_hashes, store_event
@@ -381,6 +382,28 @@ def test_joining_after_the_ring_moved_on_is_not_degraded(feed: FakeFeed) -> None
         assert service.degraded() == {} and service.health().state == "ok"
         feed.report("a", 0, "incomplete", (50, 51))
         assert service.degraded() == {("a", 0): "lost seq 50..50"}
+
+
+def test_a_replaying_stream_is_degraded_until_it_is_live(feed: FakeFeed) -> None:
+    """While a stream replays, the index holds its past (a late join replays stores that a
+    cache reset further on clears): its matches are not trusted until it is live again, or
+    incomplete from seq 0 (a join after the ring moved on: nothing false)."""
+    with make_service(feed) as service:
+        for worker in ("a", "b"):
+            service.register(
+                WorkerRegistration(worker, f"tcp://127.0.0.1:{5557 + 10 * ord(worker)}", BS)
+            )
+        feed.report("a", 0, "replaying")
+        feed.deliver("a", 0, batch(store_event(PROMPT, BS)), seq=0)  # its ring's past
+        assert service.degraded() == {("a", 0): REPLAYING}
+        rows = {row["worker_id"]: row for row in service.query(PROMPT)["decision"]["scores"]}
+        assert rows["a"]["matched_blocks"] == 0 and rows["a"]["degraded"] == REPLAYING
+        feed.deliver("a", 0, batch(AllBlocksCleared()), seq=1)  # the reset further on
+        feed.report("a", 0, "live")
+        assert service.degraded() == {}
+        feed.report("a", 0, "replaying")
+        feed.report("a", 0, "incomplete", (0, 40))
+        assert service.degraded() == {}
 
 
 def test_health_says_degraded_naming_a_degraded_stream(

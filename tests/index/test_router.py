@@ -190,6 +190,20 @@ def test_degraded_target_loses_its_prefix_bonus(policy: str) -> None:
     assert router.degraded == {}
 
 
+def test_a_callers_own_credit_counts_on_a_degraded_target() -> None:
+    """``credit``: blocks the caller knows are on a target (the front door's predicted
+    blocks) count whatever the stream's state; its index matches do not."""
+    router = make_router("longest_prefix")
+    router.mark_degraded("b", 0, "replaying")
+    match = router.index.match(PROMPT)
+    assert router.decide(match).winner == ("a", 0)  # b's 6 indexed blocks count 0
+    decision = router.decide(match, credit={("b", 0): 3, ("c", 0): 1})
+    assert decision.winner == ("b", 0)
+    assert decision.matched == {("a", 0): 2, ("b", 0): 3, ("c", 0): 1}
+    router.mark_healthy("b")
+    assert router.decide(match, credit={("b", 0): 3}).matched[("b", 0)] == 6  # the larger
+
+
 def test_degraded_target_stays_routable() -> None:
     """Degraded is not removed: with no better choice the target can still win."""
     router = make_router("round_robin")

@@ -109,6 +109,32 @@ def test_a_burst_sharing_a_new_prefix_lands_where_the_first_was_sent(
     assert all(r.status_code == 200 for r in replies)
 
 
+def test_a_replaying_stream_keeps_the_front_doors_own_credit(
+    door: Door, engines: Callable[..., StandInEngine]
+) -> None:
+    """While the engines' streams replay, the index's matches there are not trusted (they
+    may be the engines' past); the blocks of the requests the front door sent itself are:
+    a burst sharing a new prefix still lands where its first request went, predicted."""
+    from kvevents.service._core import REPLAYING
+
+    slow = Behaviour(delay=0.6)
+    pool = [engines(behaviour=slow) for _ in range(3)]
+    front = door(*pool)
+    assert front.service is not None
+    for i in range(3):
+        front.service.router.mark_degraded(f"e{i}", 0, REPLAYING)
+    first, answers = in_background(lambda: ask(front, "first question"))
+    wait_for(lambda: sum(len(e.received("/v1/chat/completions")) for e in pool) == 1, 5)
+    followers = [in_background(lambda i=i: ask(front, f"question {i}")) for i in range(3)]
+    for thread, _ in [(first, answers), *followers]:
+        thread.join(10)
+    replies = answers + [r for _, out in followers for r in out]
+    assert len({r.headers["x-kvevents-engine"] for r in replies}) == 1
+    assert all(predicted(r) > 0 for r in replies[1:])
+    record = front.planner.decisions()[0]
+    assert {row["degraded"] for row in record["scores"]} == {REPLAYING}
+
+
 def test_predicted_blocks_expire_after_the_grace_period(
     door: Door, engines: Callable[..., StandInEngine]
 ) -> None:
@@ -222,9 +248,15 @@ def test_a_stream_whose_events_stop_loses_its_credit_and_health_says_so(
         engine = engines()
         spec = EngineSpec(engine.url, "e0", publisher.endpoint, publisher.replay_endpoint)
         front = door(spec, stale_after=0.3)
-        publisher.publish(KVEventBatch(ts=time.time(), events=[]))
-        assert front.service is not None
-        wait_for(lambda: any(s.batches for s in front.service.stream_infos()), 10)
+        service = front.service
+        assert service is not None
+
+        def applied() -> bool:  # again until one is: a subscriber still joining misses it
+            publisher.publish(KVEventBatch(ts=time.time(), events=[]))
+            return any(s.batches for s in service.stream_infos())
+
+        wait_for(applied, 10, interval=0.05)
+        wait_for(lambda: not service.degraded(), 10)  # a late join replays first
         ask(front, "is anyone listening")
         deadline = time.monotonic() + 5
         while not front.planner.stale and time.monotonic() < deadline:
@@ -235,7 +267,7 @@ def test_a_stream_whose_events_stop_loses_its_credit_and_health_says_so(
         assert front.planner.stats().counts.stale_marks == 1
         publisher.publish(KVEventBatch(ts=time.time(), events=[]))
         wait_for(lambda: ask(front, "back") is not None and not front.planner.stale, 10)
-        assert httpx.get(f"{front.url}/health").json()["status"] == "ok"
+        wait_for(lambda: httpx.get(f"{front.url}/health").json()["status"] == "ok", 10)
 
 
 def test_an_engine_that_goes_down_loses_its_predicted_blocks(

@@ -78,7 +78,7 @@ class Rig:
         assert self.door.service is not None
         while True:
             stats = self.door.service.stream_health()
-            if all(
+            if not self.door.service.degraded() and all(  # degraded: still replaying
                 (stats.get((w, 0)) is not None and stats[(w, 0)].last_seq == seq)
                 for w, seq in now.items()
             ):

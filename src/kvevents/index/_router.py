@@ -525,13 +525,17 @@ class Router:
         load_weight: float | None = None,
         adds: Mapping[StreamKey, int] | None = None,
         recent_matched: Mapping[StreamKey, int] | None = None,
+        credit: Mapping[StreamKey, int] | None = None,
     ) -> Decision:
         """Decide from a match already made (e.g. to compare policies on one request);
         ``prefill_weight`` and ``load_weight`` override the router's cost weights for it;
         ``adds``: per target, the blocks the request would pin there beyond those its
         requests in flight pin (:attr:`RouteInputs.adds`; unknown by default);
         ``recent_matched``: per target, the request's leading blocks sent there lately
-        (:attr:`RouteInputs.recent_matched`; unknown by default)."""
+        (:attr:`RouteInputs.recent_matched`; unknown by default); ``credit``: per target,
+        leading blocks the caller knows are there whatever the index says (the front door's
+        predicted blocks, of requests it sent there itself): they count on a degraded target
+        too, whose index matches do not."""
         chosen = self._policy(policy, prefill_weight, load_weight)
         targets = self.index.targets() if targets is None else list(targets)
         sizes = self.index.stream_block_size
@@ -542,6 +546,8 @@ class Router:
         if self.degraded:
             degraded = [self.degraded.get(t) for t in targets]
             matched = [0 if why else m for m, why in zip(matched, degraded, strict=True)]
+        if credit:
+            matched = [max(m, credit.get(t, 0)) for m, t in zip(matched, targets, strict=True)]
         inputs = RouteInputs(
             targets=targets,
             matched=matched,

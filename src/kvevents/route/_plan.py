@@ -386,6 +386,7 @@ class IndexPlanner:
             policy=self.options.policy,
             adds=adds,
             recent_matched=lately,
+            credit=match.credit,
         )
         order = _by_score(decision, mine, targets)
         planned = _Planned(targets, {}, {}, {}, {})
@@ -442,6 +443,7 @@ class IndexPlanner:
         result = self.service.match(ids, lora=lora, cache_salt=salt)
         keys: dict[int, list[int]] = {}
         predicted: dict[StreamKey, int] = {}
+        credit: dict[StreamKey, int] = {}
         streams = dict(result.streams)
         sizes = dict(result.request_blocks)
         for target, size in targets.items():
@@ -452,11 +454,12 @@ class IndexPlanner:
             predicted[target] = credited
             if target in self.stale:
                 streams.pop(target, None)
-                credited = 0
-            if credited > streams.get(target, 0):
-                streams[target] = credited
+            else:
+                credit[target] = credited
+        # The index's matches (which the router ignores on a degraded stream: one replaying
+        # or incomplete) and the front door's own credits (which it does not) go apart.
         merged = MatchResult(result.request_tokens or len(ids), sizes, result.holders, streams)
-        return _Matches(merged, keys, predicted, result.streams)
+        return _Matches(merged, keys, predicted, result.streams, credit)
 
     def _block_size(self, target: StreamKey) -> int:
         """The target's block size: as given for its engine, else its stream's, else the
@@ -612,13 +615,15 @@ class IndexPlanner:
 
 @dataclass(frozen=True)
 class _Matches:
-    """A request's matches: the merged result, its keys per block size, the blocks credited
+    """A request's matches: the index's result, its keys per block size, the blocks credited
     by predictions and those the index alone matched, per target."""
 
     result: MatchResult
     keys: Mapping[int, list[int]]
     predicted: Mapping[StreamKey, int]
     indexed: Mapping[StreamKey, int] = field(default_factory=dict)
+    #: the predicted blocks that count, per target (none on a stale stream's)
+    credit: Mapping[StreamKey, int] = field(default_factory=dict)
 
 
 def _headers(explain: DocumentView) -> list[tuple[bytes, bytes]]:

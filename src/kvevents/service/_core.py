@@ -74,6 +74,8 @@ __all__ = [
 ]
 
 log = logging.getLogger("kvevents.service.core")
+#: Why a replaying stream's matches are not trusted (:meth:`IndexService.status`).
+REPLAYING = "replaying: the index is behind the stream"
 
 _R = TypeVar("_R")
 
@@ -182,14 +184,20 @@ class IndexService:
         self._counts.resets += 1
 
     def status(self, status: StreamStatus) -> None:
-        """A stream's state changed: an incomplete stream's matches stop being trusted.
+        """A stream's state changed: an incomplete or replaying stream's matches stop being
+        trusted.
 
         A loss after events were applied may have hidden removals, so the index can list
         blocks the engine no longer holds; the router keeps the target but ignores its matched
         blocks until the stream is whole again (a cache reset, or a restart rebuilt from
         replay). A loss that starts at sequence 0 (joining after the replay ring moved on) only
         hides stores: the index under-matches that worker but lists nothing false, so it is
-        not degraded. ``status.reason``, when given, is the mark's reason.
+        not degraded. While a stream replays, the index holds its past, not its present: the
+        batches applied so far, the later ones held back. Joining an engine that has run for a
+        while replays its ring from the start, whose stores a cache reset further on clears,
+        and until the replay reaches that reset the index lists blocks the engine dropped long
+        ago. So a replaying stream is degraded until it is live (or incomplete from sequence
+        0) again. ``status.reason``, when given, is the mark's reason.
         """
         worker_id, rank = status.stream.worker_id, status.stream.rank
         lost = status.missing
@@ -199,7 +207,9 @@ class IndexService:
                     "events lost" if lost is None else f"lost seq {lost[0]}..{lost[1] - 1}"
                 )
                 self.router.mark_degraded(worker_id, rank, why)
-            elif status.state == "live":
+            elif status.state == "replaying":
+                self.router.mark_degraded(worker_id, rank, REPLAYING)
+            elif status.state in ("live", "incomplete"):
                 self.router.mark_healthy(worker_id, rank)
 
     def _is_registered(self, worker_id: str, rank: int) -> bool:
@@ -501,15 +511,21 @@ class IndexService:
         policy: str | None = None,
         adds: Mapping[StreamKey, int] | None = None,
         recent_matched: Mapping[StreamKey, int] | None = None,
+        credit: Mapping[StreamKey, int] | None = None,
     ) -> Decision:
         """A routing decision among ``targets`` from ``match`` (one of :meth:`match`, or the
         caller's own view of it: the front door adds its predicted blocks), recorded for the
-        status page like every query's; ``adds`` and ``recent_matched`` as
+        status page like every query's; ``adds``, ``recent_matched`` and ``credit`` as
         :meth:`Router.decide` takes them."""
         with self.lock:
             self._counts.loads_expired += self._loads.expire()
             decision = self.router.decide(
-                match, targets=targets, policy=policy, adds=adds, recent_matched=recent_matched
+                match,
+                targets=targets,
+                policy=policy,
+                adds=adds,
+                recent_matched=recent_matched,
+                credit=credit,
             )
             self._counts.queries += 1
         self.decisions.record(decision)
