@@ -115,14 +115,13 @@ def test_a_replaying_stream_keeps_the_front_doors_own_credit(
     """While the engines' streams replay, the index's matches there are not trusted (they
     may be the engines' past); the blocks of the requests the front door sent itself are:
     a burst sharing a new prefix still lands where its first request went, predicted."""
-    from kvevents.service._core import REPLAYING
-
+    replaying = "replaying: the index is behind the stream"
     slow = Behaviour(delay=0.6)
     pool = [engines(behaviour=slow) for _ in range(3)]
     front = door(*pool)
     assert front.service is not None
     for i in range(3):
-        front.service.router.mark_degraded(f"e{i}", 0, REPLAYING)
+        front.service.router.mark_degraded(f"e{i}", 0, replaying)
     first, answers = in_background(lambda: ask(front, "first question"))
     wait_for(lambda: sum(len(e.received("/v1/chat/completions")) for e in pool) == 1, 5)
     followers = [in_background(lambda i=i: ask(front, f"question {i}")) for i in range(3)]
@@ -132,7 +131,7 @@ def test_a_replaying_stream_keeps_the_front_doors_own_credit(
     assert len({r.headers["x-kvevents-engine"] for r in replies}) == 1
     assert all(predicted(r) > 0 for r in replies[1:])
     record = front.planner.decisions()[0]
-    assert {row["degraded"] for row in record["scores"]} == {REPLAYING}
+    assert {row["degraded"] for row in record["scores"]} == {replaying}
 
 
 def test_predicted_blocks_expire_after_the_grace_period(
