@@ -89,6 +89,17 @@ def in_background(
     return thread, out
 
 
+def burst(front: FrontDoor, pool: list[StandInEngine]) -> list[httpx.Response]:
+    """A first question, then three more sent once it is at an engine (all slow to answer):
+    the answers, the first one's first."""
+    first, answers = in_background(lambda: ask(front, "first question"))
+    wait_for(lambda: sum(len(e.received("/v1/chat/completions")) for e in pool) == 1, 5)
+    followers = [in_background(lambda i=i: ask(front, f"question {i}")) for i in range(3)]
+    for thread, _ in [(first, answers), *followers]:
+        thread.join(10)
+    return answers + [r for _, out in followers for r in out]
+
+
 def test_a_burst_sharing_a_new_prefix_lands_where_the_first_was_sent(
     door: Door, engines: Callable[..., StandInEngine]
 ) -> None:
@@ -97,12 +108,7 @@ def test_a_burst_sharing_a_new_prefix_lands_where_the_first_was_sent(
     slow = Behaviour(delay=0.6)
     pool = [engines(behaviour=slow) for _ in range(3)]
     front = door(*pool, policy="longest_prefix")
-    first, answers = in_background(lambda: ask(front, "first question"))
-    wait_for(lambda: sum(len(e.received("/v1/chat/completions")) for e in pool) == 1, 5)
-    followers = [in_background(lambda i=i: ask(front, f"question {i}")) for i in range(3)]
-    for thread, _ in [(first, answers), *followers]:
-        thread.join(10)
-    replies = answers + [r for _, out in followers for r in out]
+    replies = burst(front, pool)
     assert len({r.headers["x-kvevents-engine"] for r in replies}) == 1
     assert predicted(replies[0]) == 0
     assert all(predicted(r) > 0 for r in replies[1:])
@@ -122,12 +128,7 @@ def test_a_replaying_stream_keeps_the_front_doors_own_credit(
     assert front.service is not None
     for i in range(3):
         front.service.router.mark_degraded(f"e{i}", 0, replaying)
-    first, answers = in_background(lambda: ask(front, "first question"))
-    wait_for(lambda: sum(len(e.received("/v1/chat/completions")) for e in pool) == 1, 5)
-    followers = [in_background(lambda i=i: ask(front, f"question {i}")) for i in range(3)]
-    for thread, _ in [(first, answers), *followers]:
-        thread.join(10)
-    replies = answers + [r for _, out in followers for r in out]
+    replies = burst(front, pool)
     assert len({r.headers["x-kvevents-engine"] for r in replies}) == 1
     assert all(predicted(r) > 0 for r in replies[1:])
     record = front.planner.decisions()[0]

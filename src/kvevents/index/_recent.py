@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
+from itertools import takewhile
 from time import monotonic
 
 from kvevents.events import StreamKey
@@ -68,14 +69,7 @@ class RecentBlocks:
     def prefix(self, target: StreamKey, keys: Sequence[int]) -> int:
         """How many leading ``keys`` were sent to ``target`` within the window."""
         seen = self._seen.get(target)
-        if not seen:
-            return 0
-        depth = 0
-        for key in keys:
-            if key not in seen:
-                break
-            depth += 1
-        return depth
+        return sum(1 for _ in takewhile(seen.__contains__, keys)) if seen else 0
 
     def size(self, target: StreamKey) -> int:
         """The target's footprint: distinct blocks sent to it within the window."""

@@ -313,7 +313,7 @@ def _crowding(recent: int, adds: int, capacity: int | None) -> int:
     everything sent there lately, so that only a crowded cache turns a prefix away and an
     engine with room everywhere is chosen by its load instead (a slow engine, whose requests
     come back later, is sent less: under a raw footprint it would look the emptiest)."""
-    return recent if capacity is None else max(0, recent + adds - capacity)
+    return recent if capacity is None else _overflow(recent, adds, capacity)
 
 
 def _blocks(load: Load) -> float:

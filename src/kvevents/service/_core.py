@@ -513,10 +513,9 @@ class IndexService:
         recent_matched: Mapping[StreamKey, int] | None = None,
         credit: Mapping[StreamKey, int] | None = None,
     ) -> Decision:
-        """A routing decision among ``targets`` from ``match`` (one of :meth:`match`, or the
-        caller's own view of it: the front door adds its predicted blocks), recorded for the
-        status page like every query's; ``adds``, ``recent_matched`` and ``credit`` as
-        :meth:`Router.decide` takes them."""
+        """A routing decision among ``targets`` from ``match`` (one of :meth:`match`), recorded
+        for the status page like every query's; ``adds``, ``recent_matched`` and ``credit``
+        (the front door's predicted blocks) as :meth:`Router.decide` takes them."""
         with self.lock:
             self._counts.loads_expired += self._loads.expire()
             decision = self.router.decide(
