@@ -50,6 +50,8 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+import httpx
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from harness import Row
@@ -73,7 +75,15 @@ from route_client import (
     strip_raw,
     tokenizer_alias,
 )
-from route_engines import BenchEngine, Cluster, Snapshot, describe, make_cluster, snapshot
+from route_engines import (
+    MODEL_NAME,
+    BenchEngine,
+    Cluster,
+    Snapshot,
+    describe,
+    make_cluster,
+    snapshot,
+)
 from route_peers import (
     AIPERF,
     CONFIG_NOTES,
@@ -88,6 +98,7 @@ from route_peers import (
     start_router,
 )
 from route_report import FaultFigures, Outcome, fault_rows, merged, outcome_rows, summary
+from route_sim import StepTimes, measure_step_times
 from route_workload import (
     ChatShape,
     MooncakeShape,
@@ -196,6 +207,8 @@ class Rig:
         self.env = client_env(WORK / "hf")
         #: Seconds an engine took to come back the last time (the first guess: a quiet start).
         self.restart_estimate = 35.0
+        #: The engines' step time, measured on the first alone (None: not measured).
+        self.steps: StepTimes | None = None
 
     # ------------------------------------------------------------------ set-up
 
@@ -548,6 +561,10 @@ def rig_rows(settings: Settings, rig: Rig, runs: dict[str, ClientRun], wall: flo
         Row(section, "whole run", "minutes", wall / 60, "min"),
         Row(section, "load average at the end", "1 min", os.getloadavg()[0], ""),
     ]
+    if rig.steps is not None:
+        alone = "an engine's step, measured alone"
+        rows.append(Row(section, alone, "decode step", rig.steps.base_s * 1e3, "ms"))
+        rows.append(Row(section, alone, "prefill per token", rig.steps.token_s * 1e3, "ms"))
     for name, run in runs.items():
         rows.append(Row(section, f"{name} workload", "requests", float(run.requests), ""))
     if settings.mooncake is not None:
@@ -615,14 +632,30 @@ def run(quick: bool | None = None) -> list[Row]:
     cluster = rig.start_engines(python)
     try:
         (run_dir / "engines.json").write_text(json.dumps(describe(cluster), indent=2))
+        rig.steps = engine_steps(cluster.engines[0], model_dir)
         outcomes = measure_all(settings, rig, runs)
     finally:
         cluster.stop()
     rows = rig_rows(settings, rig, runs, time.monotonic() - began) + result_rows(settings, outcomes)
     sim = simulate_rows(settings, rig, outcomes)
     rows += sim
-    write_summary(run_dir, settings, outcomes, rows)
+    write_summary(run_dir, settings, outcomes, rows, rig.steps)
     return rows
+
+
+def engine_steps(engine: BenchEngine, model_dir: Path) -> StepTimes | None:
+    """The engine's step time measured alone (:func:`route_sim.measure_step_times`), before
+    any router runs (its caches are reset before each); None, and why on stderr, when the
+    probe failed: the simulator then runs on its own step time, and says so."""
+    vocabulary = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
+    budget = min(1024, MAX_NUM_BATCHED_TOKENS)
+    try:
+        steps = measure_step_times(engine.url, MODEL_NAME, vocabulary, prompt_tokens=budget)
+    except (OSError, RuntimeError, ValueError, httpx.HTTPError) as exc:
+        print(f"bench_route: the engines' step time was not measured: {exc}", file=sys.stderr)
+        return None
+    print(f"bench_route: the engines' step time: {steps.label()}", file=sys.stderr)
+    return steps
 
 
 def simulate_rows(settings: Settings, rig: Rig, outcomes: list[Outcome]) -> list[Row]:
@@ -635,6 +668,7 @@ def simulate_rows(settings: Settings, rig: Rig, outcomes: list[Outcome]) -> list
         outcomes,
         rig.run_dir,
         rig.model_dir,
+        rig.steps,
     )
 
 
@@ -646,6 +680,7 @@ def _simulated(
     outcomes: list[Outcome],
     run_dir: Path,
     model_dir: Path,
+    steps: StepTimes | None,
 ) -> list[Row]:
     from route_sim import SimShape, sim_rows
 
@@ -656,18 +691,22 @@ def _simulated(
         max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
         concurrency=concurrency,
         answer_tokens=answer_tokens,
+        steps=steps or StepTimes.simulator(),
     )
+    timing = "measured on an engine alone" if steps else "the simulator's own: not measured"
     section = (
         f"Simulator vs the real engines: the chat run's prompts, closed loop at concurrency "
-        f"{concurrency}, {engines} engines of {blocks} blocks"
+        f"{concurrency}, {engines} engines of {blocks} blocks, {shape.steps.label()} "
+        f"({timing})"
     )
     return sim_rows(section, outcomes, run_dir, shape, model_dir)
 
 
-def resimulate(run_dir: Path) -> list[Row]:
+def resimulate(run_dir: Path, steps: StepTimes | None = None) -> list[Row]:
     """The simulator section again, from a finished run's directory (its ``summary.json``
     and the client's exports): the simulator checked against real runs already made, without
-    the engines. The tiny chat model must be built (``bench/.work/route/model/chat``)."""
+    the engines. The tiny chat model must be built (``bench/.work/route/model/chat``).
+    ``steps``: the engines' step time (default: as the run measured it, if it did)."""
     data = json.loads((run_dir / "summary.json").read_text())
     chat = data["settings"]["chat"]
     outcomes = []
@@ -683,11 +722,17 @@ def resimulate(run_dir: Path) -> list[Row]:
     engines = int(data["settings"]["engines"])
     model_dir = WORK / "model" / "chat"
     args = (engines, int(data["engine_blocks"]), chat["concurrency"], chat["answer_tokens"])
-    return _simulated(*args, outcomes, run_dir, model_dir)
+    if steps is None and data.get("step_times"):
+        steps = StepTimes(**data["step_times"])
+    return _simulated(*args, outcomes, run_dir, model_dir, steps)
 
 
 def write_summary(
-    run_dir: Path, settings: Settings, outcomes: list[Outcome], rows: list[Row]
+    run_dir: Path,
+    settings: Settings,
+    outcomes: list[Outcome],
+    rows: list[Row],
+    steps: StepTimes | None = None,
 ) -> None:
     """The run's record next to the client's own reports: summary.json, rows.json, the chart."""
     from route_chart import route_svg
@@ -696,6 +741,7 @@ def write_summary(
         "settings": asdict(settings),
         "engine_blocks": settings.engine_blocks(),
         "config_notes": CONFIG_NOTES,
+        "step_times": None if steps is None else asdict(steps),
         "outcomes": summary(outcomes),
     }
     (run_dir / "summary.json").write_text(json.dumps(data, indent=2, default=str))
@@ -738,8 +784,11 @@ def record(rows: list[Row], bench_dir: Path) -> list[Path]:
 if __name__ == "__main__":
     from run import render
 
-    if len(sys.argv) == 3 and sys.argv[1] == "--simulate":  # a finished run, simulated again
-        got = resimulate(Path(sys.argv[2]))
+    if len(sys.argv) in (3, 4) and sys.argv[1] == "--simulate":  # a finished run, again
+        # [BASE_MS:TOKEN_MS]: the engines' step time, for a run that did not measure it
+        given = sys.argv[3].split(":") if len(sys.argv) == 4 else None
+        steps = StepTimes(float(given[0]) / 1e3, float(given[1]) / 1e3) if given else None
+        got = resimulate(Path(sys.argv[2]), steps)
     else:
         got = run(quick="--quick" in sys.argv[1:] or None)
     print(render(got, ""))

@@ -21,12 +21,17 @@ the round-robin run's prompts with both load views (the engines' true load, as
 
 from __future__ import annotations
 
+import json
+import random
 import statistics
+import time
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
+
+import httpx
 
 from harness import Row
 from kvevents.index import POLICIES
@@ -44,8 +49,70 @@ from route_report import Outcome
 
 
 @dataclass(frozen=True)
+class StepTimes:
+    """A real engine's step time, measured alone (:func:`measure_step_times`): ``base_s``, a
+    decode step (the time between two tokens of an answer), and ``token_s``, a prefill's time
+    per token (a long prompt's time to its first token, less a step, over its tokens)."""
+
+    base_s: float
+    token_s: float
+
+    @classmethod
+    def simulator(cls) -> StepTimes:
+        """The simulator's own step time (a GPU's shape), where none was measured."""
+        default = ClusterConfig()
+        return cls(default.step_base_s, default.step_token_s)
+
+    def label(self) -> str:
+        return f"steps of {self.base_s * 1e3:.1f} ms + {self.token_s * 1e3:.3f} ms a token"
+
+
+def measure_step_times(
+    url: str,
+    model: str,
+    vocabulary: int,
+    *,
+    prompt_tokens: int = 1024,
+    answer_tokens: int = 33,
+    tries: int = 3,
+    timeout: float = 120.0,
+) -> StepTimes:
+    """The step time of the engine at ``url``, alone: ``tries`` prompts of ``prompt_tokens``
+    random token ids (nothing cached; one prefill step, within the engine's budget), each
+    answered with ``answer_tokens`` tokens, streamed; the medians of their time to the first
+    token and of the time between their tokens."""
+    rng = random.Random(7)
+    firsts: list[float] = []
+    steps: list[float] = []
+    with httpx.Client(base_url=url, timeout=timeout) as client:
+        for _ in range(tries):
+            body = {
+                "model": model,
+                "prompt": [rng.randrange(16, vocabulary) for _ in range(prompt_tokens)],
+                "max_tokens": answer_tokens,
+                "ignore_eos": True,
+                "temperature": 0,
+                "stream": True,
+            }
+            began, stamps = time.perf_counter(), []
+            with client.stream("POST", "/v1/completions", json=body) as answer:
+                answer.raise_for_status()
+                for line in answer.iter_lines():
+                    if line.startswith("data: {"):
+                        event = json.loads(line[6:])
+                        if any(choice.get("text") for choice in event.get("choices", ())):
+                            stamps.append(time.perf_counter())
+            if len(stamps) < 2:
+                raise RuntimeError(f"{url}: an answer of {len(stamps)} tokens to a step probe")
+            firsts.append(stamps[0] - began)
+            steps.append((stamps[-1] - stamps[0]) / (len(stamps) - 1))
+    base = statistics.median(steps)
+    return StepTimes(base, max(0.0, statistics.median(firsts) - base) / prompt_tokens)
+
+
+@dataclass(frozen=True)
 class SimShape:
-    """The simulated cluster: the real one's engines and caches."""
+    """The simulated cluster: the real one's engines, caches and step time."""
 
     engines: int
     blocks: int  # per engine, as given to vLLM (one is its null block)
@@ -53,6 +120,7 @@ class SimShape:
     max_num_batched_tokens: int
     concurrency: int
     answer_tokens: int
+    steps: StepTimes = field(default_factory=StepTimes.simulator)
 
     def config(self, workers: int, blocks: int) -> SimulationConfig:
         cluster = ClusterConfig(
@@ -61,6 +129,8 @@ class SimShape:
             capacity_blocks=blocks - 1,  # vLLM keeps one block back (its null block)
             max_num_batched_tokens=self.max_num_batched_tokens,
             transport="direct",
+            step_base_s=self.steps.base_s,
+            step_token_s=self.steps.token_s,
         )
         return SimulationConfig(cluster=cluster)
 

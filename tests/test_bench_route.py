@@ -335,3 +335,22 @@ def test_the_simulator_is_set_against_the_mean_of_every_run() -> None:
     assert row.case == "a vs simulated p" and row.unit == "%"
     assert row.metric == "cached fraction, simulated, mean of 3 runs (real 70.0, 74.0, 72.0)"
     assert math.isclose(row.value, 85.0) and math.isclose(row.baseline or 0, 72.0)
+
+
+def test_the_step_probe_reads_a_prefill_and_a_decode_step_from_a_streamed_answer() -> None:
+    """measure_step_times against a stand-in engine that waits 0.3 s before its answer and
+    0.05 s between its tokens: a step of about 0.05 s, and the rest of the first token's
+    wait spread over the prompt's tokens; the simulator is then given that step time."""
+    from kvevents.testing.openai_engine import Behaviour, StandInEngine
+    from route_sim import SimShape, StepTimes, measure_step_times
+
+    behaviour = Behaviour(delay=0.3, tokens=5, token_delay=0.05)
+    with StandInEngine(models=("m",), behaviour=behaviour).start() as engine:
+        steps = measure_step_times(engine.url, "m", 100, prompt_tokens=100, tries=3)
+    assert 0.04 <= steps.base_s < 0.2
+    assert 0.15 <= steps.token_s * 100 < 0.6
+    shape = SimShape(3, 10, 16, 2048, 4, 8, steps)
+    cluster = shape.config(3, 10).cluster
+    assert (cluster.step_base_s, cluster.step_token_s) == (steps.base_s, steps.token_s)
+    assert SimShape(3, 10, 16, 2048, 4, 8).steps == StepTimes.simulator()
+    assert steps.label().startswith(f"steps of {steps.base_s * 1e3:.1f} ms + ")

@@ -570,3 +570,74 @@ def test_hold_head_writes_the_head_with_the_first_piece_of_the_body() -> None:
             assert data.startswith(b"HTTP/1.1 200 OK\r\n") and data.endswith(b"\r\n\r\n")
     finally:
         server.close()
+
+
+def test_hold_chunks_writes_the_chunks_with_the_next_piece_of_the_body() -> None:
+    """The ABORT extension's hold_chunks: the pieces given wait for the body's next message
+    and go out with it, each framed as one chunk (an empty one skipped: it would end the
+    body); it holds nothing (False) for a body with a declared length or while the head is
+    still held; a response closed with chunks held gets them, then the close."""
+    import threading
+
+    from kvevents.http import ABORT
+
+    held, go_on = threading.Event(), threading.Event()
+    refused: list[bool] = []
+
+    async def answer(scope: Any, send: Any) -> None:
+        abort = scope["extensions"][ABORT]
+        if scope["path"] == "/length":
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [(b"content-length", b"2")],
+                }
+            )
+            refused.append(abort["hold_chunks"]([b"a"]))
+            await send({"type": "http.response.body", "body": b"ok"})
+            return
+        abort["hold_head"]()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        refused.append(abort["hold_chunks"]([b"a"]))  # the head is held: not now
+        await send({"type": "http.response.body", "body": b"first", "more_body": True})
+        assert abort["hold_chunks"]([b"a", b"", b"bc"])
+        if scope["path"] == "/closed":
+            abort["close"]()
+            return
+        held.set()
+        while not go_on.is_set():
+            await asyncio.sleep(0.005)
+        await send({"type": "http.response.body", "body": b"d"})
+
+    server = Server(_lifespan_app(answer)).start()
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+            sock.sendall(b"GET /held HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert held.wait(10)
+            _recv_until(sock, b"5\r\nfirst\r\n")
+            readable, _, _ = select.select([sock], [], [], 0)
+            assert readable == []  # the chunks wait for the next piece
+            go_on.set()
+            assert _recv_until(sock, b"0\r\n\r\n") == b"1\r\na\r\n2\r\nbc\r\n1\r\nd\r\n0\r\n\r\n"
+            sock.sendall(b"GET /length HTTP/1.1\r\nHost: x\r\n\r\n")
+            _recv_until(sock, b"\r\n\r\nok")
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+            sock.sendall(b"GET /closed HTTP/1.1\r\nHost: x\r\n\r\n")
+            data = b""
+            while chunk := sock.recv(4096):
+                data += chunk
+            assert data.endswith(b"5\r\nfirst\r\n1\r\na\r\n2\r\nbc\r\n")
+    finally:
+        server.close()
+    assert refused == [False, False, False]
+
+
+def _recv_until(sock: socket.socket, end: bytes) -> bytes:
+    """What ``sock`` receives until it ends with ``end`` (AssertionError if it closes first)."""
+    data = b""
+    while not data.endswith(end):
+        more = sock.recv(4096)
+        assert more, f"closed after {data!r}"
+        data += more
+    return data

@@ -232,9 +232,47 @@ def test_a_connection_is_reused_only_when_its_answer_ended_whole_and_was_kept_al
     exchange(script, test, keepalive_timeout=60)
 
 
-def test_reading_stops_while_the_reader_does_not_take_and_resumes_when_it_does() -> None:
+def test_what_one_read_brought_is_taken_together() -> None:
+    """read_ready takes every whole chunk read so far, each still one piece: three chunks
+    written at once come together, the one written later alone, with the body's end."""
+    later = asyncio.Event()
+
+    async def script(
+        server: Scripted, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        await server.head(reader)
+        writer.write(chunked() + chunk(b"data: a\n\n") + chunk(b"data: b\n\n") + b"9\r\ndata:")
+        await writer.drain()
+        await later.wait()
+        writer.write(b" c\n\n\r\n" + chunk(b"data: d\n\n") + b"0\r\n\r\n")
+
+    async def test(server: Scripted, client: EngineClient) -> None:
+        response = await post(client, server)
+        first = await asyncio.wait_for(response.read_ready(), WAIT)
+        while first == ([b"data: a\n\n"], False):  # the head and the body in two reads
+            more = await asyncio.wait_for(response.read_ready(), WAIT)
+            first = ([*first[0], *more[0]], more[1])
+        assert first == ([b"data: a\n\n", b"data: b\n\n"], False)
+        later.set()
+        rest: list[bytes] = []
+        last = False
+        while not last:
+            pieces, last = await asyncio.wait_for(response.read_ready(), WAIT)
+            rest += pieces
+        assert rest == [b"data: c\n\n", b"data: d\n\n"]
+        assert await response.read_ready() == ([], True)
+        response.release()
+
+    exchange(script, test)
+
+
+@pytest.mark.parametrize("together", [False, True], ids=["read", "read_ready"])
+def test_reading_stops_while_the_reader_does_not_take_and_resumes_when_it_does(
+    together: bool,
+) -> None:
     """An engine sending 16 MiB to a reader that takes nothing: the client holds at most
-    about twice its hold size; then everything arrives, in order."""
+    about twice its hold size; then everything arrives, in order, taken a piece at a time
+    or all that was read at once."""
     size = 16 << 20
     stalled = asyncio.Event()
 
@@ -258,12 +296,14 @@ def test_reading_stops_while_the_reader_does_not_take_and_resumes_when_it_does()
         await asyncio.wait_for(stalled.wait(), WAIT)
         connection = response._connection
         assert connection._buffered <= 2 * (64 << 10) + (256 << 10)
-        got = 0
-        while True:
-            piece, last = await asyncio.wait_for(response.read(), WAIT)
-            got += len(piece)
-            if last:
-                break
+        got, last = 0, False
+        while not last:
+            if together:
+                pieces, last = await asyncio.wait_for(response.read_ready(), WAIT)
+                got += sum(map(len, pieces))
+            else:
+                piece, last = await asyncio.wait_for(response.read(), WAIT)
+                got += len(piece)
         assert got == size
         response.release()
 

@@ -368,3 +368,31 @@ def test_the_router_is_given_each_engines_cache_size_and_pinned_blocks() -> None
     assert rows[first].load.pinned_blocks == 41
     assert rows[first].terms["overflow_blocks"] == 7  # 41 + 30 - 64
     assert rows[first].terms["capacity_blocks"] == 64
+
+
+def test_the_step_time_reaches_every_engine_and_bad_ones_are_refused() -> None:
+    """ClusterConfig's step time is every simulated engine's (a long prompt's first token
+    then takes its prefill's time); a step of no time, a negative time per token or NaN is
+    refused naming the field, and `kvevents simulate` refuses them in one line."""
+    config = ClusterConfig(workers=2, transport="direct", step_base_s=0.01, step_token_s=0.001)
+    with Cluster(config) as cluster:
+        for engine in cluster.engines.values():
+            assert (engine.config.step_base_s, engine.config.step_token_s) == (0.01, 0.001)
+        engine = next(iter(cluster.engines.values()))
+        engine.submit(Request("long", list(range(1000)), 4))
+        began = engine.now
+        while not engine.finished_requests:
+            engine.step()
+        (record,) = engine.finished_requests
+        assert record.first_token_at - began == pytest.approx(0.01 + 0.001 * 1000)
+    for bad, field in (
+        ({"step_base_s": 0}, "step_base_s"),
+        ({"step_token_s": -1e-6}, "step_token_s"),
+        ({"step_base_s": float("nan")}, "step_base_s"),
+    ):
+        with pytest.raises(ValueError, match=field):
+            ClusterConfig(**bad)
+    for flag in ("--step-ms", "--token-us"):
+        done = _kvevents("simulate", flag, "-1", timeout=30)
+        assert done.returncode == 2 and f"argument {flag}: must be a finite number" in done.stderr
+        assert done.stderr.count("\n") == 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -69,6 +70,20 @@ def add_parser(sub: Subparsers) -> None:
         help="tokens per engine step (chunked prefill)",
     )
     p.add_argument(
+        "--step-ms",
+        type=_positive_float,
+        default=d.step_base_s * 1e3,
+        help="an engine step's fixed time, ms (default %(default)g: measure yours as the time "
+        "between two tokens of an answer running alone)",
+    )
+    p.add_argument(
+        "--token-us",
+        type=_non_negative,
+        default=d.step_token_s * 1e6,
+        help="an engine step's time per token it computes, µs (default %(default)g: measure "
+        "yours from a long prompt's time to first token alone, less --step-ms, over its tokens)",
+    )
+    p.add_argument(
         "--staleness", type=_non_negative, default=0.0, help="index lag, virtual seconds"
     )
     p.add_argument(
@@ -109,8 +124,15 @@ def _positive(text: str) -> int:
 
 def _non_negative(text: str) -> float:
     value = float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
     return value
 
 
@@ -164,6 +186,8 @@ def run(args: argparse.Namespace) -> int:
             transport=args.transport,
             drop_rate=args.drop_rate,
             seed=args.seed,
+            step_base_s=args.step_ms / 1e3,
+            step_token_s=args.token_us / 1e6,
         ),
         staleness=args.staleness,
         check_every=0

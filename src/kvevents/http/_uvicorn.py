@@ -14,9 +14,11 @@ public (ASGI) path (docs/native.md, "/query on the connection"). What it relies 
   ``parser``, ``url``, ``headers``, ``expect_100_continue``, ``cycle``, ``pipeline``,
   ``flow``, ``transport``, ``loop``, ``logger``, ``connections``, ``server_state``,
   ``timeout_keep_alive`` and ``timeout_keep_alive_task``; ``RequestResponseCycle`` (its
-  ``response_complete``, ``response_started``, ``scope`` and ``transport``, to which its
-  ``send`` writes the head on ``http.response.start`` and each body message in one write,
-  and nothing for a HEAD request's body) and ``STATUS_LINE``;
+  ``response_complete``, ``response_started``, ``chunked_encoding`` (True once the head of
+  a chunked body is out), ``disconnected``, ``scope`` and ``transport``, to which its
+  ``send`` writes the head on ``http.response.start`` and each body message in one write
+  (a chunked body's message as one chunk), and nothing for a HEAD request's body) and
+  ``STATUS_LINE``;
 - ``uvicorn.protocols.http.flow_control.FlowControl``: ``read_paused``, ``write_paused``,
   ``pause_reading`` and ``resume_reading``.
 

@@ -10,6 +10,9 @@ headers as the engine sent them, and its body handed on piece by piece:
   about that size, so no more than that of it is ever held;
 - any other body as it arrives.
 
+The reader takes one piece (:meth:`EngineResponse.read`) or every piece read so far
+(:meth:`EngineResponse.read_ready`: what one read of the socket brought, passed on in one write).
+
 Reading stops while more than ``hold`` bytes wait for the reader (a client slower than the
 engine holds the engine back, not the proxy's memory) and starts again when they are taken.
 A connection whose answer ended whole goes back to its engine's pool for the next request;
@@ -243,20 +246,40 @@ class _Connection(asyncio.Protocol):
 
     async def read(self, idle: float) -> tuple[bytes, bool]:
         pieces = self._pieces
+        if not pieces and not self.complete:
+            await self._ready(idle)
+        piece = pieces.popleft() if pieces else b""
+        self._taken(len(piece))
+        return piece, self.complete and not pieces
+
+    async def read_ready(self, idle: float) -> tuple[list[bytes], bool]:
+        pieces = self._pieces
+        if not pieces and not self.complete:
+            await self._ready(idle)
+        ready = list(pieces)
+        pieces.clear()
+        self._taken(sum(map(len, ready)))
+        return ready, self.complete
+
+    async def _ready(self, idle: float) -> None:
+        """Wait for a piece or the body's end (:class:`TimeoutError` after ``idle`` s of
+        neither, the connection's error if it fails first)."""
+        pieces = self._pieces
         while not pieces and not self.complete:
             if self._error is not None:
                 raise self._error
             await self._wait(idle)
             if self._late and not pieces and not self.complete:
                 raise asyncio.TimeoutError()
-        piece = pieces.popleft() if pieces else b""
-        self._buffered -= len(piece)
-        if self._paused and (not pieces or self._buffered <= self._hold // 2):
-            # Taken down to half (or to a chunk not finished yet, which only more bytes end).
+
+    def _taken(self, size: int) -> None:
+        """``size`` bytes were taken by the reader: reading goes on once they are down to half
+        (or to a chunk not finished yet, which only more bytes end)."""
+        self._buffered -= size
+        if self._paused and (not self._pieces or self._buffered <= self._hold // 2):
             self._paused = False
             if self.transport is not None:
                 self.transport.resume_reading()
-        return piece, self.complete and not pieces
 
     def _wake(self) -> None:
         waiter = self._waiter
@@ -296,6 +319,11 @@ class EngineResponse:
         :class:`UpstreamError` ("reset") if the connection is lost first, :class:`TimeoutError`
         after ``idle_timeout`` without a piece."""
         return await self._connection.read(self._idle)
+
+    async def read_ready(self) -> tuple[list[bytes], bool]:
+        """(every piece of the body read so far and not yet taken, at least one unless the
+        body has ended; whether the body has ended), as :meth:`read` fails."""
+        return await self._connection.read_ready(self._idle)
 
     async def body(self, limit: int) -> bytes:
         """The whole body (:class:`UpstreamError` "reset" when it is over ``limit`` bytes)."""

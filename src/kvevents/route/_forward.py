@@ -216,6 +216,7 @@ class Exchange:
         abort = scope.get("extensions", {}).get(ABORT, {})
         self._abort: Callable[[], None] | None = abort.get("close")
         self._hold_head: Callable[[], None] | None = abort.get("hold_head")
+        self._hold_chunks: Callable[[Sequence[bytes]], bool] | None = abort.get("hold_chunks")
         self._on_disconnect: Callable[[Callable[[], None]], None] | None = abort.get(
             "on_disconnect"
         )
@@ -550,33 +551,52 @@ class Exchange:
         first: tuple[bytes, bool],
         splice: Splice | None = None,
     ) -> None:
-        """The body passed on piece by piece (a continuation's through ``splice``)."""
+        """The body passed on (a continuation's through ``splice``): its first piece alone,
+        at once, then whatever each read of the engine's connection brought, in one write."""
         # A continuation's usage is not the planned prompt's: not reported to the planner.
         usage = _usage_reader(response, stream) if splice is None else None
         transcript = self._transcript
-        send, size, last = self._send, 0, False
+        size, last = 0, False
         pending: tuple[bytes, bool] | None = first
         while not last:
-            piece, last = pending if pending is not None else await response.read()
-            size += len(piece)
+            if pending is not None:
+                pieces, last = [pending[0]], pending[1]
+            else:
+                pieces, last = await response.read_ready()
+            size += sum(map(len, pieces))
             if limit is not None and size > limit:
                 raise _Failed("too_large", f"its answer is over {limit} bytes")
             if splice is not None:
-                piece = splice.feed(piece) + splice.rest() if last else splice.feed(piece)
+                pieces = [splice.feed(piece) for piece in pieces]
+                if last:
+                    pieces.append(splice.rest())
+                pieces = [piece for piece in pieces if piece]
             self._complete = last
-            if pending is not None:  # the first piece: its bookkeeping once it is on its way
+            if pending is not None:
                 attempt.first_byte = perf_counter()
-                await send({"type": "http.response.body", "body": piece, "more_body": not last})
+            await self._pass(pieces, last)
+            if pending is not None:  # the first piece: its bookkeeping once it is on its way
                 self._first_byte(attempt, stream and splice is None)
                 pending = None
-            elif piece or last:
-                await send({"type": "http.response.body", "body": piece, "more_body": not last})
-            if usage is not None and piece:
-                usage.feed(piece)
-            if transcript is not None:
-                transcript.feed(piece)
+            for piece in pieces:
+                if usage is not None and piece:
+                    usage.feed(piece)
+                if transcript is not None:
+                    transcript.feed(piece)
         attempt.kind = "ok"
         attempt.usage = None if usage is None else usage.result()
+
+    async def _pass(self, pieces: list[bytes], last: bool) -> None:
+        """Send ``pieces`` to the client, each as the engine's chunk it was, in one write where
+        the server can (``hold_chunks``), and the body's end after them when ``last``."""
+        if len(pieces) > 1 and self._hold_chunks is not None and self._hold_chunks(pieces[:-1]):
+            pieces = pieces[-1:]
+        send, final = self._send, len(pieces) - 1
+        for index, piece in enumerate(pieces):
+            more = not last or index < final
+            await send({"type": "http.response.body", "body": piece, "more_body": more})
+        if last and not pieces:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     def _first_byte(self, attempt: _Attempt, timed: bool) -> None:
         """The answer's first piece went to the client (at ``attempt.first_byte``); ``timed``:

@@ -57,7 +57,13 @@ _PROBE_INTERVAL = 0.02
 
 @dataclass(frozen=True)
 class ClusterConfig:
-    """Shape of a simulated cluster. ``capacity_blocks`` and the budget are per rank."""
+    """Shape of a simulated cluster. ``capacity_blocks`` and the budget are per rank.
+
+    ``step_base_s`` and ``step_token_s``: each engine's step time, ``step_base_s +
+    step_token_s * tokens`` (virtual seconds). What decides where requests go is their ratio:
+    how long a prefill of many tokens takes against a decode step. The defaults are a GPU's
+    shape; a real engine's can be measured (a long prompt's time to first token alone, and
+    the time between its tokens) and given here."""
 
     workers: int = 8
     ranks: int = 1
@@ -69,10 +75,16 @@ class ClusterConfig:
     drop_rate: float = 0.0
     seed: int = 0
     sync_timeout: float = 30.0
+    step_base_s: float = EngineConfig.step_base_s
+    step_token_s: float = EngineConfig.step_token_s
 
     def __post_init__(self) -> None:
         if self.workers <= 0 or self.ranks <= 0:
             raise ValueError(f"need at least one worker and rank, got {self.workers}x{self.ranks}")
+        if not self.step_base_s > 0:
+            raise ValueError(f"step_base_s must be positive, got {self.step_base_s}")
+        if not self.step_token_s >= 0:
+            raise ValueError(f"step_token_s must be 0 or more, got {self.step_token_s}")
         if self.transport not in ("zmq", "direct"):
             raise ValueError(f"transport must be 'zmq' or 'direct', got {self.transport!r}")
         if self.drop_rate and self.transport != "zmq":
@@ -85,6 +97,8 @@ class ClusterConfig:
             cpu_capacity_blocks=self.cpu_capacity_blocks,
             ranks=self.ranks,
             max_num_batched_tokens=self.max_num_batched_tokens,
+            step_base_s=self.step_base_s,
+            step_token_s=self.step_token_s,
         )
 
 
