@@ -647,11 +647,11 @@ def engine_steps(engine: BenchEngine, model_dir: Path) -> StepTimes | None:
     """The engine's step time measured alone (:func:`route_sim.measure_step_times`), before
     any router runs (its caches are reset before each); None, and why on stderr, when the
     probe failed: the simulator then runs on its own step time, and says so."""
-    vocabulary = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
     budget = min(1024, MAX_NUM_BATCHED_TOKENS)
     try:
+        vocabulary = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
         steps = measure_step_times(engine.url, MODEL_NAME, vocabulary, prompt_tokens=budget)
-    except (OSError, RuntimeError, ValueError, httpx.HTTPError) as exc:
+    except (OSError, KeyError, RuntimeError, ValueError, httpx.HTTPError) as exc:
         print(f"bench_route: the engines' step time was not measured: {exc}", file=sys.stderr)
         return None
     print(f"bench_route: the engines' step time: {steps.label()}", file=sys.stderr)

@@ -372,8 +372,8 @@ def test_the_router_is_given_each_engines_cache_size_and_pinned_blocks() -> None
 
 def test_the_step_time_reaches_every_engine_and_bad_ones_are_refused() -> None:
     """ClusterConfig's step time is every simulated engine's (a long prompt's first token
-    then takes its prefill's time); a step of no time, a negative time per token or NaN is
-    refused naming the field, and `kvevents simulate` refuses them in one line."""
+    then takes its prefill's time); a step of no time, a negative or infinite time per token
+    or NaN is refused naming the field, and `kvevents simulate` refuses them in one line."""
     config = ClusterConfig(workers=2, transport="direct", step_base_s=0.01, step_token_s=0.001)
     with Cluster(config) as cluster:
         for engine in cluster.engines.values():
@@ -389,6 +389,7 @@ def test_the_step_time_reaches_every_engine_and_bad_ones_are_refused() -> None:
         ({"step_base_s": 0}, "step_base_s"),
         ({"step_token_s": -1e-6}, "step_token_s"),
         ({"step_base_s": float("nan")}, "step_base_s"),
+        ({"step_token_s": float("inf")}, "step_token_s"),
     ):
         with pytest.raises(ValueError, match=field):
             ClusterConfig(**bad)

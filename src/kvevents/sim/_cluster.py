@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -81,10 +82,10 @@ class ClusterConfig:
     def __post_init__(self) -> None:
         if self.workers <= 0 or self.ranks <= 0:
             raise ValueError(f"need at least one worker and rank, got {self.workers}x{self.ranks}")
-        if not self.step_base_s > 0:
-            raise ValueError(f"step_base_s must be positive, got {self.step_base_s}")
-        if not self.step_token_s >= 0:
-            raise ValueError(f"step_token_s must be 0 or more, got {self.step_token_s}")
+        if not 0 < self.step_base_s < math.inf:
+            raise ValueError(f"step_base_s must be a finite number > 0, got {self.step_base_s}")
+        if not 0 <= self.step_token_s < math.inf:
+            raise ValueError(f"step_token_s must be a finite number >= 0, got {self.step_token_s}")
         if self.transport not in ("zmq", "direct"):
             raise ValueError(f"transport must be 'zmq' or 'direct', got {self.transport!r}")
         if self.drop_rate and self.transport != "zmq":
