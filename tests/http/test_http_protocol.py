@@ -552,21 +552,15 @@ def test_hold_head_writes_the_head_with_the_first_piece_of_the_body() -> None:
             first = sock.recv(4096)
             assert first.startswith(b"HTTP/1.1 200 OK\r\n")
             assert b"transfer-encoding: chunked\r\n\r\n5\r\nfirst\r\n" in first
-            data = first
-            while not data.endswith(b"0\r\n\r\n"):
-                data += sock.recv(4096)
+            data = _recv_until(sock, b"0\r\n\r\n", first)
             assert data.endswith(b"5\r\nfirst\r\n6\r\nsecond\r\n0\r\n\r\n")
             # HEAD on the same kept-alive connection: its head is written, not held.
             sock.sendall(b"HEAD /head HTTP/1.1\r\nHost: x\r\n\r\n")
-            head = b""
-            while not head.endswith(b"\r\n\r\n"):
-                head += sock.recv(4096)
+            head = _recv_until(sock, b"\r\n\r\n")
             assert head.startswith(b"HTTP/1.1 200 OK\r\n")
         with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
             sock.sendall(b"GET /closed HTTP/1.1\r\nHost: x\r\n\r\n")
-            data = b""
-            while chunk := sock.recv(4096):
-                data += chunk
+            data = _recv_to_close(sock)
             assert data.startswith(b"HTTP/1.1 200 OK\r\n") and data.endswith(b"\r\n\r\n")
     finally:
         server.close()
@@ -624,20 +618,26 @@ def test_hold_chunks_writes_the_chunks_with_the_next_piece_of_the_body() -> None
             _recv_until(sock, b"\r\n\r\nok")
         with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
             sock.sendall(b"GET /closed HTTP/1.1\r\nHost: x\r\n\r\n")
-            data = b""
-            while chunk := sock.recv(4096):
-                data += chunk
+            data = _recv_to_close(sock)
             assert data.endswith(b"5\r\nfirst\r\n1\r\na\r\n2\r\nbc\r\n")
     finally:
         server.close()
     assert refused == [False, False, False]
 
 
-def _recv_until(sock: socket.socket, end: bytes) -> bytes:
-    """What ``sock`` receives until it ends with ``end`` (AssertionError if it closes first)."""
-    data = b""
+def _recv_until(sock: socket.socket, end: bytes, data: bytes = b"") -> bytes:
+    """``data`` and what ``sock`` receives after it until it all ends with ``end``
+    (AssertionError if the connection closes first)."""
     while not data.endswith(end):
         more = sock.recv(4096)
         assert more, f"closed after {data!r}"
         data += more
+    return data
+
+
+def _recv_to_close(sock: socket.socket) -> bytes:
+    """Everything ``sock`` receives until the other side closes."""
+    data = b""
+    while chunk := sock.recv(4096):
+        data += chunk
     return data
