@@ -344,7 +344,19 @@ def test_a_decision_is_explained_once_its_request_is_on_its_way(
     assert sent.explain == explained
     newest, older = planner.decisions()[:2]
     assert older == {"time": older["time"], **explained}
-    assert newest["policy"] == "longest_prefix" and newest["scores"] == explained["scores"]
+
+    def foreseen(scores: list[dict[str, Any]]) -> dict[str, Any]:
+        return {row["engine"]: row["prefill_hit_blocks"] for row in scores}
+
+    def rest(scores: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [{k: v for k, v in row.items() if k != "prefill_hit_blocks"} for row in scores]
+
+    # What the prefill will find is foreseen for the engine a request is sent to, alone.
+    sent_to = sent.candidates[0].id
+    assert foreseen(explained["scores"]) == {"e0": None, "e1": None, sent_to: 0}
+    assert foreseen(newest["scores"]) == {"e0": None, "e1": None}
+    assert newest["policy"] == "longest_prefix"
+    assert rest(newest["scores"]) == rest(explained["scores"])
     assert unsent.explain is not None and unsent.explain["winner"] == newest["winner"]
 
 
@@ -430,3 +442,40 @@ def test_an_over_prediction_the_engines_evictions_account_for_is_an_eviction_rac
         assert predicted(out[0]) > 0 and (counts.over, counts.evicted) == (2, 1)
         decisions = httpx.get(f"{front.url}/status").json()["decisions"]
         assert [d.get("eviction_race", False) for d in decisions].count(True) == 1
+
+
+def test_blocks_the_requests_ahead_will_evict_are_not_predicted(
+    door: Door, engines: Callable[..., StandInEngine], tokenizer: ModelTokenizer
+) -> None:
+    """A prompt whose blocks an earlier request freed, sent behind a request that needs
+    nearly the whole cache: its prediction counts only the blocks that request's prefill
+    leaves (the newest of the free queue: the prompt's first ones), and says so; an engine
+    that kept more than that (no more than matched) is not a misprediction of tokens."""
+    other = "You translate short notes about caches into plain words, nothing else. " * 8
+    blocks, theirs = _blocks_of(tokenizer, SYSTEM, "again"), _blocks_of(tokenizer, other, "x")
+    # The engine says it served the whole prompt from cache every time (it kept them all).
+    kept = Behaviour(delay=1.0, cached_tokens=blocks * BLOCK)
+    engine = engines(behaviour=kept, num_gpu_blocks=blocks + 3)
+    front = door(engine, grace=60.0)
+    capacity = blocks + 2
+    assert front.pool.engines[0].cache_blocks == capacity
+    first = ask_as(front, SYSTEM, "again")  # ends: its blocks join the free queue
+    assert predicted(first) == 0
+    assert predicted(ask_as(front, SYSTEM, "again")) == blocks * BLOCK  # nothing ahead of it
+    thread, _ = in_background(lambda: ask_as(front, other, "x"))
+    wait_for(lambda: len(engine.received("/v1/chat/completions")) == 3, 5)
+    behind = ask_as(front, SYSTEM, "again")
+    thread.join(10)
+    room = capacity - theirs - 1  # the request ahead pins its blocks and a partial one
+    assert 0 < room < blocks
+    assert predicted(behind) == room * BLOCK
+    counts = front.planner.stats().counts
+    assert counts.foreseen_evictions == 1
+    # The first answer's report and the other prompt's are more than was matched (nothing):
+    # misses. The last one's is no more than was matched: blocks the forecast gave up, which
+    # the engine kept.
+    assert (counts.exact, counts.under, counts.kept_foreseen) == (1, 3, 1)
+    decision = httpx.get(f"{front.url}/status").json()["decisions"][0]
+    [row] = decision["scores"]
+    assert (row["matched_blocks"], row["prefill_hit_blocks"]) == (blocks, room)
+    assert decision["kept_foreseen"] is True

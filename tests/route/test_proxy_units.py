@@ -36,6 +36,7 @@ def test_the_usage_of_a_json_answer_in_any_pieces(size: int) -> None:
     assert _feed(BodyUsage(), b'{"choices":[]}', size) is None
     assert _feed(BodyUsage(), b"not json" + USAGE, size) is None
     assert usage_of(b'{"usage":{"prompt_tokens":"many"}}') is None
+    assert usage_of(b'{"usage":{"prompt_tokens":9,"completion_tokens":3}}') == Usage(9, None, 3)
 
 
 def test_the_usage_at_the_end_of_a_huge_answer() -> None:

@@ -352,6 +352,7 @@ class Exchange:
             cached_tokens=None if usage is None else usage.cached_tokens,
             first_byte_s=None if attempt.first_byte is None else attempt.first_byte - self.began,
             total_s=perf_counter() - self.began,
+            completion_tokens=None if usage is None else usage.completion_tokens,
         )
         self._tell_planner("finished", self.up.planner.finished, self.plan, engine, outcome)
 

@@ -8,17 +8,21 @@ blocks, a prefix they share counted once: what the engine cannot evict while the
 the distinct blocks of the requests sent to it within the last minute or so, ended or not (its
 recent footprint, :class:`~kvevents.index.RecentBlocks`: how much different prefix its cache
 is asked to keep). :class:`InFlight` keeps these in the router's :class:`LoadBook`, where every
-policy reads them. Not thread-safe: the front door calls it on its event loop.
+policy reads them, and each target's free block queue (:class:`~._freequeue.FreeQueue`: the
+blocks its ended requests freed, in the order the engine evicts them), from which
+:meth:`InFlight.surviving` tells how many of a request's matched blocks its prefill will find.
+Not thread-safe: the front door calls it on its event loop.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from time import monotonic
 
 from kvevents.events import StreamKey
 from kvevents.index import DEFAULT_RECENT_WINDOW, LoadBook, RecentBlocks
+from kvevents.route._freequeue import FreeQueue
 from kvevents.route._keycounts import KeyCounts
 
 __all__ = ["InFlight", "InFlightStats", "Ticket"]
@@ -49,13 +53,16 @@ class InFlightStats:
 
 class InFlight:
     """Loads in ``book``, moved by each request's :meth:`sent`, :meth:`first_byte` and
-    :meth:`ended`; the clock (monotonic seconds by default) stamps tickets."""
+    :meth:`ended`; the clock (monotonic seconds by default) stamps tickets. ``capacity``:
+    each target's cache in blocks, where known (the router's, kept current by the planner):
+    without it a target's matched blocks all survive (:meth:`surviving`)."""
 
     def __init__(
         self,
         book: LoadBook,
         clock: Callable[[], float] = monotonic,
         recent_window: float = DEFAULT_RECENT_WINDOW,
+        capacity: Mapping[StreamKey, int] | None = None,
     ) -> None:
         self.book = book
         self._clock = clock
@@ -63,6 +70,8 @@ class InFlight:
         self._pins = KeyCounts()  # per target, the keys its requests in flight pin
         self._epochs: dict[StreamKey, int] = {}  # target -> times forgotten
         self.recent = RecentBlocks(recent_window, clock)
+        self.capacity: Mapping[StreamKey, int] = capacity if capacity is not None else {}
+        self.queue = FreeQueue()
 
     def sent(
         self, target: StreamKey, request_blocks: int, new_blocks: int, keys: Sequence[int] = ()
@@ -73,6 +82,7 @@ class InFlight:
         self.book.add(*target, queued_blocks=new, requests=1)
         if keys:
             self.book.set(*target, pinned_blocks=self._pins.add(target, keys))
+            self.queue.held(target, keys)
             self.recent.touch(target, keys)
             self._publish_recent()
         self._sent += 1
@@ -92,6 +102,20 @@ class InFlight:
         """How many of ``keys`` no request in flight on ``target`` pins yet."""
         return self._pins.missing(target, keys)
 
+    def surviving(self, target: StreamKey, keys: Sequence[int], matched: int) -> int:
+        """How many of the first ``matched`` of ``keys`` (cached on ``target`` now) a request
+        sent there now finds at its prefill: the ones its requests in flight hold, and the
+        ones the blocks they will still allocate leave in its free queue. The room they
+        leave: the cache, less the blocks those requests pin and one more each (the partial
+        last block of a prompt, which has no key). ``matched`` itself where the target's
+        capacity is not known."""
+        capacity = self.capacity.get(target)
+        if capacity is None or matched <= 0:
+            return max(0, matched)
+        load = self.book.get(*target)
+        room = capacity - load.pinned_blocks - load.requests
+        return self.queue.surviving(target, keys, matched, room, self._pins.held(target))
+
     def first_byte(self, ticket: Ticket) -> None:
         """Its prefill is done: its blocks move from queued to active (idempotent)."""
         if ticket.first_byte_at is not None or ticket.done:
@@ -102,8 +126,11 @@ class InFlight:
         )
         self._first_bytes += 1
 
-    def ended(self, ticket: Ticket) -> None:
-        """Its answer ended (or failed): it leaves the target's load (idempotent)."""
+    def ended(self, ticket: Ticket, unkeyed: int = 1) -> None:
+        """Its answer ended (or failed): it leaves the target's load (idempotent), and the
+        blocks it held that no other request in flight holds join the target's free queue:
+        ``unkeyed`` blocks without a key (its answer's, its prompt's partial last block),
+        then its prompt's."""
         if ticket.done:
             return
         ticket.done = True
@@ -111,18 +138,28 @@ class InFlight:
             self.book.add(*ticket.target, queued_blocks=-ticket.new_blocks, requests=-1)
         else:
             self.book.add(*ticket.target, active_blocks=-ticket.request_blocks, requests=-1)
-        self._unpin(ticket)
+        self._unpin(ticket, unkeyed)
         self._ended += 1
 
-    def _unpin(self, ticket: Ticket) -> None:
-        if not ticket.keys or ticket.epoch != self._epochs.get(ticket.target, 0):
-            return  # no keys, or its target was forgotten since it was sent
-        self.book.set(*ticket.target, pinned_blocks=self._pins.remove(ticket.target, ticket.keys))
+    def _unpin(self, ticket: Ticket, unkeyed: int) -> None:
+        if ticket.epoch != self._epochs.get(ticket.target, 0):
+            return  # its target was forgotten since it was sent
+        target = ticket.target
+        if ticket.keys:
+            self.book.set(*target, pinned_blocks=self._pins.remove(target, ticket.keys))
+        capacity = self.capacity.get(target)
+        if capacity is None:
+            return  # no forecast without the cache's size: no queue kept either
+        held = self._pins.held(target)
+        freed = [key for key in ticket.keys if key not in held]
+        last = ticket.keys[-1] if ticket.keys else None
+        self.queue.freed(target, freed, unkeyed, capacity, last)
 
     def forget(self, worker_id: str, rank: int | None = None) -> None:
         """Drop a target's load (its engine is gone; tickets still open end harmlessly)."""
         self.book.remove(worker_id, rank)
         self.recent.forget(worker_id, rank)
+        self.queue.forget(worker_id, rank)
         for target in self._pins.forget(worker_id, rank):
             self._epochs[target] = self._epochs.get(target, 0) + 1
 

@@ -4,11 +4,13 @@ them holds it. What the front door's predicted blocks (:mod:`._predict`) and its
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 
 from kvevents.events import StreamKey
 
 __all__ = ["KeyCounts"]
+
+_NONE: frozenset[int] = frozenset()
 
 
 class KeyCounts:
@@ -55,6 +57,10 @@ class KeyCounts:
                 break
             depth += 1
         return depth
+
+    def held(self, target: StreamKey) -> Container[int]:
+        """The keys ``target`` holds now (a live view: do not keep it)."""
+        return self._counts.get(target, _NONE)
 
     def missing(self, target: StreamKey, keys: Sequence[int]) -> int:
         """How many of ``keys`` ``target`` does not hold."""

@@ -132,7 +132,13 @@ class PlannerCounts:
     #: (it announced at least as many blocks removed as the request came short): an eviction
     #: race, not a mismatch of tokens, template or block size
     evicted: int = 0
+    #: requests sent with fewer blocks predicted than matched: blocks the requests ahead of
+    #: them on their engine will evict before their prefill (:meth:`InFlight.surviving`)
+    foreseen_evictions: int = 0
     under: int = 0  #: predicted less than the engine reported
+    #: of those, the ones the forecast accounts for: it gave up blocks to the requests ahead
+    #: (:attr:`foreseen_evictions`) that the engine still had, and no more than were matched
+    kept_foreseen: int = 0
     predicted_tokens: int = 0  #: predicted cached tokens of the compared answers
     reported_tokens: int = 0  #: cached tokens the engines reported for them
     prompt_tokens: int = 0  #: prompt tokens the engines reported for them
@@ -166,6 +172,10 @@ class _Planned:
     matched: dict[str, int]  # engine id -> blocks trusted there (index or predicted)
     keys: dict[str, list[int]]  # engine id -> the prompt's block keys there
     predicted: dict[str, int]  # engine id -> predicted cached tokens
+    tokens: int = 0  # the prompt's tokens
+    #: engine id -> of its matched blocks, the ones its prefill will find, as foreseen when
+    #: the request was sent there (:meth:`IndexPlanner.started`)
+    found: dict[str, int] = field(default_factory=dict)
     #: engine id -> its attempt: ticket, credit, blocks its engine had removed when it began
     attempts: dict[str, tuple[Ticket, Credit | None, int]] = field(default_factory=dict)
     record: Document = field(default_factory=dict)  # what the status page shows of it
@@ -209,7 +219,12 @@ class IndexPlanner:
         self.tokenizers = dict(tokenizers)
         self.targets = dict(targets)
         self.options = options if options is not None else PlannerOptions()
-        self.inflight = InFlight(service.router.loads, clock, self.options.recent_window)
+        self.inflight = InFlight(
+            service.router.loads,
+            clock,
+            self.options.recent_window,
+            capacity=service.router.capacity,
+        )
         self.predictions = Predictions(grace=self.options.grace, clock=clock)
         self.counts = PlannerCounts()
         self.stale: dict[StreamKey, str] = {}
@@ -244,10 +259,12 @@ class IndexPlanner:
         planned = plan.context
         if not isinstance(planned, _Planned):
             return
+        target = self.targets.get(engine.id)
+        if target is not None and engine.id in planned.matched:
+            self._foresee(planned, engine.id, target)
         self._explained(plan)
-        if engine.id not in self.targets:
+        if target is None:
             return
-        target = self.targets[engine.id]
         blocks = planned.request_blocks.get(engine.id, 0)
         matched = planned.matched.get(engine.id, 0)
         keys = planned.keys.get(engine.id)
@@ -265,7 +282,7 @@ class IndexPlanner:
         if not isinstance(planned, _Planned) or engine.id not in planned.attempts:
             return
         ticket, credit, removed = planned.attempts.pop(engine.id)
-        self.inflight.ended(ticket)
+        self.inflight.ended(ticket, _unkeyed(ticket, outcome, self._block_size(ticket.target)))
         answered = outcome.first_byte_s is not None
         if credit is not None:
             self.predictions.settle(credit, stored=answered)
@@ -275,8 +292,11 @@ class IndexPlanner:
         if outcome.cached_tokens is not None:
             planned.record["reported_cached_tokens"] = outcome.cached_tokens
             predicted = planned.predicted.get(engine.id, 0)
-            if self._compare(predicted, outcome, ticket.target, removed):
-                planned.record["eviction_race"] = True
+            size = self._block_size(ticket.target)
+            matched = _hit(planned.matched.get(engine.id, 0), planned.tokens, size)
+            why = self._compare(predicted, matched, outcome, ticket.target, removed)
+            if why is not None:
+                planned.record[why] = True
 
     # ------------------------------------------------------------------ tokens
 
@@ -389,17 +409,17 @@ class IndexPlanner:
             credit=match.credit,
         )
         order = _by_score(decision, mine, targets)
-        planned = _Planned(targets, {}, {}, {}, {})
-        trusted = decision.matched  # a degraded stream's matches count 0 there
         tokens = len(ids) if ids is not None else 0
+        planned = _Planned(targets, {}, {}, {}, {}, tokens)
+        trusted = decision.matched  # a degraded stream's matches count 0 there
         for engine in mine:
             target = targets[engine.id]
-            self._fill(planned, engine.id, sizes[target], trusted.get(target, 0), match, tokens)
+            self._fill(planned, engine.id, sizes[target], trusted.get(target, 0), match)
         planned.record = {"time": time.time()}
         planned.unexplained = (decision, prompts, match, dict(self.stale))
         plan = Plan(
             order,
-            dict(planned.predicted),
+            planned.predicted,  # each engine's revised when a request is sent there
             {},
             context=planned,
             prompt_tokens=len(ids) if ids is not None and len(prompts) == 1 else None,
@@ -468,15 +488,24 @@ class IndexPlanner:
         return given or self.service.block_size(*target) or self.options.block_size
 
     @staticmethod
-    def _fill(
-        planned: _Planned, engine_id: str, size: int, trusted: int, match: _Matches, tokens: int
-    ) -> None:
-        planned.request_blocks[engine_id] = tokens // size
+    def _fill(planned: _Planned, engine_id: str, size: int, trusted: int, match: _Matches) -> None:
+        planned.request_blocks[engine_id] = planned.tokens // size
         planned.matched[engine_id] = trusted
         planned.keys[engine_id] = match.keys.get(size, [])
-        # vLLM computes a prompt's last token whatever is cached: at most len - 1 tokens hit.
-        hit = min(trusted, (tokens - 1) // size) if tokens else 0
-        planned.predicted[engine_id] = hit * size
+        planned.predicted[engine_id] = _hit(trusted, planned.tokens, size)
+
+    def _foresee(self, planned: _Planned, engine_id: str, target: StreamKey) -> None:
+        """The prediction for the engine a request is about to be sent to: of its matched
+        blocks, the ones its prefill will find there (:meth:`InFlight.surviving`: what the
+        requests already in flight there will evict first). Made as the request leaves, on
+        the state it leaves behind, and for that engine alone (the others' predictions stay
+        their matched blocks)."""
+        matched = planned.matched.get(engine_id, 0)
+        found = self.inflight.surviving(target, planned.keys.get(engine_id, ()), matched)
+        planned.found[engine_id] = found
+        planned.predicted[engine_id] = _hit(found, planned.tokens, self._block_size(target))
+        if found < matched:
+            self.counts.foreseen_evictions += 1
 
     @staticmethod
     def _explain(
@@ -501,6 +530,7 @@ class IndexPlanner:
                     "requests": row.load.requests,
                     "terms": dict(row.terms),
                     "degraded": row.degraded or stale.get(target),
+                    "prefill_hit_blocks": planned.found.get(engine_id),
                     "predicted_cached_tokens": planned.predicted.get(engine_id, 0),
                 }
             )
@@ -521,9 +551,14 @@ class IndexPlanner:
 
     # ------------------------------------------------------------------ what the engines said
 
-    def _compare(self, predicted: int, outcome: Outcome, target: StreamKey, removed: int) -> bool:
-        """Count one answer's prediction against its engine's report; True for an eviction
-        race (``removed``: the blocks its engine had announced removed when it was sent)."""
+    def _compare(
+        self, predicted: int, matched: int, outcome: Outcome, target: StreamKey, removed: int
+    ) -> Literal["eviction_race", "kept_foreseen"] | None:
+        """Count one answer's prediction against its engine's report (``matched``: the cached
+        tokens its matched blocks would have given; ``removed``: the blocks its engine had
+        announced removed when it was sent). What explains a miss, where something does: an
+        eviction race, or blocks the engine kept that the forecast gave up to the requests
+        ahead (no more than were matched)."""
         reported = outcome.cached_tokens or 0
         counts = self.counts
         counts.compared += 1
@@ -534,13 +569,16 @@ class IndexPlanner:
             counts.exact += 1
         elif predicted < reported:
             counts.under += 1
+            if reported <= matched:
+                counts.kept_foreseen += 1
+                return "kept_foreseen"
         else:
             counts.over += 1
             short = -(-(predicted - reported) // self._block_size(target))
             if self.service.removed_blocks(*target) - removed >= short:
                 counts.evicted += 1
-                return True
-        return False
+                return "eviction_race"
+        return None
 
     def _expect_events(self, target: StreamKey) -> None:
         """An answered request: its engine stored blocks, so its stream must show a batch
@@ -645,6 +683,25 @@ def _tokens(tokenizer: ModelTokenizer, request: RouteRequest, chat: bool) -> lis
     if chat:
         return [tokenizer.chat(request.json)]
     return tokenizer.completion(request.json)
+
+
+def _hit(blocks: int, tokens: int, size: int) -> int:
+    """The cached tokens vLLM serves from ``blocks`` of a ``tokens``-token prompt: never its
+    last token, which it computes whatever is cached."""
+    return min(blocks, (tokens - 1) // size) * size if tokens else 0
+
+
+def _unkeyed(ticket: Ticket, outcome: Outcome, size: int) -> int:
+    """The blocks an ended request held that have no key here: its answer's and its prompt's
+    partial last block (the prompt and answer as its usage says, less the answer's last
+    token, which the engine never ran; one when it did not say, none when no answer began:
+    nothing was computed)."""
+    if outcome.first_byte_s is None:
+        return 0
+    if outcome.prompt_tokens is None or outcome.completion_tokens is None:
+        return 1
+    computed = outcome.prompt_tokens + max(0, outcome.completion_tokens - 1)
+    return max(0, -(-computed // size) - ticket.request_blocks)
 
 
 def _parent(model: str, engines: Sequence[Engine]) -> str | None:

@@ -48,7 +48,8 @@ class Plan:
     ``candidates``: engines best first; the proxy tries them in order on a retryable
     failure, then any other healthy engine serving the model. ``predicted_cached_tokens``:
     engine id -> prompt tokens the planner expects that engine to have cached (the
-    ``x-kvevents-predicted-cached-tokens`` header). ``explain``: the decision, JSON-ready.
+    ``x-kvevents-predicted-cached-tokens`` header; a planner may revise an engine's in
+    :meth:`Planner.started`, before the proxy reads it). ``explain``: the decision, JSON-ready.
     ``error``: (status, OpenAI error body) to answer instead, e.g. 404 for an unknown model.
     ``headers``: more response headers for the client (the decision explained), added to
     whichever engine's answer it gets. A planner may leave ``explain`` and ``headers`` to
@@ -86,7 +87,8 @@ class Outcome:
     ``cached_tokens``: from the answer's ``usage`` (``usage.prompt_tokens_details.
     cached_tokens``), when it carried them; ``first_byte_s``: seconds from the request's
     arrival to the engine's first body byte (None: none came); ``total_s``: seconds from the
-    request's arrival to the attempt's end.
+    request's arrival to the attempt's end; ``completion_tokens``: the answer's tokens, from its
+    ``usage`` (None: it did not say).
     """
 
     status: int | None
@@ -95,6 +97,7 @@ class Outcome:
     cached_tokens: int | None
     first_byte_s: float | None
     total_s: float
+    completion_tokens: int | None = None
 
 
 class Planner(Protocol):

@@ -26,10 +26,12 @@ _KEY = b'"usage":'
 
 @dataclass(frozen=True)
 class Usage:
-    """``prompt_tokens`` and ``cached_tokens`` (None: the answer did not say)."""
+    """``prompt_tokens``, ``cached_tokens`` and ``completion_tokens`` (None: the answer did
+    not say)."""
 
     prompt_tokens: int | None
     cached_tokens: int | None
+    completion_tokens: int | None = None
 
 
 class _Details(msgspec.Struct):
@@ -38,6 +40,7 @@ class _Details(msgspec.Struct):
 
 class _Usage(msgspec.Struct):
     prompt_tokens: int | None = None
+    completion_tokens: int | None = None
     prompt_tokens_details: _Details | None = None
 
 
@@ -57,7 +60,8 @@ def usage_of(document: bytes) -> Usage | None:
     if found is None:
         return None
     details = found.prompt_tokens_details
-    return Usage(found.prompt_tokens, None if details is None else details.cached_tokens)
+    cached = None if details is None else details.cached_tokens
+    return Usage(found.prompt_tokens, cached, found.completion_tokens)
 
 
 class BodyUsage:
