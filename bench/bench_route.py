@@ -681,6 +681,8 @@ def _simulated(
     run_dir: Path,
     model_dir: Path,
     steps: StepTimes | None,
+    *,
+    answers: bool = False,
 ) -> list[Row]:
     from route_sim import SimShape, sim_rows
 
@@ -692,8 +694,11 @@ def _simulated(
         concurrency=concurrency,
         answer_tokens=answer_tokens,
         steps=steps or StepTimes.simulator(),
+        answers=answers,
     )
     timing = "measured on an engine alone" if steps else "the simulator's own: not measured"
+    if answers:
+        timing += "; each turn answering with the engine's answer as the next turn holds it"
     section = (
         f"Simulator vs the real engines: the chat run's prompts, closed loop at concurrency "
         f"{concurrency}, {engines} engines of {blocks} blocks, {shape.steps.label()} "
@@ -702,11 +707,15 @@ def _simulated(
     return sim_rows(section, outcomes, run_dir, shape, model_dir)
 
 
-def resimulate(run_dir: Path, steps: StepTimes | None = None) -> list[Row]:
+def resimulate(
+    run_dir: Path, steps: StepTimes | None = None, *, answers: bool = False
+) -> list[Row]:
     """The simulator section again, from a finished run's directory (its ``summary.json``
     and the client's exports): the simulator checked against real runs already made, without
     the engines. The tiny chat model must be built (``bench/.work/route/model/chat``).
-    ``steps``: the engines' step time (default: as the run measured it, if it did)."""
+    ``steps``: the engines' step time (default: as the run measured it, if it did);
+    ``answers``: each turn answers with the engine's answer as the next turn holds it
+    (:attr:`route_sim.SimShape.answers`)."""
     data = json.loads((run_dir / "summary.json").read_text())
     chat = data["settings"]["chat"]
     outcomes = []
@@ -724,7 +733,7 @@ def resimulate(run_dir: Path, steps: StepTimes | None = None) -> list[Row]:
     args = (engines, int(data["engine_blocks"]), chat["concurrency"], chat["answer_tokens"])
     if steps is None and data.get("step_times"):
         steps = StepTimes(**data["step_times"])
-    return _simulated(*args, outcomes, run_dir, model_dir, steps)
+    return _simulated(*args, outcomes, run_dir, model_dir, steps, answers=answers)
 
 
 def write_summary(
@@ -784,11 +793,13 @@ def record(rows: list[Row], bench_dir: Path) -> list[Path]:
 if __name__ == "__main__":
     from run import render
 
-    if len(sys.argv) in (3, 4) and sys.argv[1] == "--simulate":  # a finished run, again
-        # [BASE_MS:TOKEN_MS]: the engines' step time, for a run that did not measure it
-        given = sys.argv[3].split(":") if len(sys.argv) == 4 else None
+    argv = [a for a in sys.argv[1:] if a != "--answers"]
+    if len(argv) in (2, 3) and argv[0] == "--simulate":  # a finished run, again
+        # [BASE_MS:TOKEN_MS]: the engines' step time, for a run that did not measure it;
+        # --answers: each turn answers with the engine's answer (route_sim.with_answers)
+        given = argv[2].split(":") if len(argv) == 3 else None
         steps = StepTimes(float(given[0]) / 1e3, float(given[1]) / 1e3) if given else None
-        got = resimulate(Path(sys.argv[2]), steps)
+        got = resimulate(Path(argv[1]), steps, answers="--answers" in sys.argv)
     else:
         got = run(quick="--quick" in sys.argv[1:] or None)
     print(render(got, ""))

@@ -121,6 +121,9 @@ class SimShape:
     concurrency: int
     answer_tokens: int
     steps: StepTimes = field(default_factory=StepTimes.simulator)
+    #: Each turn answers with the tokens the next turn's prompt holds after it (the engine's
+    #: answer as sent back, re-tokenized: :func:`with_answers`) instead of the simulator's own.
+    answers: bool = False
 
     def config(self, workers: int, blocks: int) -> SimulationConfig:
         cluster = ClusterConfig(
@@ -161,8 +164,11 @@ class Prompts:
     mismatched: int = 0
 
 
-def real_prompts(out: Path, renderer: Renderer, answer_tokens: int) -> Prompts:
-    """The requests a run sent, tokenized, checked against the engines' ``prompt_tokens``."""
+def real_prompts(
+    out: Path, renderer: Renderer, answer_tokens: int, *, answers: bool = False
+) -> Prompts:
+    """The requests a run sent, tokenized, checked against the engines' ``prompt_tokens``;
+    with ``answers``, each turn answering as :func:`with_answers` says."""
     reported = {(r.conversation, r.turn): r.prompt_tokens for r in read_records(out)}
     turns: dict[str, list[tuple[int, Request]]] = defaultdict(list)
     prompts = Prompts([])
@@ -174,8 +180,26 @@ def real_prompts(out: Path, renderer: Renderer, answer_tokens: int) -> Prompts:
             prompts.mismatched += expected != len(ids)
         request = Request(f"{conversation}/{turn}/{n}", ids, answer_tokens)
         turns[conversation].append((turn, request))
-    prompts.conversations = [[r for _, r in sorted(v, key=lambda x: x[0])] for v in turns.values()]
+    ordered = [[r for _, r in sorted(v, key=lambda x: x[0])] for v in turns.values()]
+    prompts.conversations = [with_answers(c) for c in ordered] if answers else ordered
     return prompts
+
+
+def with_answers(turns: list[Request]) -> list[Request]:
+    """A conversation's turns, each answering with the tokens the next turn's prompt holds
+    right after this one's: the engine's answer as the client sent it back, re-tokenized.
+    Where those are the tokens the engine generated, the simulated engines cache what the real
+    ones did and the next turn hits it too; where re-tokenizing changed them, the real engine
+    misses what the simulated one hits (so it can count reuse the real engines did not have,
+    and the simulator's own tokens, which no later prompt holds, none)."""
+    out = []
+    for turn, after in zip(turns, [*turns[1:], None], strict=True):
+        ids = turn.token_ids
+        given: tuple[int, ...] = ()
+        if after is not None and list(after.token_ids[: len(ids)]) == list(ids):
+            given = tuple(after.token_ids[len(ids) : len(ids) + turn.max_output_tokens])
+        out.append(replace(turn, output_token_ids=given))
+    return out
 
 
 def simulate(
@@ -251,7 +275,9 @@ def sim_rows(
         policy, factor, pooled = pair
         repeat = int(outcome.extra.get("repeat", 0))
         name = slug(outcome.router) + (f"-run{repeat + 1}" if repeat else "")
-        prompts = real_prompts(run_dir / workload / name, renderer, shape.answer_tokens)
+        prompts = real_prompts(
+            run_dir / workload / name, renderer, shape.answer_tokens, answers=shape.answers
+        )
         workers = shape.engines if factor == 0 else 1
         blocks = shape.blocks * (shape.engines if pooled else 1)
         report = simulate(prompts, shape, policy, workers=workers, blocks=blocks, view="inflight")

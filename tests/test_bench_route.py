@@ -354,3 +354,18 @@ def test_the_step_probe_reads_a_prefill_and_a_decode_step_from_a_streamed_answer
     assert (cluster.step_base_s, cluster.step_token_s) == (steps.base_s, steps.token_s)
     assert SimShape(3, 10, 16, 2048, 4, 8).steps == StepTimes.simulator()
     assert steps.label().startswith(f"steps of {steps.base_s * 1e3:.1f} ms + ")
+
+
+def test_the_simulated_turns_answer_with_the_engines_answers() -> None:
+    """Each turn answers with the tokens the next turn's prompt holds right after its own
+    prompt (the engine's answer, as sent back); a last turn, or one whose next prompt does not
+    go on from it, keeps the simulator's own tokens."""
+    from kvevents.sim import Request
+    from route_sim import with_answers
+
+    first = Request("c/0", [1, 2, 3], max_output_tokens=2)
+    second = Request("c/1", [1, 2, 3, 7, 8, 9, 4, 5], max_output_tokens=2)
+    third = Request("c/2", [6, 6, 6, 6, 6, 6, 6, 6, 6], max_output_tokens=2)
+    turns = with_answers([first, second, third])
+    assert [t.output_token_ids for t in turns] == [(7, 8), (), ()]
+    assert [t.token_ids for t in turns] == [first.token_ids, second.token_ids, third.token_ids]

@@ -58,6 +58,23 @@ def test_decode_blocks_are_announced_when_enabled() -> None:
     assert sum(len(e.block_hashes) for e in stores(sink2)) == 1
 
 
+def test_a_replayed_answer_is_cached_and_the_next_turn_hits_it() -> None:
+    """A request given its answer's tokens generates them: its decode blocks hold them, so a
+    next turn whose prompt goes on through that answer hits them; the simulator's own tokens
+    would not match (the last generated token is never run, as in vLLM)."""
+    prompt, answer = list(range(4)), [40, 41, 42, 43, 44]
+    follow = [*prompt, *answer, 90, 91, 92]  # 12 tokens: three blocks, the last computed
+    for given, hit in ((answer, 8), ((), 4)):
+        eng, (sink,) = engine()
+        eng.submit(Request("a", prompt, max_output_tokens=6, output_token_ids=given))
+        drain(eng)
+        assert sum(len(e.block_hashes) for e in stores(sink)) == 2
+        eng.submit(Request("b", follow, max_output_tokens=1))
+        drain(eng)
+        [record] = [r for r in eng.finished_requests if r.request_id == "b"]
+        assert record.cached_tokens == hit
+
+
 def test_prefix_hit_at_admission_is_counted_and_capped() -> None:
     """A repeated block-aligned prompt is served from cache but for its last block (it holds
     the last token, which vLLM computes again: its hit covers tokens but the last, in whole

@@ -13,13 +13,16 @@ __all__ = ["EngineMetrics", "RankLoad", "Request", "RequestRecord", "StepResult"
 
 @dataclass(frozen=True)
 class Request:
-    """A request to serve: its prompt, how many tokens to generate, an optional LoRA."""
+    """A request to serve: its prompt, how many tokens to generate, an optional LoRA, and
+    optionally the tokens it generates (``output_token_ids``: a replayed answer, as far as it
+    goes, which a later turn's prompt may hold; the simulator's own tokens past it)."""
 
     request_id: str
     token_ids: Sequence[int]
     max_output_tokens: int = 1
     lora_id: int | None = None
     lora_name: str | None = None
+    output_token_ids: Sequence[int] = ()
 
 
 @dataclass(frozen=True)
