@@ -119,6 +119,7 @@ def test_in_flight_requests_pin_their_blocks_and_leave_the_rest_room() -> None:
     other = inflight.sent(T, 8, 8, [21, 22, 23, 24, 25, 26, 27, 28])
     # 8 blocks pinned and one partial block: room for 1 of the queue, the history's first.
     assert inflight.surviving(T, history, 6) == 1
+    inflight.first_byte(other)
     inflight.ended(other, unkeyed=1)
     # Its prefill took the room: of the history only the first block is still there.
     assert inflight.surviving(T, history, 6) == 1
@@ -137,6 +138,9 @@ def test_a_key_another_request_still_holds_is_not_freed() -> None:
     shared = [1, 2]
     first = inflight.sent(T, 3, 3, [*shared, 3])
     second = inflight.sent(T, 3, 1, [*shared, 4])
+    # Nothing freed there yet, and no room: what requests in flight hold is found all the same.
+    assert inflight.surviving(T, [*shared, 3], 3) == 3
+    inflight.first_byte(first)
     inflight.ended(first, unkeyed=0)  # 3 joins the queue; 1 and 2 stay held by the second
     filler = inflight.sent(T, 1, 1, [9])
     # 4 blocks: 1, 2, 4 and 9 pinned, no room: 3 is gone, 1 and 2 are held.
@@ -161,3 +165,19 @@ def test_an_ended_request_frees_the_blocks_its_usage_says_it_computed() -> None:
     assert _unkeyed(ticket, outcome(100, None), 16) == 1
     assert _unkeyed(ticket, outcome(None, 5), 16) == 1
     assert _unkeyed(ticket, outcome(100, 32, began=False), 16) == 0
+
+
+def test_a_request_that_got_no_answer_frees_only_what_was_cached_before_it() -> None:
+    """An attempt that failed before its first byte (refused, its engine unreachable) may
+    have computed nothing: of its prompt's blocks only the ones matched when it was sent go
+    back to the queue; the new ones are not there to find."""
+    inflight = InFlight(LoadBook(), clock=lambda: 0.0, capacity={T: 100})
+    prompt = [1, 2, 3, 4, 5]
+    failed = inflight.sent(T, 5, 3, prompt)  # 1 and 2 were cached there
+    inflight.ended(failed, unkeyed=0)
+    assert len(inflight.queue) == 2
+    assert inflight.queue.surviving(T, prompt, 5, room=2, held=frozenset()) == 2
+    answered = inflight.sent(T, 5, 3, prompt)
+    inflight.first_byte(answered)
+    inflight.ended(answered, unkeyed=1)
+    assert len(inflight.queue) == 6  # all five, and the place of its answer's block

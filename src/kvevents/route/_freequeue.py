@@ -94,12 +94,11 @@ class FreeQueue:
         has found every matched block there, and at most twice its shorter end."""
         if matched <= 0:
             return 0
-        queue = self._queues.get(target)
-        known = 0 if queue is None else len(queue)
+        queue = self._queues.get(target) or OrderedDict()
+        known = len(queue)
         room = max(0, room)
-        if room > known or queue is None:
-            # Every block it knows outlives them, and older ones while room is left.
-            return matched if room > known else 0
+        if room > known:
+            return matched  # every block it knows outlives them, and older ones too
         keys = keys[:matched]
         places = _places(queue, keys, held)
         wanted = {p for k, p in zip(keys, places, strict=True) if k not in held and p in queue}

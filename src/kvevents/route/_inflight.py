@@ -130,7 +130,8 @@ class InFlight:
         """Its answer ended (or failed): it leaves the target's load (idempotent), and the
         blocks it held that no other request in flight holds join the target's free queue:
         ``unkeyed`` blocks without a key (its answer's, its prompt's partial last block),
-        then its prompt's."""
+        then its prompt's (only those the target was expected to hold already when no answer
+        began: a request refused or lost before its prefill computed nothing)."""
         if ticket.done:
             return
         ticket.done = True
@@ -150,9 +151,14 @@ class InFlight:
         capacity = self.capacity.get(target)
         if capacity is None:
             return  # no forecast without the cache's size: no queue kept either
+        keys = ticket.keys
+        if ticket.first_byte_at is None:
+            # No answer began: the engine may never have computed the prompt, so of its blocks
+            # only the ones it was expected to hold already go back.
+            keys = keys[: ticket.request_blocks - ticket.new_blocks]
         held = self._pins.held(target)
-        freed = [key for key in ticket.keys if key not in held]
-        last = ticket.keys[-1] if ticket.keys else None
+        freed = [key for key in keys if key not in held]
+        last = keys[-1] if keys else None
         self.queue.freed(target, freed, unkeyed, capacity, last)
 
     def forget(self, worker_id: str, rank: int | None = None) -> None:
