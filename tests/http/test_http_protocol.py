@@ -7,6 +7,8 @@ import asyncio
 import json
 import select
 import socket
+import threading
+import time
 from collections.abc import Iterator
 from typing import IO, Any
 
@@ -517,7 +519,6 @@ def test_hold_head_writes_the_head_with_the_first_piece_of_the_body() -> None:
     piece and go out with it; the rest of the body as before; a HEAD request's head is not
     held (uvicorn writes no body for it), and a response closed with its head held gets its
     head, then the close."""
-    import threading
 
     from kvevents.http import ABORT
 
@@ -534,8 +535,7 @@ def test_hold_head_writes_the_head_with_the_first_piece_of_the_body() -> None:
             await send({"type": "http.response.body", "body": b""})
             return
         head_sent.set()
-        while not go_on.is_set():
-            await asyncio.sleep(0.005)
+        await _set_in_time(go_on)
         await send({"type": "http.response.body", "body": b"first", "more_body": True})
         await send({"type": "http.response.body", "body": b"second"})
 
@@ -571,7 +571,6 @@ def test_hold_chunks_writes_the_chunks_with_the_next_piece_of_the_body() -> None
     and go out with it, each framed as one chunk (an empty one skipped: it would end the
     body); it holds nothing (False) for a body with a declared length or while the head is
     still held; a response closed with chunks held gets them, then the close."""
-    import threading
 
     from kvevents.http import ABORT
 
@@ -600,8 +599,7 @@ def test_hold_chunks_writes_the_chunks_with_the_next_piece_of_the_body() -> None
             abort["close"]()
             return
         held.set()
-        while not go_on.is_set():
-            await asyncio.sleep(0.005)
+        await _set_in_time(go_on)
         await send({"type": "http.response.body", "body": b"d"})
 
     server = Server(_lifespan_app(answer)).start()
@@ -623,6 +621,14 @@ def test_hold_chunks_writes_the_chunks_with_the_next_piece_of_the_body() -> None
     finally:
         server.close()
     assert refused == [False, False, False]
+
+
+async def _set_in_time(event: threading.Event, timeout: float = 10.0) -> None:
+    """Wait on the server's loop for the test thread to set ``event`` (a bounded wait)."""
+    deadline = time.monotonic() + timeout
+    while not event.is_set():
+        assert time.monotonic() < deadline, "the test never let the answer go on"
+        await asyncio.sleep(0.005)
 
 
 def _recv_until(sock: socket.socket, end: bytes, data: bytes = b"") -> bytes:

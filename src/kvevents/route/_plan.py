@@ -282,7 +282,8 @@ class IndexPlanner:
         if not isinstance(planned, _Planned) or engine.id not in planned.attempts:
             return
         ticket, credit, removed = planned.attempts.pop(engine.id)
-        self.inflight.ended(ticket, _unkeyed(ticket, outcome, self._block_size(ticket.target)))
+        size = self._block_size(ticket.target)
+        self.inflight.ended(ticket, _unkeyed(ticket, outcome, size))
         answered = outcome.first_byte_s is not None
         if credit is not None:
             self.predictions.settle(credit, stored=answered)
@@ -292,9 +293,8 @@ class IndexPlanner:
         if outcome.cached_tokens is not None:
             planned.record["reported_cached_tokens"] = outcome.cached_tokens
             predicted = planned.predicted.get(engine.id, 0)
-            size = self._block_size(ticket.target)
             matched = _hit(planned.matched.get(engine.id, 0), planned.tokens, size)
-            why = self._compare(predicted, matched, outcome, ticket.target, removed)
+            why = self._compare(predicted, matched, outcome, ticket.target, size, removed)
             if why is not None:
                 planned.record[why] = True
 
@@ -552,11 +552,17 @@ class IndexPlanner:
     # ------------------------------------------------------------------ what the engines said
 
     def _compare(
-        self, predicted: int, matched: int, outcome: Outcome, target: StreamKey, removed: int
+        self,
+        predicted: int,
+        matched: int,
+        outcome: Outcome,
+        target: StreamKey,
+        size: int,
+        removed: int,
     ) -> Literal["eviction_race", "kept_foreseen"] | None:
         """Count one answer's prediction against its engine's report (``matched``: the cached
-        tokens its matched blocks would have given; ``removed``: the blocks its engine had
-        announced removed when it was sent). What explains a miss, where something does: an
+        tokens its matched blocks would have given; ``size``: the target's block size;
+        ``removed``: the blocks its engine had announced removed when it was sent). What explains a miss, where something does: an
         eviction race, or blocks the engine kept that the forecast gave up to the requests
         ahead (no more than were matched)."""
         reported = outcome.cached_tokens or 0
@@ -574,7 +580,7 @@ class IndexPlanner:
                 return "kept_foreseen"
         else:
             counts.over += 1
-            short = -(-(predicted - reported) // self._block_size(target))
+            short = -(-(predicted - reported) // size)
             if self.service.removed_blocks(*target) - removed >= short:
                 counts.evicted += 1
                 return "eviction_race"
