@@ -3,12 +3,17 @@ snapshot codec, the trim point. No NATS server."""
 
 from __future__ import annotations
 
+import asyncio
+import datetime
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from nats.js.api import ConsumerConfig, ConsumerInfo, SequenceInfo
 
 from kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from kvevents.index import PrefixIndex, index_digest
+from kvevents.scaleout import JetStreamOptions
 from kvevents.scaleout import _snapshot as snap
 from kvevents.scaleout._cursor import StreamCursor
 from kvevents.scaleout._records import (
@@ -20,7 +25,7 @@ from kvevents.scaleout._records import (
     reset_record,
     worker_record,
 )
-from kvevents.scaleout._retention import trim_point
+from kvevents.scaleout._retention import ack_floor, trim, trim_point
 from kvevents.service import WorkerRegistration
 from kvevents.testing.fixtures import typical_batch
 
@@ -238,6 +243,41 @@ def test_trim_keeps_what_the_slowest_replica_and_the_snapshot_need() -> None:
     assert trim_point(100, [250, 80]) == 81
     assert trim_point(100, [250]) == 101
     assert trim_point(100, []) == 101
+
+
+def test_a_consumer_whose_floor_the_server_does_not_give_keeps_the_stream() -> None:
+    """nats-py's ConsumerInfo.ack_floor is optional: a consumer without one counts as having
+    acknowledged nothing, so nothing is purged (before, every trim failed on it)."""
+    acked = _consumer(SequenceInfo(consumer_seq=7, stream_seq=250))
+    assert ack_floor(acked) == 250 and ack_floor(_consumer(None)) == 0
+    unknown = _JetStream([acked, _consumer(None)])
+    assert asyncio.run(trim(unknown, JetStreamOptions(), 100)) is False
+    assert unknown.purged == []
+    known = _JetStream([acked])
+    assert asyncio.run(trim(known, JetStreamOptions(), 100)) is True
+    assert known.purged == [101]
+
+
+def _consumer(floor: SequenceInfo | None) -> ConsumerInfo:
+    created = datetime.datetime.now(datetime.timezone.utc)
+    return ConsumerInfo("c", "S", ConsumerConfig(), created, ack_floor=floor)
+
+
+class _JetStream:
+    """What trim() asks of nats-py's JetStream context: a stream beginning at seq 1."""
+
+    def __init__(self, consumers: list[ConsumerInfo]) -> None:
+        self.consumers = consumers
+        self.purged: list[int] = []
+
+    async def consumers_info(self, stream: str) -> list[ConsumerInfo]:
+        return self.consumers
+
+    async def stream_info(self, stream: str) -> Any:
+        return SimpleNamespace(state=SimpleNamespace(first_seq=1))
+
+    async def purge_stream(self, stream: str, seq: int) -> None:
+        self.purged.append(seq)
 
 
 # ----------------------------------------------------------------------------- replica rules

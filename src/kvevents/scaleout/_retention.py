@@ -27,7 +27,7 @@ from kvevents.scaleout._jetstream import JetStreamOptions
 if TYPE_CHECKING:
     from nats.js.object_store import ObjectStore
 
-__all__ = ["newest_snapshots", "trim", "trim_point"]
+__all__ = ["ack_floor", "newest_snapshots", "trim", "trim_point"]
 
 log = logging.getLogger("kvevents.scaleout.retention")
 
@@ -72,12 +72,20 @@ def trim_point(snapshot_seq: int, ack_floors: list[int]) -> int:
     return min([snapshot_seq, *ack_floors]) + 1
 
 
-# nats-py's JetStream context, untyped here: its ConsumerInfo.ack_floor is Optional, though
-# the server sends it for every consumer.
+def ack_floor(consumer: Any) -> int:
+    """The stream sequence ``consumer`` (nats-py's ConsumerInfo) has acknowledged up to; 0
+    where the server did not say (its ``ack_floor`` is optional): such a consumer keeps the
+    whole stream rather than fail every trim."""
+    floor = getattr(consumer, "ack_floor", None)
+    seq = getattr(floor, "stream_seq", None)
+    return seq if isinstance(seq, int) and seq > 0 else 0
+
+
+# nats-py's JetStream context, untyped here.
 async def trim(js: Any, options: JetStreamOptions, saved_seq: int) -> bool:
     """Purge the stream below :func:`trim_point` of ``saved_seq`` (the snapshot this replica
     just saved); True when something was purged."""
-    floors = [c.ack_floor.stream_seq or 0 for c in await js.consumers_info(options.stream)]
+    floors = [ack_floor(c) for c in await js.consumers_info(options.stream)]
     keep = trim_point(saved_seq, floors)
     first = (await js.stream_info(options.stream)).state.first_seq
     if keep <= first:
