@@ -270,6 +270,43 @@ def test_a_stream_whose_events_stop_loses_its_credit_and_health_says_so(
         wait_for(lambda: httpx.get(f"{front.url}/health").json()["status"] == "ok", 10)
 
 
+def test_answers_that_store_no_block_leave_the_stream_trusted(
+    door: Door, engines: Callable[..., StandInEngine]
+) -> None:
+    """An engine that found every prompt whole in its cache and answered too briefly to fill
+    a block stored nothing and publishes nothing: its stream is not marked stale for it, for
+    as long as the test above takes to mark one (a prompt with one block more to compute,
+    asked of the same stream, arms the watch)."""
+    config = KVEventsConfig(
+        enable_kv_cache_events=True,
+        endpoint="tcp://127.0.0.1:0",
+        replay_endpoint="tcp://127.0.0.1:0",
+    )
+    cached = Behaviour(prompt_tokens=4 * BLOCK, cached_tokens=4 * BLOCK, tokens=1)
+    with create_publisher(config) as publisher:
+        engine = engines(behaviour=cached)
+        spec = EngineSpec(engine.url, "e0", publisher.endpoint, publisher.replay_endpoint)
+        front = door(spec, stale_after=0.3)
+        service = front.service
+        assert service is not None
+
+        def applied() -> bool:
+            publisher.publish(KVEventBatch(ts=time.time(), events=[]))
+            return any(s.batches for s in service.stream_infos())
+
+        wait_for(applied, 10, interval=0.05)
+        wait_for(lambda: not service.degraded(), 10)
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline:
+            assert ask(front, "all of it cached").status_code == 200
+            assert not front.planner.stale and not front.planner._watch
+            time.sleep(0.1)
+        assert front.planner.stats().counts.stale_marks == 0
+        engine.behaviour = Behaviour(prompt_tokens=4 * BLOCK, cached_tokens=3 * BLOCK, tokens=1)
+        ask(front, "one block to compute")
+        assert list(front.planner._watch) == [("e0", 0)]
+
+
 def test_an_engine_that_goes_down_loses_its_predicted_blocks(
     door: Door, engines: Callable[..., StandInEngine]
 ) -> None:

@@ -287,7 +287,7 @@ class IndexPlanner:
         answered = outcome.first_byte_s is not None
         if credit is not None:
             self.predictions.settle(credit, stored=answered)
-        if answered and outcome.kind == "ok":
+        if answered and outcome.kind == "ok" and _stored_blocks(outcome, size):
             self._expect_events(ticket.target)
         planned.record.update(sent_to=engine.id, status=outcome.status, outcome=outcome.kind)
         if outcome.cached_tokens is not None:
@@ -708,6 +708,18 @@ def _unkeyed(ticket: Ticket, outcome: Outcome, size: int) -> int:
         return 1
     computed = outcome.prompt_tokens + max(0, outcome.completion_tokens - 1)
     return max(0, -(-computed // size) - ticket.request_blocks)
+
+
+def _stored_blocks(outcome: Outcome, size: int) -> bool:
+    """Whether the engine stored a block for an answered request, so that its stream must
+    show a batch: its prompt and answer (less the answer's last token, never run) filled a
+    block past the ones it found cached, as its usage says; True where it did not say. A
+    request found whole in the cache with an answer too short to fill a block stores nothing,
+    and waiting for its events would mark a healthy stream stale."""
+    if outcome.prompt_tokens is None or outcome.cached_tokens is None:
+        return True
+    computed = outcome.prompt_tokens + max(0, (outcome.completion_tokens or 0) - 1)
+    return computed // size > outcome.cached_tokens // size
 
 
 def _parent(model: str, engines: Sequence[Engine]) -> str | None:
