@@ -189,8 +189,8 @@ def _add_routing_options(p: argparse.ArgumentParser) -> None:
         "--stale-after",
         type=positive_float,
         default=_d("stale_after"),
-        help="seconds after an answered request by which the engine's events must "
-        "arrive (else its stream gets no cache credit until they do)",
+        help="seconds after an answered request that stored a block by which the engine's "
+        "events must arrive (else its stream gets no cache credit until they do)",
     )
     g.add_argument(
         "--prediction-grace",
