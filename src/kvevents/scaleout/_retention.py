@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from kvevents.scaleout._jetstream import JetStreamOptions
 
 if TYPE_CHECKING:
+    from nats.js.api import ConsumerInfo
     from nats.js.object_store import ObjectStore
 
 __all__ = ["ack_floor", "newest_snapshots", "trim", "trim_point"]
@@ -72,13 +73,12 @@ def trim_point(snapshot_seq: int, ack_floors: list[int]) -> int:
     return min([snapshot_seq, *ack_floors]) + 1
 
 
-def ack_floor(consumer: Any) -> int:
-    """The stream sequence ``consumer`` (nats-py's ConsumerInfo) has acknowledged up to; 0
-    where the server did not say (its ``ack_floor`` is optional): such a consumer keeps the
-    whole stream rather than fail every trim."""
-    floor = getattr(consumer, "ack_floor", None)
-    seq = getattr(floor, "stream_seq", None)
-    return seq if isinstance(seq, int) and seq > 0 else 0
+def ack_floor(consumer: ConsumerInfo) -> int:
+    """The stream sequence ``consumer`` has acknowledged up to; 0 where the server did not
+    say (nats-py's ``ack_floor`` is optional): such a consumer keeps the whole stream rather
+    than fail every trim."""
+    floor = consumer.ack_floor
+    return floor.stream_seq if floor is not None and floor.stream_seq > 0 else 0
 
 
 # nats-py's JetStream context, untyped here.
