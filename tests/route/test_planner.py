@@ -15,7 +15,7 @@ import pytest
 
 from kvevents.config import KVEventsConfig
 from kvevents.events import BlockRemoved, KVEventBatch
-from kvevents.publish import create_publisher
+from kvevents.publish import Publisher, create_publisher
 from kvevents.route._frontdoor import EngineSpec, FrontDoor
 from kvevents.route._plan import PlannerOptions
 from kvevents.route._tokens import ModelTokenizer
@@ -233,30 +233,39 @@ def test_a_lora_adapter_is_keyed_apart_from_its_base_model(
     assert predicted(ask(front, "base", model="tiny-lora")) > 0
 
 
+_EVENTS = KVEventsConfig(
+    enable_kv_cache_events=True,
+    endpoint="tcp://127.0.0.1:0",
+    replay_endpoint="tcp://127.0.0.1:0",
+)
+
+
+def _streamed_door(door: Door, engine: StandInEngine, publisher: Publisher) -> FrontDoor:
+    """A front door (stale_after 0.3 s) over ``engine`` whose event stream is ``publisher``,
+    once a batch of it has been applied and the stream is live."""
+    spec = EngineSpec(engine.url, "e0", publisher.endpoint, publisher.replay_endpoint)
+    front = door(spec, stale_after=0.3)
+    service = front.service
+    assert service is not None
+
+    def applied() -> bool:  # again until one is: a subscriber still joining misses it
+        publisher.publish(KVEventBatch(ts=time.time(), events=[]))
+        return any(s.batches for s in service.stream_infos())
+
+    wait_for(applied, 10, interval=0.05)
+    wait_for(lambda: not service.degraded(), 10)  # a late join replays first
+    return front
+
+
 def test_a_stream_whose_events_stop_loses_its_credit_and_health_says_so(
     door: Door, engines: Callable[..., StandInEngine]
 ) -> None:
     """An answered request not followed by a batch from the engine's stream within
     stale_after: that stream gets no credit, /health says degraded naming it; a batch
     brings it back."""
-    config = KVEventsConfig(
-        enable_kv_cache_events=True,
-        endpoint="tcp://127.0.0.1:0",
-        replay_endpoint="tcp://127.0.0.1:0",
-    )
-    with create_publisher(config) as publisher:
+    with create_publisher(_EVENTS) as publisher:
         engine = engines()
-        spec = EngineSpec(engine.url, "e0", publisher.endpoint, publisher.replay_endpoint)
-        front = door(spec, stale_after=0.3)
-        service = front.service
-        assert service is not None
-
-        def applied() -> bool:  # again until one is: a subscriber still joining misses it
-            publisher.publish(KVEventBatch(ts=time.time(), events=[]))
-            return any(s.batches for s in service.stream_infos())
-
-        wait_for(applied, 10, interval=0.05)
-        wait_for(lambda: not service.degraded(), 10)  # a late join replays first
+        front = _streamed_door(door, engine, publisher)
         ask(front, "is anyone listening")
         deadline = time.monotonic() + 5
         while not front.planner.stale and time.monotonic() < deadline:
@@ -277,25 +286,10 @@ def test_answers_that_store_no_block_leave_the_stream_trusted(
     a block stored nothing and publishes nothing: its stream is not marked stale for it, for
     as long as the test above takes to mark one (a prompt with one block more to compute,
     asked of the same stream, arms the watch)."""
-    config = KVEventsConfig(
-        enable_kv_cache_events=True,
-        endpoint="tcp://127.0.0.1:0",
-        replay_endpoint="tcp://127.0.0.1:0",
-    )
     cached = Behaviour(prompt_tokens=4 * BLOCK, cached_tokens=4 * BLOCK, tokens=1)
-    with create_publisher(config) as publisher:
+    with create_publisher(_EVENTS) as publisher:
         engine = engines(behaviour=cached)
-        spec = EngineSpec(engine.url, "e0", publisher.endpoint, publisher.replay_endpoint)
-        front = door(spec, stale_after=0.3)
-        service = front.service
-        assert service is not None
-
-        def applied() -> bool:
-            publisher.publish(KVEventBatch(ts=time.time(), events=[]))
-            return any(s.batches for s in service.stream_infos())
-
-        wait_for(applied, 10, interval=0.05)
-        wait_for(lambda: not service.degraded(), 10)
+        front = _streamed_door(door, engine, publisher)
         deadline = time.monotonic() + 1.5
         while time.monotonic() < deadline:
             assert ask(front, "all of it cached").status_code == 200

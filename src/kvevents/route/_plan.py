@@ -90,8 +90,8 @@ class PlannerOptions:
     the tokenizer thread. ``tokenize_timeout``: seconds for the one ``/tokenize`` call.
     ``stale_after``: seconds after an answered request that stored a block (as its usage
     says, or one that did not say) by which its engine's events must have reached the index
-    (else its stream is stale and gets no cache credit until they come). ``grace``: seconds a request's predicted blocks outlive it. ``recent_window``:
-    seconds the blocks of a request sent to a target count in its footprint (the load's
+    (else its stream is stale and gets no cache credit until they come). ``grace``: seconds
+    a request's predicted blocks outlive it. ``recent_window``: seconds the blocks of a request sent to a target count in its footprint (the load's
     ``recent_blocks``: :class:`kvevents.index.RecentBlocks`).
     """
 
@@ -562,9 +562,9 @@ class IndexPlanner:
     ) -> Literal["eviction_race", "kept_foreseen"] | None:
         """Count one answer's prediction against its engine's report (``matched``: the cached
         tokens its matched blocks would have given; ``size``: the target's block size;
-        ``removed``: the blocks its engine had announced removed when it was sent). What explains a miss, where something does: an
-        eviction race, or blocks the engine kept that the forecast gave up to the requests
-        ahead (no more than were matched)."""
+        ``removed``: the blocks its engine had announced removed when it was sent). What
+        explains a miss, where something does: an eviction race, or blocks the engine kept
+        that the forecast gave up to the requests ahead (no more than were matched)."""
         reported = outcome.cached_tokens or 0
         counts = self.counts
         counts.compared += 1
@@ -706,19 +706,25 @@ def _unkeyed(ticket: Ticket, outcome: Outcome, size: int) -> int:
         return 0
     if outcome.prompt_tokens is None or outcome.completion_tokens is None:
         return 1
-    computed = outcome.prompt_tokens + max(0, outcome.completion_tokens - 1)
+    computed = _computed(outcome.prompt_tokens, outcome.completion_tokens)
     return max(0, -(-computed // size) - ticket.request_blocks)
+
+
+def _computed(prompt_tokens: int, completion_tokens: int) -> int:
+    """The tokens an engine computed for a request: its prompt and its answer but the
+    answer's last token, which it never ran."""
+    return prompt_tokens + max(0, completion_tokens - 1)
 
 
 def _stored_blocks(outcome: Outcome, size: int) -> bool:
     """Whether the engine stored a block for an answered request, so that its stream must
-    show a batch: its prompt and answer (less the answer's last token, never run) filled a
-    block past the ones it found cached, as its usage says; True where it did not say. A
-    request found whole in the cache with an answer too short to fill a block stores nothing,
-    and waiting for its events would mark a healthy stream stale."""
+    show a batch: what it computed (:func:`_computed`) filled a block past the ones it found
+    cached, as its usage says; True where it did not say. A request found whole in the cache
+    with an answer too short to fill a block stores nothing, and waiting for its events would
+    mark a healthy stream stale."""
     if outcome.prompt_tokens is None or outcome.cached_tokens is None:
         return True
-    computed = outcome.prompt_tokens + max(0, (outcome.completion_tokens or 0) - 1)
+    computed = _computed(outcome.prompt_tokens, outcome.completion_tokens or 0)
     return computed // size > outcome.cached_tokens // size
 
 
