@@ -81,6 +81,7 @@ from route_engines import (
     Cluster,
     Snapshot,
     describe,
+    engine_phases,
     make_cluster,
     snapshot,
 )
@@ -326,14 +327,18 @@ class Rig:
             if process is not None:
                 process.stop()
         after = self.cluster.snapshots(targets)
+        deltas = [a - b for a, b in zip(after, before, strict=True)]
         outcome = Outcome(
             router.name,
             workload,
             records=read_records(out),
-            engines=[a - b for a, b in zip(after, before, strict=True)],
+            engines=deltas,
             seconds=seconds,
             router_metrics=metrics,
-            extra={"load_average": [round(load, 2), round(os.getloadavg()[0], 2)]},
+            extra={
+                "load_average": [round(load, 2), round(os.getloadavg()[0], 2)],
+                "engine_phases": engine_phases(deltas),
+            },
         )
         outcome.extra["repeat"] = repeat
         if run.dataset_type == "multi_turn":
@@ -727,6 +732,8 @@ def resimulate(
         outcome = Outcome(entry["router"], "chat", records=read_records(run_dir / "chat" / name))
         outcome.engines = [Snapshot(requests=n) for n in entry.get("per_engine") or ()]
         outcome.extra["repeat"] = repeat
+        if entry.get("engine_phases"):
+            outcome.extra["engine_phases"] = entry["engine_phases"]
         outcomes.append(outcome)
     engines = int(data["settings"]["engines"])
     model_dir = WORK / "model" / "chat"

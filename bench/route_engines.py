@@ -18,7 +18,7 @@ import os
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -73,39 +73,62 @@ def _renice(leader: int, nice: int) -> None:
 
 @dataclass
 class Snapshot:
-    """An engine's counters from its /metrics (cumulative since it started)."""
+    """An engine's counters from its /metrics (cumulative since it started): prefix-cache
+    queries and hits (tokens), finished requests, prompt tokens, and the time its finished
+    requests spent in each phase inside the engine (vLLM's histograms: waiting to be
+    scheduled, scheduled to first token, first token to last; their sums in seconds, and the
+    requests and generated tokens they cover)."""
 
     queries: float = 0.0
     hits: float = 0.0
     requests: float = 0.0
     prompt_tokens: float = 0.0
+    queue_s: float = 0.0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    phased: float = 0.0  # requests in the phase histograms
+    output_tokens: float = 0.0
 
     def __sub__(self, other: Snapshot) -> Snapshot:
-        return Snapshot(
-            self.queries - other.queries,
-            self.hits - other.hits,
-            self.requests - other.requests,
-            self.prompt_tokens - other.prompt_tokens,
-        )
+        return Snapshot(*(a - b for a, b in zip(astuple(self), astuple(other), strict=True)))
 
     def __add__(self, other: Snapshot) -> Snapshot:
-        return Snapshot(
-            self.queries + other.queries,
-            self.hits + other.hits,
-            self.requests + other.requests,
-            self.prompt_tokens + other.prompt_tokens,
-        )
+        return Snapshot(*(a + b for a, b in zip(astuple(self), astuple(other), strict=True)))
+
+
+#: Snapshot's fields, in order, as vLLM's /metrics names them (summed over their labels).
+SNAPSHOT_METRICS = (
+    "vllm:prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total",
+    "vllm:request_success_total",
+    "vllm:prompt_tokens_total",
+    "vllm:request_queue_time_seconds_sum",
+    "vllm:request_prefill_time_seconds_sum",
+    "vllm:request_decode_time_seconds_sum",
+    "vllm:request_decode_time_seconds_count",
+    "vllm:generation_tokens_total",
+)
+
+
+def engine_phases(deltas: Sequence[Snapshot]) -> list[dict[str, float]]:
+    """Each engine's phase sums over a run (``summary.json``'s ``engine_phases``, what
+    :func:`route_sim.loaded_timing` reads)."""
+    return [
+        {
+            "requests": d.phased,
+            "output_tokens": d.output_tokens,
+            "queue_s": round(d.queue_s, 3),
+            "prefill_s": round(d.prefill_s, 3),
+            "decode_s": round(d.decode_s, 3),
+        }
+        for d in deltas
+    ]
 
 
 def snapshot(engine: VllmServer) -> Snapshot:
-    """Prefix-cache queries and hits (tokens), finished requests and prompt tokens."""
+    """The engine's counters now (:class:`Snapshot`)."""
     values = engine.metrics()
-    return Snapshot(
-        values.get("vllm:prefix_cache_queries_total", 0.0),
-        values.get("vllm:prefix_cache_hits_total", 0.0),
-        values.get("vllm:request_success_total", 0.0),
-        values.get("vllm:prompt_tokens_total", 0.0),
-    )
+    return Snapshot(*(values.get(name, 0.0) for name in SNAPSHOT_METRICS))
 
 
 class EventWatch(threading.Thread):

@@ -37,6 +37,7 @@ from harness import Row
 from kvevents.index import POLICIES
 from kvevents.sim import (
     ClusterConfig,
+    ConversationsRun,
     LoadView,
     PolicyReport,
     Request,
@@ -211,7 +212,8 @@ def simulate(
     blocks: int,
     view: LoadView,
     speeds: Sequence[float] = (),
-) -> PolicyReport:
+    first_token_delay: float = 0.0,
+) -> ConversationsRun:
     return run_conversations(
         prompts.conversations,
         policy,
@@ -219,23 +221,60 @@ def simulate(
         concurrency=shape.concurrency,
         load_view=view,
         speeds=speeds,
-    ).report
+        first_token_delay=first_token_delay,
+    )
 
 
-def engine_speeds(outcome: Outcome, engines: int) -> list[float]:
-    """Each engine's step time relative to the mean, from a real run whose answers said where
-    they went (``x-kvevents-engine``): the median time from first token to last per engine.
-    Engines sharing this machine's two cores with each other and with other work do not run
-    equally fast, and which is slow changes from run to run. Empty when unknown."""
-    decode: dict[str, list[float]] = defaultdict(list)
-    for r in outcome.ok:
-        if r.engine and r.ttft_ms is not None:
-            decode[r.engine].append(max(1e-3, (r.end_s - r.start_s) - r.ttft_ms / 1000))
-    if len(decode) != engines:
-        return []
-    medians = [statistics.median(v) for v in decode.values()]
-    mean = sum(medians) / len(medians)
-    return [m / mean for m in medians]
+@dataclass(frozen=True)
+class LoadedTiming:
+    """How a real run's engines ran under the rig's load, for the simulator: each engine's
+    step time as a multiple of the simulated engines' (``speeds``, in engine order), and the
+    mean seconds between an engine making a request's first token and the client seeing it
+    (``kvevents.sim.run_conversations``' ``first_token_delay``)."""
+
+    speeds: tuple[float, ...]
+    first_token_delay: float
+
+    def label(self) -> str:
+        speeds = "/".join(f"{v:.1f}" for v in self.speeds)
+        delay = self.first_token_delay * 1e3
+        return f"as the engines ran (steps x{speeds}, first tokens {delay:.0f} ms late)"
+
+
+def loaded_timing(outcome: Outcome, simulated: ConversationsRun) -> LoadedTiming | None:
+    """The timing of a real run's engines under load, from their own phase times (vLLM's
+    histograms, per engine: ``outcome.extra["engine_phases"]``) and the client's records,
+    set against the same prompts simulated at the step time measured alone (``simulated``).
+
+    - Speeds: each engine's time per generated token after the first, over the simulated
+      engines' (the simulated decode steps carry other requests' prefill chunks as the real
+      ones do). On the rig's two shared cores the engines ran four to five times slower
+      than an engine measured alone.
+    - The delay: the client's mean time to first token, less the engines' mean time waiting
+      and prefilling. It is the time the serving front ends add (vLLM's API server, and the
+      router), 0.3-0.4 s on the rig, and it is what moves ``prefix_load`` (see
+      :mod:`kvevents.sim`'s ``run_conversations``).
+
+    None where the run has no phase times (a record from before they were kept), an engine
+    finished nothing, or no answer had a first token."""
+    phases = outcome.extra.get("engine_phases")
+    ttfts = [r.ttft_ms / 1000 for r in outcome.ok if r.ttft_ms is not None]
+    sim_tokens = sum(max(0, r.output_tokens - 1) for r in simulated.finished)
+    sim_decode = sum(r.finished_at - r.first_token_at for r in simulated.finished)
+    if not phases or not ttfts or sim_tokens <= 0 or sim_decode <= 0:
+        return None
+    requests = sum(p["requests"] for p in phases)
+    per_token = []
+    for p in phases:
+        tokens = p["output_tokens"] - p["requests"]
+        if p["requests"] <= 0 or tokens <= 0:
+            return None
+        per_token.append(p["decode_s"] / tokens)
+    waited = sum(p["queue_s"] + p["prefill_s"] for p in phases) / requests
+    factor = sim_tokens / sim_decode
+    return LoadedTiming(
+        tuple(t * factor for t in per_token), max(0.0, statistics.mean(ttfts) - waited)
+    )
 
 
 def _pair_policy(router: str) -> tuple[str, int, bool] | None:
@@ -280,29 +319,38 @@ def sim_rows(
         )
         workers = shape.engines if factor == 0 else 1
         blocks = shape.blocks * (shape.engines if pooled else 1)
-        report = simulate(prompts, shape, policy, workers=workers, blocks=blocks, view="inflight")
+        plain = simulate(prompts, shape, policy, workers=workers, blocks=blocks, view="inflight")
         real = outcome.cached_fraction()
+        case = f"{outcome.router} vs simulated {policy}"
         if real is not None:
-            runs[f"{outcome.router} vs simulated {policy}"].append((report.reuse, real))
-        if repeat:
-            continue
-        if outcome.router == "vllm-router round_robin":
-            base = prompts
-        rows += _pair_rows(section, outcome, report, prompts, policy)
-        speeds = engine_speeds(outcome, shape.engines) if workers > 1 else []
-        if speeds:
-            timed = simulate(
+            runs[case].append((plain.report.reuse, real))
+        timing = loaded_timing(outcome, plain)
+        loaded = None
+        if timing is not None and len(timing.speeds) == workers:
+            loaded = simulate(
                 prompts,
                 shape,
                 policy,
                 workers=workers,
                 blocks=blocks,
                 view="inflight",
-                speeds=speeds,
+                speeds=timing.speeds,
+                first_token_delay=timing.first_token_delay,
             )
-            label = "/".join(f"{v:.2f}" for v in speeds)
+            if real is not None:
+                runs[f"{case}, as the engines ran"].append((loaded.report.reuse, real))
+        if repeat:
+            continue
+        if outcome.router == "vllm-router round_robin":
+            base = prompts
+        rows += _pair_rows(section, outcome, plain.report, prompts, policy)
+        if loaded is not None and timing is not None:
             rows += _pair_rows(
-                section, outcome, timed, replace(prompts, mismatched=0), f"{policy}, speeds {label}"
+                section,
+                outcome,
+                loaded.report,
+                replace(prompts, mismatched=0),
+                f"{policy}, {timing.label()}",
             )
     rows += mean_rows(section, runs)
     if base is not None:
@@ -370,7 +418,7 @@ def _policy_rows(section: str, prompts: Prompts, shape: SimShape) -> list[Row]:
         for view in ("engine", "inflight"):
             report = simulate(
                 prompts, shape, policy, workers=shape.engines, blocks=shape.blocks, view=view
-            )
+            ).report
             case = f"simulated {policy}, {'engines true load' if view == 'engine' else 'own in-flight load'}"
             counts = "/".join(str(v) for v in report.per_target.values())
             rows.append(Row(section, case, "cached fraction", 100 * report.reuse, "%"))

@@ -369,3 +369,59 @@ def test_the_simulated_turns_answer_with_the_engines_answers() -> None:
     turns = with_answers([first, second, third])
     assert [t.output_token_ids for t in turns] == [(7, 8), (), ()]
     assert [t.token_ids for t in turns] == [first.token_ids, second.token_ids, third.token_ids]
+
+
+def test_the_engines_phases_are_counted_per_run() -> None:
+    """An engine's snapshot takes vLLM's phase histograms (sums and the requests they cover)
+    and generated tokens; a run's difference of two snapshots is per engine, as summary.json
+    keeps it."""
+    from route_engines import SNAPSHOT_METRICS, engine_phases
+
+    before = Snapshot(*range(len(SNAPSHOT_METRICS)))
+    after = before + Snapshot(10, 8, 2, 100, 0.5, 1.5, 6.0, 2, 64)
+    (phases,) = engine_phases([after - before])
+    assert phases == {
+        "requests": 2,
+        "output_tokens": 64,
+        "queue_s": 0.5,
+        "prefill_s": 1.5,
+        "decode_s": 6.0,
+    }
+    assert SNAPSHOT_METRICS[4:8] == (
+        "vllm:request_queue_time_seconds_sum",
+        "vllm:request_prefill_time_seconds_sum",
+        "vllm:request_decode_time_seconds_sum",
+        "vllm:request_decode_time_seconds_count",
+    )
+
+
+def test_the_simulator_is_timed_as_the_engines_ran() -> None:
+    """From a real run's phases per engine and the client's records, set against the same
+    prompts simulated: each engine's speed is its time per generated token after the first
+    over the simulated engines', and the first-token delay is the client's mean time to
+    first token less the engines' mean time waiting and prefilling. None without phases."""
+    from kvevents.sim import ConversationsRun
+    from kvevents.sim._records import RequestRecord
+    from route_sim import loaded_timing
+
+    # Simulated: two requests, 33 tokens each, 32 after the first in 0.16 s: 5 ms a token.
+    finished = tuple(RequestRecord(f"r{i}", 0, 100, 0, 33, 0.0, 0.04, 0.2) for i in range(2))
+    simulated = ConversationsRun(report=None, finished=finished)  # type: ignore[arg-type]
+    records = [
+        Record("c", 0, 0.0, 1.0, ttft_ms=ms, prompt_tokens=100, cached_tokens=0, error=None)
+        for ms in (500.0, 700.0)
+    ]
+    phases = [
+        # 10 requests, 320 tokens after the first in 6.4 s: 20 ms a token (x4); 0.2 s waiting
+        # and prefilling each.
+        {"requests": 10, "output_tokens": 330, "queue_s": 1.0, "prefill_s": 1.0, "decode_s": 6.4},
+        # 10 requests, 10 ms a token (x2); 0.4 s each.
+        {"requests": 10, "output_tokens": 330, "queue_s": 3.0, "prefill_s": 1.0, "decode_s": 3.2},
+    ]
+    outcome = Outcome("r", "chat", records=records, extra={"engine_phases": phases})
+    timing = loaded_timing(outcome, simulated)
+    assert timing is not None
+    assert [round(s, 6) for s in timing.speeds] == [4.0, 2.0]
+    assert math.isclose(timing.first_token_delay, 0.6 - 0.3)  # 600 ms at the client, 300 inside
+    assert timing.label() == "as the engines ran (steps x4.0/2.0, first tokens 300 ms late)"
+    assert loaded_timing(Outcome("r", "chat", records=records), simulated) is None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 
@@ -142,14 +143,17 @@ def test_a_slower_engine_keeps_requests_in_flight_longer_and_serves_fewer() -> N
 
 
 def test_bad_arguments_are_refused_by_name() -> None:
-    """A non-positive concurrency, an unknown load view or speeds not one per worker is a
-    ValueError naming it."""
+    """A non-positive concurrency, an unknown load view, speeds not one per worker or a first
+    token delay that is negative or not finite is a ValueError naming it."""
     with pytest.raises(ValueError, match="concurrency"):
         run_conversations([], "round_robin", _config(1), concurrency=0)
     with pytest.raises(ValueError, match="load_view"):
         run_conversations([], "round_robin", _config(1), concurrency=1, load_view="psychic")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="speeds"):
         run_conversations([], "round_robin", _config(2), concurrency=1, speeds=(1.0,))
+    for delay in (-0.1, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="first_token_delay"):
+            run_conversations([], "round_robin", _config(1), concurrency=1, first_token_delay=delay)
 
 
 def test_own_view_moves_a_request_from_prefill_to_held_at_its_first_token() -> None:
@@ -186,3 +190,83 @@ def test_the_engine_says_whose_first_token_came_out() -> None:
         engine.step()
         seen.append(list(engine.first_tokens))
     assert seen == [[], [], ["long"], ["long"], ["long"]]
+
+
+def test_without_a_delay_the_router_sees_each_answer_as_the_engine_makes_it() -> None:
+    """first_token_delay 0 (the default): every request is seen answering and ending at the
+    engine's own first token and end."""
+    run = run_conversations(_conversations(6, 3), "prefix_load", _config(2), concurrency=3)
+    assert {r.request_id: (r.first_token_at, r.finished_at) for r in run.finished} == run.seen
+
+
+def test_first_tokens_are_seen_late_and_the_next_turn_waits_for_the_answer_seen() -> None:
+    """With a delay, each first token is seen after the engine made it, by the given mean
+    over many requests (seeded: the same every run); an answer is seen to end no earlier than
+    its first token; a conversation's next turn goes out only once its answer was seen."""
+    conversations = _conversations(30, 4)
+    run = run_conversations(
+        conversations, "prefix_load", _config(2), concurrency=4, first_token_delay=0.2, seed=3
+    )
+    records = {r.request_id: r for r in run.finished}
+    assert run.seen.keys() == records.keys()
+    late = []
+    for request_id, (first, end) in run.seen.items():
+        record = records[request_id]
+        assert first >= record.first_token_at
+        assert end == max(record.finished_at, first)
+        late.append(first - record.first_token_at)
+    assert 0.15 < sum(late) / len(late) < 0.25
+    again = run_conversations(
+        conversations, "prefix_load", _config(2), concurrency=4, first_token_delay=0.2, seed=3
+    )
+    assert again.seen == run.seen
+    for c in range(30):
+        for t in range(1, 4):
+            assert records[f"c{c}/t{t}"].submitted_at >= run.seen[f"c{c}/t{t - 1}"][1]
+
+
+def test_an_answer_that_ended_before_its_first_token_was_seen_is_never_seen_answering() -> None:
+    """The in-flight view moves a request from prefilling to answering when its first token
+    is seen, not when the engine made it; one whose answer ended before that is seen whole:
+    it leaves the view without ever counting as answering."""
+    from kvevents.sim._closedloop import _Delivery, _InFlight
+    from kvevents.sim._records import RequestRecord
+
+    answered: list[float] = []
+    client = SimpleNamespace(answered=lambda at, conversation, turn: answered.append(at))
+    flight = _InFlight(("w0", 0), new_blocks=2, held_blocks=5)
+    run = SimpleNamespace(in_flight={"r": flight})
+    delivery = _Delivery(run, client, {"r": (0, 0)}, delay=10.0, seed=0)  # type: ignore[arg-type]
+    delivery.first_token("r", 1.0)
+    delivery.finished(RequestRecord("r", 0, 160, 0, 4, 0.5, 1.0, 1.2))
+    first, end = delivery.seen["r"]
+    assert first > 1.2 and end == first  # seen whole, after the engine ended it
+    assert delivery.next_time() == first
+    delivery.due()  # the first token seen: answering, as the front door would see it
+    assert flight.answering and not answered
+    delivery.due()  # then its end, at the same instant
+    assert "r" not in run.in_flight and answered == [first]
+    assert delivery.next_time() == float("inf")
+
+
+def test_prefix_load_keeps_more_requests_on_their_prefix_when_first_tokens_are_seen_late() -> None:
+    """prefix_load's decode term is the prompt blocks of the requests seen answering: seen
+    late (as on loaded engines, whose servers hand tokens out late), fewer count, and more
+    requests stay on the engine holding their prefix: more served from cache, less evenly
+    spread. bounded_prefix, which weighs requests in flight and not answers, hardly moves."""
+    conversations = _conversations(36, 4, apps=4, seed=1)
+
+    def run(policy: str, delay: float) -> tuple[float, int]:
+        report = run_conversations(
+            conversations,
+            policy,
+            _config(3, blocks=60),
+            concurrency=6,
+            load_view="inflight",
+            first_token_delay=delay,
+        ).report
+        return report.reuse, max(report.per_target.values())
+
+    (prompt, busiest), (late, busiest_late) = run("prefix_load", 0.0), run("prefix_load", 0.5)
+    assert late > prompt + 0.02 and busiest_late > busiest
+    assert abs(run("bounded_prefix", 0.5)[0] - run("bounded_prefix", 0.0)[0]) < 0.01

@@ -21,20 +21,33 @@ until their first token comes out, then their prompt blocks (as held) until they
 front door moves them when an answer's first byte comes back. With it, as the front door does, the
 prompt blocks of a request in flight are credited to its target at once (predicted blocks):
 the requests right behind it find them there before the engine has stored anything.
+
+``first_token_delay`` says when the router and the client see an answer. At 0 they see each
+token as the engine's step that made it ends. An engine's server on a loaded machine hands
+tokens out late and in bursts. On the route rig's vLLM engines, the first token reached the
+client 0.3-0.4 s after the engine made it, on average, and a third of the answers arrived in
+one piece. With a delay, each request's first token is seen a random time after its engine made it
+(exponentially distributed with that mean, seeded), and the answer's end no earlier: an answer
+that ended meanwhile is seen whole at once. Until then the in-flight view counts the request
+as prefilling and the client waits. ``prefix_load`` is the policy this moves. Its decode term is
+the prompt blocks of the requests seen answering, and a router that sees fewer of them keeps
+more requests on the engine holding their prefix (docs/simulate.md).
 """
 
 from __future__ import annotations
 
 import heapq
 import math
+import random
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from kvevents.events import StreamKey
 from kvevents.index import DEFAULT_RECENT_WINDOW, MatchResult, RecentBlocks
 from kvevents.sim._cluster import Cluster
+from kvevents.sim._engine import SimulatedEngine
 from kvevents.sim._records import Request, RequestRecord
 from kvevents.sim._simulate import PolicyReport, PolicyRun, SimulationConfig
 
@@ -45,10 +58,13 @@ LoadView = Literal["engine", "inflight"]
 
 @dataclass(frozen=True)
 class ConversationsRun:
-    """The policy's report, and every finished request (virtual times) in order of ending."""
+    """The policy's report, every finished request (the engines' virtual times) in order of
+    ending, and per request the virtual times the router and the client saw its first token
+    and its end (the engine's own times where ``first_token_delay`` is 0)."""
 
     report: PolicyReport
     finished: tuple[RequestRecord, ...]
+    seen: Mapping[str, tuple[float, float]] = field(default_factory=dict)
 
 
 @dataclass
@@ -218,22 +234,28 @@ def run_conversations(
     load_view: LoadView = "engine",
     speeds: Sequence[float] = (),
     recent_window: float = DEFAULT_RECENT_WINDOW,
+    first_token_delay: float = 0.0,
+    seed: int = 0,
 ) -> ConversationsRun:
     """Every turn of ``conversations`` through a fresh cluster, closed-loop at ``concurrency``.
 
     Request ids must be unique; a conversation's turns are sent in order, each once the
-    previous one has finished. Engines advance in virtual time, the least advanced busy one
-    first, so every answer is seen at the moment it ends. ``speeds``: each engine's step
-    time as a multiple of the configured one, in worker order (engines sharing a machine do
-    not run equally fast; a slower one keeps its requests in flight longer, which a policy
+    previous one has been seen to end. Engines advance in virtual time, the least advanced
+    busy one first, so every answer is seen at the moment it is due. ``speeds``: each engine's
+    step time as a multiple of the configured one, in worker order (engines sharing a machine
+    do not run equally fast; a slower one keeps its requests in flight longer, which a policy
     bounding requests in flight answers by sending elsewhere); none: all equal.
     ``recent_window``: the seconds a block sent to a target counts in its footprint (the
     in-flight view's ``recent_blocks``, as the front door's ``--recent-window``).
+    ``first_token_delay``: the mean seconds between an engine making a request's first token
+    and the router and the client seeing it (module docstring); ``seed`` draws the delays.
     """
     if concurrency <= 0:
         raise ValueError(f"concurrency must be positive, got {concurrency}")
     if load_view not in ("engine", "inflight"):
         raise ValueError(f"load_view must be 'engine' or 'inflight', got {load_view!r}")
+    if not (first_token_delay >= 0 and math.isfinite(first_token_delay)):
+        raise ValueError(f"first_token_delay must be a finite number >= 0, got {first_token_delay}")
     config = config or SimulationConfig()
     if speeds and (len(speeds) != config.cluster.workers or min(speeds) <= 0):
         raise ValueError(f"speeds must be one positive factor per worker, got {list(speeds)}")
@@ -252,15 +274,19 @@ def run_conversations(
             )
         run = _ClosedLoopRun(cluster, policy, config, load_view, recent_window)
         client = _Client(conversations, concurrency)
-        seen = dict.fromkeys(cluster.engines, 0)
-        first = dict.fromkeys(cluster.engines, 0)
+        delivery = _Delivery(run, client, where, first_token_delay, seed)
+        counted = (dict.fromkeys(cluster.engines, 0), dict.fromkeys(cluster.engines, 0))
         while True:
             busy = [(e.now, w) for w, e in cluster.engines.items() if e.has_work()]
-            if busy and min(busy)[0] < client.next_time():
+            step_at = min(busy)[0] if busy else math.inf
+            due_at, client_at = delivery.next_time(), client.next_time()
+            if step_at < min(client_at, due_at):
                 worker = min(busy)[1]
                 run._step(worker, cluster.engines[worker])
-                _collect(run, cluster, worker, (seen, first), where, client)
-            elif client.next_time() < math.inf:
+                _collect(cluster.engines[worker], worker, counted, delivery)
+            elif due_at <= client_at and due_at < math.inf:
+                delivery.due()
+            elif client_at < math.inf:
                 at, c, t = client.pop()
                 request = conversations[c][t]
                 target = run.submit(request, at)
@@ -272,30 +298,94 @@ def run_conversations(
                 break
         report = run.finish(time.monotonic() - began)
         finished = [r for engine in cluster.engines.values() for r in engine.finished_requests]
-        return ConversationsRun(report, tuple(sorted(finished, key=lambda r: r.finished_at)))
+        return ConversationsRun(
+            report, tuple(sorted(finished, key=lambda r: r.finished_at)), dict(delivery.seen)
+        )
+
+
+class _Delivery:
+    """When the router and the client see each answer's first token and its end: as the
+    engine's step ends, or ``delay`` seconds later on average (module docstring)."""
+
+    def __init__(
+        self,
+        run: _ClosedLoopRun,
+        client: _Client,
+        where: Mapping[str, tuple[int, int]],
+        delay: float,
+        seed: int,
+    ) -> None:
+        self.run, self.client, self.where, self.delay = run, client, where, delay
+        self.seen: dict[str, tuple[float, float]] = {}  # request -> (first token, end) seen
+        self._rng = random.Random(seed)
+        self._first: dict[str, float] = {}  # request -> its first token seen (or due) at
+        self._due: list[tuple[float, int, bool, str]] = []  # (at, order, is the end, request)
+        self._order = 0
+
+    def next_time(self) -> float:
+        return self._due[0][0] if self._due else math.inf
+
+    def first_token(self, request_id: str, at: float) -> None:
+        """The engine made ``request_id``'s first token at ``at`` (a preempted request's
+        second first token counts not: the router saw the first)."""
+        if request_id in self._first:
+            return
+        if self.delay <= 0:
+            self._first[request_id] = at
+            self._answering(request_id)
+            return
+        seen = at + self._rng.expovariate(1 / self.delay)
+        self._first[request_id] = seen
+        self._push(seen, False, request_id)
+
+    def finished(self, record: RequestRecord) -> None:
+        """The engine ended ``record``'s request: seen to end then, or with its first token
+        where that is seen later (the whole answer at once)."""
+        first = self._first.pop(record.request_id, record.first_token_at)
+        end = max(record.finished_at, first)
+        self.seen[record.request_id] = (first, end)
+        if self.delay <= 0:
+            self._ended(record.request_id, end)
+        else:
+            self._push(end, True, record.request_id)
+
+    def due(self) -> None:
+        """See the earliest delivery due."""
+        at, _, end, request_id = heapq.heappop(self._due)
+        if end:
+            self._ended(request_id, at)
+        else:
+            self._answering(request_id)
+
+    def _push(self, at: float, end: bool, request_id: str) -> None:
+        heapq.heappush(self._due, (at, self._order, end, request_id))
+        self._order += 1
+
+    def _answering(self, request_id: str) -> None:
+        flight = self.run.in_flight.get(request_id)
+        if flight is not None:
+            flight.answering = True
+
+    def _ended(self, request_id: str, at: float) -> None:
+        self.run.in_flight.pop(request_id, None)
+        conversation, turn = self.where[request_id]
+        self.client.answered(at, conversation, turn)
 
 
 def _collect(
-    run: _ClosedLoopRun,
-    cluster: Cluster,
+    engine: SimulatedEngine,
     worker: str,
     counted: tuple[dict[str, int], dict[str, int]],
-    where: dict[str, tuple[int, int]],
-    client: _Client,
+    delivery: _Delivery,
 ) -> None:
-    """After a step of ``worker``: its requests answering (their first token out), its
-    finished requests, and the turns they make due. ``counted``: per worker, the finished
+    """After a step of ``worker``'s ``engine``: its requests whose first token came out and
+    its finished requests, handed to ``delivery``. ``counted``: per worker, the finished
     requests and the first tokens already taken."""
-    engine = cluster.engines[worker]
     seen, first = counted
     for request_id in engine.first_tokens[first[worker] :]:
-        flight = run.in_flight.get(request_id)
-        if flight is not None:
-            flight.answering = True
+        delivery.first_token(request_id, engine.now)
     first[worker] = len(engine.first_tokens)
     finished = engine.finished_requests[seen[worker] :]
     seen[worker] = len(engine.finished_requests)
     for record in finished:
-        run.in_flight.pop(record.request_id, None)
-        conversation, turn = where[record.request_id]
-        client.answered(record.finished_at, conversation, turn)
+        delivery.finished(record)
