@@ -400,13 +400,13 @@ def test_the_simulator_is_timed_as_the_engines_ran() -> None:
     prompts simulated: each engine's speed is its time per generated token after the first
     over the simulated engines', and the first-token delay is the client's mean time to
     first token less the engines' mean time waiting and prefilling. None without phases."""
-    from kvevents.sim import ConversationsRun
-    from kvevents.sim._records import RequestRecord
+    from types import SimpleNamespace
+
     from route_sim import loaded_timing
 
     # Simulated: two requests, 33 tokens each, 32 after the first in 0.16 s: 5 ms a token.
-    finished = tuple(RequestRecord(f"r{i}", 0, 100, 0, 33, 0.0, 0.04, 0.2) for i in range(2))
-    simulated = ConversationsRun(report=None, finished=finished)  # type: ignore[arg-type]
+    answer = SimpleNamespace(output_tokens=33, first_token_at=0.04, finished_at=0.2)
+    simulated = SimpleNamespace(finished=(answer, answer))
     records = [
         Record("c", 0, 0.0, 1.0, ttft_ms=ms, prompt_tokens=100, cached_tokens=0, error=None)
         for ms in (500.0, 700.0)
@@ -419,9 +419,9 @@ def test_the_simulator_is_timed_as_the_engines_ran() -> None:
         {"requests": 10, "output_tokens": 330, "queue_s": 3.0, "prefill_s": 1.0, "decode_s": 3.2},
     ]
     outcome = Outcome("r", "chat", records=records, extra={"engine_phases": phases})
-    timing = loaded_timing(outcome, simulated)
+    timing = loaded_timing(outcome, simulated)  # type: ignore[arg-type]
     assert timing is not None
     assert [round(s, 6) for s in timing.speeds] == [4.0, 2.0]
     assert math.isclose(timing.first_token_delay, 0.6 - 0.3)  # 600 ms at the client, 300 inside
     assert timing.label() == "as the engines ran (steps x4.0/2.0, first tokens 300 ms late)"
-    assert loaded_timing(Outcome("r", "chat", records=records), simulated) is None
+    assert loaded_timing(Outcome("r", "chat", records=records), simulated) is None  # type: ignore[arg-type]
