@@ -25,11 +25,12 @@ the requests right behind it find them there before the engine has stored anythi
 ``first_token_delay`` says when the router and the client see an answer. At 0 they see each
 token as the engine's step that made it ends. An engine's server on a loaded machine hands
 tokens out late and in bursts. On the route rig's vLLM engines, the first token reached the
-client 0.3-0.4 s after the engine made it, on average, and a third of the answers arrived in
-one piece. With a delay, each request's first token is seen a random time after its engine made it
+client 0.2-0.9 s after the engine made it, on average, and a third of the answers arrived
+in one piece. With a delay, each request's first token is seen a random time after its engine made it
 (exponentially distributed with that mean, seeded), and the answer's end no earlier: an answer
 that ended meanwhile is seen whole at once. Until then the in-flight view counts the request
-as prefilling and the client waits. ``prefix_load`` is the policy this moves. Its decode term is
+as prefilling and the client waits. ``prefix_load`` is the policy this moves most
+(``longest_prefix`` only through its ties, which go to the lower load). Its decode term is
 the prompt blocks of the requests seen answering, and a router that sees fewer of them keeps
 more requests on the engine holding their prefix (docs/simulate.md).
 """
