@@ -248,11 +248,11 @@ def loaded_timing(outcome: Outcome, simulated: ConversationsRun) -> LoadedTiming
 
     - Speeds: each engine's time per generated token after the first, over the simulated
       engines' (the simulated decode steps carry other requests' prefill chunks as the real
-      ones do). On the rig's two shared cores the engines ran four to five times slower
+      ones do). On the rig's two shared cores the engines ran two to nine times slower
       than an engine measured alone.
     - The delay: the client's mean time to first token, less the engines' mean time waiting
       and prefilling. It is the time the serving front ends add (vLLM's API server, and the
-      router), 0.3-0.4 s on the rig, and it is what moves ``prefix_load`` (see
+      router), 0.2-0.9 s on the rig, and it is what moves ``prefix_load`` (see
       :mod:`kvevents.sim`'s ``run_conversations``).
 
     None where the run has no phase times (a record from before they were kept), an engine

@@ -91,8 +91,9 @@ class PlannerOptions:
     ``stale_after``: seconds after an answered request that stored a block (as its usage
     says, or one that did not say) by which its engine's events must have reached the index
     (else its stream is stale and gets no cache credit until they come). ``grace``: seconds
-    a request's predicted blocks outlive it. ``recent_window``: seconds the blocks of a request sent to a target count in its footprint (the load's
-    ``recent_blocks``: :class:`kvevents.index.RecentBlocks`).
+    a request's predicted blocks outlive it. ``recent_window``: seconds the blocks of a
+    request sent to a target count in its footprint (the load's ``recent_blocks``:
+    :class:`kvevents.index.RecentBlocks`).
     """
 
     policy: str = DEFAULT_ROUTE_POLICY

@@ -331,13 +331,9 @@ class _Delivery:
         second first token counts not: the router saw the first)."""
         if request_id in self._first:
             return
-        if self.delay <= 0:
-            self._first[request_id] = at
-            self._answering(request_id)
-            return
-        seen = at + self._rng.expovariate(1 / self.delay)
+        seen = at + (self._rng.expovariate(1 / self.delay) if self.delay > 0 else 0.0)
         self._first[request_id] = seen
-        self._push(seen, False, request_id)
+        self._deliver(seen, False, request_id)
 
     def finished(self, record: RequestRecord) -> None:
         """The engine ended ``record``'s request: seen to end then, or with its first token
@@ -345,22 +341,27 @@ class _Delivery:
         first = self._first.pop(record.request_id, record.first_token_at)
         end = max(record.finished_at, first)
         self.seen[record.request_id] = (first, end)
-        if self.delay <= 0:
-            self._ended(record.request_id, end)
-        else:
-            self._push(end, True, record.request_id)
+        self._deliver(end, True, record.request_id)
 
     def due(self) -> None:
         """See the earliest delivery due."""
         at, _, end, request_id = heapq.heappop(self._due)
+        self._see(at, end, request_id)
+
+    def _deliver(self, at: float, end: bool, request_id: str) -> None:
+        """Seen at once without a delay (as the step ends, before any other engine's next
+        step), else when its time is due."""
+        if self.delay <= 0:
+            self._see(at, end, request_id)
+            return
+        heapq.heappush(self._due, (at, self._order, end, request_id))
+        self._order += 1
+
+    def _see(self, at: float, end: bool, request_id: str) -> None:
         if end:
             self._ended(request_id, at)
         else:
             self._answering(request_id)
-
-    def _push(self, at: float, end: bool, request_id: str) -> None:
-        heapq.heappush(self._due, (at, self._order, end, request_id))
-        self._order += 1
 
     def _answering(self, request_id: str) -> None:
         flight = self.run.in_flight.get(request_id)
